@@ -119,8 +119,13 @@ class DataConfig(_Section):
             "is reachable."
         ),
     )
-    data_dir: str = Field(
-        "../shared/data", description="Folder with the offline copies of DAPO-Math-17k and the benchmarks."
+    data_dir: str | None = Field(
+        None,
+        description=(
+            "Folder with DAPO-Math-17k and the benchmark files. Unset: `$STAPO_DATA_DIR` when set, else the "
+            "copies shipped inside stapo (`stapo/evals/data`). A relative path is relative to the working "
+            "directory."
+        ),
     )
     template: Literal["dapo", "boxed", "short", "none"] = Field(
         "short",

@@ -4,8 +4,9 @@ A *source* (``data.source``) is one of:
 
 - ``arithmetic``: the built-in seeded generator (``data.arithmetic``): ``What is 3 + 4?`` or short
   word problems, integer answers; the CPU demo and the tests train on it;
-- a name of an offline copy in ``data.data_dir`` (:data:`OFFLINE_SOURCES`: ``dapo_math_17k``,
-  ``gsm8k``, ``math500``, ``aime24``, ``aime25``, ``amc23``, ``minerva_math``, ``olympiadbench``);
+- a name of a copy shipped with stapo (:data:`OFFLINE_SOURCES`: ``dapo_math_17k``, ``gsm8k``,
+  ``math500``, ``aime24``, ``aime25``, ``amc23``, ``minerva_math``, ``olympiadbench``), read from
+  ``stapo/evals/data`` unless ``data.data_dir`` or ``$STAPO_DATA_DIR`` names another folder;
 - a local ``.jsonl`` / ``.json`` / ``.parquet`` file, read with ``data.problem_field`` and
   ``data.answer_field`` (parquet needs ``pyarrow``);
 - a prepared data dir (written by :func:`prepare_data` / ``stapo prepare``), read back as is;
@@ -66,6 +67,8 @@ __all__ = [
     "register_template",
     "render_prompt",
     "resolve_data_dir",
+    "resolve_data_path",
+    "shipped_data_dir",
 ]
 
 MANIFEST = "manifest.json"
@@ -347,7 +350,8 @@ def _bare_problem(index: int, nums: list[int], ops: list[str]) -> _Raw:
 
 # ----------------------------------------------------------------------------- sources
 
-# name -> file in data.data_dir (see its README for counts and answer formats)
+# name -> file in the data dir (the shipped copies: stapo/evals/data, see its README for sources,
+# licenses, counts and answer formats)
 OFFLINE_SOURCES: dict[str, str] = {
     "dapo_math_17k": "dapo_math_17k.jsonl",
     "gsm8k": "gsm8k_test.jsonl",
@@ -358,19 +362,33 @@ OFFLINE_SOURCES: dict[str, str] = {
     "minerva_math": "minerva_math.jsonl",
     "olympiadbench": "olympiadbench.jsonl",
 }
-_REPO_ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR_ENV = "STAPO_DATA_DIR"
 
 
-def resolve_data_path(path: str | Path) -> Path:
-    """A data folder as a path: absolute as given; relative to the working directory, else to the
-    repository root (so ``../shared/data`` works from any working directory of a source checkout)."""
-    p = Path(path).expanduser()
-    if p.is_absolute():
-        return p
-    for base in (Path.cwd(), _REPO_ROOT):
-        if (base / p).is_dir():
-            return (base / p).resolve()
-    return p
+def shipped_data_dir() -> Path:
+    """The folder of the data shipped inside stapo (package data of ``stapo.evals.data``).
+
+    The benchmarks and DAPO-Math-17k ship with the project (as the field's eval harnesses ship their
+    benchmark files), so a clone or a wheel needs nothing beside it; the folder is found from the
+    installed ``stapo.evals`` package, so it works from any working directory, editable or not.
+    """
+    import stapo.evals
+
+    return Path(stapo.evals.__file__).resolve().parent / "data"
+
+
+def resolve_data_path(path: str | os.PathLike[str] | None) -> Path:
+    """The data folder to read: ``path`` when given (``~`` expanded; relative to the working
+    directory), else ``$STAPO_DATA_DIR`` when set, else :func:`shipped_data_dir`.
+
+    Why this order: an explicit setting (``--data-dir``, ``data.data_dir``) is the most specific;
+    the environment variable is a machine-wide default (an offline copy, a mounted volume); the
+    shipped copies need no configuration at all.
+    """
+    chosen = path if path not in (None, "") else os.environ.get(DATA_DIR_ENV) or None
+    if chosen is None:
+        return shipped_data_dir()
+    return Path(chosen).expanduser()
 
 
 def resolve_data_dir(data_cfg: DataConfig) -> Path:
@@ -500,8 +518,9 @@ def _load_raw(data_cfg: DataConfig) -> tuple[list[_Raw], str]:
         path = data_dir / OFFLINE_SOURCES[source]
         if not path.is_file():
             raise DataError(
-                f"data.source={source!r}: {path} not found; set data.data_dir to the folder with the offline "
-                f"copies (now {data_cfg.data_dir!r})"
+                f"data.source={source!r}: {path} not found; data.data_dir (now {data_cfg.data_dir!r}) or "
+                f"${DATA_DIR_ENV} must name a folder with {OFFLINE_SOURCES[source]}, or leave both unset "
+                "to read the copies shipped with stapo"
             )
         rows = _read_jsonl(path)
         return _rows_to_raw(

@@ -1,7 +1,9 @@
 """Benchmark registry and loaders for `stapo eval`: AIME24/25, AMC23, MATH500, Minerva, OlympiadBench, GSM8K.
 
-Each benchmark is a JSONL file in a data dir (``../shared/data`` on the project machines, or one
-written by ``stapo prepare`` when a hub is reachable) with rows ``{"id", "problem", "answer", ...}``.
+Each benchmark is a JSONL file with rows ``{"id", "problem", "answer", ...}``. The files ship inside
+stapo (``stapo/evals/data``, with their sources, licenses and checksums in its README), so
+``stapo eval`` needs no data configuration; ``--data-dir``, ``data.data_dir`` or ``$STAPO_DATA_DIR``
+name another folder with the same file names (see :func:`resolve_data_dir`).
 A :class:`BenchmarkSpec` says which file names to look for, the default number of samples per
 problem (the paper's protocol: avg@32 for AIME24/25 and AMC23, avg@4 for the others), and how to
 clean the gold answer of the source's format quirks before grading:
@@ -19,7 +21,8 @@ stem, and its default k is 4.
 
 Usage::
 
-    problems = load_benchmark("aime24", data_dir="../shared/data", limit=4)
+    problems = load_benchmark("aime24", limit=4)            # the shipped copy
+    problems = load_benchmark("aime24", data_dir="my/data")  # another folder with aime24.jsonl
     get_benchmark("gsm8k").default_k   # 4
 """
 
@@ -141,17 +144,15 @@ for _spec in (
 # ----------------------------------------------------------------------------- loading
 
 
-
-
 def resolve_data_dir(configured: str | os.PathLike[str] | None = None) -> Path:
-    """The benchmark folder: ``$STAPO_DATA_DIR`` when set, else the configured ``data.data_dir``.
+    """The benchmark folder: ``configured`` (``--data-dir`` / ``data.data_dir``) when given, else
+    ``$STAPO_DATA_DIR`` when set, else the copies shipped with stapo (``stapo/evals/data``).
 
-    A relative path is tried against the working directory, then the repository root (so the
-    default ``../shared/data`` works from any working directory of a source checkout).
+    One rule for training data and benchmarks: :func:`stapo.core.data.resolve_data_path`.
     """
     from stapo.core.data import resolve_data_path
 
-    return resolve_data_path(os.environ.get("STAPO_DATA_DIR") or configured or "../shared/data")
+    return resolve_data_path(configured)
 
 
 def parse_benchmark_arg(arg: str) -> tuple[str, Path | None, dict[str, str]]:
@@ -205,8 +206,9 @@ def load_benchmark(arg: str, *, data_dir: str | os.PathLike[str] | None = None, 
         found = next((p for p in candidates if p.is_file()), None)
         if found is None:
             raise FileNotFoundError(
-                f"benchmark {name!r}: none of {', '.join(str(c) for c in candidates)} exists; set data.data_dir "
-                "or STAPO_DATA_DIR to the folder with the benchmark files, or run `stapo prepare` online"
+                f"benchmark {name!r}: none of {', '.join(str(c) for c in candidates)} exists; --data-dir, "
+                "data.data_dir and STAPO_DATA_DIR must name a folder with the benchmark files, or leave them "
+                "unset to read the copies shipped with stapo"
             )
         path, clean = found, spec.clean_answer
     f_problem = mapping.get("problem", "problem")

@@ -27,8 +27,6 @@ from stapo.evals.runner import (
 )
 from stapo.verifier_service.grader import answers_equivalent, grade
 
-DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
-
 # Four problems with known answers; the stand-in engine answers each with a scripted list.
 PROBLEMS = [
     {"id": "p0", "problem": "What is 1/2 as a decimal?", "answer": "0.5"},
@@ -188,16 +186,17 @@ def test_checkpoint_weights_are_the_ones_evaluated(tmp_path: Path) -> None:
         assert torch.equal(a, b), name
 
 
-@pytest.mark.skipif(not DATA.is_dir(), reason="shared benchmark data not present")
-def test_tiny_random_eval_through_cli(tmp_path: Path) -> None:
-    """The real path: tiny random model, hf engine, grader pool, 4 GSM8K problems x k=2 (accuracy ~0)."""
+def test_tiny_random_eval_through_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real path: tiny random model, hf engine, grader pool, 4 GSM8K problems x k=2 (accuracy ~0),
+    with no data flag: the benchmark is the copy shipped with stapo."""
+    monkeypatch.delenv("STAPO_DATA_DIR", raising=False)
     from typer.testing import CliRunner
 
     from stapo.cli.main import app
 
     out = tmp_path / "ev"
     args = ["eval", "--model", "tiny-random", "--benchmarks", "gsm8k", "--k", "2", "--limit", "4",
-            "--max-new-tokens", "8", "--data-dir", str(DATA), "--out", str(out), "--no-progress",
+            "--max-new-tokens", "8", "--out", str(out), "--no-progress",
             "--set", "trainer.device=cpu", "--set", "reward.workers=1"]
     res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output

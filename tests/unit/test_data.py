@@ -1,7 +1,7 @@
 """Tests of stapo.core.data and `stapo prepare`: generator, templates, sources, filters, split, manifest.
 
 Everything runs on small inputs: the arithmetic generator, JSONL files written by the tests, and a
-`data.limit`-ed slice of the offline GSM8K copy in ../shared/data (skipped when that folder is absent).
+`data.limit`-ed slice of the GSM8K copy shipped with stapo (stapo/evals/data).
 """
 
 from __future__ import annotations
@@ -26,13 +26,11 @@ from stapo.core.data import (
     normalize_answer,
     prepare_data,
     register_template,
+    shipped_data_dir,
 )
 from stapo.core.models import build_tiny_tokenizer
 
-SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-needs_shared = pytest.mark.skipif(
-    not (SHARED_DATA / "gsm8k_test.jsonl").is_file(), reason="no ../shared/data"
-)
+SHIPPED = shipped_data_dir()
 
 
 @pytest.fixture(scope="module")
@@ -308,28 +306,49 @@ def test_hf_source_parses_id_config_split_and_maps_fields(monkeypatch):
         load_prompts(cfg.model_copy(update={"source": "hf:down/set"}))
 
 
-@needs_shared
-def test_gsm8k_slice_from_shared_data(tok):
-    cfg = DataConfig(source="gsm8k", data_dir=str(SHARED_DATA), template="boxed", val_size=5, limit=20)
+def test_gsm8k_slice_from_shipped_data(tok, monkeypatch):
+    monkeypatch.delenv("STAPO_DATA_DIR", raising=False)
+    cfg = DataConfig(source="gsm8k", template="boxed", val_size=5, limit=20)  # no data_dir: shipped copy
     train, val = load_prompts(cfg, tok)
     assert (len(train), len(val)) == (20, 5)
     assert all(r.source == "gsm8k" and r.id.startswith("gsm8k-") for r in train + val)
     assert all(r.prompt.endswith("within \\boxed{}.") for r in train)
     assert all(re.fullmatch(r"-?\d+(\.\d+)?", r.answer) for r in train + val)  # commas stripped
     # the first GSM8K test problem, wherever it landed, keeps its text and answer
-    first = json.loads((SHARED_DATA / "gsm8k_test.jsonl").open().readline())
+    first = json.loads((SHIPPED / "gsm8k_test.jsonl").open().readline())
     full_train, full_val = load_prompts(cfg.model_copy(update={"limit": None}))
     rec = next(r for r in full_train + full_val if r.id == "gsm8k-0")
     assert rec.prompt.startswith(first["problem"]) and rec.answer == first["answer"] == "18"
     assert len(full_train) + len(full_val) == 1319
 
 
-@needs_shared
-def test_relative_data_dir_resolves_from_repo_root(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)  # ../shared/data does not exist from here: the repo root is used
+def test_default_data_dir_is_the_shipped_copy_from_any_directory(monkeypatch, tmp_path):
+    monkeypatch.delenv("STAPO_DATA_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)  # nothing here: the copy inside the installed package is read
     train, val = load_prompts(DataConfig(source="aime24", val_size=5))
     assert len(train) + len(val) == 30
     assert {r.answer for r in train + val} >= {"25"}  # "025" zero padding undone
+
+
+def test_data_dir_order_setting_then_env_then_shipped(monkeypatch, tmp_path):
+    """data.data_dir beats $STAPO_DATA_DIR, which beats the shipped copy; a named folder is used alone."""
+    env_dir, cfg_dir = tmp_path / "env", tmp_path / "cfg"
+    for d, answer in ((env_dir, "111"), (cfg_dir, "222")):
+        d.mkdir()
+        _write_jsonl(d / "aime24.jsonl", [{"id": i, "problem": f"p{i} {d.name}", "answer": answer} for i in range(4)])
+    monkeypatch.setenv("STAPO_DATA_DIR", str(env_dir))
+    train, val = load_prompts(DataConfig(source="aime24", val_size=1))
+    assert {r.answer for r in train + val} == {"111"}
+    train, val = load_prompts(DataConfig(source="aime24", val_size=1, data_dir=str(cfg_dir)))
+    assert {r.answer for r in train + val} == {"222"}
+    monkeypatch.chdir(tmp_path)  # a relative data_dir is relative to the working directory
+    train, _ = load_prompts(DataConfig(source="aime24", val_size=1, data_dir="cfg"))
+    assert {r.answer for r in train} == {"222"}
+    with pytest.raises(DataError, match=r"data.data_dir .*gsm8k_test.jsonl"):  # no silent fallback
+        load_prompts(DataConfig(source="gsm8k", val_size=1))
+    monkeypatch.delenv("STAPO_DATA_DIR")
+    train, val = load_prompts(DataConfig(source="aime24", val_size=5))
+    assert len(train) + len(val) == 30
 
 
 # ----------------------------------------------------------------------------- prepare

@@ -29,8 +29,6 @@ from stapo.evals.metrics import (
     summarize_benchmark,
 )
 
-DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
-
 
 def closed_form(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
@@ -133,15 +131,15 @@ def test_answer_cleaning() -> None:
     assert strip_thousands("1, 2") == "1, 2"
 
 
-@pytest.mark.skipif(not DATA.is_dir(), reason="shared benchmark data not present")
-def test_load_shared_benchmarks_with_caveats() -> None:
-    aime = load_benchmark("aime24", data_dir=DATA)
+def test_load_shipped_benchmarks_with_caveats(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("STAPO_DATA_DIR", raising=False)  # no data dir: the copies shipped with stapo
+    aime = load_benchmark("aime24")
     assert len(aime) == 30
     padded = [p for p in aime if p.raw_answer.startswith("0")]
     assert padded and all(not p.answer.startswith("0") for p in padded)
-    gsm = load_benchmark("gsm8k", data_dir=DATA, limit=5)
+    gsm = load_benchmark("gsm8k", limit=5)
     assert len(gsm) == 5 and gsm[0].id == "0" and gsm[0].answer == "18"
-    olymp = load_benchmark("olympiadbench", data_dir=DATA, limit=3)
+    olymp = load_benchmark("olympiadbench", limit=3)
     assert olymp[1].raw_answer.startswith("$") and not olymp[1].answer.startswith("$")
 
 
