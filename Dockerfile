@@ -8,6 +8,11 @@
 # (tests/service check that no torch import is on the service path). Keep the list below in sync with
 # the service's imports: typer, rich, pydantic(+settings), pyyaml, math-verify, fastapi, uvicorn,
 # httpx, prometheus-client.
+#
+# Every stage that installs the project copies every folder pyproject.toml maps to a package
+# ([tool.setuptools] package-dir); tests/unit/test_self_contained.py checks it, since neither target
+# is built by the test suite. The data the project reads (benchmarks, DAPO-Math-17k) ships inside
+# the package (evals/data), so neither image needs a data volume.
 
 ARG PYTHON_VERSION=3.11
 
@@ -18,8 +23,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    # The container is the network boundary: bind all interfaces inside it, publish the port
-    # with care, and set STAPO_VERIFIER_TOKEN when the port is reachable by others.
+    # The container is the network boundary, so the service binds all interfaces inside it; being
+    # non-loopback, `stapo verifier serve` refuses to start without a token: run the image with
+    # -e STAPO_VERIFIER_TOKEN=... (compose.yaml requires one), or pass --allow-unauthenticated
+    # explicitly for a private network.
     STAPO_VERIFIER_HOST=0.0.0.0 \
     STAPO_VERIFIER_PORT=8000
 
@@ -33,21 +40,25 @@ COPY cli ./cli
 COPY core ./core
 COPY evals ./evals
 COPY verifier_service ./verifier_service
+COPY configs ./configs
 RUN pip install --no-deps . && python -c "import stapo.verifier_service.app, sys; assert 'torch' not in sys.modules"
 
 RUN useradd --system --uid 10001 --create-home stapo
 USER stapo
 EXPOSE 8000
-# /healthz = the process answers (liveness); orchestrators should use /readyz for readiness.
+# /readyz, not /healthz: the container is healthy only while the pool can grade (a process that
+# answers but whose workers cannot start is unhealthy, so orchestrators restart or route around it).
+# /readyz never needs the token.
 HEALTHCHECK --interval=15s --timeout=3s --start-period=20s --retries=3 \
-    CMD python -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('STAPO_VERIFIER_PORT', '8000'), timeout=2)"
+    CMD python -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ.get('STAPO_VERIFIER_PORT', '8000'), timeout=2)"
 # Workers default to one per CPU the container may use; set STAPO_VERIFIER_WORKERS to pin it.
 CMD ["stapo", "verifier", "serve"]
 
 # --------------------------------------------------------------------------- trainer
 # The learner: CUDA, torch (pulled by vllm at the version it pins), vllm for rollouts, deepspeed for
 # ZeRO. Multi-GPU: `docker run --gpus all stapo-trainer deepspeed --num_gpus 8 -m stapo.cli.main train ...`
-# (see docs/training-backends.md for multi-node hostfiles). Data and runs are mounted volumes.
+# (see docs/training-backends.md for multi-node hostfiles). The data ships in the package; /runs and
+# /data (outputs of `stapo prepare`) are volumes owned by the unprivileged user.
 FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04 AS trainer
 
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -71,7 +82,7 @@ COPY verifier_service ./verifier_service
 COPY configs ./configs
 # vllm first: it pins the CUDA torch build the rest must share.
 RUN pip install "vllm>=0.32,<0.33" && pip install ".[train,vllm]"
-RUN useradd --create-home --uid 10001 stapo && mkdir -p /runs /data /opt/hf-cache && chown stapo /runs /opt/hf-cache
+RUN useradd --create-home --uid 10001 stapo && mkdir -p /runs /data /opt/hf-cache && chown stapo /runs /data /opt/hf-cache
 USER stapo
 VOLUME ["/runs", "/data"]
 ENTRYPOINT ["stapo"]
