@@ -1,12 +1,17 @@
 """`stapo prepare`: turn a data source into a prepared prompt dir (train.jsonl, val.jsonl, manifest.json).
 
     stapo prepare --out prepared/arith                                   # the built-in arithmetic set
+    stapo prepare dapo_math_17k --template dapo --tokenizer Qwen/Qwen3-8B-Base   # -> prepared/dapo_math_17k
     stapo prepare --source gsm8k --template boxed --out prepared/gsm8k
     stapo prepare --source dapo_math_17k --template dapo --set data.english_only=true \\
         --tokenizer Qwen/Qwen3-1.7B-Base --set data.max_prompt_tokens=1024 --out prepared/dapo
     stapo prepare --source my.jsonl --set data.problem_field=question --out prepared/mine
 
-Thin: builds the config (``--config`` file, ``--set`` overrides, then ``--source`` / ``--template``),
+The named sets (``dapo_math_17k``, the benchmarks) ship with stapo (``stapo/evals/data``), so this
+runs offline; ``data.data_dir`` / ``$STAPO_DATA_DIR`` point it at another copy.
+
+Thin: builds the config (``--config`` file, ``--set`` overrides, then SOURCE / ``--source`` /
+``--template``),
 loads the tokenizer when one is named (for the length filter), and calls
 :func:`stapo.core.data.prepare_data`. Train on the result with ``--set data.source=prepared/gsm8k``.
 """
@@ -22,10 +27,22 @@ from stapo.cli.common import CLIError, ConfigOpt, SetOpt, resolve_config_path
 
 
 def command(
+    source_arg: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="[SOURCE]",
+            help="The data source, same as --source (e.g. dapo_math_17k); default: data.source of the config.",
+            show_default=False,
+        ),
+    ] = None,
     out: Annotated[
-        Path,
-        typer.Option("--out", "-o", help="Folder to write (created; a previous prepared dir is replaced)."),
-    ],
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Folder to write (created; a previous prepared dir is replaced). Default: prepared/<source>.",
+        ),
+    ] = None,
     config: ConfigOpt = None,
     overrides: SetOpt = None,
     source: Annotated[
@@ -51,6 +68,8 @@ def command(
 
     Examples:
 
+      stapo prepare dapo_math_17k --template dapo --tokenizer Qwen/Qwen3-8B-Base --out prepared/dapo
+
       stapo prepare --source gsm8k --template boxed --out prepared/gsm8k
 
       stapo prepare --source dapo_math_17k --template dapo --set data.english_only=true --out prepared/dapo
@@ -61,6 +80,9 @@ def command(
     from stapo.core.config import ConfigError, config_from_dict, load_config
     from stapo.core.data import DataError, prepare_data
 
+    if source_arg is not None and source is not None and source_arg != source:
+        raise CLIError(f"SOURCE {source_arg!r} and --source {source!r} disagree; give one")
+    source = source if source is not None else source_arg
     if config is not None:
         config = resolve_config_path(config)
     try:
@@ -86,6 +108,8 @@ def command(
         except ModelLoadError as err:
             raise CLIError(f"--tokenizer {tokenizer}: {err}") from None
 
+    if out is None:
+        out = Path("prepared") / _dir_name(cfg.data.source)
     try:
         path = prepare_data(cfg.data, out, tok, tokenizer_name=tokenizer)
     except DataError as err:
@@ -107,3 +131,9 @@ def command(
     )
     for name, info in manifest["files"].items():
         console.print(f"  {name}: {info['rows']} rows  sha256 {info['sha256'][:16]}…")
+
+
+def _dir_name(source: str) -> str:
+    """A folder name for ``prepared/<source>``: a file's stem, an ``hf:`` id with ``/`` and ``:`` made safe."""
+    name = Path(source).stem if ("/" in source or "." in source) and not source.startswith("hf:") else source
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "data"

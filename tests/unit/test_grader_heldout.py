@@ -4,7 +4,7 @@ The rows live in ``verifier_service/data/grader_heldout.jsonl`` (same format as 
 They come from other public graders' tests and documented behaviours (Qwen2.5-Math ``math_equal``,
 PRM800K ``grade_answer``, lm-eval Minerva ``normalize_final_answer``, simple-evals' equality-checker
 examples, verl's numeric canonicalisation tests) and from model-style responses on real golds of
-``/work/shared/data`` (MATH-500, OlympiadBench, Minerva, GSM8K, AIME/AMC), right and subtly wrong.
+the shipped benchmark copies in ``evals/data`` (MATH-500, OlympiadBench, Minerva, GSM8K, AIME/AMC), right and subtly wrong.
 They were written and labelled before the grader was measured on them; each ``source`` names its
 group. Rows we cannot fix run as strict xfails with the reason, so a fix shows up as a failure to
 update the table. Run: ``pytest tests/unit/test_grader_heldout.py``; accuracy tables:
