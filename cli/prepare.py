@@ -25,6 +25,8 @@ import typer
 
 from stapo.cli.common import CLIError, ConfigOpt, SetOpt, resolve_config_path
 
+DAPO_HUB_REPO = "BytedTsinghua-SIA/DAPO-Math-17k"  # = stapo.core.data.DAPO_HUB_REPO (not imported: --help stays fast)
+
 
 def command(
     source_arg: Annotated[
@@ -63,6 +65,22 @@ def command(
             "demo:smollm2-135m-instruct). Without it no length filter runs."
         ),
     ] = None,
+    rebuild: Annotated[
+        bool,
+        typer.Option(
+            "--rebuild",
+            help="dapo_math_17k only: rebuild dapo_math_17k.jsonl from the Hugging Face original "
+            f"({DAPO_HUB_REPO}, downloaded, or --from FILE) with the shipped copy's deduplication, check it "
+            "against the shipped copy's checksum, and write it to --out (default ~/.cache/stapo/data).",
+        ),
+    ] = False,
+    from_file: Annotated[
+        Path | None,
+        typer.Option("--from", help="With --rebuild: a local copy of the hub's file (.parquet, or .jsonl rows)."),
+    ] = None,
+    verify: Annotated[
+        bool, typer.Option("--verify/--no-verify", help="With --rebuild: require the shipped copy's checksum.")
+    ] = True,
 ) -> None:
     """Load, dedupe, filter, template and split a data source; write it to --out with a manifest.
 
@@ -83,6 +101,9 @@ def command(
     if source_arg is not None and source is not None and source_arg != source:
         raise CLIError(f"SOURCE {source_arg!r} and --source {source!r} disagree; give one")
     source = source if source is not None else source_arg
+    if rebuild or from_file is not None:
+        _rebuild(source, out, from_file, verify)
+        return
     if config is not None:
         config = resolve_config_path(config)
     try:
@@ -137,3 +158,21 @@ def _dir_name(source: str) -> str:
     """A folder name for ``prepared/<source>``: a file's stem, an ``hf:`` id with ``/`` and ``:`` made safe."""
     name = Path(source).stem if ("/" in source or "." in source) and not source.startswith("hf:") else source
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "data"
+
+
+def _rebuild(source: str | None, out: Path | None, from_file: Path | None, verify: bool) -> None:
+    """``--rebuild``: the hub's DAPO-Math-17k -> dapo_math_17k.jsonl, checked against the shipped copy."""
+    from rich.console import Console
+
+    from stapo.core.data import DataError, rebuild_dapo_math_17k
+
+    if source != "dapo_math_17k":
+        raise CLIError(f"--rebuild works for dapo_math_17k only (got {source!r}); the benchmarks ship with stapo")
+    console = Console()
+    console.print(f"rebuilding dapo_math_17k from {from_file or DAPO_HUB_REPO + ' (download)'} ...")
+    try:
+        path, rows, digest = rebuild_dapo_math_17k(out, source=from_file, verify=verify)
+    except DataError as err:
+        raise CLIError(str(err)) from None
+    console.print(f"{path}: {rows} rows, content sha256 {digest[:16]}…" + (" (matches the shipped copy)" if verify else ""))
+    console.print(f"train on it with --set data.source={path}, or put it in the folder STAPO_DATA_DIR names")

@@ -52,10 +52,14 @@ from typing import Any
 from stapo.core.config import ArithmeticData, DataConfig
 
 __all__ = [
+    "DAPO_CONTENT_SHA256",
     "MANIFEST",
     "OFFLINE_SOURCES",
     "TEMPLATES",
     "DataError",
+    "convert_dapo_hub_rows",
+    "dapo_content_sha256",
+    "data_cache_dir",
     "PromptRecord",
     "encode_prompt",
     "encode_prompts",
@@ -64,6 +68,7 @@ __all__ = [
     "load_prompts",
     "normalize_answer",
     "prepare_data",
+    "rebuild_dapo_math_17k",
     "register_template",
     "render_prompt",
     "resolve_data_dir",
@@ -671,6 +676,120 @@ def load_prompts(
     """
     train, val, _ = _build(data_cfg, tokenizer)
     return train, val
+
+
+# ----------------------------------------------------------------------------- DAPO-Math-17k from the hub
+
+DAPO_HUB_REPO = "BytedTsinghua-SIA/DAPO-Math-17k"
+DAPO_HUB_FILE = "data/dapo-math-17k.parquet"
+# sha256 over the rows' (problem, answer) pairs of the shipped dapo_math_17k.jsonl, one
+# ``json.dumps([problem, answer], ensure_ascii=False)`` line per row (see :func:`dapo_content_sha256`):
+# a rebuild from the hub must give the same rows in the same order.
+DAPO_CONTENT_SHA256 = "c892019e882386f63ac90d17904a32f3a9b6da54bee752c1925a051fad1f3d73"
+# An extra Chinese instruction 20 original rows carry just before the English suffix (evals/data/README.md).
+_DAPO_CN_INSTRUCTION = (
+    "\n让我们一步一步地思考。请以“Answer: \\boxed{<final_answer>}”的格式输出最终答案。"
+    "如果是选择题，请按顺序输出正确的选项，不带任何标点或空格。对于其他类型的问题，请只输出最终答案的数值。"
+)
+
+
+def data_cache_dir() -> Path:
+    """Where rebuilt data sets are written by default: ``$XDG_CACHE_HOME/stapo/data`` (``~/.cache/...``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "stapo" / "data"
+
+
+def dapo_content_sha256(rows: Iterable[dict[str, Any]]) -> str:
+    """Checksum of the (problem, answer) pairs in order; ids and the ``source`` field do not count."""
+    h = hashlib.sha256()
+    for r in rows:
+        h.update((json.dumps([r["problem"], r["answer"]], ensure_ascii=False) + "\n").encode("utf-8"))
+    return h.hexdigest()
+
+
+def convert_dapo_hub_rows(rows: Iterable[dict[str, Any]], *, origin: str = DAPO_HUB_REPO) -> list[dict[str, str]]:
+    """The hub's DAPO-Math-17k rows -> the shipped format ``{"id", "problem", "answer", "source"}``.
+
+    The hub file repeats every prompt about 100 times (DAPO issues #15/#36). As in
+    open-r1/DAPO-Math-17k-Processed, rows are deduplicated on the exact prompt string, first
+    occurrence wins, in order; then the DAPO template (:func:`_dapo`) and the Chinese instruction
+    some rows carry are removed and the problem is trimmed. ``answer`` is
+    ``reward_model.ground_truth``; ``id`` is the 0-based row index of the result.
+    """
+    prefix, suffix = _dapo("\0").split("\0")
+    seen: set[str] = set()
+    out: list[dict[str, str]] = []
+    for i, row in enumerate(rows):
+        where = f"{origin} row {i}"
+        try:
+            prompt = row["prompt"]
+            message = prompt[0] if isinstance(prompt, list | tuple) else json.loads(prompt)[0]
+            content, answer = message["content"], row["reward_model"]["ground_truth"]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise DataError(
+                f"{where}: not in the hub's DAPO-Math-17k format (prompt=[{{role, content}}], "
+                "reward_model={ground_truth})"
+            ) from None
+        if not isinstance(content, str) or answer is None:
+            raise DataError(f"{where}: prompt[0].content must be text and reward_model.ground_truth set")
+        if content in seen:
+            continue
+        seen.add(content)
+        problem = content.removeprefix(prefix).removesuffix(suffix)
+        problem = problem.removesuffix(_DAPO_CN_INSTRUCTION).strip()
+        out.append({"id": str(len(out)), "problem": problem, "answer": str(answer).strip(), "source": origin})
+    return out
+
+
+def _download_dapo_hub() -> Path:
+    """The hub's parquet file through ``huggingface_hub`` (its own cache), or a DataError saying why not."""
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(DAPO_HUB_REPO, DAPO_HUB_FILE, repo_type="dataset"))
+    except Exception as err:  # the hub raises many types; all mean "could not get it"
+        raise DataError(
+            f"could not download {DAPO_HUB_REPO}/{DAPO_HUB_FILE} ({type(err).__name__}: {err}). Offline, give "
+            "a local copy of that file with --from FILE; training needs neither (the copy shipped with stapo "
+            "is read by default)"
+        ) from err
+
+
+def rebuild_dapo_math_17k(
+    out_dir: Path | str | None = None, *, source: Path | str | None = None, verify: bool = True
+) -> tuple[Path, int, str]:
+    """Rebuild ``dapo_math_17k.jsonl`` from the hub's file: download it (``source=None``) or read a
+    local copy (.parquet as on the hub, or .jsonl/.json rows of the same shape), convert it with
+    :func:`convert_dapo_hub_rows`, check the result against :data:`DAPO_CONTENT_SHA256` (the shipped
+    copy), and write it atomically to ``out_dir/dapo_math_17k.jsonl`` (default :func:`data_cache_dir`).
+
+    Returns ``(path, rows, content sha256)``. A mismatch is an error (nothing written) unless
+    ``verify=False``: training on a different set than the recipes were checked on should be a choice.
+    """
+    path = _download_dapo_hub() if source is None else Path(source).expanduser()
+    if not path.is_file():
+        raise DataError(f"--from {path}: no such file")
+    rows = convert_dapo_hub_rows(_read_local(path), origin=DAPO_HUB_REPO if source is None else path.name)
+    digest = dapo_content_sha256(rows)
+    if verify and digest != DAPO_CONTENT_SHA256:
+        raise DataError(
+            f"{path}: {len(rows)} distinct prompts, content sha256 {digest[:16]}… differs from the shipped "
+            f"copy's {DAPO_CONTENT_SHA256[:16]}… (17917 rows). Not written; pass --no-verify to keep it anyway"
+        )
+    out = Path(out_dir).expanduser() if out_dir is not None else data_cache_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / OFFLINE_SOURCES["dapo_math_17k"]
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=out)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give what a plain open() would
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target, len(rows), digest
 
 
 # ----------------------------------------------------------------------------- prepare

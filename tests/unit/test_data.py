@@ -477,3 +477,96 @@ def test_cli_prepare_dapo_math_17k_from_the_shipped_copy(tmp_path, monkeypatch):
     assert row["prompt"].startswith("Solve the following math problem") and row["id"].startswith("dapo_math_17k-")
     result = CliRunner().invoke(app, ["prepare", "gsm8k", "--source", "math500"])
     assert "disagree" in str(result.exception)
+
+
+# ----------------------------------------------------------------------------- DAPO-Math-17k from the hub
+
+# The original prompt template, as written in evals/data/README.md (not taken from the code under test).
+HUB_PREFIX = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+)
+HUB_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+HUB_CN = (
+    "\n让我们一步一步地思考。请以“Answer: \\boxed{<final_answer>}”的格式输出最终答案。如果是选择题，请按顺序输出正确的"
+    "选项，不带任何标点或空格。对于其他类型的问题，请只输出最终答案的数值。"
+)
+CN_IDS = {5546, 5552, 5556, 5557, 5560, 5564, 5570, 5571, 5573, 5578, 5579, 5583, 5584, 5588, 5589, 5591,
+          5595, 5600, 5608, 5610}  # README: the rows that carried HUB_CN
+
+
+def _hub_rows(shipped: list[dict], copies: int = 2) -> list[dict]:
+    """Rows in the hub's shape (verl parquet schema), each prompt repeated ``copies`` times as on the hub.
+
+    Texts that repeat in the shipped file differ in the original prompt (README: near-duplicates), so
+    the k-th repeat gets k trailing newlines inside the prompt, which the conversion trims away.
+    """
+    seen: dict[str, int] = {}
+    once = []
+    for r in shipped:
+        k = seen.get(r["problem"], 0)
+        seen[r["problem"]] = k + 1
+        body = r["problem"] + "\n" * k + (HUB_CN if int(r["id"]) in CN_IDS else "")
+        once.append({
+            "data_source": "math_dapo", "ability": "MATH",
+            "prompt": [{"role": "user", "content": HUB_PREFIX + body + HUB_SUFFIX}],
+            "reward_model": {"ground_truth": r["answer"], "style": "rule-lean"},
+            "extra_info": {"index": f"uuid-{r['id']}"},
+        })
+    return once * copies
+
+
+def _shipped_dapo() -> list[dict]:
+    return [json.loads(line) for line in (SHIPPED / "dapo_math_17k.jsonl").open(encoding="utf-8")]
+
+
+def test_dapo_hub_conversion_on_a_small_file(tmp_path):
+    from stapo.core.data import convert_dapo_hub_rows, rebuild_dapo_math_17k
+
+    shipped = _shipped_dapo()
+    picked = shipped[:5] + [shipped[5546], shipped[35], shipped[179]]  # a CN row; 35/179: near-duplicates
+    hub = _hub_rows(picked, copies=3)
+    hub.insert(2, dict(hub[0]))  # an exact repeat early on: first occurrence wins, order kept
+    src = _write_jsonl(tmp_path / "hub.jsonl", hub)
+    rows = convert_dapo_hub_rows(hub)
+    assert [(r["problem"], r["answer"]) for r in rows] == [(r["problem"], r["answer"]) for r in picked]
+    assert [r["id"] for r in rows] == [str(i) for i in range(len(picked))]
+    assert "让我们" not in rows[5]["problem"] and rows[5]["problem"] == shipped[5546]["problem"]
+    with pytest.raises(DataError, match="differs from the shipped copy"):  # a part is not the whole set
+        rebuild_dapo_math_17k(tmp_path / "out", source=src)
+    assert not (tmp_path / "out" / "dapo_math_17k.jsonl").exists()
+    path, n, _ = rebuild_dapo_math_17k(tmp_path / "out", source=src, verify=False)
+    assert n == len(picked) and [json.loads(x)["problem"] for x in path.open()] == [r["problem"] for r in picked]
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [hub[0], {"prompt": "x", "reward_model": {}}])
+    with pytest.raises(DataError, match="bad.jsonl row 1: not in the hub's DAPO-Math-17k format"):
+        rebuild_dapo_math_17k(tmp_path / "out", source=bad)
+
+
+def test_dapo_rebuild_from_a_full_hub_file_matches_the_shipped_copy(tmp_path, monkeypatch):
+    """The whole set in the hub's shape (every prompt twice) rebuilds to the shipped rows: checksum passes."""
+    from typer.testing import CliRunner
+
+    from stapo.cli.main import app
+
+    monkeypatch.delenv("STAPO_DATA_DIR", raising=False)
+    src = _write_jsonl(tmp_path / "dapo-math-17k.jsonl", _hub_rows(_shipped_dapo(), copies=2))
+    res = CliRunner().invoke(app, ["prepare", "dapo_math_17k", "--rebuild", "--from", str(src),
+                                   "--out", str(tmp_path / "cache")], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "17917 rows" in res.output and "matches the shipped copy" in res.output
+    rebuilt = tmp_path / "cache" / "dapo_math_17k.jsonl"
+    cfg = DataConfig(source="dapo_math_17k", val_size=50)
+    assert load_prompts(cfg.model_copy(update={"source": str(rebuilt)})) == load_prompts(cfg)
+
+
+def test_dapo_rebuild_offline_says_what_to_do(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from stapo.core.data import rebuild_dapo_math_17k
+
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)  # stands in for a hub that cannot be reached
+    with pytest.raises(DataError, match=r"could not download BytedTsinghua-SIA/DAPO-Math-17k.*--from FILE"):
+        rebuild_dapo_math_17k(tmp_path)
