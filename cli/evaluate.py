@@ -62,7 +62,7 @@ def command(
         int | None, typer.Option("--max-new-tokens", help="Response length cap (rollout.max_new_tokens).")
     ] = None,
     data_dir: Annotated[
-        Path | None, typer.Option("--data-dir", help="Benchmark folder (default: $STAPO_DATA_DIR or data.data_dir).")
+        Path | None, typer.Option("--data-dir", help="Benchmark folder (default: data.data_dir, else $STAPO_DATA_DIR, else the copies shipped with stapo).")
     ] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Output dir: results.json, samples.jsonl (resumable).")] = Path(
         "eval_results"
