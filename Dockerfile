@@ -41,7 +41,8 @@ COPY core ./core
 COPY evals ./evals
 COPY verifier_service ./verifier_service
 COPY configs ./configs
-RUN pip install --no-deps . && python -c "import stapo.verifier_service.app, sys; assert 'torch' not in sys.modules"
+RUN pip install --no-deps . && python -c "import stapo.verifier_service.app, sys; assert 'torch' not in sys.modules" \
+    && rm -rf build
 
 RUN useradd --system --uid 10001 --create-home stapo
 USER stapo
@@ -81,7 +82,7 @@ COPY evals ./evals
 COPY verifier_service ./verifier_service
 COPY configs ./configs
 # vllm first: it pins the CUDA torch build the rest must share.
-RUN pip install "vllm>=0.32,<0.33" && pip install ".[train,vllm]"
+RUN pip install "vllm>=0.32,<0.33" && pip install ".[train,vllm]" && rm -rf build
 RUN useradd --create-home --uid 10001 stapo && mkdir -p /runs /data /opt/hf-cache && chown stapo /runs /data /opt/hf-cache
 USER stapo
 VOLUME ["/runs", "/data"]

@@ -490,7 +490,7 @@ def _load_hf(spec: str, data_cfg: DataConfig) -> list[_Raw]:
     except Exception as err:  # the hub raises many types; all mean "could not get it"
         raise DataError(
             f"data.source={spec!r}: could not load from the Hugging Face hub ({type(err).__name__}: {err}). "
-            "Is the hub reachable? Offline copies: " + ", ".join(OFFLINE_SOURCES)
+            "Is the hub reachable? Shipped with stapo (no hub needed): " + ", ".join(OFFLINE_SOURCES)
         ) from err
     rows = _progress(ds, total=len(ds), label=f"reading {name}", show=len(ds) >= _PROGRESS_MIN)
     return _rows_to_raw(
