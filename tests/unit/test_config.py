@@ -46,7 +46,7 @@ def test_overrides_parse_yaml_values(tmp_path):
         ("algorithm.tau_hh=1", "algorithm.tau_hh: unknown field 'tau_hh'"),
         ("trainr.max_steps=1", "unknown field 'trainr'"),
         ("rollout.temperature=-1", "rollout.temperature"),
-        ("algorithm.token_weighting=foo", "'none', 's2t', 'top_entropy', 'stare' or 'lp_reg'"),
+        ("algorithm.token_weighting=foo", "'none', 's2t', 'top_entropy' or 'stare'"),
         ("algorithm.s2t.tau_h=0.5", "set exactly one of tau_h"),
         ("trainer.backend=jax", "trainer.backend"),
         ("trainer.max_steps", "expects key=value"),
@@ -131,7 +131,7 @@ def test_config_reference_doc_is_current():
     )
 
 
-@pytest.mark.parametrize("name", ["none", "s2t", "top_entropy", "stare", "lp_reg"])
+@pytest.mark.parametrize("name", ["none", "s2t", "top_entropy", "stare"])
 def test_weighting_sections_match_function_keywords(name):
     """Each token weighting receives its config section as keywords: names must line up."""
     import inspect
