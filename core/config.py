@@ -482,7 +482,8 @@ class Config(_Section):
             )
         if self.algorithm.kl.in_reward and self.algorithm.kl_coef == 0:
             raise ValueError("algorithm.kl.in_reward=true needs algorithm.kl_coef > 0")
-        if self.algorithm.kl.reference == "initial" and self.trainer.backend == "deepspeed" and self.trainer.zero_stage == 3:
+        a = self.algorithm
+        if a.kl_coef > 0 and a.kl.reference == "initial" and self.trainer.backend == "deepspeed" and self.trainer.zero_stage == 3:
             raise ValueError(
                 "algorithm.kl.reference=initial is not supported with trainer.zero_stage=3 yet (the frozen copy "
                 "would need its own ZeRO-3 inference engine); use zero_stage 0-2 or kl.reference=none"
