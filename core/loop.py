@@ -440,7 +440,8 @@ def batch_token_metrics(run: _Run, batch: Batch, lp: torch.Tensor, ent: torch.Te
     ctx = TokenContext(logprobs=lp, entropy=ent, advantages=batch.advantages, mask=batch.response_mask)
     from stapo.core.extras import extras_of
 
-    tw = get_token_weighting(cfg.algorithm.token_weighting)(ctx, **weighting_params(cfg), **extras_of(run).weighting_params())
+    params = {**weighting_params(cfg), **extras_of(run).weighting_params()}  # STARE: the scheduled W, M
+    tw = get_token_weighting(cfg.algorithm.token_weighting)(ctx, **params)
     s2t = cfg.algorithm.s2t
     tau_h = resolve_tau_h(ent, batch.response_mask, tau_h=s2t.tau_h, tau_h_quantile=s2t.tau_h_quantile)
     metrics = token_metrics(ctx, tw, tau_p=s2t.tau_p, tau_h=tau_h)
