@@ -100,7 +100,9 @@ class StepExtras:
         """``kl.in_reward``: reward_i -= kl_coef * sum_t k(old, ref); group advantages again; the
         batch's advantages rewritten in place. No-op otherwise. Call after :meth:`prepare`.
 
-        Groups are the step's groups as collated (dynamic sampling already chose them on accuracy).
+        Groups are the step's groups as collated: dynamic sampling already chose them (on accuracy),
+        and with DAPO's overlong filter the truncated rows are no longer in the batch, so they do not
+        enter the recomputed group statistics (our choice: their tokens have no KL to charge).
         """
         a = self.cfg.algorithm
         if not (a.kl.in_reward and a.kl_coef > 0 and self.ref_lp is not None):

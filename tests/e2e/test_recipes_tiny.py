@@ -37,10 +37,12 @@ TINY = [
 CASES = {
     "stapo": [], "dapo": [], "grpo": [], "20-entropy": [], "justrl": [], "stare": [], "lp-reg": [], "gspo": [],
     "entropy-bonus": [],
-    # vanilla GRPO with its optional KL to the frozen initial policy switched on
+    # vanilla GRPO with its optional KL to the frozen initial policy switched on; STARE's schedule on
     "grpo+kl": ["algorithm.kl_coef=0.04"],
+    "stare+adaptive": ["algorithm.stare.adaptive=true"],
 }
-EXPECT = {"grpo+kl": ["actor/kl"], "stare": ["stare/reweight_w", "stare/gate_on"], "lp-reg": ["lp_reg/below_floor_frac"]}
+EXPECT = {"grpo+kl": ["actor/kl"], "stare": ["stare/reweight_w", "stare/gate_on"], "lp-reg": ["lp_reg/below_floor_frac"],
+          "stare+adaptive": ["stare/reweight_w"]}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -59,3 +61,5 @@ def test_recipe_trains_two_steps_on_cpu(case, tmp_path):
     assert any("actor/loss" in r for r in rows), "no update ran in 2 steps"
     for key in EXPECT.get(case, []):
         assert all(key in r for r in rows if "actor/loss" in r), key
+    if case == "stare+adaptive":  # tiny-model entropy (~4.6) is above H_tgt 0.3: W steps down 0.01 per step
+        assert [r["stare/reweight_w"] for r in rows] == pytest.approx([1.09, 1.08])

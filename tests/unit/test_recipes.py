@@ -87,8 +87,9 @@ def test_justrl_is_plain_grpo_with_clip_higher():
 
 def test_stare_lp_reg_gspo_entropy_bonus():
     s = cfg("stare").algorithm
-    assert s.token_weighting == "stare" and s.stare.adaptive and (s.stare.w, s.stare.m) == (1.1, 0.9)
+    assert s.token_weighting == "stare" and not s.stare.adaptive and (s.stare.w, s.stare.m) == (1.1, 0.9)
     assert (s.stare.top_ratio, s.stare.target_entropy, s.stare.alpha) == (0.1, 0.3, 0.01)
+    assert (s.stare.w_max, s.stare.m_min, s.stare.variant) == (1.5, 0.5, "O1")
     lp = cfg("lp-reg").algorithm
     assert lp.lp_reg.enabled and lp.token_weighting == "none"  # the PG term stays on every token
     assert (lp.lp_reg.rho, lp.lp_reg.min_p, lp.lp_reg.coef, lp.lp_reg.estimator) == (0.01, 0.02, 1.0, "k3")
