@@ -80,8 +80,9 @@ class StepExtras:
                 self.ref_lp = self.ref_lp.to(old_lp.device)
             else:
                 self.ref_lp = old_lp  # kl.reference=none: KL to the policy that sampled
-            k = get_kl_estimator(a.kl.estimator)(old_lp, self.ref_lp)
-            metrics["actor/kl"] = self._global_mean(k, mask)
+            if self.reference is not None:  # to the sampler itself the KL is 0 before the update
+                k = get_kl_estimator(a.kl.estimator)(old_lp, self.ref_lp)
+                metrics["actor/kl"] = self._global_mean(k, mask)
         if a.lp_reg.enabled:
             from stapo.core.reference import minp_stats_batched
 
@@ -91,6 +92,9 @@ class StepExtras:
             )
             self.proxy_lp = minp_proxy_logprobs(old_lp, kept, pmax, min_p=a.lp_reg.min_p)
             metrics["lp_reg/below_floor_frac"] = self._global_mean((self.proxy_lp <= -1e3).double(), mask)
+            # what the first update regularizes (the sampling policy is the current one then)
+            sel = lp_reg_select(old_lp, batch.advantages, mask, rho=a.lp_reg.rho, gather=self._gather())
+            metrics["lp_reg/regularized_frac"] = self._global_mean((sel & (old_lp < self.proxy_lp)).double(), mask)
         if self.stare is not None:
             self.stare.update(self._global_mean(old_ent, mask))
             metrics.update(self.stare.metrics())
@@ -143,7 +147,26 @@ class StepExtras:
             out.append(lp_reg_token_term(self.proxy_lp[rows], sel, coef=a.lp_reg.coef, estimator=a.lp_reg.estimator))
         return out
 
+    # ------------------------------------------------------------------ checkpoint state
+
+    def state_dict(self) -> dict[str, Any]:
+        """What must survive a resume: STARE's scheduled W, M (JSON-able; in the checkpoint's meta)."""
+        if self.stare is None:
+            return {}
+        return {"stare": {"w": self.stare.w, "m": self.stare.m, "current_entropy": self.stare.current_entropy}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        st = state.get("stare")
+        if self.stare is not None and st:
+            self.stare.w, self.stare.m = float(st["w"]), float(st["m"])
+            self.stare.current_entropy = float(st.get("current_entropy", float("nan")))
+
     # ------------------------------------------------------------------ helpers
+
+    def _gather(self) -> Any:
+        if self.backend is not None and getattr(self.backend, "world_size", 1) > 1:
+            return getattr(self.backend, "all_gather_1d", None)
+        return None
 
     def _global_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
         m = mask.bool()

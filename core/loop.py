@@ -545,6 +545,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
         state = load_checkpoint(ckpt, backend=run.backend)
         start = state.step
         val_before = state.extra.get("val_before")
+        run.extras.load_state_dict(state.extra.get("extras", {}))  # STARE's schedule (issue 9)
         log(f"resumed from {ckpt} (step {start})")
     for name in ("metrics.jsonl", "val.jsonl") if main else ():
         truncate_jsonl(run_dir / name, max_step=start if ckpt is not None else -1)
@@ -632,7 +633,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             view.update(metrics)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.trainer.max_steps:
                 save_checkpoint(run_dir, step=step, backend=run.backend, cfg=cfg,
-                                extra={"val_before": val_before}, keep_last=cfg.checkpoint.keep_last)
+                                extra={"val_before": val_before, "extras": run.extras.state_dict()}, keep_last=cfg.checkpoint.keep_last)
 
         view.close()
         end = cfg.trainer.max_steps
@@ -643,7 +644,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             log(f"validation after training: accuracy {v['accuracy']:.3f} (before: {val_before})")
         if end > start:
             save_checkpoint(run_dir, step=end, backend=run.backend, cfg=cfg,
-                            extra={"val_before": val_before}, keep_last=cfg.checkpoint.keep_last)
+                            extra={"val_before": val_before, "extras": run.extras.state_dict()}, keep_last=cfg.checkpoint.keep_last)
         if cfg.checkpoint.export_hf:
             run.backend.export_hf(run_dir / "final", run.tokenizer)
     finally:

@@ -63,3 +63,19 @@ def test_recipe_trains_two_steps_on_cpu(case, tmp_path):
         assert all(key in r for r in rows if "actor/loss" in r), key
     if case == "stare+adaptive":  # tiny-model entropy (~4.6) is above H_tgt 0.3: W steps down 0.01 per step
         assert [r["stare/reweight_w"] for r in rows] == pytest.approx([1.09, 1.08])
+
+
+def test_stare_schedule_survives_resume(tmp_path):
+    """W, M live in the checkpoint: 2 steps + resume to 3 continue the schedule (1.09, 1.08 -> 1.07)."""
+    base = []
+    for o in [*TINY, "algorithm.stare.adaptive=true"]:
+        base += ["--set", o]
+    runner, run_dir = CliRunner(), tmp_path / "stare"
+    out = runner.invoke(app, ["train", "--config", "stare", "--run-dir", str(run_dir), *base])
+    assert out.exit_code == 0, out.output + repr(out.exception)
+    out = runner.invoke(app, ["train", "--run-dir", str(run_dir), "--resume", "--set", "trainer.max_steps=3"])
+    assert out.exit_code == 0, out.output + repr(out.exception)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["stare/reweight_w"] for r in rows] == pytest.approx([1.09, 1.08, 1.07])
+    assert [r["stare/reweight_m"] for r in rows] == pytest.approx([0.91, 0.92, 0.93])
