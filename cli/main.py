@@ -6,6 +6,7 @@
     stapo compare   runs side by side: tables, curves, HTML report
     stapo verifier  serve | bench: the math-verification service
     stapo inspect   the tokens a mask silenced, in context
+    stapo recipes   the shipped recipes and their sources; `recipes diff A B`
 
 Each command lives in its own module (``cli/<name>.py``) and imports heavy libraries (torch,
 transformers, vllm, deepspeed) only inside the command body, so ``stapo --help`` stays fast.
@@ -20,7 +21,7 @@ import typer
 from rich.console import Console
 
 from stapo import __version__
-from stapo.cli import compare, evaluate, inspect, prepare, train, verifier
+from stapo.cli import compare, evaluate, inspect, prepare, recipes, train, verifier
 from stapo.cli.common import CLIError
 
 app = typer.Typer(
@@ -53,6 +54,7 @@ app.command("eval")(evaluate.command)
 app.command("compare")(compare.command)
 app.command("inspect")(inspect.command)
 app.add_typer(verifier.app, name="verifier")
+app.add_typer(recipes.app, name="recipes")
 
 
 def main() -> None:

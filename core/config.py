@@ -215,30 +215,91 @@ class StareOptions(_Section):
     m: float = Field(0.9, gt=0, description="Weight of high-surprisal negative-advantage tokens (variant C2).")
     variant: Literal["O1", "C2"] = Field("O1", description="`O1`: positive side only; `C2`: both sides.")
     target_entropy: float = Field(0.3, ge=0, description="Gate: reweight only when batch mean entropy < this.")
+    adaptive: bool = Field(
+        False,
+        description=(
+            "STARE's adaptive schedule (hp-luo/STARE `STAREController`): every step W <- clip(W + alpha * "
+            "sgn(H_tgt - H), [1, w_max]) and M <- clip(M - alpha * sgn(H_tgt - H), [m_min, 1]), H the step's "
+            "mean entropy. Off: W and M stay fixed (the authors' default)."
+        ),
+    )
+    alpha: float = Field(0.01, ge=0, description="Adaptive schedule step size (authors' default 0.01).")
+    w_max: float = Field(1.5, ge=1, description="Adaptive schedule: upper bound of W (authors' default 1.5).")
+    m_min: float = Field(0.5, gt=0, le=1, description="Adaptive schedule: lower bound of M (authors' default 0.5).")
 
 
 class LpRegOptions(_Section):
-    """Lp-Reg-style protection of low-probability negative-advantage tokens (arXiv 2510.03222)."""
+    """Lp-Reg (arXiv 2510.03222, CarlanLark/Lp-Reg-dev): low-probability regularization.
 
-    rho: float = Field(0.01, ge=0, le=1, description="Bottom fraction (by probability) of negative tokens protected.")
-    tau: float = Field(0.02, ge=0, lt=1, description="Noise floor: tokens below this probability are not protected.")
+    The policy-gradient term stays; on the lowest-``rho`` negative-advantage tokens (by current
+    log-prob) whose probability is below the proxy's, add ``coef * KL-estimate(pi_theta || pi_proxy)``,
+    where pi_proxy is the sampling policy's distribution with every token below ``min_p * max_prob``
+    removed and the rest renormalized.
+    """
+
+    enabled: bool = Field(False, description="Add the Lp-Reg term to the loss (costs one no-grad LM-head pass per step).")
+    rho: float = Field(
+        0.01, ge=0, le=1, description="Fraction of negative-advantage tokens (lowest log-prob) regularized (`logp_neg_k_percent`)."
+    )
+    min_p: float = Field(
+        0.02, gt=0, lt=1, description="Relative floor of the proxy: keep tokens with p >= min_p * max p (`minp_p_threshold`)."
+    )
+    coef: float = Field(1.0, ge=0, description="Weight of the KL term (`ppo_kl_coef`).")
+    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator (`kl_type=low_var_kl` is k3).")
 
 
 class OverlongOptions(_Section):
-    """DAPO's soft overlong punishment."""
+    """DAPO's overlong reward shaping (soft punishment) and overlong filtering."""
 
     enabled: bool = Field(False, description="Add a length penalty over the last `buffer` tokens before the max.")
     buffer: int = Field(64, gt=0, description="Length of the penalty ramp in tokens.")
     penalty: float = Field(1.0, ge=0, description="Penalty at (and beyond) the maximum length.")
+    filter: bool = Field(
+        False,
+        description=(
+            "DAPO overlong filtering: truncated responses (finish reason `length`) are masked out of the "
+            "loss (no gradient, not in any denominator); they still count in their group's advantages."
+        ),
+    )
+
+
+class KLOptions(_Section):
+    """KL penalty to a reference policy (weight: `algorithm.kl_coef`)."""
+
+    reference: Literal["none", "initial"] = Field(
+        "none",
+        description=(
+            "`initial`: a frozen copy of the policy as loaded (the GRPO paper's reference model). `none`: no "
+            "reference model; the KL is taken to the policy that sampled the batch (a trust-region penalty)."
+        ),
+    )
+    estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="Per-token estimator (Schulman 2020): k1 = log(pi/ref), k2 = k1^2 / 2, k3 = ref/pi - 1 - log(ref/pi)."
+    )
+    in_reward: bool = Field(
+        False,
+        description=(
+            "Subtract kl_coef * sum_t KL_t from each response's reward before the group advantages (verl "
+            "`use_kl_in_reward`) instead of adding kl_coef * KL to the loss."
+        ),
+    )
+    dtype: Literal["same", "bfloat16", "float32"] = Field(
+        "bfloat16", description="Dtype of the frozen reference copy (bf16 halves its memory; `same`: the policy's)."
+    )
+    offload: bool = Field(
+        False, description="Keep the reference on CPU and move it to the policy's device only for its forward."
+    )
 
 
 class AlgorithmConfig(_Section):
     """The RL objective: advantages, token weighting, per-token loss and aggregation."""
 
-    name: str = Field("stapo", description="Label of the recipe, for reports (stapo, grpo, dapo, 20-entropy, justrl).")
+    name: str = Field(
+        "stapo", description="Label of the recipe, for reports (stapo, dapo, grpo, 20-entropy, justrl, stare, lp-reg, ...)."
+    )
     advantage: Literal["grpo", "dr_grpo", "rloo"] = Field("grpo", description="Advantage estimator.")
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon added to the group std.")
-    token_weighting: Literal["none", "s2t", "top_entropy", "stare", "lp_reg"] = Field(
+    token_weighting: Literal["none", "s2t", "top_entropy", "stare"] = Field(
         "s2t", description="Which tokens get gradient and how much: `s2t` is STAPO, `none` is GRPO/DAPO."
     )
     s2t: S2TOptions = Field(default_factory=S2TOptions, description="S2T thresholds (also used by phase metrics).")
@@ -246,14 +307,30 @@ class AlgorithmConfig(_Section):
     stare: StareOptions = Field(default_factory=StareOptions, description="STARE options.")
     lp_reg: LpRegOptions = Field(default_factory=LpRegOptions, description="Lp-Reg options.")
     policy_loss: Literal["ppo_clip", "gspo"] = Field("ppo_clip", description="Per-token policy loss.")
-    eps_low: float = Field(0.2, ge=0, lt=1, description="Lower clip range of the ratio (DAPO: 0.2).")
+    eps_low: float = Field(0.2, ge=0, le=1, description="Lower clip range of the ratio (DAPO: 0.2; 1: no lower clip).")
     eps_high: float = Field(0.28, ge=0, description="Upper clip range (DAPO clip-higher: 0.28).")
     dual_clip_c: float | None = Field(None, gt=1, description="Dual-clip constant for negative advantages (off).")
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
         "token-mean", description="How per-token losses become one number (over the whole optimizer mini-batch)."
     )
-    kl_coef: float = Field(0.0, ge=0, description="Weight of a k3 KL term to the initial policy (0: off).")
-    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty (0: off); see `algorithm.kl`.")
+    kl: KLOptions = Field(default_factory=KLOptions, description="KL penalty: reference model, estimator, loss or reward.")
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Entropy bonus: loss -= entropy_coef * aggregate(entropy), aggregated like the policy loss (verl "
+            "`entropy_coeff`). Needs trainer.entropy_grad=true so the bonus has a gradient."
+        ),
+    )
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose accuracies (or rewards) are all equal.")
+    dynamic_sampling_metric: Literal["acc", "reward"] = Field(
+        "acc",
+        description=(
+            "What dynamic sampling compares within a group: `acc` (correctness, DAPO / verl `filter_groups.metric=acc`) "
+            "or `reward` (the shaped reward, overlong penalty included)."
+        ),
+    )
     max_sampling_rounds: int = Field(
         3, ge=1, description="With dynamic sampling: rounds of extra sampling to refill the batch."
     )
@@ -296,8 +373,29 @@ class TrainerConfig(_Section):
 # ----------------------------------------------------------------------------- reward
 
 
+class RewardScale(_Section):
+    """The outcome reward's two values (DAPO uses +1 / -1; GRPO-style recipes 1 / 0)."""
+
+    correct: float = Field(1.0, description="Reward of a correct answer.")
+    wrong: float = Field(0.0, description="Reward of a wrong or missing answer.")
+
+
 class RewardConfig(_Section):
     """How responses are graded: the verifier, in-process or remote."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_correct_incorrect(cls, data: Any) -> Any:
+        """`reward.correct` / `reward.incorrect` (older configs) are `reward.scale.correct` / `.wrong`."""
+        if isinstance(data, dict) and ("correct" in data or "incorrect" in data):
+            data = dict(data)
+            scale = dict(data.get("scale") or {})
+            if "correct" in data:
+                scale["correct"] = data.pop("correct")
+            if "incorrect" in data:
+                scale["wrong"] = data.pop("incorrect")
+            data["scale"] = scale
+        return data
 
     mode: Literal["math", "dapo"] = Field(
         "math", description="`math` (extraction + math-verify + fast paths) or `dapo` (DAPO's string match)."
@@ -312,8 +410,9 @@ class RewardConfig(_Section):
     think: Literal["optional", "required", "ignore"] = Field(
         "optional", description="How `</think>` is treated when extracting the answer."
     )
-    correct: float = Field(1.0, description="Reward of a correct answer.")
-    incorrect: float = Field(0.0, description="Reward of a wrong or missing answer.")
+    scale: RewardScale = Field(
+        default_factory=RewardScale, description="Reward values of a correct and a wrong answer."
+    )
     retries: int = Field(3, ge=0, description="Retries of items whose reward could not be computed.")
     max_failure_frac: float = Field(
         0.05, ge=0, le=1, description="Stop the run when more than this share of a step's rewards failed."
@@ -382,6 +481,18 @@ class Config(_Section):
             )
         if self.algorithm.dynamic_sampling and self.rollout.n < 2:
             raise ValueError("algorithm.dynamic_sampling needs rollout.n >= 2")
+        if self.algorithm.entropy_coef > 0 and not self.trainer.entropy_grad:
+            raise ValueError(
+                "algorithm.entropy_coef > 0 needs trainer.entropy_grad=true (otherwise the bonus has no gradient)"
+            )
+        if self.algorithm.kl.in_reward and self.algorithm.kl_coef == 0:
+            raise ValueError("algorithm.kl.in_reward=true needs algorithm.kl_coef > 0")
+        a = self.algorithm
+        if a.kl_coef > 0 and a.kl.reference == "initial" and self.trainer.backend == "deepspeed" and self.trainer.zero_stage == 3:
+            raise ValueError(
+                "algorithm.kl.reference=initial is not supported with trainer.zero_stage=3 yet (the frozen copy "
+                "would need its own ZeRO-3 inference engine); use zero_stage 0-2 or kl.reference=none"
+            )
         return self
 
 

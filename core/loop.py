@@ -187,6 +187,9 @@ class _Run:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         total_updates = cfg.trainer.max_steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches
         self.backend = build_trainer_backend(cfg, self.model, total_optimizer_steps=max(total_updates, 1))
+        from stapo.core.extras import StepExtras  # reference model, Lp-Reg proxy, STARE schedule (issue 9)
+
+        self.extras = StepExtras(cfg, self.backend)
         # Data parallel (deepspeed launcher): each rank samples its share of the step's prompts; the
         # token-mean normalizer and the S2T thresholds are reduced across ranks; rank 0 writes files.
         self.rank = int(getattr(self.backend, "rank", 0))
@@ -285,9 +288,10 @@ def shape_and_advantage(cfg: Config, seqs: list[Sequence_]) -> list[Sequence_]:
     return [s for g in groups for s in g]
 
 
-def mixed_groups(seqs: list[Sequence_]) -> list[Sequence_]:
-    """DAPO dynamic sampling: keep only groups whose rewards are not all equal."""
-    from stapo.core.algos import dynamic_sampling_filter
+def mixed_groups(seqs: list[Sequence_], metric: str = "acc") -> list[Sequence_]:
+    """DAPO dynamic sampling: keep only groups whose accuracies (``metric="acc"``, DAPO) or shaped
+    rewards (``"reward"``) are not all equal."""
+    from stapo.core.algos import dynamic_sampling_filter, dynamic_sampling_values
 
     by_group: dict[int, list[Sequence_]] = {}
     for s in seqs:
@@ -296,7 +300,8 @@ def mixed_groups(seqs: list[Sequence_]) -> list[Sequence_]:
     if not groups:
         return []
     rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [P, G]
-    keep = dynamic_sampling_filter(rewards)  # [P]
+    correct = torch.tensor([[float(s.correct) for s in g] for g in groups], dtype=torch.float32)  # [P, G]
+    keep = dynamic_sampling_filter(dynamic_sampling_values(rewards, correct, metric=metric))  # [P]
     return [s for g, k in zip(groups, keep.tolist(), strict=True) if k for s in g]
 
 
@@ -316,19 +321,20 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
         get_aggregation,
         get_policy_loss,
         get_token_weighting,
-        kl_k3,
     )
+    from stapo.core.algos.regularizers import add_terms, entropy_bonus
+    from stapo.core.extras import extras_of
 
     cfg, backend = run.cfg, run.backend
     a = cfg.algorithm
     weigh = get_token_weighting(a.token_weighting)
     loss_fn = get_policy_loss(a.policy_loss)
     agg = get_aggregation(a.aggregation)
-    params = weighting_params(cfg)
+    extras = extras_of(run)
+    params = {**weighting_params(cfg), **extras.weighting_params()}
     micro = cfg.trainer.micro_batch_size
     temp = stats_temperature(cfg)
     n = batch.input_ids.shape[0]
-    ref_lp = old_lp if a.kl_coef > 0 else None  # k3 to the policy that sampled (no separate reference model)
     sums: dict[str, float] = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "tokens": 0.0, "ratio_sum": 0.0}
     loss_kw = {"eps_low": a.eps_low, "eps_high": a.eps_high, "dual_clip_c": a.dual_clip_c}
     fused = (
@@ -346,19 +352,17 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
         return torch.zeros_like(x) if coef is None else coef.detach()
 
     def make_token_loss(old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, coef: torch.Tensor,
-                        ref: torch.Tensor | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """coef * (policy loss + kl_coef * k3) at flat positions ``idx`` into the micro-batch's [b, L]."""
+                        terms: list[Any]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """coef * (policy loss + additive terms: KL, Lp-Reg) at flat positions ``idx`` into the micro-batch's [b, L]."""
         old_f, adv_f, mask_f, coef_f = old.reshape(-1), adv.reshape(-1), mask.reshape(-1), coef.reshape(-1)
-        ref_f = None if ref is None else ref.reshape(-1)
 
         def token_loss_fn(lp: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
             lp2 = lp.unsqueeze(0)  # [1, n]: the registered loss works on [B, T] tensors
             per_tok, _ = loss_fn(lp2, old_f[idx].unsqueeze(0).to(lp.dtype), adv_f[idx].unsqueeze(0),
                                  mask_f[idx].unsqueeze(0), **loss_kw)
-            if ref_f is not None:
-                per_tok = per_tok + a.kl_coef * kl_k3(lp2, ref_f[idx].unsqueeze(0).to(lp.dtype))
-            c = coef_f[idx].to(per_tok.dtype)  # [n]
-            return torch.where(c != 0, c * per_tok[0], torch.zeros_like(c))  # as aggregate: 0 where w == 0
+            per_tok1 = add_terms(per_tok[0], lp, [t.flat(idx) for t in terms])  # [n]
+            c = coef_f[idx].to(per_tok1.dtype)  # [n]
+            return torch.where(c != 0, c * per_tok1, torch.zeros_like(c))  # as aggregate: 0 where w == 0
 
         return token_loss_fn
 
@@ -381,29 +385,31 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
                 all_reduce_sum=getattr(backend, "all_reduce_sum", None),
             )
             tw = weigh(ctx, **params)
+            terms = extras.terms(ctx, mb_idx, old_lp)  # KL to the reference, Lp-Reg (issue 9)
             norm = agg.normalizer(tw, mb.response_mask)
             reduce = getattr(backend, "all_reduce_sum", None)
             norm = reduce(norm) if reduce is not None else norm
             for s in range(0, mb.input_ids.shape[0], micro):
                 rows = slice(s, s + micro)
                 old_rows, adv_rows, mask_rows = old_lp[mb_idx][rows], mb.advantages[rows], mb.response_mask[rows]
-                ref_rows = None if ref_lp is None else ref_lp[mb_idx][rows]
+                terms_rows = [t.rows(rows) for t in terms]
                 if fused:
                     coef = agg_coefficients(tw.select(rows), old_rows, norm)  # [b, L]
                     loss, lp, _ = backend.token_loss(
                         mb.input_ids[rows], mb.attention_mask[rows], mask_rows,
-                        make_token_loss(old_rows, adv_rows, mask_rows, coef, ref_rows), temperature=temp,
+                        make_token_loss(old_rows, adv_rows, mask_rows, coef, terms_rows), temperature=temp,
                     )
                     with torch.no_grad():  # the clip metrics, from the pass's own (detached) log-probs
                         _, m = loss_fn(lp, old_rows, adv_rows, mask_rows, **loss_kw)
                 else:
-                    lp, _ = backend.token_stats(
+                    lp, ent = backend.token_stats(
                         mb.input_ids[rows], mb.attention_mask[rows], mask_rows, grad=True, temperature=temp
                     )
                     per_tok, m = loss_fn(lp, old_rows, adv_rows, mask_rows, **loss_kw)
-                    if ref_rows is not None:
-                        per_tok = per_tok + a.kl_coef * kl_k3(lp, ref_rows)
+                    per_tok = add_terms(per_tok, lp, terms_rows)
                     loss = agg.aggregate(per_tok, tw.select(rows), normalizer=norm)
+                    if a.entropy_coef:  # entropy bonus (needs trainer.entropy_grad: checked by the config)
+                        loss = loss + entropy_bonus(ent, tw.select(rows), agg, norm, coef=a.entropy_coef)
                 backend.backward(loss)
                 sums["loss"] += float(loss.detach())
                 sums["clip_low"] += float(m["clip_low_count"])
@@ -432,7 +438,10 @@ def batch_token_metrics(run: _Run, batch: Batch, lp: torch.Tensor, ent: torch.Te
 
     cfg = run.cfg
     ctx = TokenContext(logprobs=lp, entropy=ent, advantages=batch.advantages, mask=batch.response_mask)
-    tw = get_token_weighting(cfg.algorithm.token_weighting)(ctx, **weighting_params(cfg))
+    from stapo.core.extras import extras_of
+
+    params = {**weighting_params(cfg), **extras_of(run).weighting_params()}  # STARE: the scheduled W, M
+    tw = get_token_weighting(cfg.algorithm.token_weighting)(ctx, **params)
     s2t = cfg.algorithm.s2t
     tau_h = resolve_tau_h(ent, batch.response_mask, tau_h=s2t.tau_h, tau_h_quantile=s2t.tau_h_quantile)
     metrics = token_metrics(ctx, tw, tau_p=s2t.tau_p, tau_h=tau_h)
@@ -536,6 +545,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
         state = load_checkpoint(ckpt, backend=run.backend)
         start = state.step
         val_before = state.extra.get("val_before")
+        run.extras.load_state_dict(state.extra.get("extras", {}))  # STARE's schedule (issue 9)
         log(f"resumed from {ckpt} (step {start})")
     for name in ("metrics.jsonl", "val.jsonl") if main else ():
         truncate_jsonl(run_dir / name, max_step=start if ckpt is not None else -1)
@@ -560,7 +570,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             all_seqs = list(seqs)
             kept = shape_and_advantage(cfg, seqs)
             if cfg.algorithm.dynamic_sampling:
-                kept = mixed_groups(kept)
+                kept = mixed_groups(kept, cfg.algorithm.dynamic_sampling_metric)
                 want = cfg.rollout.prompts_per_step * cfg.rollout.n
                 for round_ in range(1, cfg.algorithm.max_sampling_rounds):
                     if len(kept) >= want:
@@ -571,7 +581,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                     for s in more:
                         s.group += 10_000 * round_
                     all_seqs += more
-                    kept += mixed_groups(shape_and_advantage(cfg, more))
+                    kept += mixed_groups(shape_and_advantage(cfg, more), cfg.algorithm.dynamic_sampling_metric)
                 kept = kept[:want]
                 metrics["dapo/kept_groups"] = len(kept) / cfg.rollout.n
 
@@ -587,11 +597,16 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
 
             # --- old log-probs, token metrics, updates
             t0 = time.time()
+            kept = [s for s, k in zip(kept, run.extras.loss_rows(kept).tolist(), strict=True) if k]  # DAPO overlong filter
             if kept:
                 batch = collate(kept, run.pad_id).to(run.backend.device)
                 old_lp, old_ent = token_stats_batched(
                     run.backend, batch, cfg.trainer.micro_batch_size, stats_temperature(cfg)
                 )
+                # issue 9: reference / Lp-Reg proxy log-probs, STARE schedule, KL in the reward
+                metrics.update(run.extras.prepare(batch, old_lp, old_ent, micro_batch=cfg.trainer.micro_batch_size,
+                                                  temperature=stats_temperature(cfg)))
+                metrics.update(run.extras.apply_kl_in_reward(kept, batch, old_lp))
                 tm, (tw, tau_h) = batch_token_metrics(run, batch, old_lp, old_ent)
                 metrics.update(tm)
                 metrics.update(update_policy(run, batch, old_lp, old_ent, step))
@@ -618,7 +633,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             view.update(metrics)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.trainer.max_steps:
                 save_checkpoint(run_dir, step=step, backend=run.backend, cfg=cfg,
-                                extra={"val_before": val_before}, keep_last=cfg.checkpoint.keep_last)
+                                extra={"val_before": val_before, "extras": run.extras.state_dict()}, keep_last=cfg.checkpoint.keep_last)
 
         view.close()
         end = cfg.trainer.max_steps
@@ -629,7 +644,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             log(f"validation after training: accuracy {v['accuracy']:.3f} (before: {val_before})")
         if end > start:
             save_checkpoint(run_dir, step=end, backend=run.backend, cfg=cfg,
-                            extra={"val_before": val_before}, keep_last=cfg.checkpoint.keep_last)
+                            extra={"val_before": val_before, "extras": run.extras.state_dict()}, keep_last=cfg.checkpoint.keep_last)
         if cfg.checkpoint.export_hf:
             run.backend.export_hf(run_dir / "final", run.tokenizer)
     finally:

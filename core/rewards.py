@@ -11,7 +11,8 @@ rewards plus, per item, whether the reward could be computed. A reward that coul
    unreachable, :class:`RewardError` stops the run with the reason.
 
 ``no_answer`` and ``too_large`` are computed outcomes (the model gave no usable answer): they
-score ``reward.incorrect``.
+score ``reward.scale.wrong``. Rewards are ``reward.scale.correct`` / ``reward.scale.wrong``
+(DAPO: +1 / -1; default 1 / 0).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from stapo.core.config import RewardConfig
 
-__all__ = ["RewardError", "RewardBatch", "RewardFunction"]
+__all__ = ["RewardError", "RewardBatch", "RewardFunction", "scale_reward"]
 
 _FAILED = {"timeout", "error"}
 
@@ -34,7 +35,7 @@ class RewardError(RuntimeError):
 
 @dataclass
 class RewardBatch:
-    rewards: list[float]  # [N] reward per response (reward.incorrect where invalid)
+    rewards: list[float]  # [N] reward per response (reward.scale.wrong where invalid)
     valid: list[bool]  # [N] False where the reward could not be computed
     correct: list[bool]  # [N]
     extracted: list[str | None]  # [N]
@@ -90,7 +91,7 @@ class RewardFunction:
             )
         valid = [_status(r) not in _FAILED for r in results]
         correct = [bool(_get(r, "correct")) and v for r, v in zip(results, valid, strict=True)]
-        rewards = [self.cfg.correct if c else self.cfg.incorrect for c in correct]
+        rewards = [scale_reward(c, self.cfg.scale.correct, self.cfg.scale.wrong) for c in correct]
         return RewardBatch(
             rewards=rewards,
             valid=valid,
@@ -105,6 +106,11 @@ class RewardFunction:
         close = getattr(self._grader, "close", None)
         if close is not None:
             close()
+
+
+def scale_reward(correct: bool, correct_value: float, wrong_value: float) -> float:
+    """The outcome reward of one response: ``correct_value`` if right, else ``wrong_value``."""
+    return float(correct_value if correct else wrong_value)
 
 
 def _get(result: Any, key: str) -> Any:

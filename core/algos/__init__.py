@@ -3,19 +3,22 @@
 Families (each a ``Registry`` with a ``get_*`` accessor that lists valid names on a miss):
 
 - ``ADVANTAGES``    rewards [P, G] -> advantages [P, G]: grpo, dr_grpo, rloo
-- ``TOKEN_WEIGHTS`` TokenContext -> TokenWeights: none, s2t (STAPO), top_entropy, stare, lp_reg
+- ``TOKEN_WEIGHTS`` TokenContext -> TokenWeights: none, s2t (STAPO), top_entropy, stare
+- ``KL_ESTIMATORS`` per-token KL estimators: k1, k2, k3
 - ``POLICY_LOSSES`` per-token loss [B, T] + summable metrics: ppo_clip (clip-higher, dual-clip), gspo
 - ``AGGREGATIONS``  accumulation-safe scalar: token-mean, seq-mean-token-mean, seq-mean-token-sum
 
-plus DAPO's ``dynamic_sampling_filter`` / ``overlong_penalty``, ``kl_k3``, ``token_metrics`` and the
+plus DAPO's ``dynamic_sampling_filter`` / ``dynamic_sampling_values`` / ``overlong_penalty`` /
+``overlong_filter_keep``, ``kl_k3``, ``token_metrics``, additive terms (``regularizers``: KL to a
+reference, Lp-Reg's proxy KL in ``lpreg``, the entropy bonus), STARE's schedule (``stare``) and the
 public STAPO contract ``s2t_mask`` / ``stapo_loss`` / ``resolve_tau_h``. Formulas and the paper each
 piece follows: docs/algorithms.md.
 """
 
 from .advantages import ADVANTAGES, AdvantageFn, get_advantage
 from .aggregation import AGGREGATIONS, Aggregation, get_aggregation
-from .dapo import dynamic_sampling_filter, overlong_penalty
-from .losses import POLICY_LOSSES, PolicyLossFn, get_policy_loss, kl_k3
+from .dapo import dynamic_sampling_filter, dynamic_sampling_values, overlong_filter_keep, overlong_penalty
+from .losses import KL_ESTIMATORS, POLICY_LOSSES, PolicyLossFn, get_kl_estimator, get_policy_loss, kl_k3
 from .metrics import PHASE_KEYS, token_metrics
 from .objective import compute_policy_objective
 from .registry import Registry
@@ -36,6 +39,7 @@ from .weights import (
 __all__ = [
     "ADVANTAGES",
     "AGGREGATIONS",
+    "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "PHASE_KEYS",
     "TOKEN_WEIGHTS",
@@ -49,11 +53,14 @@ __all__ = [
     "broadcast_advantages",
     "compute_policy_objective",
     "dynamic_sampling_filter",
+    "dynamic_sampling_values",
     "get_advantage",
     "get_aggregation",
+    "get_kl_estimator",
     "get_policy_loss",
     "get_token_weighting",
     "kl_k3",
+    "overlong_filter_keep",
     "overlong_penalty",
     "quantile",
     "resolve_tau_h",

@@ -1,8 +1,16 @@
-"""DAPO's batch-level pieces (Yu et al. 2025, arXiv 2503.14476): dynamic sampling and soft overlong
-punishment. Clip-higher and token-level aggregation live in ``losses`` and ``aggregation``.
+"""DAPO's batch-level pieces (Yu et al. 2025, arXiv 2503.14476): dynamic sampling, soft overlong
+punishment and overlong filtering. Clip-higher and token-level aggregation live in ``losses`` and
+``aggregation``.
 
-    keep = dynamic_sampling_filter(rewards)                    # rewards [P, G] -> keep [P] bool
+    values = dynamic_sampling_values(rewards, correct, metric="acc")  # [P, G]: what must differ
+    keep = dynamic_sampling_filter(values)                             # -> keep [P] bool
     shaped = rewards + overlong_penalty(lengths, max_len=4096, buffer=512)
+    in_loss = overlong_filter_keep(finish_reasons)                     # [N] bool, False = truncated
+
+Why accuracy and not the shaped reward: DAPO keeps the groups whose *accuracy* is neither 0 nor 1
+(paper eq. 11: 0 < |{o_i correct}| < G; verl's ``algorithm.filter_groups.metric=acc``). Filtering on
+the shaped reward would keep all-correct groups whose lengths differ, whose advantages then come
+only from the overlong penalty.
 """
 
 from __future__ import annotations
@@ -25,6 +33,31 @@ def dynamic_sampling_filter(rewards: Tensor) -> Tensor:
     if rewards.shape[1] == 0:
         return torch.zeros(rewards.shape[0], dtype=torch.bool, device=rewards.device)
     return (rewards != rewards[:, :1]).any(dim=1)  # [P]
+
+
+DYNAMIC_SAMPLING_METRICS = ("acc", "reward")
+
+
+def dynamic_sampling_values(rewards: Tensor, correct: Tensor, *, metric: str = "acc") -> Tensor:
+    """The per-response values dynamic sampling compares within a group, [P, G] float.
+
+    ``acc``: correctness as 0/1 (DAPO); ``reward``: the (shaped) reward itself.
+    """
+    if metric not in DYNAMIC_SAMPLING_METRICS:
+        raise ValueError(f"algorithm.dynamic_sampling_metric: unknown {metric!r}; valid: acc, reward")
+    if rewards.shape != correct.shape:
+        raise ValueError(f"correct has shape {tuple(correct.shape)}; expected {tuple(rewards.shape)} like rewards")
+    return correct.to(torch.float32) if metric == "acc" else rewards.to(torch.float32)
+
+
+def overlong_filter_keep(finish_reasons: list[str]) -> Tensor:
+    """DAPO overlong filtering, [N] bool: False for truncated responses (finish reason ``length``).
+
+    A truncated response never reached an answer, so its reward says nothing about its reasoning;
+    DAPO masks its tokens out of the loss (Table 1's "Overlong Filtering" row). It still counts in
+    its group's advantages (the group statistics are computed before the mask).
+    """
+    return torch.tensor([r != "length" for r in finish_reasons], dtype=torch.bool)
 
 
 def overlong_penalty(lengths: Tensor, *, max_len: int, buffer: int, penalty: float = 1.0) -> Tensor:

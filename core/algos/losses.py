@@ -19,6 +19,7 @@ these are exactly the tokens whose gradient the clip removes, and clip_low + cli
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -59,8 +60,8 @@ def _check_inputs(
     check_bt("logprobs", logprobs)
     check_bt("old_logprobs", old_logprobs, logprobs.shape)
     check_bt("mask", mask, logprobs.shape)
-    if not 0.0 <= eps_low < 1.0:
-        raise ValueError(f"eps_low must be in [0, 1), got {eps_low}")
+    if not 0.0 <= eps_low <= 1.0:
+        raise ValueError(f"eps_low must be in [0, 1], got {eps_low}")
     if eps_high < 0.0:
         raise ValueError(f"eps_high must be >= 0, got {eps_high}")
     adv = broadcast_advantages(advantages, logprobs).to(logprobs.dtype)  # [B, T]
@@ -178,3 +179,38 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
         )
     d = torch.clamp(ref_logprobs - logprobs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
     return torch.exp(d) - d - 1.0
+
+
+# ----------------------------------------------------------------------------- KL estimators
+
+KLEstimatorFn = Callable[[Tensor, Tensor], Tensor]
+KL_ESTIMATORS: Registry[KLEstimatorFn] = Registry("KL estimator")
+
+
+def _kl_log_ratio(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(
+            f"ref_logprobs has shape {tuple(ref_logprobs.shape)}; expected {tuple(logprobs.shape)}"
+        )
+    return torch.clamp(logprobs - ref_logprobs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # log(pi / ref)
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k1 = log(pi / ref), [B, T]: unbiased for KL(pi || ref) under samples from pi, high variance,
+    can be negative; as a loss its gradient is the score function times 1 (verl ``kl``)."""
+    return _kl_log_ratio(logprobs, ref_logprobs)
+
+
+@KL_ESTIMATORS.register("k2")
+def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k2 = (log(pi / ref))^2 / 2 >= 0, [B, T]: biased, low variance (verl ``mse``)."""
+    return 0.5 * _kl_log_ratio(logprobs, ref_logprobs).square()
+
+
+KL_ESTIMATORS.add("k3", kl_k3)
+
+
+def get_kl_estimator(name: str) -> KLEstimatorFn:
+    """The per-token KL estimator registered as ``name``: k1, k2, k3 (Schulman 2020)."""
+    return KL_ESTIMATORS.get(name)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .aggregation import get_aggregation
-from .losses import get_policy_loss, kl_k3
+from .losses import get_kl_estimator, get_policy_loss
 from .weights import TokenWeights
 
 
@@ -36,13 +36,14 @@ def compute_policy_objective(
     dual_clip_c: float | None = None,
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
     loss_kwargs: dict[str, Any] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss for one micro-batch and its summable metrics.
 
     ``normalizer`` is the GLOBAL normalizer of the optimizer mini-batch (see ``aggregation``);
-    None means "this call is the whole mini-batch" and uses the local one. The optional k3 KL
-    term (``kl_coef`` > 0 with ``ref_logprobs``) is weighted and aggregated exactly like the policy
+    None means "this call is the whole mini-batch" and uses the local one. The optional KL
+    term (``kl_coef`` > 0 with ``ref_logprobs``; estimator k1 / k2 / k3, default k3) is weighted and aggregated exactly like the policy
     loss, so a token the weighting removed carries no KL gradient either and the normalizer is shared.
     """
     agg = get_aggregation(aggregation)
@@ -65,7 +66,7 @@ def compute_policy_objective(
     if kl_coef:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's log-probs)")
-        kl = agg.aggregate(kl_k3(logprobs, ref_logprobs), weights, normalizer=normalizer)
+        kl = agg.aggregate(get_kl_estimator(kl_estimator)(logprobs, ref_logprobs), weights, normalizer=normalizer)
         loss = loss + kl_coef * kl
         metrics["kl_loss"] = kl.detach()
     with torch.no_grad():

@@ -18,8 +18,9 @@ between its micro-batches) and slice the result, or pass a ``gather`` that retur
 mini-batch's values, or reuse ``info`` thresholds as absolute values. Logprobs and entropies are
 treated as constants here: every weighting runs under ``torch.no_grad``.
 
-Registered: ``none``, ``s2t`` (STAPO), ``top_entropy`` (20-Entropy), ``stare`` (STARE), ``lp_reg``
-(Lp-Reg-style protection). Formulas and sources: docs/algorithms.md.
+Registered: ``none``, ``s2t`` (STAPO), ``top_entropy`` (20-Entropy), ``stare`` (STARE). Lp-Reg is
+not a weighting (it adds a KL term, see ``lpreg`` and ``regularizers``). Formulas and sources:
+docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -290,6 +291,10 @@ def stare_weighting(
     variant: str = "O1",
     target_entropy: float = 0.3,
     current_entropy: float | None = None,
+    adaptive: bool = False,
+    alpha: float = 0.0,
+    w_max: float = 1.5,
+    m_min: float = 0.5,
 ) -> TokenWeights:
     """STARE (arXiv 2606.19236, code github.com/hp-luo/STARE): surprisal-guided advantage reweighting
     with a target-entropy gate.
@@ -299,6 +304,10 @@ def stare_weighting(
     also get weight ``m`` (< 1). Everything else weighs 1. The reweighting is on only while the
     batch mean entropy (valid tokens, all ranks; or ``current_entropy`` when the caller runs its own
     closed-loop controller) is below ``target_entropy``. The denominator is unchanged.
+
+    ``adaptive``, ``alpha``, ``w_max``, ``m_min`` configure the cross-step schedule of (w, m)
+    (``stare.StareSchedule``, which passes the live ``w``, ``m`` and ``current_entropy``); they are
+    accepted here so the config section maps onto the keywords, and do nothing in a single call.
     """
     if variant not in ("O1", "C2"):
         raise ValueError(f"variant must be 'O1' (one-sided) or 'C2' (two-sided), got {variant!r}")
@@ -333,34 +342,6 @@ def stare_weighting(
             weights = torch.where(l_minus, torch.full_like(weights, m), weights)
         info["reweighted_count"] = float((l_plus | l_minus).sum()) if gate_on else 0.0
         return TokenWeights(weights=weights.to(dtype), denom_mask=ctx.mask.clone(), info=info)
-
-
-@TOKEN_WEIGHTS.register("lp_reg")
-def lp_reg_weighting(ctx: TokenContext, *, rho: float = 0.01, tau: float = 0.02) -> TokenWeights:
-    """Lp-Reg-style protection of low-probability "reasoning sparks" (Huang et al. 2025, arXiv 2510.03222).
-
-    Lp-Reg regularizes the lowest-``rho`` fraction (by probability) of negative-advantage tokens
-    toward a proxy distribution that drops tokens below a noise floor ``tau`` (min-p 0.02) and
-    renormalizes; tokens under the floor are presumed noise and are left alone. This weighting is
-    the first-order, mask-only reading: those same tokens (negative advantage, p in the bottom
-    ``rho`` of the negative-advantage tokens, p >= tau) get weight 0, so the negative update cannot
-    push a spark further down. They stay in the denominator (they were not dropped from the batch).
-    """
-    if not 0.0 <= rho <= 1.0:
-        raise ValueError(f"rho must be in [0, 1], got {rho}")
-    if not 0.0 <= tau <= 1.0:
-        raise ValueError(f"tau must be a probability in [0, 1], got {tau}")
-    with torch.no_grad():
-        p = ctx.logprobs.detach().exp()  # [B, T]
-        neg = ctx.mask & (ctx.advantages < 0)  # [B, T]
-        thr = top_fraction_threshold(ctx.gathered(p[neg]), rho, largest=False)
-        protected = neg & (p <= thr) & (p >= tau)  # [B, T]
-        keep = ctx.mask & ~protected
-        return TokenWeights(
-            weights=keep.to(ctx.weight_dtype),
-            denom_mask=ctx.mask.clone(),
-            info={"prob_threshold": thr, "protected_count": float(protected.sum())},
-        )
 
 
 def get_token_weighting(name: str) -> TokenWeightingFn:

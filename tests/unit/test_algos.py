@@ -56,7 +56,7 @@ def test_registry_duplicate_and_miss():
 
 def test_real_registries_list_names_on_miss():
     assert set(ADVANTAGES.names()) == {"grpo", "dr_grpo", "rloo"}
-    assert set(TOKEN_WEIGHTS.names()) == {"none", "s2t", "top_entropy", "stare", "lp_reg"}
+    assert set(TOKEN_WEIGHTS.names()) == {"none", "s2t", "top_entropy", "stare"}
     assert set(POLICY_LOSSES.names()) == {"ppo_clip", "gspo"}
     assert set(AGGREGATIONS.names()) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum"}
     with pytest.raises(KeyError, match="ppo_clip"):
@@ -253,16 +253,6 @@ def test_stare_gate_on_off():
     forced = fn(ctx, top_ratio=0.2, target_entropy=0.1, current_entropy=0.05)
     assert forced.info["gate_on"] == 1.0
     assert torch.equal(on.denom_mask, mask)
-
-
-def test_lp_reg_protects_sparks_above_noise_floor():
-    # one negative-advantage row, p = .001 .03 .5 .9 .04 .6; rho=.34 -> ceil(2.04)=3 lowest: .001 .03 .04
-    # protected = those with p >= tau=.02 -> .03 and .04; .001 is presumed noise and keeps its gradient
-    p = t([[0.001, 0.03, 0.5, 0.9, 0.04, 0.6], [0.001, 0.03, 0.5, 0.9, 0.04, 0.6]])
-    ctx = TokenContext(p.log(), torch.ones(2, 6, dtype=D), t([-1.0, 1.0]), torch.ones(2, 6, dtype=torch.bool))
-    tw = get_token_weighting("lp_reg")(ctx, rho=0.34, tau=0.02)
-    assert tw.weights.tolist() == [[1, 0, 1, 1, 0, 1], [1] * 6]
-    assert tw.denom_mask.all()
 
 
 def test_context_validates_fields():

@@ -1,0 +1,140 @@
+"""Extra forward passes beside the policy's: the frozen reference model (KL penalty) and Lp-Reg's
+min-p statistics of the sampling policy.
+
+**ReferencePolicy** - a frozen copy of the policy as loaded (``algorithm.kl.reference: initial``),
+made when the run starts (before a checkpoint is restored, so a resumed run keeps the true initial
+weights). Memory: the copy is cast to ``algorithm.kl.dtype`` (bf16 by default: half of an fp32
+policy's weights, no gradients, no optimizer state) and, with ``algorithm.kl.offload``, lives on
+the CPU and visits the policy's device only for its no-grad forward, one micro-batch at a time.
+Its log-probs come from the same ``compute_token_stats`` the backends use (same positions, logit
+scale and temperature). ZeRO-3 would need the copy partitioned like the policy (its own DeepSpeed
+inference engine, as OpenRLHF and verl build for their reference workers); the config refuses that
+combination until it exists.
+
+**minp_stats_batched** - per response position, log of the probability mass that survives the
+min-p filter (p >= min_p * max p) and log of the max probability, from the hidden states and the
+LM head in row chunks, never a [B, L, V] tensor; the head runs as the head module's forward
+(``forward_as``) so ZeRO-3 hooks would gather its weight.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from stapo.core.algos.lpreg import minp_stats_from_logits
+
+__all__ = ["ReferencePolicy", "minp_stats_batched"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class ReferencePolicy:
+    """A frozen copy of a causal LM that answers per-token log-probs, [B, L] float32."""
+
+    def __init__(self, model: torch.nn.Module, *, dtype: str = "bfloat16", offload: bool = False,
+                 device: torch.device | None = None, chunk_size: int = 1024) -> None:
+        self.device = device if device is not None else next(model.parameters()).device
+        self.offload = offload
+        self.chunk_size = chunk_size
+        ref = copy.deepcopy(model)
+        ref.requires_grad_(False)
+        ref.eval()
+        if dtype in _DTYPES:
+            ref.to(_DTYPES[dtype])
+        ref.to("cpu" if offload else self.device)
+        self.model = ref
+
+    def num_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @torch.no_grad()
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                 *, micro_batch: int, temperature: float) -> torch.Tensor:
+        """log ref(o_t | context) at every response position of the batch, 0 elsewhere: [B, L]."""
+        from stapo.core.trainer.base import compute_token_stats
+
+        if self.offload:
+            self.model.to(self.device)
+        try:
+            out = []
+            for s in range(0, input_ids.shape[0], micro_batch):
+                rows = slice(s, s + micro_batch)
+                lp, _ = compute_token_stats(
+                    self.model, input_ids[rows].to(self.device), attention_mask[rows].to(self.device),
+                    response_mask[rows].to(self.device), chunk_size=self.chunk_size, temperature=temperature,
+                )
+                out.append(lp.float())
+            return torch.cat(out)
+        finally:
+            if self.offload:
+                self.model.to("cpu")
+
+
+@torch.no_grad()
+def minp_stats_batched(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       response_mask: torch.Tensor, *, min_p: float, micro_batch: int, temperature: float,
+                       chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log kept mass [B, L], log max prob [B, L]) at the response positions (0 elsewhere)."""
+    from stapo.core.trainer.base import (
+        _final_hidden,
+        forward_as,
+        head_logit_transform,
+        position_ids_from_mask,
+        stat_targets,
+    )
+
+    B, L = input_ids.shape
+    device = input_ids.device
+    kept = torch.zeros(B, L, dtype=torch.float32, device=device)
+    pmax = torch.zeros(B, L, dtype=torch.float32, device=device)
+    scale, needs_logits = head_logit_transform(model)
+    was_training = model.training
+    model.eval()
+    try:
+        for s in range(0, B, micro_batch):
+            rows = slice(s, s + micro_batch)
+            ids, attn = input_ids[rows], attention_mask[rows]
+            pos = position_ids_from_mask(attn)
+            target = stat_targets(attn, response_mask[rows])  # [b, L]
+            tgt = target[:, 1:]
+            if needs_logits:  # soft-capped heads: the model's own logits, row chunk by row chunk
+                logits = type(model).forward(model, input_ids=ids, attention_mask=attn, position_ids=pos,
+                                             use_cache=False).logits[:, :-1][tgt]  # [n, V]
+                lk, lm = _stats_in_chunks(lambda x: x, logits, min_p, temperature, chunk_size)
+            else:
+                h = _final_hidden(model, ids, attn, pos)[:, :-1][tgt]  # [n, D]
+                head = model.get_output_embeddings()
+                bias = getattr(head, "bias", None)
+
+                def _run(h_: torch.Tensor, head: Any = head, bias: Any = bias) -> tuple[torch.Tensor, torch.Tensor]:
+                    def proj(x: torch.Tensor) -> torch.Tensor:
+                        z = x @ head.weight.t()
+                        return (z + bias if bias is not None else z) * scale
+
+                    return _stats_in_chunks(proj, h_, min_p, temperature, chunk_size)
+
+                with forward_as(head, _run):
+                    lk, lm = head(h)
+            where = target.nonzero(as_tuple=True)
+            kept[rows][where] = lk.float()
+            pmax[rows][where] = lm.float()
+    finally:
+        model.train(was_training)
+    return kept, pmax
+
+
+def _stats_in_chunks(proj: Any, x: torch.Tensor, min_p: float, temperature: float,
+                     chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    outs_k, outs_m = [], []
+    for c in range(0, x.shape[0], chunk_size):
+        z = proj(x[c : c + chunk_size]).float() / temperature  # [c, V]
+        k, m = minp_stats_from_logits(z, min_p=min_p)
+        outs_k.append(k)
+        outs_m.append(m)
+    if not outs_k:
+        empty = torch.zeros(0, device=x.device)
+        return empty, empty
+    return torch.cat(outs_k), torch.cat(outs_m)

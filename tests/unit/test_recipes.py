@@ -1,0 +1,123 @@
+"""The shipped recipes are what their names say: each recipe's defining differences, checked on the
+resolved (validated) configs, and the `stapo recipes` command that lists and diffs them."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from stapo.cli.main import app
+from stapo.cli.recipes import recipe_header, resolved_diff
+from stapo.configs import preset_names, preset_path
+from stapo.core.config import load_config
+
+RECIPES = ["stapo", "dapo", "grpo", "20-entropy", "justrl", "stare", "lp-reg", "gspo", "entropy-bonus"]
+
+
+def cfg(name: str):
+    return load_config(preset_path(name))
+
+
+def diff(a: str, b: str) -> dict[str, tuple]:
+    return {k: (va, vb) for k, va, vb in resolved_diff(preset_path(a), preset_path(b))}
+
+
+def test_every_recipe_is_shipped_with_a_header_and_sources():
+    assert set(RECIPES) <= set(preset_names())
+    for name in RECIPES:
+        path = preset_path(name)
+        h = recipe_header(path)
+        assert h["recipe"] and h["source"], name
+        # every algorithm / trainer / rollout value line carries a provenance tag
+        body = path.read_text().split("\nalgorithm:", 1)[1].split("\nreward:", 1)[0]
+        for line in body.splitlines():
+            if re.match(r"^\s+\w+: \S", line) and not line.strip().startswith(("name:", "backend:", "logits_chunk_size:")):
+                assert re.search(r"#.*\[", line), f"{name}: no source tag on {line.strip()!r}"
+
+
+def test_stapo_is_dapo_plus_s2t_and_nothing_else():
+    assert diff("dapo", "stapo") == {
+        "algorithm.name": ("dapo", "stapo"),
+        "algorithm.token_weighting": ("none", "s2t"),
+    }
+    s2t = cfg("stapo").algorithm.s2t
+    assert (s2t.tau_p, s2t.tau_h, s2t.tau_h_quantile) == (0.01, None, 0.05)
+
+
+def test_dapo_is_dapo():
+    a, r = cfg("dapo").algorithm, cfg("dapo").reward
+    assert (a.eps_low, a.eps_high, a.aggregation, a.kl_coef) == (0.2, 0.28, "token-mean", 0.0)
+    assert a.dynamic_sampling and a.dynamic_sampling_metric == "acc"
+    assert a.overlong.enabled and a.overlong.filter and a.overlong.penalty == 1.0
+    assert (r.scale.correct, r.scale.wrong) == (1.0, -1.0)
+    assert a.token_weighting == "none" and a.advantage == "grpo"
+
+
+def test_grpo_is_vanilla():
+    c = cfg("grpo")
+    a = c.algorithm
+    assert (a.eps_low, a.eps_high) == (0.2, 0.2)  # symmetric clip
+    assert a.aggregation == "seq-mean-token-mean" and a.advantage == "grpo"
+    assert not a.dynamic_sampling and not a.overlong.enabled and not a.overlong.filter
+    assert a.dual_clip_c is None and a.token_weighting == "none" and a.policy_loss == "ppo_clip"
+    assert a.kl.reference == "initial" and a.kl.estimator == "k3" and not a.kl.in_reward  # optional KL
+    assert (c.reward.scale.correct, c.reward.scale.wrong) == (1.0, 0.0)
+    assert diff("grpo", "justrl") != {}  # no longer the same recipe as JustRL
+
+
+def test_twenty_entropy_is_dapo_setup_plus_top_entropy():
+    d = diff("dapo", "20-entropy")
+    assert d.pop("algorithm.token_weighting") == ("none", "top_entropy")
+    assert d.pop("algorithm.name") == ("dapo", "20-entropy")
+    # the authors' DAPO setup: their n, batch, budget and overlong buffer; nothing else changes
+    assert set(d) == {"rollout.n", "rollout.prompts_per_step", "rollout.max_new_tokens", "algorithm.overlong.buffer"}
+    c = cfg("20-entropy")
+    assert (c.rollout.n, c.rollout.prompts_per_step, c.algorithm.overlong.buffer) == (16, 512, 4096)
+    assert c.algorithm.top_entropy.rho == 0.2 and c.algorithm.top_entropy.denominator == "kept"
+
+
+def test_justrl_is_plain_grpo_with_clip_higher():
+    a, c = cfg("justrl").algorithm, cfg("justrl")
+    assert (a.eps_low, a.eps_high, a.kl_coef, a.entropy_coef) == (0.2, 0.28, 0.0, 0.0)
+    assert not a.dynamic_sampling and not a.overlong.enabled and a.token_weighting == "none"
+    assert c.reward.mode == "dapo" and c.reward.scale.wrong == 0.0 and c.trainer.warmup_steps == 0
+
+
+def test_stare_lp_reg_gspo_entropy_bonus():
+    s = cfg("stare").algorithm
+    assert s.token_weighting == "stare" and not s.stare.adaptive and (s.stare.w, s.stare.m) == (1.1, 0.9)
+    assert (s.stare.top_ratio, s.stare.target_entropy, s.stare.alpha) == (0.1, 0.3, 0.01)
+    assert (s.stare.w_max, s.stare.m_min, s.stare.variant) == (1.5, 0.5, "O1")
+    lp = cfg("lp-reg").algorithm
+    assert lp.lp_reg.enabled and lp.token_weighting == "none"  # the PG term stays on every token
+    assert (lp.lp_reg.rho, lp.lp_reg.min_p, lp.lp_reg.coef, lp.lp_reg.estimator) == (0.01, 0.02, 1.0, "k3")
+    g = cfg("gspo").algorithm
+    assert g.policy_loss == "gspo" and (g.eps_low, g.eps_high) == (3e-4, 4e-4) and g.aggregation == "seq-mean-token-mean"
+    d = diff("dapo", "entropy-bonus")
+    assert d == {"algorithm.name": ("dapo", "entropy-bonus"), "algorithm.entropy_coef": (0.0, 0.001),
+                 "trainer.entropy_grad": (False, True)}
+
+
+def test_recipes_cli_lists_and_diffs():
+    runner = CliRunner()
+    out = runner.invoke(app, ["recipes"])
+    assert out.exit_code == 0, out.output
+    for name in RECIPES:
+        assert re.search(rf"^{re.escape(name)}\s", out.output, re.M), name
+    assert "arXiv 2602.15620" in out.output and "Lp-Reg-dev" in out.output
+    out = runner.invoke(app, ["recipes", "diff", "dapo", "stapo"])
+    assert out.exit_code == 0, out.output
+    lines = [ln for ln in out.output.splitlines()[1:] if ln.strip()]
+    assert len(lines) == 2 and "algorithm.token_weighting  'none' -> 's2t'" in out.output
+    out = runner.invoke(app, ["recipes", "diff", "dapo", "dapo"])
+    assert "resolve to the same config" in out.output
+    out = runner.invoke(app, ["recipes", "diff", "dapo", "stapo", "--set", "algorithm.s2t.tau_p=0.02"])
+    assert "algorithm.s2t.tau_p" in out.output
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_batch_divides_into_mini_batches(name):
+    c = cfg(name)
+    assert (c.rollout.prompts_per_step * c.rollout.n) % c.algorithm.mini_batches == 0
