@@ -2,6 +2,8 @@
 
 Rules, strongest first (see docs/verifier.md for the reasons):
 
+0. Chat-template special tokens (``<|im_end|>``, ``<|eot_id|>``, ``</s>``, ...; ``SPECIAL_TOKENS``)
+   are removed first, in every mode.
 1. ``think``: "optional" keeps only the text after the last ``</think>`` when there is one,
    "required" answers None when there is no ``</think>``, "ignore" uses the whole text.
 2. Strong markers, the one that starts LAST in the text wins:
@@ -27,6 +29,31 @@ import re
 from stapo.verifier_service.normalize import strip_delims
 
 THINK_MODES = ("optional", "required", "ignore")
+
+SPECIAL_TOKENS: tuple[str, ...] = (
+    # ChatML (Qwen, Yi, OpenHermes, ...), GPT-2 / Qwen base, Phi-3 / Phi-4
+    "<|im_end|>", "<|im_start|>", "<|endoftext|>", "<|end|>", "<|endofprompt|>", "<|im_sep|>",
+    # Llama 3 / 3.1 / 3.2
+    "<|eot_id|>", "<|end_of_text|>", "<|begin_of_text|>", "<|eom_id|>",
+    "<|start_header_id|>", "<|end_header_id|>",
+    # Llama 2 / Mistral / most SentencePiece models
+    "</s>", "<s>", "<unk>", "<pad>", "[PAD]", "[/INST]", "[INST]",
+    # Gemma
+    "<end_of_turn>", "<start_of_turn>", "<eos>", "<bos>",
+    # DeepSeek V2/V3/R1 (full-width bars, U+2581 spaces)
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", "<\uff5cbegin\u2581of\u2581sentence\uff5c>",
+    "<\uff5cAssistant\uff5c>", "<\uff5cUser\uff5c>", "<\uff5cEOT\uff5c>",
+    # GLM / ChatGLM, Mistral v7+ control tokens, OLMo
+    "<|user|>", "<|assistant|>", "<|system|>", "<|observation|>", "[/SYSTEM_PROMPT]",
+)  # fmt: skip
+"""End-of-turn, padding and role tokens of the common chat templates, removed before extraction.
+
+OpenRLHF decodes ``prompt + response`` with ``skip_special_tokens=False``, so its queries end in the
+end-of-turn token (and often padding): ``Answer: 3/4<|im_end|>`` must grade as ``3/4``. Besides this
+list, any ``<|...|>`` token (word characters, dots, dashes only) and any DeepSeek ``<\uff5c...\uff5c>`` token is
+removed too; ``extra_special_tokens`` of :func:`strip_special_tokens` adds model-specific ones.
+"""
+_GENERIC_SPECIAL_RE = re.compile(r"<\|[A-Za-z0-9_.\-]{1,40}\|>|<\uff5c[^\uff5c<>\n]{1,40}\uff5c>")
 BARE_MAX_CHARS = 80
 """A prediction with no marker, one line and at most this many characters is taken as the answer."""
 
@@ -42,10 +69,26 @@ _JOIN_SEP_RE = re.compile(r"^(?:\s|\$|\\\)|\\\(|\\\[|\\\]|,|;|\\quad|\\qquad|\ba
 _HOPE_RE = re.compile(r"(?i)\.?\s*I hope it is correct\.?\s*$")
 
 
+def strip_special_tokens(text: str, extra_special_tokens: tuple[str, ...] = ()) -> str:
+    """``text`` with chat-template special tokens (``SPECIAL_TOKENS``, the generic ``<|...|>`` shape and
+    ``extra_special_tokens``) replaced by a newline, so a marker's line ends where the turn ended.
+
+    Removing rather than cutting at the first one: an OpenRLHF query may begin with padding or a
+    system turn when the prompt prefix could not be stripped; the last marker still wins.
+    """
+    if "<" not in text and "[" not in text:
+        return text
+    for tok in (*extra_special_tokens, *SPECIAL_TOKENS):
+        if tok and tok in text:
+            text = text.replace(tok, "\n")
+    return _GENERIC_SPECIAL_RE.sub("\n", text)
+
+
 def apply_think(text: str, think: str) -> str | None:
     """Cut the reasoning part of a response according to ``think`` (None when it is required but absent)."""
     if think not in THINK_MODES:
         raise ValueError(f"think: unknown mode {think!r}; valid: {', '.join(THINK_MODES)}")
+    text = strip_special_tokens(text)
     if think == "ignore":
         return text
     idx = text.rfind("</think>")

@@ -42,8 +42,8 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Literal
 
-from stapo.verifier_service.dapo import dapo_is_correct
-from stapo.verifier_service.extract import THINK_MODES, apply_think, extract_answer
+from stapo.verifier_service.dapo import dapo_extract, dapo_is_correct
+from stapo.verifier_service.extract import THINK_MODES, apply_think, extract_answer, strip_special_tokens
 from stapo.verifier_service.normalize import (
     Num,
     canonical,
@@ -67,6 +67,7 @@ __all__ = [
     "cache_clear",
     "cache_info",
     "extract_answer",
+    "final_answer",
     "get_mode",
     "grade",
     "register_mode",
@@ -678,23 +679,31 @@ def gold_answer(gold: str) -> str:
     return g
 
 
-@register_mode("math")
-def _grade_math(prediction: str, gold: str, think: str) -> tuple[bool, Status, str | None]:
-    gold_ans = latexify(gold_answer(gold))
-    if not strip_delims(gold_ans):
-        raise ValueError("gold: empty answer")
+def _extract_math(prediction: str, think: str) -> tuple[Status, str | None]:
+    """Mode ``math``'s final answer: marker extraction, then math-verify's search for prose or no marker."""
     extracted = extract_answer(prediction, think=think)
     if extracted is not None:
         extracted = latexify(extracted)
     if extracted is None or _is_prose(extracted):
         body = extracted if extracted is not None else apply_think(prediction, think)
         if body is None or not body.strip():
-            return False, "no_answer", None
+            return "no_answer", None
         found = _search_fallback(body)
         if found is not None:
             extracted = found
         if extracted is None:
-            return False, "no_answer", None
+            return "no_answer", None
+    return "ok", extracted
+
+
+@register_mode("math")
+def _grade_math(prediction: str, gold: str, think: str) -> tuple[bool, Status, str | None]:
+    gold_ans = latexify(gold_answer(gold))
+    if not strip_delims(gold_ans):
+        raise ValueError("gold: empty answer")
+    status, extracted = _extract_math(prediction, think)
+    if extracted is None:
+        return False, status, None
     return _equiv(gold_ans, extracted), "ok", extracted
 
 
@@ -709,10 +718,46 @@ def _grade_dapo(prediction: str, gold: str, think: str) -> tuple[bool, Status, s
     return correct, "ok", extracted
 
 
+def final_answer(
+    prediction: str,
+    mode: str = "math",
+    *,
+    think: str = "optional",
+    special_tokens: tuple[str, ...] = (),
+) -> tuple[Status, str | None]:
+    """(status, extracted answer) exactly as :func:`grade` extracts it, without a gold.
+
+    For a parent-side verdict cache keyed by (gold, extracted answer, mode): in mode ``math`` the
+    verdict depends on the response only through this string (``grade`` compares it with the
+    gold), so equal keys give equal verdicts. In mode ``dapo`` the extracted text is the raw
+    ``Answer:`` line, also the only thing the verdict reads. Status is ``ok`` or ``no_answer``
+    (never raises for bad text; raises ``ValueError`` for an unknown mode or think).
+    """
+    get_mode(mode)
+    if think not in THINK_MODES:
+        raise ValueError(f"think: unknown mode {think!r}; valid: {', '.join(THINK_MODES)}")
+    prediction = strip_special_tokens(prediction, tuple(special_tokens))
+    if mode == "dapo":
+        body = apply_think(prediction, think)
+        raw = dapo_extract(body) if body is not None else None
+        return ("ok", raw.strip()) if raw is not None else ("no_answer", None)
+    return _extract_math(prediction, think)
+
+
 def grade(
-    prediction: str, gold: str, mode: str = "math", *, think: str = "optional", max_chars: int = MAX_CHARS
+    prediction: str,
+    gold: str,
+    mode: str = "math",
+    *,
+    think: str = "optional",
+    max_chars: int = MAX_CHARS,
+    special_tokens: tuple[str, ...] = (),
 ) -> GradeResult:
-    """Grade one prediction against one gold answer; see the module docstring for the pipeline."""
+    """Grade one prediction against one gold answer; see the module docstring for the pipeline.
+
+    ``special_tokens``: model-specific tokens removed from the prediction on top of
+    ``extract.SPECIAL_TOKENS`` (the common chat templates' end-of-turn, padding and role tokens).
+    """
     fn = get_mode(mode)
     if think not in THINK_MODES:
         raise ValueError(f"think: unknown mode {think!r}; valid: {', '.join(THINK_MODES)}")
@@ -722,6 +767,8 @@ def grade(
             raise TypeError("prediction and gold must be str")
         if len(prediction) > max_chars or len(gold) > max_chars:
             return GradeResult(False, 0.0, "too_large", None, (time.perf_counter() - t0) * 1e3)
+        prediction = strip_special_tokens(prediction, tuple(special_tokens))
+        gold = strip_special_tokens(gold)
         correct, status, extracted = fn(prediction, gold, think)
     except Exception:
         logger.debug("grading failed", exc_info=True)
