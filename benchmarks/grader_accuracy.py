@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TABLES = {
     "cases": ROOT / "verifier_service/data/grader_cases.jsonl",
     "heldout": ROOT / "verifier_service/data/grader_heldout.jsonl",
+    "corpus-dev": ROOT / "verifier_service/data/corpus/dev.jsonl",
+    "corpus-heldback": ROOT / "verifier_service/data/corpus/heldback.jsonl",
 }
 RESULTS = ROOT / "benchmarks/RESULTS.md"
 SECTION = "## Grader accuracy"
@@ -89,7 +91,9 @@ def stapo_grade(pred: str, gold: str) -> bool:
 
 
 def group_of(row: dict) -> str:
-    """A short group name: the repository (and test) or the stapo group before any parenthesis."""
+    """A short group name: the corpus family, the repository (and test), or the group before any parenthesis."""
+    if "family" in row:
+        return row["family"]
     src = row["source"]
     if src.startswith("huggingface/Math-Verify"):
         return "math-verify tests"

@@ -11,7 +11,9 @@ Rules, strongest first (see docs/verifier.md for the reasons):
    that follow each other separated only by commas/"and" are one multi-part answer),
    the last ``Answer: ...`` line (DAPO template; ``**Final Answer:**`` too),
    the last GSM8K ``#### ...``.
-3. Weak marker: the last "the (final) answer is ..." sentence.
+3. Weak marker: the last "the (final) answer is ..." sentence; failing that, the same phrase in
+   other languages ("答案是 ...", "la réponse est ...", "die Antwort ist ...", "Ответ: ...", ...), the
+   phrase's value up to the end of its sentence (not the text's last number).
 4. No marker: a short one-line prediction (``BARE_MAX_CHARS``) is the answer itself ("42",
    "$\\frac12$"); anything else gives None and the grader may fall back to math-verify's own
    extraction (last LaTeX span / last number) — see ``grader.py``.
@@ -65,7 +67,17 @@ _ANSWER_IS_RE = re.compile(
     r"(?:is|=|:)\s*:?\s*(.+?)(?=\.\s|\.$|\n|;\s|\s+I hope|$)",
     re.DOTALL,
 )
-_JOIN_SEP_RE = re.compile(r"^(?:\s|\$|\\\)|\\\(|\\\[|\\\]|,|;|\\quad|\\qquad|\band\b|\bor\b|\\text\{\s*(?:and|or)\s*\})*$")
+_JOIN_SEP_RE = re.compile(
+    r"^(?:\s|\$|\\\)|\\\(|\\\[|\\\]|,|;|\\quad|\\qquad|\band\b|\bor\b|\\text\{\s*(?:and|or)\s*\}"
+    r"|(?<![A-Za-z])[a-z](?:_\{?\w+\}?)?\s*=)*$"
+)  # "x = \boxed{2} or x = \boxed{3}": a one-letter "x =" between boxes keeps them one answer
+# "the answer is" in other languages (no box): the phrase's value, up to the end of its sentence
+_I18N_ANSWER_RE = re.compile(
+    r"(?i)(?:最终答案|答案|答え|정답|réponse(?:\s+finale)?|antwort|respuesta(?:\s+final)?|risposta(?:\s+finale)?"
+    r"|resposta(?:\s+final)?|ответ|odpowied[źz]|cevap|jawaban(?:nya)?)"
+    r"\s*(?:est|ist|es|è|é|是|为|為|は|:|：|равен|—|-)?\s*(?:est|ist|es|è|é|:|：)?\s*"
+    r"(\$[^$\n]+\$|\\\(.+?\\\)|[^\n。；;，！？!?]+?)(?=\s*(?:です|である|になります|となります|。|；|;|，|,\s|！|!|？|\?|\.(?!\d)|\n|$))"
+)
 _HOPE_RE = re.compile(r"(?i)\.?\s*I hope it is correct\.?\s*$")
 
 
@@ -210,6 +222,11 @@ def extract_answer(text: str, *, think: str = "optional") -> str | None:
     weak = [m for m in weak if re.match(r"(?i)final answer|the answer", m.group(0))]
     if weak:
         ans = _from_marker_text(weak[-1].group(1))
+        if ans:
+            return ans
+    i18n = [m for m in _I18N_ANSWER_RE.finditer(body) if m.group(1).strip()]
+    if i18n:
+        ans = strip_delims(_clean_tail(i18n[-1].group(1)))
         if ans:
             return ans
     stripped = body.strip()
