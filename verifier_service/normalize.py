@@ -32,6 +32,8 @@ _TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|
 _DEGREE_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\^\s*\{\s*\\circ\s*\}|°|\\degree\b")
 _PERCENT_RE = re.compile(r"\s*(?:\\%|%|\\text\{\s*percent\s*\}|\bpercent\b)\s*$")
 _UNIT_TAIL_RE = re.compile(r"\s*\\(?:text|mbox|mathrm)\s*\{\s*[A-Za-z][A-Za-z .\-/]*\}(?:\s*\^\s*\{?\d\}?)?\s*$")
+# a bare squared / cubed unit after a number ("233 m^2", "125 cm^3"): area and volume answers
+_BARE_UNIT_POW_RE = re.compile(r"(?<=\d)\s+(?:m|cm|mm|km|in|ft|yd|mi|[a-z]{2,10})\s*\^\s*\{?[23]\}?\s*$")
 
 
 _UNICODE_MAP = {
@@ -182,6 +184,7 @@ def parse_number(s: str) -> Num | None:
     s = re.sub(r"\\[,!;: ]|~", "", s)
     s = _LEFT_RIGHT_RE.sub("", s)
     s = _UNIT_TAIL_RE.sub("", s)
+    s = _BARE_UNIT_POW_RE.sub("", s)
     percent = False
     m = _PERCENT_RE.search(s)
     if m:
