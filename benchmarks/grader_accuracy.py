@@ -6,9 +6,12 @@ Tables (rows ``{"gold", "prediction", "expected", "source"}``):
   (math-verify's own tests + hand-written rows);
 - ``verifier_service/data/grader_heldout.jsonl``: an independent held-out table (other public graders'
   tests and behaviours, model-style outputs on real benchmark golds), written before the grader was
-  measured on it.
+  measured on it;
+- ``verifier_service/data/corpus/dev.jsonl`` and ``corpus/heldback.jsonl``: the large corpus by family
+  (``benchmarks/build_grader_corpus.py``; rows also carry ``family``). The dev part is what the grader
+  was tuned on (tests read it); the held-back part is read ONLY here.
 
-For each table, and each ``source`` group inside it, the harness prints accuracy, false positives
+For each table, and each ``family`` (corpus) or ``source`` group inside it, the harness prints accuracy, false positives
 (a wrong answer rewarded: the worse error for RL) and false negatives of
 
 - ``stapo``: ``stapo.verifier_service.grader.grade(prediction, gold).correct``;

@@ -55,7 +55,12 @@ end-of-turn token (and often padding): ``Answer: 3/4<|im_end|>`` must grade as `
 list, any ``<|...|>`` token (word characters, dots, dashes only) and any DeepSeek ``<\uff5c...\uff5c>`` token is
 removed too; ``extra_special_tokens`` of :func:`strip_special_tokens` adds model-specific ones.
 """
-_GENERIC_SPECIAL_RE = re.compile(r"<\|[A-Za-z0-9_.\-]{1,40}\|>|<\uff5c[^\uff5c<>\n]{1,40}\uff5c>")
+_SPECIAL_RE = re.compile(
+    r"<(?:\|[A-Za-z0-9_.\-]{1,40}\||\uff5c[^\uff5c<>\n]{1,40}\uff5c|/s|s|unk|pad|eos|bos|end_of_turn|start_of_turn)>"
+    r"|\[(?:PAD|/?INST|/SYSTEM_PROMPT)\]"
+)  # every token of SPECIAL_TOKENS (a test checks it) plus the generic <|...|> and <\uff5c...\uff5c> shapes
+_ANGLE_TOKENS = ("</s>", "<s>", "<unk>", "<pad>", "<eos>", "<bos>", "<end_of_turn>", "<start_of_turn>")
+_BRACKET_TOKENS = ("[PAD]", "[INST]", "[/INST]", "[/SYSTEM_PROMPT]")
 BARE_MAX_CHARS = 80
 """A prediction with no marker, one line and at most this many characters is taken as the answer."""
 
@@ -88,12 +93,25 @@ def strip_special_tokens(text: str, extra_special_tokens: tuple[str, ...] = ()) 
     Removing rather than cutting at the first one: an OpenRLHF query may begin with padding or a
     system turn when the prompt prefix could not be stripped; the last marker still wins.
     """
-    if "<" not in text and "[" not in text:
-        return text
-    for tok in (*extra_special_tokens, *SPECIAL_TOKENS):
+    for tok in extra_special_tokens:
         if tok and tok in text:
             text = text.replace(tok, "\n")
-    return _GENERIC_SPECIAL_RE.sub("\n", text)
+    if not _may_have_special(text):
+        return text
+    return _SPECIAL_RE.sub("\n", text)
+
+
+def _may_have_special(text: str) -> bool:
+    """A cheap pre-check (the regex scan costs ~10 us per 2,000 characters, this ~1 us)."""
+    if "|" in text or "\uff5c" in text:
+        return True
+    for lead, toks in (("<", _ANGLE_TOKENS), ("[", _BRACKET_TOKENS)):
+        i = text.find(lead)
+        while i >= 0:
+            if text.startswith(toks, i):
+                return True
+            i = text.find(lead, i + 1)
+    return False
 
 
 def apply_think(text: str, think: str) -> str | None:

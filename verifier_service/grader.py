@@ -909,7 +909,8 @@ def final_answer(
     get_mode(mode)
     if think not in THINK_MODES:
         raise ValueError(f"think: unknown mode {think!r}; valid: {', '.join(THINK_MODES)}")
-    prediction = strip_special_tokens(prediction, tuple(special_tokens))
+    if special_tokens:
+        prediction = strip_special_tokens(prediction, tuple(special_tokens))
     if mode == "dapo":
         body = apply_think(prediction, think)
         raw = dapo_extract(body) if body is not None else None
@@ -940,9 +941,9 @@ def grade(
             raise TypeError("prediction and gold must be str")
         if len(prediction) > max_chars or len(gold) > max_chars:
             return GradeResult(False, 0.0, "too_large", None, (time.perf_counter() - t0) * 1e3)
-        prediction = strip_special_tokens(prediction, tuple(special_tokens))
-        gold = strip_special_tokens(gold)
-        correct, status, extracted = fn(prediction, gold, think)
+        if special_tokens:  # the common chat templates' tokens are removed by extract.apply_think
+            prediction = strip_special_tokens(prediction, tuple(special_tokens))
+        correct, status, extracted = fn(prediction, strip_special_tokens(gold), think)
     except Exception:
         logger.debug("grading failed", exc_info=True)
         return GradeResult(False, 0.0, "error", None, (time.perf_counter() - t0) * 1e3)

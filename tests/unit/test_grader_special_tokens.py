@@ -68,6 +68,11 @@ def test_extra_special_tokens_parameter():
     assert grade(pred, "2/3", "dapo", special_tokens=("[[END]]",)).correct
 
 
+def test_every_listed_token_is_removed():
+    for tok in SPECIAL_TOKENS:
+        assert strip_special_tokens(f"a{tok}b") == "a\nb", tok
+
+
 def test_list_and_helpers():
     for tok in ("<|im_end|>", "<|eot_id|>", "</s>", "<end_of_turn>", "<\uff5cend\u2581of\u2581sentence\uff5c>"):
         assert tok in SPECIAL_TOKENS
