@@ -460,6 +460,8 @@ def _equiv(gold: str, pred: str) -> bool:
     #    unequal plain-arithmetic answers without parsing them (it never accepts: numeric.py)
     if g.num is not None and g.num.decimal and _rounded_gold_match(g, pred, None):
         return True
+    if g.num is not None and _compound_quantity(pred):
+        return False
     if _numerically_unequal(gold, pred) or _word_soup(gold, pred) or _brackets_unequal(gold, pred):
         return False
     gold_exprs = _sympy_parse(gold, False)
@@ -472,6 +474,24 @@ def _equiv(gold: str, pred: str) -> bool:
     ok = bool(verify(list(gold_exprs), list(pred_exprs), timeout_seconds=None, allow_set_relation_comp=True))
     exact = _exact_constants_equal(gold_exprs, pred_exprs)
     return exact if exact is not None else ok
+
+
+_NUM_TOKEN_RE = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _compound_quantity(pred: str) -> bool:
+    """"3 hours and 20 minutes", "2 feet 5 inches": two numbers joined by words, not by an operator.
+
+    Against a single-number gold such an answer is not that number, yet math-verify's search
+    (units stripped, first number) would read it as ``3``.
+    """
+    bare = re.sub(r"\\(?:text|mathrm|mbox)\s*\{([^{}]*)\}", r" \1 ", pred)
+    nums = list(_NUM_TOKEN_RE.finditer(bare))
+    for a, b in zip(nums, nums[1:], strict=False):
+        between = bare[a.end() : b.start()]
+        if re.search(r"[A-Za-z]{3,}", between) and not re.search(r"[-+*/^=_\\{}(),]", between):
+            return True
+    return False
 
 
 def _exact_constants_equal(gold_exprs: tuple, pred_exprs: tuple) -> bool | None:
@@ -493,6 +513,10 @@ def _exact_constants_equal(gold_exprs: tuple, pred_exprs: tuple) -> bool | None:
     try:
         if not (g.is_number and p.is_number) or g.atoms(sympy.Float) or p.atoms(sympy.Float):
             return None
+        if g.is_rational and p.is_rational:
+            gr, pr = g.doit(), p.doit()  # latex2sympy leaves powers unevaluated
+            if isinstance(gr, sympy.Rational) and isinstance(pr, sympy.Rational):
+                return bool(gr == pr)  # integers and fractions: exactly (3^{100} + 3 != 3^{100})
         gv, pv = sympy.N(g, 60), sympy.N(p, 60)
         if not (gv.is_real and pv.is_real and gv.is_finite and pv.is_finite):
             return None
@@ -542,18 +566,20 @@ def _rounded_gold_match(g: _Info, pred: str, pred_value: Fraction | None) -> boo
     return abs(float(vals[0].real) - float(g.num.value)) <= 0.5 * 10**-d * (1 + 1e-9)
 
 
-_CLOCK_RE = re.compile(r"^(\d{1,2}):([0-5]\d)(?::([0-5]\d))?(?:([AaPp])\.?[Mm]\.?)?$")
+_CLOCK_RE = re.compile(r"^(\d{1,2}):([0-5]\d)(?::([0-5]\d))?(?:([AaPp])\.?[Mm]\.?|(noon|midnight))?$")
 
 
 def _clock(canon: str) -> tuple[int, int, str | None] | None:
     m = _CLOCK_RE.match(canon.replace("\\text", "").replace(" ", ""))
     if m is None or int(m.group(1)) > 24:
         return None
-    return int(m.group(1)), int(m.group(2)), (m.group(4) or "").lower() or None
+    ap = (m.group(4) or "").lower() or {"noon": "p", "midnight": "a"}.get(m.group(5) or "")
+    return int(m.group(1)), int(m.group(2)), ap
 
 
 def _clock_equal(a: tuple[int, int, str | None], b: tuple[int, int, str | None]) -> bool:
-    """Same time of day; "1:30 pm" = "13:30"; without a.m./p.m. on one side, the 12-hour reading."""
+    """Same time of day; "1:30 pm" = "13:30", "12:00 noon" = "12:00 p.m."; without a.m./p.m. on one
+    side, the 12-hour reading."""
 
     def day(h: int, m: int, ap: str | None) -> int | None:
         if ap is not None:
