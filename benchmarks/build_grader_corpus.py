@@ -2,9 +2,9 @@
 
 Rows ``{"gold", "prediction", "expected", "family", "source"}`` go to
 
-- ``verifier_service/data/corpus/dev.jsonl``: the development part (tests read it, the grader was
+- ``verifier_service/data/corpus_dev.jsonl``: the development part (tests read it, the grader was
   tuned on it);
-- ``verifier_service/data/corpus/heldback.jsonl``: the held-back part, read ONLY by
+- ``verifier_service/data/corpus_heldback.jsonl``: the held-back part, read ONLY by
   ``benchmarks/grader_accuracy.py`` (no test reads it). It is built from other sources than the dev
   part: other benchmark answer keys (OlympiadBench, Minerva, GSM8K, AIME 2025 vs MATH-500, AMC 2023,
   AIME 2024), other response templates, other languages, other values. The builder is one file so
@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
-OUT = ROOT / "verifier_service/data/corpus"
+OUT = ROOT / "verifier_service/data"
 
 # --------------------------------------------------------------------------- response templates
 DEV_WRAP = (
@@ -779,7 +779,7 @@ def main(argv: list[str] | None = None) -> None:
     held = [r for r in held if (r["gold"], r["prediction"]) not in keys]  # disjoint by construction
     OUT.mkdir(parents=True, exist_ok=True)
     for name, rows in (("dev", dev), ("heldback", held)):
-        with (OUT / f"{name}.jsonl").open("w", encoding="utf-8") as f:
+        with (OUT / f"corpus_{name}.jsonl").open("w", encoding="utf-8") as f:
             for r in rows:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
         neg = sum(not r["expected"] for r in rows)

@@ -7,7 +7,7 @@ Tables (rows ``{"gold", "prediction", "expected", "source"}``):
 - ``verifier_service/data/grader_heldout.jsonl``: an independent held-out table (other public graders'
   tests and behaviours, model-style outputs on real benchmark golds), written before the grader was
   measured on it;
-- ``verifier_service/data/corpus/dev.jsonl`` and ``corpus/heldback.jsonl``: the large corpus by family
+- ``verifier_service/data/corpus_dev.jsonl`` and ``corpus_heldback.jsonl``: the large corpus by family
   (``benchmarks/build_grader_corpus.py``; rows also carry ``family``). The dev part is what the grader
   was tuned on (tests read it); the held-back part is read ONLY here.
 
@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TABLES = {
     "cases": ROOT / "verifier_service/data/grader_cases.jsonl",
     "heldout": ROOT / "verifier_service/data/grader_heldout.jsonl",
-    "corpus-dev": ROOT / "verifier_service/data/corpus/dev.jsonl",
-    "corpus-heldback": ROOT / "verifier_service/data/corpus/heldback.jsonl",
+    "corpus-dev": ROOT / "verifier_service/data/corpus_dev.jsonl",
+    "corpus-heldback": ROOT / "verifier_service/data/corpus_heldback.jsonl",
 }
 RESULTS = ROOT / "benchmarks/RESULTS.md"
 SECTION = "## Grader accuracy"

@@ -1,8 +1,8 @@
 """The development part of the grading corpus, and the families of issue 11 written out by hand.
 
-``verifier_service/data/corpus/dev.jsonl`` (built by ``benchmarks/build_grader_corpus.py``; each row
+``verifier_service/data/corpus_dev.jsonl`` (built by ``benchmarks/build_grader_corpus.py``; each row
 names its family and source) is what the grader was tuned on. The held-back part
-(``corpus/heldback.jsonl``) is read only by ``benchmarks/grader_accuracy.py``: this file opens it just
+(``corpus_heldback.jsonl``) is read only by ``benchmarks/grader_accuracy.py``: this file opens it just
 to check that the split exists and shares no pair with the dev part.
 """
 
@@ -16,7 +16,7 @@ import pytest
 
 from stapo.verifier_service.grader import grade
 
-CORPUS = resources.files("stapo.verifier_service").joinpath("data/corpus")
+CORPUS = resources.files("stapo.verifier_service").joinpath("data")
 
 
 def _load(name: str) -> list[dict]:
@@ -24,11 +24,11 @@ def _load(name: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-DEV = _load("dev.jsonl")
+DEV = _load("corpus_dev.jsonl")
 
 
 def test_split_exists_is_large_and_disjoint():
-    held_keys = {(r["gold"], r["prediction"]) for r in _load("heldback.jsonl")}
+    held_keys = {(r["gold"], r["prediction"]) for r in _load("corpus_heldback.jsonl")}
     dev_keys = {(r["gold"], r["prediction"]) for r in DEV}
     assert len(dev_keys) == len(DEV) and len(dev_keys) + len(held_keys) >= 2000
     assert not dev_keys & held_keys
