@@ -68,6 +68,7 @@ __all__ = [
     "answers_equivalent",
     "cache_clear",
     "cache_info",
+    "configure",
     "extract_answer",
     "final_answer",
     "get_mode",
@@ -542,6 +543,19 @@ ROUNDED_GOLD_MATCH = os.environ.get("STAPO_GRADER_ROUNDED_GOLD", "1").strip().lo
 exact or more precise answer that rounds to it at the gold's shown precision (``\\frac{2}{3}``,
 ``0.666667``). Needs >= 2 significant digits in the gold. ``STAPO_GRADER_ROUNDED_GOLD=0`` turns it off
 (exact golds are never matched by shorter decimals either way: docs/verifier.md)."""
+
+
+def configure(*, rounded_gold: bool | None = None) -> None:
+    """Set this process's grading policies (the service/pool would call it in each worker at start).
+
+    ``rounded_gold``: see ``ROUNDED_GOLD_MATCH``. Changing a policy empties the result caches.
+    """
+    global ROUNDED_GOLD_MATCH
+    if rounded_gold is not None and bool(rounded_gold) != ROUNDED_GOLD_MATCH:
+        ROUNDED_GOLD_MATCH = bool(rounded_gold)
+        cache_clear()
+
+
 _PLAIN_DEC_RE = re.compile(r"^-?(\d+)\.(\d+)$")
 
 

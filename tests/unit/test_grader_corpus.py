@@ -93,3 +93,16 @@ ISSUE_ROWS = [
 def test_issue_families(gold, pred, expected):
     res = grade(pred, gold)
     assert res.status == "ok" and res.correct is expected, res
+
+
+def test_rounded_gold_policy_is_a_setting():
+    from stapo.verifier_service import grader
+
+    assert grade("\\boxed{\\frac{2}{3}}", "0.6667").correct
+    try:
+        grader.configure(rounded_gold=False)
+        assert not grade("\\boxed{\\frac{2}{3}}", "0.6667").correct
+        assert grade("\\boxed{0.6667}", "0.6667").correct
+    finally:
+        grader.configure(rounded_gold=True)
+    assert grade("\\boxed{\\frac{2}{3}}", "0.6667").correct
