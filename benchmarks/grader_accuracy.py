@@ -6,9 +6,12 @@ Tables (rows ``{"gold", "prediction", "expected", "source"}``):
   (math-verify's own tests + hand-written rows);
 - ``verifier_service/data/grader_heldout.jsonl``: an independent held-out table (other public graders'
   tests and behaviours, model-style outputs on real benchmark golds), written before the grader was
-  measured on it.
+  measured on it;
+- ``verifier_service/data/corpus_dev.jsonl`` and ``corpus_heldback.jsonl``: the large corpus by family
+  (``benchmarks/build_grader_corpus.py``; rows also carry ``family``). The dev part is what the grader
+  was tuned on (tests read it); the held-back part is read ONLY here.
 
-For each table, and each ``source`` group inside it, the harness prints accuracy, false positives
+For each table, and each ``family`` (corpus) or ``source`` group inside it, the harness prints accuracy, false positives
 (a wrong answer rewarded: the worse error for RL) and false negatives of
 
 - ``stapo``: ``stapo.verifier_service.grader.grade(prediction, gold).correct``;
@@ -35,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TABLES = {
     "cases": ROOT / "verifier_service/data/grader_cases.jsonl",
     "heldout": ROOT / "verifier_service/data/grader_heldout.jsonl",
+    "corpus-dev": ROOT / "verifier_service/data/corpus_dev.jsonl",
+    "corpus-heldback": ROOT / "verifier_service/data/corpus_heldback.jsonl",
 }
 RESULTS = ROOT / "benchmarks/RESULTS.md"
 SECTION = "## Grader accuracy"
@@ -89,7 +94,9 @@ def stapo_grade(pred: str, gold: str) -> bool:
 
 
 def group_of(row: dict) -> str:
-    """A short group name: the repository (and test) or the stapo group before any parenthesis."""
+    """A short group name: the corpus family, the repository (and test), or the group before any parenthesis."""
+    if "family" in row:
+        return row["family"]
     src = row["source"]
     if src.startswith("huggingface/Math-Verify"):
         return "math-verify tests"

@@ -1,35 +1,62 @@
 """Reward functions for verl, TRL and OpenRLHF, grading in-process or through the service.
 
-One file, three call shapes (each framework loads a function by name from a file or an import):
+One file, one function per call shape (each framework loads a function by name from a file or an
+import). verl routes (legacy ``verl.workers.reward_manager`` and the new reward loop
+``verl.experimental.reward.reward_loop``; call shapes read from verl's source):
 
-* verl ``custom_reward_function.path=<this file>``, ``name=compute_score``:
-  ``compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict``;
-  with ``reward_model.reward_manager=batch`` use ``name=compute_score_batch``.
+==========================  ===========================================  ==============================
+verl reward manager         how verl calls the function                  ``custom_reward_function.name``
+==========================  ===========================================  ==============================
+naive, dapo (legacy)        ``fn(data_source=, solution_str=,            ``compute_score``
+                            ground_truth=, extra_info=, **reward_kwargs)``
+naive, dapo, prime          same keywords plus ``reward_model=`` /         ``compute_score``
+(new reward loop)           ``reward_router_address=``,
+                            ``reward_model_tokenizer=``; a dict result
+                            is split into score + extra info
+batch (legacy only)         ``fn(data_sources=, solution_strs=,           ``compute_score_batch``
+                            ground_truths=, extra_infos=, **kwargs)``
+prime (legacy)              ``fn(task, completion, reference,             ``compute_score_prime``
+                            extra_info)`` in a ``ProcessPoolExecutor``,
+                            then ``float(result[0])``: a dict breaks it
+                            ("Setting all as 0")
+==========================  ===========================================  ==============================
+
+``compute_score`` returns ``{"score", "acc", "pred", "status", "verifier_failed"}``; an item that could
+not be graded (``timeout``, ``error``, ``too_large``) gets ``score`` = the failure value
+(``failure_score=`` reward kwarg, else ``$STAPO_VERIFIER_FAILURE_SCORE``, else 0.0) and its
+``status`` shows in verl's logged extra info. ``compute_score_prime`` returns ``(score, status)``.
+
 * TRL ``GRPOTrainer(reward_funcs=[make_trl_reward("answer")])``: ``(prompts, completions, **kwargs)``
   with the gold read from the data set column ``kwargs[column]``; plain-text and conversational
-  completions (a list of message dicts) both work.
+  completions (a list of message dicts) both work. An item that could not be graded gets ``None``
+  (TRL's "no reward for this sample"), never a number.
 * OpenRLHF ``--remote_rm_url <this file>``: ``reward_func(queries, prompts, labels)`` -> ``{"rewards",
-  "scores", "extra_logs"}`` (torch tensors when torch is importable, as OpenRLHF expects). Or point
-  ``--remote_rm_url`` at the running service's ``http://host:port/get_reward`` directly.
+  "scores", "extra_logs"}`` (torch tensors when torch is importable, as OpenRLHF expects). Queries are
+  ``prompt + response`` decoded with ``skip_special_tokens=False`` (padding, end-of-turn tokens: the
+  grader strips them). Or point ``--remote_rm_url`` at the service's ``http://host:port/get_reward``.
+
+A missing gold (``None``, NaN) raises ``ValueError`` naming the item: it is never graded against the
+text "None".
 
 Where grading happens: ``url=`` argument, else ``$STAPO_VERIFIER_URL`` (comma-separated list for
 sharding/failover, token from ``$STAPO_VERIFIER_TOKEN``), else in this process through a
 ``GraderPool`` sized by ``$STAPO_VERIFIER_WORKERS`` / ``$STAPO_VERIFIER_DEADLINE_S``. The pool uses
-warm ``forkserver`` workers that never re-import the caller's ``__main__`` (no main guard needed). The service being unreachable raises
-``VerifierUnavailable``: a reward that could not be computed is never silently 0. An item that
-timed out or errored gets score 0 *and* a flag (``verifier_failed``) the trainer logs.
+warm ``forkserver`` workers that never re-import the caller's ``__main__`` (no main guard needed).
+The service being unreachable raises ``VerifierUnavailable``: a reward that could not be computed is
+never silently 0.
 """
 
 from __future__ import annotations
 
 import atexit
+import math
 import os
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from stapo.verifier_service.grader import GradeResult
-from stapo.verifier_service.schemas import strip_prompt
+from stapo.verifier_service.grader import GradeResult, grade
 
 FAILED = frozenset({"timeout", "error", "too_large"})
 
@@ -91,25 +118,57 @@ def close_verifiers() -> None:
             pass
 
 
-def _gold_text(g: Any) -> str:
-    """Golds arrive as str, int, float or a one-element list (verl parquet, JSON data sets)."""
+def _gold_text(g: Any, i: int = 0, field: str = "ground_truth") -> str:
+    """Golds arrive as str, int, float, numpy scalars/arrays or a one-element list (verl parquet, JSON).
+
+    A missing gold is an error, never the text "None" graded as an answer.
+    """
+    if hasattr(g, "tolist") and not isinstance(g, (str, bytes)):
+        g = g.tolist()  # numpy scalar or array (verl's non_tensor_batch is numpy object arrays)
     if isinstance(g, (list, tuple)) and len(g) == 1:
         g = g[0]
+    if g is None or (isinstance(g, float) and math.isnan(g)):
+        raise ValueError(
+            f"{field}[{i}]: missing gold answer ({g!r}); fix the data set row (reward_model.ground_truth / "
+            "label column) instead of grading against it"
+        )
     if isinstance(g, float) and g.is_integer():
         g = int(g)
     return g if isinstance(g, str) else str(g)
 
 
+def failure_score(value: float | None = None) -> float:
+    """The score given to an item that could not be graded: ``value``, else ``$STAPO_VERIFIER_FAILURE_SCORE``, else 0.0.
+
+    Frameworks need a number in a reward tensor; this one is a choice the user makes (0.0, or e.g.
+    the wrong-answer reward of their scheme), and the item's ``status`` travels with it.
+    """
+    if value is not None:
+        return float(value)
+    env = os.environ.get("STAPO_VERIFIER_FAILURE_SCORE")
+    if env:
+        try:
+            return float(env)
+        except ValueError:
+            raise ValueError(f"STAPO_VERIFIER_FAILURE_SCORE: not a number: {env!r}") from None
+    return 0.0
+
+
+_failure_value = failure_score  # the adapters' keyword argument of the same name shadows it
+
+
 # --------------------------------------------------------------------------- verl
 
 
-def _verl_dict(r: GradeResult) -> dict[str, Any]:
+def _verl_dict(r: GradeResult, fail_value: float) -> dict[str, Any]:
     # verl appends every key to reward_extra_info and logs them: keep the same keys for every item.
+    failed = r.status in FAILED
     return {
-        "score": float(r.score),
+        "score": fail_value if failed else float(r.score),
         "acc": bool(r.correct),
         "pred": r.extracted or "",
-        "verifier_failed": 1.0 if r.status in FAILED else 0.0,
+        "status": r.status,
+        "verifier_failed": 1.0 if failed else 0.0,
     }
 
 
@@ -121,11 +180,16 @@ def compute_score(
     *,
     url: str | None = None,
     mode: str = "math",
+    failure_score: float | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
-    """verl's custom reward: ``{"score", "acc", "pred", "verifier_failed"}`` for one response."""
+    """verl's custom reward (naive / dapo managers, legacy and new reward loop; new loop's prime).
+
+    Returns ``{"score", "acc", "pred", "status", "verifier_failed"}``; extra keyword arguments verl
+    passes (``reward_model``, ``reward_router_address``, ``reward_model_tokenizer``, ...) are ignored.
+    """
     r = get_verifier(url).verify([(solution_str, _gold_text(ground_truth), mode)])[0]
-    return _verl_dict(r)
+    return _verl_dict(r, _failure_value(failure_score))
 
 
 def compute_score_batch(
@@ -136,15 +200,78 @@ def compute_score_batch(
     *,
     url: str | None = None,
     mode: str = "math",
+    failure_score: float | None = None,
     **kwargs: Any,
 ) -> list[dict[str, Any]]:
-    """verl's batch reward manager shape: the whole batch in one call (one pool job / few HTTP requests)."""
+    """verl's legacy ``batch`` reward manager: the whole batch in one call (one pool job / few HTTP requests)."""
     if len(solution_strs) != len(ground_truths):
         raise ValueError(
             f"ground_truths: {len(ground_truths)} for {len(solution_strs)} solution_strs; they must match"
         )
-    items = [(s, _gold_text(g), mode) for s, g in zip(solution_strs, ground_truths, strict=True)]
-    return [_verl_dict(r) for r in get_verifier(url).verify(items)]
+    items = [
+        (s, _gold_text(g, i, "ground_truths"), mode)
+        for i, (s, g) in enumerate(zip(solution_strs, ground_truths, strict=True))
+    ]
+    fail = _failure_value(failure_score)
+    return [_verl_dict(r, fail) for r in get_verifier(url).verify(items)]
+
+
+class _Deadline(Exception):
+    pass
+
+
+def _grade_here(prediction: str, gold: str, mode: str, deadline_s: float) -> GradeResult:
+    """Grade in this process under a SIGALRM deadline (main thread only; else through the pool)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        return get_verifier(None).verify([(prediction, gold, mode)])[0]
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise _Deadline
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, deadline_s)
+    try:
+        return grade(prediction, gold, mode)
+    except _Deadline:
+        return GradeResult(False, 0.0, "timeout", None, deadline_s * 1e3)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def compute_score_prime(
+    data_source: Any,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    *,
+    url: str | None = None,
+    mode: str = "math",
+    failure_score: float | None = None,
+    **kwargs: Any,
+) -> tuple[float, str]:
+    """verl's legacy ``prime`` reward manager: ``(score, status)``.
+
+    That manager calls ``fn(task, completion, reference, extra_info)`` positionally inside its own
+    ``ProcessPoolExecutor`` and reads ``float(result[0])``: the dict of :func:`compute_score` raises
+    ``KeyError`` there and the manager sets the whole batch to 0. Its executor already isolates each
+    call, so without a service URL this grades in the calling process under a SIGALRM deadline of
+    ``$STAPO_VERIFIER_DEADLINE_S`` (default 5 s) instead of starting a grader pool in every executor
+    process. A failed item returns the failure value with its status (and a warning in the log).
+    """
+    gold = _gold_text(ground_truth)
+    if url or os.environ.get("STAPO_VERIFIER_URL"):
+        r = get_verifier(url).verify([(solution_str, gold, mode)])[0]
+    else:
+        r = _grade_here(solution_str, gold, mode, float(os.environ.get("STAPO_VERIFIER_DEADLINE_S") or 5.0))
+    if r.status in FAILED:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "verifier item failed: status=%s (data_source=%s)", r.status, data_source
+        )
+        return _failure_value(failure_score), r.status
+    return float(r.score), r.status
 
 
 # --------------------------------------------------------------------------- TRL
@@ -175,16 +302,18 @@ def completion_text(c: Any) -> str:
 
 def make_trl_reward(
     column: str = "answer", *, url: str | None = None, mode: str = "math"
-) -> Callable[..., list[float]]:
+) -> Callable[..., list[float | None]]:
     """A TRL reward function that grades each completion against ``kwargs[column]``.
 
     TRL passes every extra data set column to reward functions as a keyword argument, one value
-    per completion (already repeated for the ``num_generations`` samples of a prompt).
+    per completion (already repeated for the ``num_generations`` samples of a prompt). An item that
+    could not be graded (``timeout``, ``error``, ``too_large``) gets ``None``: TRL then leaves that
+    sample out of this reward instead of training on a made-up 0 (``no_answer`` is a wrong answer: 0.0).
     """
 
     def reward(
         prompts: Sequence[Any] | None = None, completions: Sequence[Any] | None = None, **kwargs: Any
-    ) -> list[float]:
+    ) -> list[float | None]:
         if completions is None:
             raise TypeError("completions: TRL passes completions=...; none given")
         if column not in kwargs:
@@ -195,8 +324,11 @@ def make_trl_reward(
             raise ValueError(
                 f"{column}: {len(golds)} golds for {len(completions)} completions; they must match"
             )
-        items = [(completion_text(c), _gold_text(g), mode) for c, g in zip(completions, golds, strict=True)]
-        return [float(r.score) for r in get_verifier(url).verify(items)]
+        items = [
+            (completion_text(c), _gold_text(g, i, column), mode)
+            for i, (c, g) in enumerate(zip(completions, golds, strict=True))
+        ]
+        return [None if r.status in FAILED else float(r.score) for r in get_verifier(url).verify(items)]
 
     reward.__name__ = f"stapo_math_{column}"  # TRL logs each reward function under its __name__
     return reward
@@ -209,26 +341,46 @@ trl_reward = make_trl_reward("answer")
 # --------------------------------------------------------------------------- OpenRLHF
 
 
+def response_of(query: str, prompt: str | None) -> str:
+    """The response part of an OpenRLHF query (prompt + response, decoded with special tokens kept).
+
+    The prompt is searched anywhere in the query, not only at its start: left padding
+    (``<|endoftext|>`` x n) comes before it. When it is not found the whole query is graded; the
+    extractor takes the LAST marker, which lives in the response.
+    """
+    if prompt:
+        idx = query.find(prompt)
+        if idx >= 0:
+            return query[idx + len(prompt) :]
+    return query
+
+
 def reward_func(
     queries: Sequence[str],
     prompts: Sequence[str],
     labels: Sequence[Any],
     *,
     url: str | None = None,
+    failure_score: float | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
-    """OpenRLHF ``--remote_rm_url this_file.py``: queries are prompt + response; labels are golds."""
+    """OpenRLHF ``--remote_rm_url this_file.py``: queries are prompt + response; labels are golds.
+
+    OpenRLHF needs a number per sample: an item that could not be graded gets the failure value and
+    ``extra_logs["verifier_failed"] = 1``.
+    """
     if len(labels) != len(queries) or (prompts is not None and len(prompts) != len(queries)):
         raise ValueError(
             f"labels/prompts: {len(labels)} labels and {len(prompts or [])} prompts for {len(queries)} queries"
         )
     prompts = prompts if prompts is not None else [None] * len(queries)
     items = [
-        (strip_prompt(q, p), _gold_text(lbl), kwargs.get("mode", "math"))
-        for q, p, lbl in zip(queries, prompts, labels, strict=True)
+        (response_of(q, p), _gold_text(lbl, i, "labels"), kwargs.get("mode", "math"))
+        for i, (q, p, lbl) in enumerate(zip(queries, prompts, labels, strict=True))
     ]
     results = get_verifier(url).verify(items)
-    rewards = [float(r.score) for r in results]
+    fail = _failure_value(failure_score)
+    rewards = [fail if r.status in FAILED else float(r.score) for r in results]
     logs = {
         "accuracy": [float(r.correct) for r in results],
         "verifier_failed": [1.0 if r.status in FAILED else 0.0 for r in results],

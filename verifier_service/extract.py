@@ -2,6 +2,8 @@
 
 Rules, strongest first (see docs/verifier.md for the reasons):
 
+0. Chat-template special tokens (``<|im_end|>``, ``<|eot_id|>``, ``</s>``, ...; ``SPECIAL_TOKENS``)
+   are removed first, in every mode.
 1. ``think``: "optional" keeps only the text after the last ``</think>`` when there is one,
    "required" answers None when there is no ``</think>``, "ignore" uses the whole text.
 2. Strong markers, the one that starts LAST in the text wins:
@@ -9,7 +11,9 @@ Rules, strongest first (see docs/verifier.md for the reasons):
    that follow each other separated only by commas/"and" are one multi-part answer),
    the last ``Answer: ...`` line (DAPO template; ``**Final Answer:**`` too),
    the last GSM8K ``#### ...``.
-3. Weak marker: the last "the (final) answer is ..." sentence.
+3. Weak marker: the last "the (final) answer is ..." sentence; failing that, the same phrase in
+   other languages ("答案是 ...", "la réponse est ...", "die Antwort ist ...", "Ответ: ...", ...), the
+   phrase's value up to the end of its sentence (not the text's last number).
 4. No marker: a short one-line prediction (``BARE_MAX_CHARS``) is the answer itself ("42",
    "$\\frac12$"); anything else gives None and the grader may fall back to math-verify's own
    extraction (last LaTeX span / last number) — see ``grader.py``.
@@ -27,6 +31,36 @@ import re
 from stapo.verifier_service.normalize import strip_delims
 
 THINK_MODES = ("optional", "required", "ignore")
+
+SPECIAL_TOKENS: tuple[str, ...] = (
+    # ChatML (Qwen, Yi, OpenHermes, ...), GPT-2 / Qwen base, Phi-3 / Phi-4
+    "<|im_end|>", "<|im_start|>", "<|endoftext|>", "<|end|>", "<|endofprompt|>", "<|im_sep|>",
+    # Llama 3 / 3.1 / 3.2
+    "<|eot_id|>", "<|end_of_text|>", "<|begin_of_text|>", "<|eom_id|>",
+    "<|start_header_id|>", "<|end_header_id|>",
+    # Llama 2 / Mistral / most SentencePiece models
+    "</s>", "<s>", "<unk>", "<pad>", "[PAD]", "[/INST]", "[INST]",
+    # Gemma
+    "<end_of_turn>", "<start_of_turn>", "<eos>", "<bos>",
+    # DeepSeek V2/V3/R1 (full-width bars, U+2581 spaces)
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", "<\uff5cbegin\u2581of\u2581sentence\uff5c>",
+    "<\uff5cAssistant\uff5c>", "<\uff5cUser\uff5c>", "<\uff5cEOT\uff5c>",
+    # GLM / ChatGLM, Mistral v7+ control tokens, OLMo
+    "<|user|>", "<|assistant|>", "<|system|>", "<|observation|>", "[/SYSTEM_PROMPT]",
+)  # fmt: skip
+"""End-of-turn, padding and role tokens of the common chat templates, removed before extraction.
+
+OpenRLHF decodes ``prompt + response`` with ``skip_special_tokens=False``, so its queries end in the
+end-of-turn token (and often padding): ``Answer: 3/4<|im_end|>`` must grade as ``3/4``. Besides this
+list, any ``<|...|>`` token (word characters, dots, dashes only) and any DeepSeek ``<\uff5c...\uff5c>`` token is
+removed too; ``extra_special_tokens`` of :func:`strip_special_tokens` adds model-specific ones.
+"""
+_SPECIAL_RE = re.compile(
+    r"<(?:\|[A-Za-z0-9_.\-]{1,40}\||\uff5c[^\uff5c<>\n]{1,40}\uff5c|/s|s|unk|pad|eos|bos|end_of_turn|start_of_turn)>"
+    r"|\[(?:PAD|/?INST|/SYSTEM_PROMPT)\]"
+)  # every token of SPECIAL_TOKENS (a test checks it) plus the generic <|...|> and <\uff5c...\uff5c> shapes
+_ANGLE_TOKENS = ("</s>", "<s>", "<unk>", "<pad>", "<eos>", "<bos>", "<end_of_turn>", "<start_of_turn>")
+_BRACKET_TOKENS = ("[PAD]", "[INST]", "[/INST]", "[/SYSTEM_PROMPT]")
 BARE_MAX_CHARS = 80
 """A prediction with no marker, one line and at most this many characters is taken as the answer."""
 
@@ -38,14 +72,53 @@ _ANSWER_IS_RE = re.compile(
     r"(?:is|=|:)\s*:?\s*(.+?)(?=\.\s|\.$|\n|;\s|\s+I hope|$)",
     re.DOTALL,
 )
-_JOIN_SEP_RE = re.compile(r"^(?:\s|\$|\\\)|\\\(|\\\[|\\\]|,|;|\\quad|\\qquad|\band\b|\bor\b|\\text\{\s*(?:and|or)\s*\})*$")
+_JOIN_SEP_RE = re.compile(
+    r"^(?:\s|\$|\\\)|\\\(|\\\[|\\\]|,|;|\\quad|\\qquad|\band\b|\bor\b|\\text\{\s*(?:and|or)\s*\}"
+    r"|(?<![A-Za-z])[a-z](?:_\{?\w+\}?)?\s*=)*$"
+)  # "x = \boxed{2} or x = \boxed{3}": a one-letter "x =" between boxes keeps them one answer
+# "the answer is" in other languages (no box): the phrase's value, up to the end of its sentence
+_I18N_ANSWER_RE = re.compile(
+    r"(?i)(?:最终答案|答案|答え|정답|réponse(?:\s+finale)?|antwort|respuesta(?:\s+final)?|risposta(?:\s+finale)?"
+    r"|resposta(?:\s+final)?|ответ|odpowied[źz]|cevap|jawaban(?:nya)?)"
+    r"\s*(?:est|ist|es|è|é|是|为|為|は|:|：|равен|—|-)?\s*(?:est|ist|es|è|é|:|：)?\s*"
+    r"(\$[^$\n]+\$|\\\(.+?\\\)|[^\n。；;，！？!?]+?)(?=\s*(?:です|である|になります|となります|。|；|;|，|,\s|！|!|？|\?|\.(?!\d)|\n|$))"
+)
 _HOPE_RE = re.compile(r"(?i)\.?\s*I hope it is correct\.?\s*$")
+
+
+def strip_special_tokens(text: str, extra_special_tokens: tuple[str, ...] = ()) -> str:
+    """``text`` with chat-template special tokens (``SPECIAL_TOKENS``, the generic ``<|...|>`` shape and
+    ``extra_special_tokens``) replaced by a newline, so a marker's line ends where the turn ended.
+
+    Removing rather than cutting at the first one: an OpenRLHF query may begin with padding or a
+    system turn when the prompt prefix could not be stripped; the last marker still wins.
+    """
+    for tok in extra_special_tokens:
+        if tok and tok in text:
+            text = text.replace(tok, "\n")
+    if not _may_have_special(text):
+        return text
+    return _SPECIAL_RE.sub("\n", text)
+
+
+def _may_have_special(text: str) -> bool:
+    """A cheap pre-check (the regex scan costs ~10 us per 2,000 characters, this ~1 us)."""
+    if "|" in text or "\uff5c" in text:
+        return True
+    for lead, toks in (("<", _ANGLE_TOKENS), ("[", _BRACKET_TOKENS)):
+        i = text.find(lead)
+        while i >= 0:
+            if text.startswith(toks, i):
+                return True
+            i = text.find(lead, i + 1)
+    return False
 
 
 def apply_think(text: str, think: str) -> str | None:
     """Cut the reasoning part of a response according to ``think`` (None when it is required but absent)."""
     if think not in THINK_MODES:
         raise ValueError(f"think: unknown mode {think!r}; valid: {', '.join(THINK_MODES)}")
+    text = strip_special_tokens(text)
     if think == "ignore":
         return text
     idx = text.rfind("</think>")
@@ -167,6 +240,11 @@ def extract_answer(text: str, *, think: str = "optional") -> str | None:
     weak = [m for m in weak if re.match(r"(?i)final answer|the answer", m.group(0))]
     if weak:
         ans = _from_marker_text(weak[-1].group(1))
+        if ans:
+            return ans
+    i18n = [m for m in _I18N_ANSWER_RE.finditer(body) if m.group(1).strip()]
+    if i18n:
+        ans = strip_delims(_clean_tail(i18n[-1].group(1)))
         if ans:
             return ans
     stripped = body.strip()

@@ -34,16 +34,18 @@ worker pool enforces wall-clock deadlines by killing workers.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from functools import lru_cache
 from typing import Literal
 
-from stapo.verifier_service.dapo import dapo_is_correct
-from stapo.verifier_service.extract import THINK_MODES, apply_think, extract_answer
+from stapo.verifier_service.dapo import dapo_extract, dapo_is_correct
+from stapo.verifier_service.extract import THINK_MODES, apply_think, extract_answer, strip_special_tokens
 from stapo.verifier_service.normalize import (
     Num,
     canonical,
@@ -66,7 +68,9 @@ __all__ = [
     "answers_equivalent",
     "cache_clear",
     "cache_info",
+    "configure",
     "extract_answer",
+    "final_answer",
     "get_mode",
     "grade",
     "register_mode",
@@ -168,6 +172,10 @@ def _mv():
     return _MV
 
 
+_TRIG_RE = re.compile(r"\\(?:sin|cos|tan|cot|sec|csc)\b")
+_DEG_NUM_RE = re.compile(r"(\d+(?:\.\d+)?)\s*\^\s*(?:\{\s*\\circ\s*\}|\\circ)")
+
+
 @lru_cache(maxsize=PARSE_CACHE_SIZE)
 def _sympy_text(text: str) -> str | None:
     """The LaTeX string that latex2sympy gets for an answer: delimiters off, math-verify's normalization.
@@ -179,6 +187,9 @@ def _sympy_text(text: str) -> str | None:
     body = strip_delims(text)
     if not body:
         return None
+    if "circ" in body and _TRIG_RE.search(body):
+        # degrees inside trigonometry are an angle unit, not a suffix to drop: 30^\\circ -> (30\\pi/180)
+        body = _DEG_NUM_RE.sub(lambda m: f"({m.group(1)}\\pi/180)", body)
     try:
         norm = mv["normalize_latex"](body, mv["norm"])
         if norm.strip() != body.strip() and _LETTER_RE.search(norm):
@@ -337,9 +348,10 @@ _COEF_LHS_RE = re.compile(r"^-?\d+(?:\.\d+)?[A-Za-z]")
 _IN_RE = re.compile(r"^[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?\\in(.+)$")
 
 
-def _decimal_comma(info: _Info) -> Num | None:
-    """``1000,99`` read as a decimal comma (only when it cannot be a thousands separator)."""
-    if _DEC_COMMA_RE.match(info.canon):
+def _decimal_comma(info: _Info, raw: str) -> Num | None:
+    """``1000,99`` read as a decimal comma (only when it cannot be a thousands separator, and never
+    ``-9, 0``: a comma followed by a space separates list items)."""
+    if _DEC_COMMA_RE.match(info.canon) and not re.search(r",\s", raw):
         return parse_number(info.canon.replace(",", "."))
     return None
 
@@ -386,10 +398,17 @@ def _equiv(gold: str, pred: str) -> bool:
     if gb is not None or pb is not None:
         return _base_equal(gb, pb, g, p)
     # 3. plain numbers, exactly (decimal commas "1000,99" only when no thousands reading exists)
-    g_num = g.num or (_decimal_comma(g) if p.num is not None else None)
-    p_num = p.num or (_decimal_comma(p) if g.num is not None else None)
+    g_num = g.num or (_decimal_comma(g, gold) if p.num is not None else None)
+    p_num = p.num or (_decimal_comma(p, pred) if g.num is not None else None)
     if g_num is not None and p_num is not None:
-        return numbers_equal(g_num, p_num)
+        if numbers_equal(g_num, p_num):
+            return True
+        return not p_num.percent and not p_num.degree and _rounded_gold_match(g, pred, p_num.value)
+    # 3b. clock times: "1:30 p.m." = "1:30\text{ pm}" = "13:30"; a clock gold needs a clock answer
+    gc = _clock(g.canon)
+    if gc is not None:
+        pc = _clock(p.canon)
+        return pc is not None and _clock_equal(gc, pc)
     # 4. unordered list of answers "2, 3" (also against "\{3, 2\}"); each item may be "x=2"
     if len(g.items) > 1:
         p_items = p.items
@@ -399,6 +418,15 @@ def _equiv(gold: str, pred: str) -> bool:
             p_items = _info(p.eq_parts[-1]).items
         if len(p_items) == len(g.items) and _match_unordered(g.items, p_items):
             return True
+    # 4b. a function named differently: "f(x) = 2x+1" = "y = 2x+1" = "g(x) = 2x+1" (right-hand sides)
+    if len(g.eq_parts) == 2 and len(p.eq_parts) == 2 and g.eq_parts[0] != p.eq_parts[0]:
+        if _fn_lhs_compatible(g.eq_parts[0], p.eq_parts[0]):
+            return _equiv(g.eq_parts[1], p.eq_parts[1])
+    # 4c. "x < -2 or x > 3" against an interval / union gold: the same set written as intervals
+    if not _INEQ_IN_RE.search(g.canon):
+        union = _inequalities_as_intervals(p.canon)
+        if union is not None and union != p.canon:
+            return _equiv(gold, union)
     # 5. equations: follow the gold's form. "x=2" vs "2" and "2" vs "x=2": compare right-hand sides.
     g_eq, p_eq = len(g.eq_parts) > 1, len(p.eq_parts) > 1
     if p_eq and not g_eq and len(g.items) == 1:
@@ -431,6 +459,10 @@ def _equiv(gold: str, pred: str) -> bool:
             return True
     # 7. symbolic, via math-verify, on the whole strings; a numeric check first rejects clearly
     #    unequal plain-arithmetic answers without parsing them (it never accepts: numeric.py)
+    if g.num is not None and g.num.decimal and _rounded_gold_match(g, pred, None):
+        return True
+    if g.num is not None and _compound_quantity(pred):
+        return False
     if _numerically_unequal(gold, pred) or _word_soup(gold, pred) or _brackets_unequal(gold, pred):
         return False
     gold_exprs = _sympy_parse(gold, False)
@@ -440,9 +472,191 @@ def _equiv(gold: str, pred: str) -> bool:
     if not pred_exprs:
         return False
     verify = _mv()["verify"]
-    return bool(
-        verify(list(gold_exprs), list(pred_exprs), timeout_seconds=None, allow_set_relation_comp=True)
-    )
+    ok = bool(verify(list(gold_exprs), list(pred_exprs), timeout_seconds=None, allow_set_relation_comp=True))
+    exact = _exact_constants_equal(gold_exprs, pred_exprs)
+    return exact if exact is not None else ok
+
+
+_NUM_TOKEN_RE = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _compound_quantity(pred: str) -> bool:
+    """"3 hours and 20 minutes", "2 feet 5 inches": two numbers joined by words, not by an operator.
+
+    Against a single-number gold such an answer is not that number, yet math-verify's search
+    (units stripped, first number) would read it as ``3``.
+    """
+    bare = re.sub(r"\\(?:text|mathrm|mbox)\s*\{([^{}]*)\}", r" \1 ", pred)
+    nums = list(_NUM_TOKEN_RE.finditer(bare))
+    for a, b in zip(nums, nums[1:], strict=False):
+        between = bare[a.end() : b.start()]
+        if re.search(r"[A-Za-z]{3,}", between) and not re.search(r"[-+*/^=_\\{}(),]", between):
+            return True
+    return False
+
+
+def _exact_constants_equal(gold_exprs: tuple, pred_exprs: tuple) -> bool | None:
+    """Equality of two exact real constants (no decimal anywhere) at 50 digits, relative; None otherwise.
+
+    math-verify compares numbers after rounding to 6 decimals, an absolute tolerance: it calls
+    ``\\frac{1}{3^{60}}`` and ``\\frac{1}{3^{59}}`` equal. And ``simplify`` misses identities such as
+    ``\\tan 15^\\circ = 1/\\tan 75^\\circ``. Two exact constants (no float, so no rounding was meant)
+    are equal when their 50-digit values agree to 1e-40 relative (or both are 0) and different when
+    they differ beyond 1e-30; in between, or for anything that is not a plain real constant, None
+    (math-verify decides). Answers written with a decimal keep math-verify's rounding policy.
+    """
+    import sympy
+
+    g = next((e for e in gold_exprs if isinstance(e, sympy.Expr)), None)
+    p = next((e for e in pred_exprs if isinstance(e, sympy.Expr)), None)
+    if g is None or p is None:
+        return None
+    try:
+        if not (g.is_number and p.is_number) or g.atoms(sympy.Float) or p.atoms(sympy.Float):
+            return None
+        if g.is_rational and p.is_rational:
+            gr, pr = g.doit(), p.doit()  # latex2sympy leaves powers unevaluated
+            if isinstance(gr, sympy.Rational) and isinstance(pr, sympy.Rational):
+                return bool(gr == pr)  # integers and fractions: exactly (3^{100} + 3 != 3^{100})
+        gv, pv = sympy.N(g, 60), sympy.N(p, 60)
+        if not (gv.is_real and pv.is_real and gv.is_finite and pv.is_finite):
+            return None
+        scale = max(abs(gv), abs(pv))
+        if scale == 0:
+            return True
+        diff = abs(gv - pv) / scale
+        if diff <= sympy.Float("1e-40", 60):
+            return True
+        if diff > sympy.Float("1e-30", 60):
+            return False
+        return None
+    except Exception:  # noqa: BLE001 - undecided: keep math-verify's answer
+        return None
+
+
+ROUNDED_GOLD_MATCH = os.environ.get("STAPO_GRADER_ROUNDED_GOLD", "1").strip().lower() not in (
+    "0",
+    "false",
+    "no",
+)
+"""Policy: a gold written as a rounded decimal (``0.6667``, Minerva / OlympiadBench physics keys) accepts an
+exact or more precise answer that rounds to it at the gold's shown precision (``\\frac{2}{3}``,
+``0.666667``). Needs >= 2 significant digits in the gold. ``STAPO_GRADER_ROUNDED_GOLD=0`` turns it off
+(exact golds are never matched by shorter decimals either way: docs/verifier.md)."""
+
+
+def configure(*, rounded_gold: bool | None = None) -> None:
+    """Set this process's grading policies (the service/pool would call it in each worker at start).
+
+    ``rounded_gold``: see ``ROUNDED_GOLD_MATCH``. Changing a policy empties the result caches.
+    """
+    global ROUNDED_GOLD_MATCH
+    if rounded_gold is not None and bool(rounded_gold) != ROUNDED_GOLD_MATCH:
+        ROUNDED_GOLD_MATCH = bool(rounded_gold)
+        cache_clear()
+
+
+_PLAIN_DEC_RE = re.compile(r"^-?(\d+)\.(\d+)$")
+
+
+def _rounded_gold_match(g: _Info, pred: str, pred_value: Fraction | None) -> bool:
+    if not ROUNDED_GOLD_MATCH or g.num is None or g.num.percent:
+        return False
+    m = _PLAIN_DEC_RE.match(g.canon)
+    if m is None:
+        return False
+    d = len(m.group(2))
+    if len((m.group(1) + m.group(2)).lstrip("0")) < 2:
+        return False
+    pm = _PLAIN_DEC_RE.match(canonical(pred))
+    if pm is not None and len(pm.group(2)) <= d:
+        return False  # as short as the gold: it had to match exactly
+    if pred_value is not None:
+        return abs(pred_value - g.num.value) <= Fraction(1, 2 * 10**d)
+    text = _sympy_text(pred)
+    vals = evaluate_numeric(text) if text is not None and "=" not in text else None
+    if vals is None or any(v != vals[0] for v in vals) or abs(vals[0].imag) > 0:
+        return False
+    return abs(float(vals[0].real) - float(g.num.value)) <= 0.5 * 10**-d * (1 + 1e-9)
+
+
+_CLOCK_RE = re.compile(r"^(\d{1,2}):([0-5]\d)(?::([0-5]\d))?(?:([AaPp])\.?[Mm]\.?|(noon|midnight))?$")
+
+
+def _clock(canon: str) -> tuple[int, int, str | None] | None:
+    m = _CLOCK_RE.match(canon.replace("\\text", "").replace(" ", ""))
+    if m is None or int(m.group(1)) > 24:
+        return None
+    ap = (m.group(4) or "").lower() or {"noon": "p", "midnight": "a"}.get(m.group(5) or "")
+    return int(m.group(1)), int(m.group(2)), ap
+
+
+def _clock_equal(a: tuple[int, int, str | None], b: tuple[int, int, str | None]) -> bool:
+    """Same time of day; "1:30 pm" = "13:30", "12:00 noon" = "12:00 p.m."; without a.m./p.m. on one
+    side, the 12-hour reading."""
+
+    def day(h: int, m: int, ap: str | None) -> int | None:
+        if ap is not None:
+            return (h % 12 + (12 if ap == "p" else 0)) * 60 + m
+        return h * 60 + m if h > 12 or h == 0 else None
+
+    da, db = day(*a), day(*b)
+    if da is not None and db is not None:
+        return da == db
+    return a[0] % 12 == b[0] % 12 and a[1] == b[1]
+
+
+_FN_CALL_RE = re.compile(r"^([A-Za-z])\(([a-z])\)$")
+
+
+def _fn_lhs_compatible(a: str, b: str) -> bool:
+    """``f(x)`` vs ``y``, or ``f(x)`` vs ``g(x)``: one function written under another name."""
+    ma, mb = _FN_CALL_RE.match(a), _FN_CALL_RE.match(b)
+    if ma and mb:
+        return ma.group(2) == mb.group(2)
+    if ma and b == "y" or mb and a == "y":
+        return (ma or mb).group(2) == "x"
+    return False
+
+
+_INEQ_IN_RE = re.compile(r"<|>|\\le|\\ge|\\lt|\\gt")
+_REL = r"(<|>|\\leq?|\\geq?|\\lt|\\gt)"
+_ONE_SIDED_RE = re.compile(rf"^([a-z]){_REL}(.+)$")
+_TWO_SIDED_RE = re.compile(rf"^(.+?){_REL}([a-z]){_REL}(.+)$")
+
+
+def _inequalities_as_intervals(canon: str) -> str | None:
+    """``x<-2,x>3`` (an "or" list of one-variable inequalities) as ``(-\\infty,-2)\\cup(3,\\infty)``."""
+    if not _INEQ_IN_RE.search(canon):
+        return None
+    pieces = [x.strip() for x in re.split(r",|\\lor|\\vee|\\cup", canon) if x.strip()]
+    if len(pieces) < 2:
+        return None
+    out = []
+    for piece in pieces:
+        m = _TWO_SIDED_RE.match(piece)
+        if (
+            m
+            and m.group(2) in ("<", "\\le", "\\leq", "\\lt")
+            and m.group(4) in ("<", "\\le", "\\leq", "\\lt")
+        ):
+            lo = "[" if m.group(2).startswith("\\le") else "("
+            hi = "]" if m.group(4).startswith("\\le") else ")"
+            out.append(f"{lo}{m.group(1)},{m.group(5)}{hi}")
+            continue
+        m = _ONE_SIDED_RE.match(piece)
+        if m is None or _INEQ_IN_RE.search(m.group(3)):
+            return None
+        rel, v = m.group(2), m.group(3)
+        if rel in ("<", "\\lt"):
+            out.append(f"(-\\infty,{v})")
+        elif rel in ("\\le", "\\leq"):
+            out.append(f"(-\\infty,{v}]")
+        elif rel in (">", "\\gt"):
+            out.append(f"({v},\\infty)")
+        else:
+            out.append(f"[{v},\\infty)")
+    return "\\cup".join(out)
 
 
 # the left side of a predicted equation that latex2sympy surely parses: "f(x)", "y", "c^2", ...
@@ -678,23 +892,31 @@ def gold_answer(gold: str) -> str:
     return g
 
 
-@register_mode("math")
-def _grade_math(prediction: str, gold: str, think: str) -> tuple[bool, Status, str | None]:
-    gold_ans = latexify(gold_answer(gold))
-    if not strip_delims(gold_ans):
-        raise ValueError("gold: empty answer")
+def _extract_math(prediction: str, think: str) -> tuple[Status, str | None]:
+    """Mode ``math``'s final answer: marker extraction, then math-verify's search for prose or no marker."""
     extracted = extract_answer(prediction, think=think)
     if extracted is not None:
         extracted = latexify(extracted)
     if extracted is None or _is_prose(extracted):
         body = extracted if extracted is not None else apply_think(prediction, think)
         if body is None or not body.strip():
-            return False, "no_answer", None
+            return "no_answer", None
         found = _search_fallback(body)
         if found is not None:
             extracted = found
         if extracted is None:
-            return False, "no_answer", None
+            return "no_answer", None
+    return "ok", extracted
+
+
+@register_mode("math")
+def _grade_math(prediction: str, gold: str, think: str) -> tuple[bool, Status, str | None]:
+    gold_ans = latexify(gold_answer(gold))
+    if not strip_delims(gold_ans):
+        raise ValueError("gold: empty answer")
+    status, extracted = _extract_math(prediction, think)
+    if extracted is None:
+        return False, status, None
     return _equiv(gold_ans, extracted), "ok", extracted
 
 
@@ -709,10 +931,47 @@ def _grade_dapo(prediction: str, gold: str, think: str) -> tuple[bool, Status, s
     return correct, "ok", extracted
 
 
+def final_answer(
+    prediction: str,
+    mode: str = "math",
+    *,
+    think: str = "optional",
+    special_tokens: tuple[str, ...] = (),
+) -> tuple[Status, str | None]:
+    """(status, extracted answer) exactly as :func:`grade` extracts it, without a gold.
+
+    For a parent-side verdict cache keyed by (gold, extracted answer, mode): in mode ``math`` the
+    verdict depends on the response only through this string (``grade`` compares it with the
+    gold), so equal keys give equal verdicts. In mode ``dapo`` the extracted text is the raw
+    ``Answer:`` line, also the only thing the verdict reads. Status is ``ok`` or ``no_answer``
+    (never raises for bad text; raises ``ValueError`` for an unknown mode or think).
+    """
+    get_mode(mode)
+    if think not in THINK_MODES:
+        raise ValueError(f"think: unknown mode {think!r}; valid: {', '.join(THINK_MODES)}")
+    if special_tokens:
+        prediction = strip_special_tokens(prediction, tuple(special_tokens))
+    if mode == "dapo":
+        body = apply_think(prediction, think)
+        raw = dapo_extract(body) if body is not None else None
+        return ("ok", raw.strip()) if raw is not None else ("no_answer", None)
+    return _extract_math(prediction, think)
+
+
 def grade(
-    prediction: str, gold: str, mode: str = "math", *, think: str = "optional", max_chars: int = MAX_CHARS
+    prediction: str,
+    gold: str,
+    mode: str = "math",
+    *,
+    think: str = "optional",
+    max_chars: int = MAX_CHARS,
+    special_tokens: tuple[str, ...] = (),
 ) -> GradeResult:
-    """Grade one prediction against one gold answer; see the module docstring for the pipeline."""
+    """Grade one prediction against one gold answer; see the module docstring for the pipeline.
+
+    ``special_tokens``: model-specific tokens removed from the prediction on top of
+    ``extract.SPECIAL_TOKENS`` (the common chat templates' end-of-turn, padding and role tokens).
+    """
     fn = get_mode(mode)
     if think not in THINK_MODES:
         raise ValueError(f"think: unknown mode {think!r}; valid: {', '.join(THINK_MODES)}")
@@ -722,7 +981,9 @@ def grade(
             raise TypeError("prediction and gold must be str")
         if len(prediction) > max_chars or len(gold) > max_chars:
             return GradeResult(False, 0.0, "too_large", None, (time.perf_counter() - t0) * 1e3)
-        correct, status, extracted = fn(prediction, gold, think)
+        if special_tokens:  # the common chat templates' tokens are removed by extract.apply_think
+            prediction = strip_special_tokens(prediction, tuple(special_tokens))
+        correct, status, extracted = fn(prediction, strip_special_tokens(gold), think)
     except Exception:
         logger.debug("grading failed", exc_info=True)
         return GradeResult(False, 0.0, "error", None, (time.perf_counter() - t0) * 1e3)

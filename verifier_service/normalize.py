@@ -32,6 +32,8 @@ _TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|
 _DEGREE_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\^\s*\{\s*\\circ\s*\}|°|\\degree\b")
 _PERCENT_RE = re.compile(r"\s*(?:\\%|%|\\text\{\s*percent\s*\}|\bpercent\b)\s*$")
 _UNIT_TAIL_RE = re.compile(r"\s*\\(?:text|mbox|mathrm)\s*\{\s*[A-Za-z][A-Za-z .\-/]*\}(?:\s*\^\s*\{?\d\}?)?\s*$")
+# a bare squared / cubed unit after a number ("233 m^2", "125 cm^3"): area and volume answers
+_BARE_UNIT_POW_RE = re.compile(r"(?<=\d)\s+(?:m|cm|mm|km|in|ft|yd|mi|[a-z]{2,10})\s*\^\s*\{?[23]\}?\s*$")
 
 
 _UNICODE_MAP = {
@@ -143,6 +145,11 @@ _POW10_RE = re.compile(r"^10\s*\^\s*\{?\s*([+-]?\d+)\s*\}?$")
 _FRAC_RE = re.compile(r"^([+-]?)\\frac\s*(?:\{\s*([+-]?[\d.]+)\s*\}|(\d))\s*(?:\{\s*([+-]?[\d.]+)\s*\}|(\d))$")
 _REPEAT_RE = re.compile(r"^([+-]?)(\d*)\.(\d*)\\overline\{?(\d{1,12})\}?$")
 _SLASH_RE = re.compile(r"^([+-]?)\s*([\d.]+)\s*/\s*([\d.]+)$")
+# mixed numbers "2 3/4", "2\frac{3}{4}", "2\frac34" (proper fraction part only): PRM800K reads them as
+# 2 + 3/4, and so does latex2sympy for "2\frac{3}{4}"
+_MIXED_RE = re.compile(
+    r"^([+-]?)(\d+)(?:\s+(\d+)\s*/\s*(\d+)|\s*\\frac\s*(?:\{\s*(\d+)\s*\}|(\d))\s*(?:\{\s*(\d+)\s*\}|(\d)))$"
+)
 
 
 def _plain(s: str) -> tuple[Fraction, bool] | None:
@@ -177,6 +184,7 @@ def parse_number(s: str) -> Num | None:
     s = re.sub(r"\\[,!;: ]|~", "", s)
     s = _LEFT_RIGHT_RE.sub("", s)
     s = _UNIT_TAIL_RE.sub("", s)
+    s = _BARE_UNIT_POW_RE.sub("", s)
     percent = False
     m = _PERCENT_RE.search(s)
     if m:
@@ -194,6 +202,15 @@ def parse_number(s: str) -> Num | None:
     if s.startswith("(") and s.endswith(")") and s.count("(") == 1 and "," not in s:
         s = s[1:-1].strip()
     s = re.sub(r"(?<=\d) (?=\d{3}\b)", "", s)  # "1 000" thousands with a space
+    m = _MIXED_RE.match(s)
+    if m:
+        sign, whole = m.group(1), int(m.group(2))
+        a = int(m.group(3) or m.group(5) or m.group(6))
+        b = int(m.group(4) or m.group(7) or m.group(8))
+        if 0 < a < b:
+            val = whole + Fraction(a, b)
+            return Num(-val if sign == "-" else val, False, percent, degree)
+        return None
     m = _REPEAT_RE.match(s.replace(" ", ""))
     if m:  # 0.1\overline{6} = 1/6 exactly
         sign, whole, fixed, rep = m.groups()

@@ -138,7 +138,7 @@ def where(request, server, monkeypatch):
 
 def test_verl_compute_score(where):
     out = adapters.compute_score("openai/gsm8k", RESPONSE_RIGHT, "4", extra_info={"split": "train"})
-    assert out == {"score": 1.0, "acc": True, "pred": "4", "verifier_failed": 0.0}
+    assert out == {"score": 1.0, "acc": True, "pred": "4", "status": "ok", "verifier_failed": 0.0}
     out = adapters.compute_score("math_dapo", RESPONSE_WRONG, 4)  # int golds come from parquet
     assert out["score"] == 0.0 and out["acc"] is False and out["pred"] == "5"
     batch = adapters.compute_score_batch(
@@ -170,6 +170,27 @@ def test_trl_reward_plain_and_conversational(where):
         reward(prompts=prompts, completions=conv, solution=["4", "4"])
 
 
+HUGE = "1" * 200_000  # over max_prediction_chars of the pool and of the service: status too_large
+
+
+def test_trl_reward_gives_none_for_an_item_that_could_not_be_graded(where):
+    reward = adapters.make_trl_reward("answer")
+    got = reward(prompts=["q"] * 3, completions=[RESPONSE_RIGHT, HUGE, ""], answer=["4", "4", "4"])
+    assert got == [1.0, None, 0.0]  # too_large -> None (TRL: no reward), no_answer -> a wrong answer
+    with pytest.raises(ValueError, match=r"answer\[1\]: missing gold"):
+        reward(prompts=["q"] * 2, completions=[RESPONSE_RIGHT] * 2, answer=["4", None])
+
+
+def test_verl_failure_is_a_status_not_a_silent_number(where, monkeypatch):
+    out = adapters.compute_score("a", HUGE, "4")
+    assert out["status"] == "too_large" and out["verifier_failed"] == 1.0 and out["score"] == 0.0
+    assert adapters.compute_score("a", HUGE, "4", failure_score=-1.0)["score"] == -1.0
+    monkeypatch.setenv("STAPO_VERIFIER_FAILURE_SCORE", "-2")
+    assert adapters.compute_score("a", HUGE, "4")["score"] == -2.0
+    with pytest.raises(ValueError, match="missing gold"):
+        adapters.compute_score("a", "The answer is None", None)  # never graded against the text "None"
+
+
 def test_openrlhf_reward_func(where):
     prompt = "User: what is 2+2? Write \\boxed{answer}.\nAssistant: "
     out = adapters.reward_func(
@@ -179,6 +200,25 @@ def test_openrlhf_reward_func(where):
     assert [float(x) for x in rewards] == [1.0, 0.0]
     assert [float(x) for x in out["scores"]] == [1.0, 0.0]
     assert [float(x) for x in out["extra_logs"]["accuracy"]] == [1.0, 0.0]
+
+
+def test_openrlhf_query_decoded_with_special_tokens(where):
+    """OpenRLHF: query = tokenizer.batch_decode(prompt + response, skip_special_tokens=False):
+    left padding, the chat template's tokens and the end-of-turn token are all in the text."""
+    prompt = "<|im_start|>user\nWhat is 3/4 of 1? Answer: at the end.<|im_end|>\n<|im_start|>assistant\n"
+    pad = "<|endoftext|>" * 3
+    queries = [
+        pad + prompt + "So\nAnswer: 3/4<|im_end|>",
+        pad + prompt + "So\nAnswer: \\frac{3}{4}<|im_end|>" + pad,
+        prompt + "So\nAnswer: 3/5<|im_end|>",
+    ]
+    out = adapters.reward_func(queries, [prompt] * 3, ["\\frac{3}{4}"] * 3)
+    assert [float(x) for x in out["rewards"]] == [1.0, 1.0, 0.0]
+    out = adapters.reward_func([prompt + HUGE], [prompt], ["4"], failure_score=-1.0)
+    assert [float(x) for x in out["rewards"]] == [-1.0]
+    assert [float(x) for x in out["extra_logs"]["verifier_failed"]] == [1.0]
+    with pytest.raises(ValueError, match=r"labels\[0\]: missing gold"):
+        adapters.reward_func([prompt], [prompt], [None])
 
 
 def test_adapters_raise_when_the_service_is_down(monkeypatch):
