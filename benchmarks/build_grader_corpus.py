@@ -32,7 +32,7 @@ from fractions import Fraction
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
+DATA = ROOT / "evals" / "data"  # the shipped copies (byte-identical to the originals, see its README)
 OUT = ROOT / "verifier_service/data"
 
 # --------------------------------------------------------------------------- response templates
@@ -189,7 +189,7 @@ def answer_keys(bench: str, wraps, rng: random.Random, limit: int) -> list[dict]
         if bench == "olympiadbench" and r.get("is_multiple_answer"):
             continue  # multi-answer golds are covered by the list families
         eq, wrong = key_variants(gold, rng)
-        src = f"answer key: /work/shared/data/{bench}.jsonl id={r['id']}"
+        src = f"answer key: evals/data/{bench}.jsonl id={r['id']}"
         for form in eq[:3]:
             out.append(row(gold, rng.choice(wraps)(form), True, f"keys-{bench}", src + " (equivalent form)"))
         for form in wrong[:2]:
