@@ -182,6 +182,15 @@ class S2TOptions(_Section):
         lt=1,
         description="Entropy threshold as a quantile of the global batch's valid-token entropies. Paper: 0.05.",
     )
+    tau_h_scope: Literal["step", "minibatch"] = Field(
+        "step",
+        description=(
+            "Population of the tau_h_quantile: `step` = every valid response token of the step's global "
+            "batch under the policy at the start of the update (one threshold for all mini-batches and "
+            "PPO epochs); `minibatch` = each optimizer mini-batch's tokens under the current policy. "
+            "See docs/algorithms.md."
+        ),
+    )
 
     @model_validator(mode="after")
     def _one_tau_h(self) -> S2TOptions:

@@ -16,7 +16,7 @@ from .advantages import ADVANTAGES, AdvantageFn, get_advantage
 from .aggregation import AGGREGATIONS, Aggregation, get_aggregation
 from .dapo import dynamic_sampling_filter, overlong_penalty
 from .losses import POLICY_LOSSES, PolicyLossFn, get_policy_loss, kl_k3
-from .metrics import PHASE_KEYS, token_metrics
+from .metrics import COUNT_KEYS, PHASE_KEYS, fractions_from_counts, token_counts, token_metrics
 from .objective import compute_policy_objective
 from .registry import Registry
 from .stapo import stapo_loss
@@ -37,6 +37,7 @@ __all__ = [
     "ADVANTAGES",
     "AGGREGATIONS",
     "POLICY_LOSSES",
+    "COUNT_KEYS",
     "PHASE_KEYS",
     "TOKEN_WEIGHTS",
     "AdvantageFn",
@@ -49,6 +50,7 @@ __all__ = [
     "broadcast_advantages",
     "compute_policy_objective",
     "dynamic_sampling_filter",
+    "fractions_from_counts",
     "get_advantage",
     "get_aggregation",
     "get_policy_loss",
@@ -59,6 +61,7 @@ __all__ = [
     "resolve_tau_h",
     "s2t_mask",
     "stapo_loss",
+    "token_counts",
     "token_metrics",
     "top_fraction_threshold",
 ]

@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 from stapo.core.trainer.base import (
     adamw_param_groups,
+    compute_token_distribution,
     compute_token_loss,
     compute_token_stats,
     enable_activation_checkpointing,
@@ -268,6 +269,26 @@ class DeepSpeedBackend:
             )
 
         return self._engine_forward(stats, input_ids, attention_mask, response_mask, grad=grad)
+
+    def token_distribution(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_mask: torch.Tensor | None = None,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+    ) -> dict[str, torch.Tensor]:
+        """No-grad p, H, sum q^2 and top-k as the engine's forward (ZeRO-3 gathers: every rank calls)."""
+        self.engine.train(False)
+
+        def dist_fn(ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor | None) -> Any:
+            return compute_token_distribution(
+                self.model, ids, attn, resp,
+                chunk_size=self.tcfg.logits_chunk_size, temperature=temperature, top_k=top_k,
+            )
+
+        return self._engine_forward(dist_fn, input_ids, attention_mask, response_mask, grad=False)
 
     def token_loss(
         self,
