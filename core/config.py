@@ -293,6 +293,14 @@ class TrainerConfig(_Section):
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
     offload_optimizer: bool = Field(False, description="DeepSpeed: keep optimizer state on CPU.")
+    zero3_param_persistence_threshold: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "DeepSpeed ZeRO-3 `stage3_param_persistence_threshold`: parameters with fewer elements stay "
+            "whole on every rank (null: DeepSpeed's default, 1e5). 0 partitions every parameter (tests)."
+        ),
+    )
     seed: int = Field(0, description="Seed of sampling, shuffling and initialization.")
     skip_nonfinite: bool = Field(True, description="Skip (and log) an update whose loss or grad norm is not finite.")
 

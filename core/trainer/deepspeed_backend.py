@@ -115,6 +115,9 @@ def build_ds_config(trainer_cfg: Any, *, bf16: bool, offload: bool, own_clip: bo
     zero: dict[str, Any] = {"stage": stage}
     if stage <= 1:
         zero["overlap_comm"] = False  # required by unmanaged accumulation below stage 2
+    threshold = getattr(trainer_cfg, "zero3_param_persistence_threshold", None)
+    if stage == 3 and threshold is not None:
+        zero["stage3_param_persistence_threshold"] = int(threshold)
     if offload:
         if stage == 0:
             raise ValueError("trainer.offload_optimizer needs trainer.zero_stage >= 1 (ZeRO-Offload)")
