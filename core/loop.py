@@ -441,11 +441,13 @@ class UpdateRecord:
 
     weights: torch.Tensor  # [E, N, L]
     tau_h: torch.Tensor  # [E, N]
+    cells: torch.Tensor  # [E, N, L] int8 phase cell (index into PHASE_KEYS) the update's counts used
 
     @staticmethod
     def empty(epochs: int, batch: Batch) -> UpdateRecord:
         n, L = batch.input_ids.shape
-        return UpdateRecord(torch.ones(epochs, n, L), torch.full((epochs, n), float("nan")))
+        return UpdateRecord(torch.ones(epochs, n, L), torch.full((epochs, n), float("nan")),
+                            torch.full((epochs, n, L), -1, dtype=torch.int8))
 
 
 def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.Tensor, step: int, *,
@@ -478,6 +480,7 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
         get_policy_loss,
         get_token_weighting,
         kl_k3,
+        phase_cells,
     )
     from stapo.core.distributed import plan_update
 
@@ -560,6 +563,8 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
                 real_rows = mb_idx[:mb_real].cpu()
                 record.weights[epoch, real_rows] = tw.weights[:mb_real].detach().float().cpu()
                 record.tau_h[epoch, real_rows] = tau_mb
+                cells = phase_cells(ctx, tau_p=a.s2t.tau_p, tau_h=tau_mb)  # [b, L]
+                record.cells[epoch, real_rows] = cells[:mb_real].cpu()
             norm = agg.normalizer(tw, mb.response_mask)
             reduce = getattr(backend, "all_reduce_sum", None)
             norm = reduce(norm) if reduce is not None else norm
@@ -681,9 +686,11 @@ def dump_tokens(run: _Run, step: int, seqs: list[Sequence_], batch: Batch, rows:
                 dist: dict[str, torch.Tensor], record: UpdateRecord, dp: Any) -> None:
     """Bounded token-level dump for `stapo inspect` (format in docs/architecture.md); rank 0 writes.
 
-    ``weight`` is what the update applied (PPO epoch 0; ``weights_per_epoch`` when there are more)
-    and ``tau_h`` the threshold of the row's mini-batch; ``prob``, ``entropy``, ``sum_q2`` and ``top``
-    come from :func:`dump_forward`. Records from every rank are gathered; sequences holding
+    ``weight`` is what the update applied (PPO epoch 0; ``weights_per_epoch`` when there are more),
+    ``cell`` the phase cell the update counted each token in (index into ``PHASE_KEYS``, from the p
+    and H the weighting saw) and ``tau_h`` the threshold of the row's mini-batch; ``prob``,
+    ``entropy``, ``sum_q2`` and ``top`` come from :func:`dump_forward` (the sampled policy: the same
+    p and H the weighting saw in the first mini-batch; later mini-batches see the updated policy). Records from every rank are gathered; sequences holding
     silenced tokens come first, then ones with a learning signal (A != 0), up to the bound.
     """
     cfg = run.cfg
@@ -704,6 +711,7 @@ def dump_tokens(run: _Run, step: int, seqs: list[Sequence_], batch: Batch, rows:
             "entropy": dist["entropy"][j][resp].tolist(),
             "sum_q2": dist["sum_q2"][j][resp].tolist(),
             "weight": w[0].tolist(),
+            "cell": record.cells[0, i][resp].tolist(),
             "tau_h": float(record.tau_h[0, i]),
             "top": [
                 [[run.tokenizer.decode([int(t)]), float(p)] for t, p in zip(ti, pi, strict=True)]

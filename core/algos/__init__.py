@@ -16,7 +16,7 @@ from .advantages import ADVANTAGES, AdvantageFn, get_advantage
 from .aggregation import AGGREGATIONS, Aggregation, get_aggregation
 from .dapo import dynamic_sampling_filter, overlong_penalty
 from .losses import POLICY_LOSSES, PolicyLossFn, get_policy_loss, kl_k3
-from .metrics import COUNT_KEYS, PHASE_KEYS, fractions_from_counts, token_counts, token_metrics
+from .metrics import COUNT_KEYS, PHASE_KEYS, fractions_from_counts, phase_cells, token_counts, token_metrics
 from .objective import compute_policy_objective
 from .registry import Registry
 from .stapo import stapo_loss
@@ -57,6 +57,7 @@ __all__ = [
     "get_token_weighting",
     "kl_k3",
     "overlong_penalty",
+    "phase_cells",
     "quantile",
     "resolve_tau_h",
     "s2t_mask",

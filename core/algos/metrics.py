@@ -21,6 +21,16 @@ PHASE_KEYS = tuple(
 )
 
 
+def phase_cells(ctx: TokenContext, *, tau_p: float, tau_h: float) -> torch.Tensor:
+    """[B, T] int8 index into :data:`PHASE_KEYS` of every token (meaningful where ``ctx.mask``):
+    ``highp * 4 + highh * 2 + neg`` with highp = p >= tau_p, highh = H >= tau_h, neg = A <= 0."""
+    with torch.no_grad():
+        highp = (ctx.logprobs.detach().double().exp() >= tau_p).to(torch.int8)
+        highh = (ctx.entropy.detach().double() >= float(tau_h)).to(torch.int8)
+        neg = (ctx.advantages <= 0).to(torch.int8)
+        return highp * 4 + highh * 2 + neg  # [B, T]
+
+
 COUNT_KEYS = ("tokens", "silenced", "entropy_sum", "prob_sum", *PHASE_KEYS)
 
 

@@ -145,6 +145,7 @@ def test_dumped_silenced_tokens_are_exactly_the_zero_gradient_tokens(tmp_path, m
         zero_grad = by_response[tuple(s["token_ids"])]
         w_zero = [w == 0 for w in s["weight"]]
         assert w_zero in zero_grad, (s["token_ids"], s["weight"], zero_grad)
+        assert [c == 0 for c in s["cell"]] == w_zero  # S2T: silenced = the update's lowp_lowh_pos cell
         checked += 1
         silenced += sum(w_zero)
     assert checked and silenced, "the test needs dumped sequences with silenced tokens"
