@@ -176,7 +176,9 @@ def fixed_update(backend_name: str, split: list[int]) -> tuple[dict, dict]:
     """``loop.update_policy`` on one fixed 6-sequence batch; this rank holds rows ``split[rank]``.
 
     2 mini-batches x micro-batches of 2, S2T with per-mini-batch tau_h (every collective of the
-    weighting runs), fused loss. Returns (metrics, full parameters).
+    weighting runs), fused loss. Returns (metrics, full parameters). lr 1e-3: Adam's first step is
+    ~lr * sign(g), so a gradient entry at float-noise level can move by up to lr either way; a
+    small lr keeps such entries under the 1e-5 comparison (a wrong mini-batch split moves ~lr).
     """
     from types import SimpleNamespace
 
@@ -191,7 +193,7 @@ def fixed_update(backend_name: str, split: list[int]) -> tuple[dict, dict]:
                                          num_attention_heads=4, intermediate_size=64))
     cfg = config_from_dict({
         "trainer": {"backend": backend_name, "device": "cpu" if backend_name == "torch" else "auto",
-                    "zero_stage": 3, "zero3_param_persistence_threshold": 0, "lr": 1e-2,
+                    "zero_stage": 3, "zero3_param_persistence_threshold": 0, "lr": 1e-3,
                     "micro_batch_size": 2, "logits_chunk_size": 7},
         "rollout": {"prompts_per_step": 2, "n": 3},
         "algorithm": {"token_weighting": "s2t", "mini_batches": 2,
