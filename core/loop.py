@@ -135,19 +135,16 @@ def collate_with_pad_row(seqs: Sequence[Sequence_], pad_id: int, *, pad: bool) -
     """
     if not pad:
         return collate(seqs, pad_id)
-    if seqs:
-        b = collate(seqs, pad_id)
-        extra = Batch(b.input_ids[:1], b.attention_mask[:1], torch.zeros_like(b.response_mask[:1]),
-                      torch.zeros_like(b.advantages[:1]))
-    else:
-        b = None
-        extra = Batch(torch.full((1, 2), pad_id, dtype=torch.long), torch.ones((1, 2), dtype=torch.long),
-                      torch.zeros((1, 2), dtype=torch.bool), torch.zeros((1, 2), dtype=torch.float32))
-    if b is None:
-        return extra
-    return Batch(*(torch.cat([x, y]) for x, y in zip(
-        (b.input_ids, b.attention_mask, b.response_mask, b.advantages),
-        (extra.input_ids, extra.attention_mask, extra.response_mask, extra.advantages), strict=True)))
+    if not seqs:
+        return Batch(torch.full((1, 2), pad_id, dtype=torch.long), torch.ones((1, 2), dtype=torch.long),
+                     torch.zeros((1, 2), dtype=torch.bool), torch.zeros((1, 2), dtype=torch.float32))
+    b = collate(seqs, pad_id)  # [N, L] each; the padding row copies row 0's tokens, nothing else
+    return Batch(
+        torch.cat([b.input_ids, b.input_ids[:1]]),
+        torch.cat([b.attention_mask, b.attention_mask[:1]]),
+        torch.cat([b.response_mask, torch.zeros_like(b.response_mask[:1])]),
+        torch.cat([b.advantages, torch.zeros_like(b.advantages[:1])]),
+    )
 
 
 def stats_temperature(cfg: Config) -> float:
