@@ -157,16 +157,17 @@ def _accumulate_weight_grad_(
     """grad_w [V, D] += gz.T @ h for one chunk (gz [c, V] in the compute dtype, h [c, D]).
 
     When the buffer has the weight's dtype (and no autocast) the product is accumulated in place
-    (addmm, no [V, D] temporary). A float32 buffer for lower-precision weights takes the product in
-    float32 from the float32 ``gz`` (exact accumulation, still no temporary); under autocast the
-    matmul runs in the autocast dtype, like lm_head's own backward, and is added in the buffer's dtype.
+    (addmm, no [V, D] temporary). Otherwise (a float32 buffer for bf16/fp16 weights, or autocast)
+    the chunk's product is one matmul in the weight's (autocast's) dtype, as lm_head's own backward
+    would run it (tensor cores; the GEMM accumulates in float32 internally), and is ADDED to the
+    float32 buffer: each chunk's product is rounded once, the running sum never is. Costs a [V, D]
+    temporary in the low-precision dtype. ``gz`` (float32) is kept for callers that need it.
     """
-    if autocast:
-        grad_w.add_((gz_w.t() @ h.to(gz_w.dtype)).to(grad_w.dtype))
-    elif grad_w.dtype == gz_w.dtype:
+    del gz
+    if grad_w.dtype == gz_w.dtype and not autocast:
         grad_w.addmm_(gz_w.t(), h.to(gz_w.dtype))  # [V, D] += [V, c] @ [c, D]
     else:
-        grad_w.addmm_(gz.t().to(grad_w.dtype), h.to(grad_w.dtype))  # [V, D] += [V, c] @ [c, D]
+        grad_w.add_(gz_w.t() @ h.to(gz_w.dtype))  # [V, D] (+)= low-precision product, summed in fp32
 
 
 class _FromHidden(torch.autograd.Function):
