@@ -816,10 +816,10 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                 record = UpdateRecord.empty(cfg.algorithm.ppo_epochs, batch) if dumping else None
                 if dumping:
                     dump_rows = dump_candidates(cfg, kept)
-                    dist = dump_forward(run, batch, dump_rows, counts)  # the pre-update (sampled) policy
+                    dump_dist = dump_forward(run, batch, dump_rows, counts)  # the pre-update (sampled) policy
                 metrics.update(update_policy(run, batch, old_lp, old_ent, step, counts=counts, record=record))
                 if dumping:
-                    dump_tokens(run, step, kept, batch, dump_rows, dist, record, dp)
+                    dump_tokens(run, step, kept, batch, dump_rows, dump_dist, record, dp)
             else:
                 metrics["actor/skipped_updates"] = 1.0
                 log(f"step {step}: no group with a usable advantage signal; update skipped")
