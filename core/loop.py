@@ -7,15 +7,23 @@ One step of :func:`train`::
              -> advantages      (grpo / dr_grpo / rloo over each group; DAPO overlong shaping)
              -> dynamic sampling(DAPO: keep groups with mixed rewards, resample to refill)
              -> old log-probs   (TrainerBackend.token_stats without grad)
+             -> dump forward    (when dumping: p, H, sum q^2, top-k of the sampled policy, one forward)
              -> K updates       (per mini-batch: token weights -> per-token loss -> aggregation with the
-                                 GLOBAL normalizer, so micro-batching never changes the update)
+                                 GLOBAL normalizer, so micro-batching never changes the update; the
+                                 weights' own counts are the logged diagnostics)
              -> weight sync     (trainer -> rollout engine; a no-op when hf shares the model)
-             -> metrics, token dump, validation, checkpoint
+             -> metrics, token dump (rank 0 writes), validation, checkpoint
 
 Departures from plain GRPO are all config: the token weighting (``s2t`` is STAPO, arXiv
 2602.15620: silence tokens with A > 0, p < tau_p, H < tau_h and drop them from the denominator),
 DAPO's clip-higher / dynamic sampling / overlong shaping (arXiv 2503.14476), 20-Entropy's
 top-entropy mask (arXiv 2506.01939). No KL by default (kl_coef=0), as in DAPO and JustRL.
+
+Data parallelism (DeepSpeed on N ranks): each rank samples its share of the prompts; every decision
+about the batch is global and every rank issues the same collectives whatever its rewards
+(``stapo.core.distributed``: global refill decision and trim, one global mini-batch plan, zero-weight
+padding rows); logged metrics are global sums; rank 0 writes files. The token diagnostics
+(``stapo/*``, ``phase/*``, the dump's weights) are the update's own weightings, counted per mini-batch.
 
 Determinism: every RNG is re-seeded from (trainer.seed, step) at the start of each step and
 prompts come from a seeded permutation indexed by step, so a run resumed from a checkpoint
