@@ -153,6 +153,11 @@ def test_dumped_silenced_tokens_are_exactly_the_zero_gradient_tokens(tmp_path, m
     assert row["batch/sequences"] == 8.0
     assert row["stapo/silenced_count"] == pytest.approx(row["stapo/silenced_frac"] * row["tokens/valid"])
     assert row["stapo/silenced_count"] >= silenced  # the dump holds a subset of the batch
+    taus = {s["tau_h"] for s in dump["sequences"]}
+    if scope == "step":  # one threshold for the step, fixed before the first mini-batch
+        assert len(taus) == 1 and row["stapo/tau_h"] == pytest.approx(taus.pop())
+    else:  # each mini-batch resolved its own; the metric is their mean
+        assert min(taus) - 1e-9 <= row["stapo/tau_h"] <= max(taus) + 1e-9
 
 
 # ----------------------------------------------------------------------------- 4: one distribution
