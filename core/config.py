@@ -187,6 +187,15 @@ class S2TOptions(_Section):
         lt=1,
         description="Entropy threshold as a quantile of the global batch's valid-token entropies. Paper: 0.05.",
     )
+    tau_h_scope: Literal["step", "minibatch"] = Field(
+        "step",
+        description=(
+            "Population of the tau_h_quantile: `step` = every valid response token of the step's global "
+            "batch under the policy at the start of the update (one threshold for all mini-batches and "
+            "PPO epochs); `minibatch` = each optimizer mini-batch's tokens under the current policy. "
+            "See docs/algorithms.md."
+        ),
+    )
 
     @model_validator(mode="after")
     def _one_tau_h(self) -> S2TOptions:
@@ -366,6 +375,14 @@ class TrainerConfig(_Section):
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
     offload_optimizer: bool = Field(False, description="DeepSpeed: keep optimizer state on CPU.")
+    zero3_param_persistence_threshold: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "DeepSpeed ZeRO-3 `stage3_param_persistence_threshold`: parameters with fewer elements stay "
+            "whole on every rank (null: DeepSpeed's default, 1e5). 0 partitions every parameter (tests)."
+        ),
+    )
     seed: int = Field(0, description="Seed of sampling, shuffling and initialization.")
     skip_nonfinite: bool = Field(True, description="Skip (and log) an update whose loss or grad norm is not finite.")
 

@@ -113,7 +113,9 @@ class StepExtras:
             return {}
         from stapo.core.algos import get_advantage
 
-        pen = kl_reward_penalty(old_lp, self.ref_lp, batch.response_mask, coef=a.kl_coef, estimator=a.kl.estimator)
+        n = len(seqs)  # data parallel: the batch may end with a zero-weight padding row (not a sequence)
+        pen = kl_reward_penalty(old_lp[:n], self.ref_lp[:n], batch.response_mask[:n], coef=a.kl_coef,
+                                estimator=a.kl.estimator)
         by_group: dict[int, list[int]] = {}
         for i, (s, p) in enumerate(zip(seqs, pen.tolist(), strict=True)):
             s.reward -= p
@@ -125,8 +127,8 @@ class StepExtras:
             adv[idx] = fn(rewards, eps=a.adv_eps)[0]
         for s, v in zip(seqs, adv.tolist(), strict=True):
             s.advantage = v
-        adv_bl = adv.to(batch.advantages.device).unsqueeze(1).expand_as(batch.advantages)
-        batch.advantages.copy_(torch.where(batch.response_mask, adv_bl, torch.zeros_like(adv_bl)))
+        adv_bl = adv.to(batch.advantages.device).unsqueeze(1).expand_as(batch.advantages[:n])  # [n, L]
+        batch.advantages[:n] = torch.where(batch.response_mask[:n], adv_bl, torch.zeros_like(adv_bl))
         return {"actor/kl_reward_penalty": float(pen.mean()) if pen.numel() else 0.0}
 
     # ------------------------------------------------------------------ inside update_policy

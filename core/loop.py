@@ -7,15 +7,23 @@ One step of :func:`train`::
              -> advantages      (grpo / dr_grpo / rloo over each group; DAPO overlong shaping)
              -> dynamic sampling(DAPO: keep groups with mixed rewards, resample to refill)
              -> old log-probs   (TrainerBackend.token_stats without grad)
+             -> dump forward    (when dumping: p, H, sum q^2, top-k of the sampled policy, one forward)
              -> K updates       (per mini-batch: token weights -> per-token loss -> aggregation with the
-                                 GLOBAL normalizer, so micro-batching never changes the update)
+                                 GLOBAL normalizer, so micro-batching never changes the update; the
+                                 weights' own counts are the logged diagnostics)
              -> weight sync     (trainer -> rollout engine; a no-op when hf shares the model)
-             -> metrics, token dump, validation, checkpoint
+             -> metrics, token dump (rank 0 writes), validation, checkpoint
 
 Departures from plain GRPO are all config: the token weighting (``s2t`` is STAPO, arXiv
 2602.15620: silence tokens with A > 0, p < tau_p, H < tau_h and drop them from the denominator),
 DAPO's clip-higher / dynamic sampling / overlong shaping (arXiv 2503.14476), 20-Entropy's
 top-entropy mask (arXiv 2506.01939). No KL by default (kl_coef=0), as in DAPO and JustRL.
+
+Data parallelism (DeepSpeed on N ranks): each rank samples its share of the prompts; every decision
+about the batch is global and every rank issues the same collectives whatever its rewards
+(``stapo.core.distributed``: global refill decision and trim, one global mini-batch plan, zero-weight
+padding rows); logged metrics are global sums; rank 0 writes files. The token diagnostics
+(``stapo/*``, ``phase/*``, the dump's weights) are the update's own weightings, counted per mini-batch.
 
 Determinism: every RNG is re-seeded from (trainer.seed, step) at the start of each step and
 prompts come from a seeded permutation indexed by step, so a run resumed from a checkpoint
@@ -125,30 +133,68 @@ def collate(seqs: Sequence[Sequence_], pad_id: int) -> Batch:
     return Batch(ids, attn, resp, adv)
 
 
+def collate_with_pad_row(seqs: Sequence[Sequence_], pad_id: int, *, pad: bool) -> Batch:
+    """``collate`` plus, when ``pad``, one trailing zero-weight row (data parallel).
+
+    The padding row is a real token sequence (the first kept one, or two pad tokens on a rank that
+    kept nothing) with an all-False response mask and advantage 0: forwards through it are ordinary
+    (no fully masked attention row, so no NaN), and it carries no loss and no gradient. A rank runs
+    it whenever it has fewer rows than the busiest rank, so every rank joins every collective.
+    """
+    if not pad:
+        return collate(seqs, pad_id)
+    if not seqs:
+        return Batch(torch.full((1, 2), pad_id, dtype=torch.long), torch.ones((1, 2), dtype=torch.long),
+                     torch.zeros((1, 2), dtype=torch.bool), torch.zeros((1, 2), dtype=torch.float32))
+    b = collate(seqs, pad_id)  # [N, L] each; the padding row copies row 0's tokens, nothing else
+    return Batch(
+        torch.cat([b.input_ids, b.input_ids[:1]]),
+        torch.cat([b.attention_mask, b.attention_mask[:1]]),
+        torch.cat([b.response_mask, torch.zeros_like(b.response_mask[:1])]),
+        torch.cat([b.advantages, torch.zeros_like(b.advantages[:1])]),
+    )
+
+
 def stats_temperature(cfg: Config) -> float:
     """Log-probs and entropies are those of the sampling policy: logits / T (T=0 means greedy: 1)."""
     return cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
 
 
-def token_stats_batched(backend: Any, batch: Batch, micro: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """No-grad log-probs and entropies of a whole batch, micro-batch by micro-batch."""
-    lps, ents = [], []
-    for s in range(0, batch.input_ids.shape[0], micro):
-        rows = slice(s, s + micro)
+def token_stats_batched(backend: Any, batch: Batch, micro: int, temperature: float, *,
+                        calls: int | None = None, pad_row: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """No-grad log-probs and entropies of a whole batch, micro-batch by micro-batch.
+
+    Data parallel: ``pad_row`` is the batch's zero-weight padding row (the last one) and ``calls``
+    the number of forwards every rank makes (ZeRO-3 gathers parameters in each); calls past this
+    rank's real rows run on the padding row. Stats of the padding row are 0 (it has no response).
+    """
+    n = batch.input_ids.shape[0]
+    real = n if pad_row is None else pad_row
+    row_sets = [torch.arange(s, min(s + micro, real)) for s in range(0, real, micro)]
+    if calls is not None:
+        if pad_row is None and calls > len(row_sets):
+            raise ValueError("token_stats_batched: more calls than micro-batches needs a pad_row")
+        if calls > len(row_sets):
+            row_sets += [torch.tensor([pad_row])] * (calls - len(row_sets))
+    lp_all = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)  # [N, L]
+    ent_all = torch.zeros_like(lp_all)  # [N, L]
+    for rows in row_sets:
+        rows = rows.to(batch.input_ids.device)
         lp, ent = backend.token_stats(
             batch.input_ids[rows], batch.attention_mask[rows], batch.response_mask[rows],
             grad=False, temperature=temperature,
         )
-        lps.append(lp.detach().float())
-        ents.append(ent.detach().float())
-    return torch.cat(lps), torch.cat(ents)  # [N, L], [N, L]
+        lp_all[rows] = lp.detach().float().to(lp_all.device)
+        ent_all[rows] = ent.detach().float().to(ent_all.device)
+    return lp_all, ent_all  # [N, L], [N, L]
 
 
 def weighting_params(cfg: Config) -> dict[str, Any]:
     """Keyword arguments of the configured token weighting: its config section, field for field."""
     a = cfg.algorithm
     section = getattr(a, a.token_weighting, None)
-    return section.model_dump() if section is not None else {}
+    # tau_h_scope is the loop's choice of population, not an argument of the weighting
+    return section.model_dump(exclude={"tau_h_scope"}) if section is not None else {}
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -199,7 +245,17 @@ class _Run:
                 f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be divisible by the "
                 f"number of data-parallel ranks ({self.world_size})"
             )
+        if self.world_size > 1 and cfg.algorithm.lp_reg.enabled and cfg.trainer.zero_stage == 3:
+            raise ValueError(
+                "algorithm.lp_reg.enabled is not supported with trainer.zero_stage=3 on several ranks yet (its "
+                "min-p proxy pass makes one forward per local micro-batch, which ranks with different batch "
+                "sizes would not issue in lockstep); use trainer.zero_stage 0-2"
+            )
         self.engine = build_rollout_engine(cfg, model=self.backend.model, tokenizer=self.tokenizer)
+        if self.world_size > 1 and hasattr(self.engine, "synced_gpus"):
+            # ZeRO-3 gathers parameters in every generate step: a rank whose sequences finished early
+            # keeps stepping (transformers' synced_gpus) until every rank is done.
+            self.engine.synced_gpus = True
         self.rewards = RewardFunction(cfg.reward)
         self.train_prompts, self.val_prompts = load_prompts(cfg.data, self.tokenizer)
         if not self.train_prompts:
@@ -305,8 +361,125 @@ def mixed_groups(seqs: list[Sequence_], metric: str = "acc") -> list[Sequence_]:
     return [s for g, k in zip(groups, keep.tolist(), strict=True) if k for s in g]
 
 
-def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.Tensor, step: int) -> dict[str, float]:
+def trim_kept(kept: list[Sequence_], want: int, n: int, dp: Any) -> list[Sequence_]:
+    """Cut the GLOBAL kept batch to ``want`` sequences (whole groups of ``n``).
+
+    One process: the first ``want``, as DAPO fills its batch. Data parallel: the ranks' kept group
+    counts are all-gathered and :func:`stapo.core.distributed.balanced_quota` says how many groups
+    each keeps, so the global batch has ``min(want, total)`` sequences spread as evenly as possible.
+    """
+    from stapo.core.distributed import balanced_quota
+
+    if not dp.multi:
+        return kept[:want]
+    quota = balanced_quota(dp.counts(len(kept) // n), want // n)
+    return kept[: quota[dp.rank] * n]
+
+
+def rollout_metrics(dp: Any, all_seqs: Sequence[Sequence_], metrics: dict[str, float]) -> dict[str, float]:
+    """Reward, accuracy and length metrics over EVERY rank's sampled sequences (one all_gather).
+
+    Also sums the per-rank reward failure / retry counts; ``_tokens`` (global response tokens) is
+    for the throughput metric.
+    """
+    lengths = [len(s.response_ids) for s in all_seqs]
+    rewards = [s.reward for s in all_seqs]
+    local = [
+        float(len(all_seqs)), math.fsum(rewards), math.fsum(r * r for r in rewards),
+        float(sum(s.correct for s in all_seqs)), float(sum(lengths)),
+        float(sum(s.finish_reason == "length" for s in all_seqs)),
+        float(metrics.get("reward/failed", 0.0)), float(metrics.get("reward/retried", 0.0)),
+        float(metrics.get("reward/no_answer_frac", 0.0)), float(max(lengths, default=0)),
+    ]
+    rows = dp.gather_rows(local)
+    tot = [math.fsum(col) for col in zip(*rows, strict=True)]
+    n = tot[0]
+    mean = tot[1] / n if n else float("nan")
+    return {
+        "reward/mean": mean,
+        "reward/std": math.sqrt(max(tot[2] / n - mean * mean, 0.0)) if n else float("nan"),
+        "reward/accuracy": tot[3] / n if n else float("nan"),
+        "response_length/mean": tot[4] / n if n else float("nan"),
+        "response_length/max": max(r[9] for r in rows),
+        "response_length/clip_ratio": tot[5] / n if n else float("nan"),
+        "reward/failed": tot[6],
+        "reward/retried": tot[7],
+        "reward/no_answer_frac": tot[8] / len(rows),  # equal shares of the step's prompts per rank
+        "_tokens": tot[4],
+    }
+
+
+def step_entropy_thresholds(cfg: Config, old_ent: torch.Tensor, mask: torch.Tensor,
+                            gather: Callable[[torch.Tensor], torch.Tensor] | None) -> tuple[float, float | None]:
+    """(global 5th entropy percentile of the step batch, the step's tau_h or None).
+
+    The step's tau_h is ``algorithm.s2t.tau_h`` when absolute, else, with ``tau_h_scope=step``, the
+    ``tau_h_quantile`` of every valid response token's entropy in the step's GLOBAL batch under the
+    pre-update policy; None with ``tau_h_scope=minibatch`` (each mini-batch resolves its own).
+    One all_gather, on every rank.
+    """
+    from stapo.core.algos import quantile
+
+    s2t = cfg.algorithm.s2t
+    with torch.no_grad():
+        local = old_ent.detach()[mask.bool()]  # [n_valid]
+        allv = gather(local) if gather is not None else local
+    p05 = quantile(allv, 0.05)
+    if s2t.tau_h is not None:
+        return p05, float(s2t.tau_h)
+    if s2t.tau_h_scope == "step":
+        return p05, quantile(allv, float(s2t.tau_h_quantile))
+    return p05, None
+
+
+def update_diagnostics(cfg: Config, ctx: Any, tw: Any, tau_step: float | None, diag: dict[str, float]) -> float:
+    """Add one mini-batch's global token counts (from the weighting's own output) to ``diag``;
+    returns the tau_h it used: the weighting's (S2T), else the step's, else this mini-batch's quantile."""
+    from stapo.core.algos import resolve_tau_h, token_counts
+
+    s2t = cfg.algorithm.s2t
+    tau = tw.info.get("tau_h", tau_step)
+    if tau is None:
+        tau = resolve_tau_h(ctx.entropy, ctx.mask, tau_h_quantile=s2t.tau_h_quantile, gather=ctx.gather)
+    for k, v in token_counts(ctx, tw, tau_p=s2t.tau_p, tau_h=float(tau)).items():
+        diag[k] = diag.get(k, 0.0) + v
+    return float(tau)
+
+
+@dataclass
+class UpdateRecord:
+    """What the update's own token weightings produced, per local row, for the token dump.
+
+    ``weights[e, i]`` is the weight row i got in PPO epoch e (the weighting's output on the
+    mini-batch that held row i, under the policy of that moment); ``tau_h[e, i]`` that mini-batch's
+    entropy threshold.
+    """
+
+    weights: torch.Tensor  # [E, N, L]
+    tau_h: torch.Tensor  # [E, N]
+    cells: torch.Tensor  # [E, N, L] int8 phase cell (index into PHASE_KEYS) the update's counts used
+
+    @staticmethod
+    def empty(epochs: int, batch: Batch) -> UpdateRecord:
+        n, L = batch.input_ids.shape
+        return UpdateRecord(torch.ones(epochs, n, L), torch.full((epochs, n), float("nan")),
+                            torch.full((epochs, n, L), -1, dtype=torch.int8))
+
+
+def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.Tensor, step: int, *,
+                  counts: Sequence[int] | None = None, record: UpdateRecord | None = None) -> dict[str, float]:
     """K mini-batch updates with the configured token weighting, loss and aggregation.
+
+    Data parallel (``counts``: every rank's number of real rows; this rank's batch then ends with
+    one zero-weight padding row when it has more rows than ``counts[rank]``): mini-batches come from
+    one global permutation and every rank runs the same number of micro-batches in each
+    (:func:`stapo.core.distributed.plan_update`), so collectives stay in lockstep.
+
+    Diagnostics are the update's own: at every mini-batch the weighting's output is counted
+    (:func:`stapo.core.algos.token_counts`, global) and, with ``record``, stored per row for the
+    token dump. ``stapo/silenced_count`` and the phase cells sum over every mini-batch of every PPO
+    epoch; ``stapo/tau_h`` is the mean of the thresholds used. ``algorithm.s2t.tau_h_scope=step``
+    fixes tau_h once from the step's global batch under the pre-update policy (``old_ent``).
 
     Fused path (``trainer.fused_loss``, the default): for a per-token policy loss (``ppo_clip``;
     ``gspo`` couples the tokens of a sequence and keeps the unfused path) without entropy gradient,
@@ -318,11 +491,14 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
     """
     from stapo.core.algos import (
         TokenContext,
+        fractions_from_counts,
         get_aggregation,
         get_policy_loss,
         get_token_weighting,
+        phase_cells,
     )
     from stapo.core.algos.regularizers import add_terms, entropy_bonus
+    from stapo.core.distributed import plan_update
     from stapo.core.extras import extras_of
 
     cfg, backend = run.cfg, run.backend
@@ -331,10 +507,19 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
     loss_fn = get_policy_loss(a.policy_loss)
     agg = get_aggregation(a.aggregation)
     extras = extras_of(run)
-    params = {**weighting_params(cfg), **extras.weighting_params()}
+    params = {**weighting_params(cfg), **extras.weighting_params()}  # STARE: the scheduled W, M
     micro = cfg.trainer.micro_batch_size
     temp = stats_temperature(cfg)
     n = batch.input_ids.shape[0]
+    rank = int(getattr(backend, "rank", 0))
+    counts = [n] if counts is None else [int(c) for c in counts]
+    pad_row = counts[rank] if n > counts[rank] else None
+    gather = getattr(backend, "all_gather_1d", None)
+    p05, tau_step = step_entropy_thresholds(cfg, old_ent, batch.response_mask, gather)
+    if tau_step is not None and a.token_weighting == "s2t":
+        params = {**params, "tau_h": tau_step, "tau_h_quantile": None}
+    diag: dict[str, float] = {}
+    taus: list[float] = []
     sums: dict[str, float] = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "tokens": 0.0, "ratio_sum": 0.0}
     loss_kw = {"eps_low": a.eps_low, "eps_high": a.eps_high, "dual_clip_c": a.dual_clip_c}
     fused = (
@@ -369,8 +554,10 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
     step_out: list[dict[str, float]] = []
     fresh = True  # params unchanged since old_lp was computed: its stats are the current policy's
     for epoch in range(a.ppo_epochs):
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch)))
-        for mb_idx in perm.to(batch.input_ids.device).chunk(a.mini_batches):
+        gen = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch))
+        plan = plan_update(counts, rank, mini_batches=a.mini_batches, micro=micro, generator=gen, pad_row=pad_row)
+        for mb_idx, mb_real in zip(plan.rows, plan.real, strict=True):
+            mb_idx = mb_idx.to(batch.input_ids.device)
             mb = batch.rows(mb_idx)
             if fresh:
                 cur_lp, cur_ent = old_lp[mb_idx], old_ent[mb_idx]
@@ -386,6 +573,14 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
             )
             tw = weigh(ctx, **params)
             terms = extras.terms(ctx, mb_idx, old_lp)  # KL to the reference, Lp-Reg (issue 9)
+            tau_mb = update_diagnostics(cfg, ctx, tw, tau_step, diag)
+            taus.append(tau_mb)
+            if record is not None:
+                real_rows = mb_idx[:mb_real].cpu()
+                record.weights[epoch, real_rows] = tw.weights[:mb_real].detach().float().cpu()
+                record.tau_h[epoch, real_rows] = tau_mb
+                cells = phase_cells(ctx, tau_p=a.s2t.tau_p, tau_h=tau_mb)  # [b, L]
+                record.cells[epoch, real_rows] = cells[:mb_real].cpu()
             norm = agg.normalizer(tw, mb.response_mask)
             reduce = getattr(backend, "all_reduce_sum", None)
             norm = reduce(norm) if reduce is not None else norm
@@ -421,7 +616,13 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
     updates = len(step_out)
     tokens = max(sums["tokens"], 1.0)
     grad_norms = [o.get("grad_norm", float("nan")) for o in step_out]
+    token_diag = fractions_from_counts(diag)
+    token_diag["tokens/valid"] = diag["tokens"] / a.ppo_epochs  # every epoch sees each row once
     return {
+        **token_diag,
+        "stapo/silenced_count": diag["silenced"],
+        "stapo/tau_h": _mean(taus),
+        "entropy/p05": p05,
         "actor/loss": sums["loss"] / updates,
         "actor/grad_norm": _mean(grad_norms),
         "actor/lr": step_out[-1].get("lr", float("nan")),
@@ -432,31 +633,21 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
     }
 
 
-def batch_token_metrics(run: _Run, batch: Batch, lp: torch.Tensor, ent: torch.Tensor) -> tuple[dict[str, float], Any]:
-    """Silenced fraction, the 8 phase cells, entropy: on the whole step batch at the sampling policy."""
-    from stapo.core.algos import TokenContext, get_token_weighting, resolve_tau_h, token_metrics
-
-    cfg = run.cfg
-    ctx = TokenContext(logprobs=lp, entropy=ent, advantages=batch.advantages, mask=batch.response_mask)
-    from stapo.core.extras import extras_of
-
-    params = {**weighting_params(cfg), **extras_of(run).weighting_params()}  # STARE: the scheduled W, M
-    tw = get_token_weighting(cfg.algorithm.token_weighting)(ctx, **params)
-    s2t = cfg.algorithm.s2t
-    tau_h = resolve_tau_h(ent, batch.response_mask, tau_h=s2t.tau_h, tau_h_quantile=s2t.tau_h_quantile)
-    metrics = token_metrics(ctx, tw, tau_p=s2t.tau_p, tau_h=tau_h)
-    metrics["stapo/tau_h"] = float(tau_h)
-    return metrics, (tw, tau_h)
-
-
 def validate(run: _Run) -> dict[str, float]:
-    """Accuracy on held-out prompts (greedy by default)."""
+    """Accuracy on held-out prompts (greedy by default), global over data-parallel ranks.
+
+    Each rank generates a strided share of the prompts, padded to the same count (every rank makes
+    the same generate calls; the HF engine runs them with ``synced_gpus`` under data parallelism),
+    and the correct counts and lengths are summed over ranks.
+    """
+    from stapo.core.distributed import DataParallel, even_shard
     from stapo.core.rollout import SamplingParams
 
     cfg = run.cfg
-    recs = run.val_prompts
-    if not recs:
+    if not run.val_prompts:
         return {}
+    dp = DataParallel(run.backend)
+    recs, real = even_shard(run.val_prompts, dp.rank, dp.world_size)
     sampling = SamplingParams(
         n=1,
         temperature=cfg.eval.val_temperature,
@@ -465,56 +656,98 @@ def validate(run: _Run) -> dict[str, float]:
         seed=derive_seed(cfg.trainer.seed, 999_983),
     )
     run.engine.wake()
-    outs = run.engine.generate([run.encode(r) for r in recs], sampling)
+    outs = run.engine.generate([run.encode(r) for r in recs], sampling)[:real]
     run.engine.sleep()
     texts = [o[0].text for o in outs]
-    graded = run.rewards(texts, [r.answer for r in recs])
+    graded = run.rewards(texts, [r.answer for r in recs[:real]]) if outs else None
+    correct = float(sum(graded.correct)) if graded is not None else 0.0
+    length = float(sum(len(o[0].token_ids) for o in outs))
+    n_correct, n_len, n = dp.sum([correct, length, float(len(outs))])
     return {
-        "accuracy": _mean([float(c) for c in graded.correct]),
-        "mean_length": _mean([len(o[0].token_ids) for o in outs]),
-        "n": len(recs),
+        "accuracy": n_correct / n if n else float("nan"),
+        "mean_length": n_len / n if n else float("nan"),
+        "n": int(n),
     }
 
 
-def dump_tokens(run: _Run, step: int, seqs: list[Sequence_], batch: Batch, lp: torch.Tensor, ent: torch.Tensor,
-                weights: torch.Tensor, tau_h: float) -> None:
-    """Bounded token-level dump for `stapo inspect` (format in docs/architecture.md)."""
+def dump_candidates(cfg: Config, seqs: Sequence[Sequence_]) -> list[int]:
+    """Local rows worth dumping, best first, at most ``logging.dump_max_sequences``: positive
+    advantage (only those can be silenced), then negative, then zero (no gradient at all)."""
+    order = sorted(range(len(seqs)), key=lambda i: (seqs[i].advantage <= 0, seqs[i].advantage == 0, i))
+    return order[: cfg.logging.dump_max_sequences]
+
+
+def dump_forward(run: _Run, batch: Batch, rows: list[int], counts: Sequence[int]) -> dict[str, torch.Tensor]:
+    """Theorem 3.1 data of the dump rows from one forward of the PRE-update (sampled) policy at the
+    sampling temperature: p, H, sum q^2 and top-k describe the same distribution. Every rank calls
+    it the same number of times (ZeRO-3); short ranks run their padding row."""
     cfg = run.cfg
-    k = cfg.logging.dump_top_k
-    # Prefer sequences that hold silenced tokens, then ones with a learning signal (A != 0), then the
-    # rest, up to the bound: a group whose answers all agree has zero advantage and no gradient.
-    silenced_rows = ((weights == 0) & batch.response_mask).any(dim=1).tolist()
-    order = sorted(range(len(seqs)), key=lambda i: (not silenced_rows[i], seqs[i].advantage == 0, i))
-    order = order[: cfg.logging.dump_max_sequences]
-    out = []
-    model = run.backend.model
-    with torch.no_grad():
-        for i in order:
-            s = seqs[i]
-            ids = torch.tensor([s.prompt_ids + s.response_ids], device=run.backend.device)
-            logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1].float()  # [R, V]
-            probs = torch.softmax(logits, dim=-1)
-            top = torch.topk(probs, k=min(k, probs.shape[-1])) if k else None
-            resp = batch.response_mask[i]
-            out.append({
-                "prompt": run.tokenizer.decode(s.prompt_ids, skip_special_tokens=True)[-500:],
-                "gold": s.gold,
-                "reward": s.reward,
-                "advantage": s.advantage,
-                "tokens": [run.tokenizer.decode([t]) for t in s.response_ids],
-                "token_ids": s.response_ids,
-                "prob": lp[i][resp].exp().tolist(),
-                "entropy": ent[i][resp].tolist(),
-                "sum_q2": (probs**2).sum(-1).tolist(),
-                "weight": weights[i][resp].tolist(),
-                "top": [
-                    [[run.tokenizer.decode([int(t)]), float(p)] for t, p in zip(ti, pi, strict=True)]
-                    for ti, pi in zip(top.indices.tolist(), top.values.tolist(), strict=True)
-                ] if top is not None else [],
-            })
+    micro = cfg.trainer.micro_batch_size
+    calls = max(1, math.ceil(min(cfg.logging.dump_max_sequences, max(counts)) / micro))
+    pad_row = batch.input_ids.shape[0] - 1
+    sets = [rows[s : s + micro] for s in range(0, len(rows), micro)]
+    sets += [[pad_row]] * (calls - len(sets))
+    parts: dict[str, list[torch.Tensor]] = {}
+    for r in sets:
+        idx = torch.tensor(r, device=batch.input_ids.device)
+        out = run.backend.token_distribution(
+            batch.input_ids[idx], batch.attention_mask[idx], batch.response_mask[idx],
+            temperature=stats_temperature(cfg), top_k=cfg.logging.dump_top_k,
+        )
+        for k, v in out.items():
+            parts.setdefault(k, []).append(v.detach().cpu())
+    return {k: torch.cat(v)[: len(rows)] for k, v in parts.items()}
+
+
+def dump_tokens(run: _Run, step: int, seqs: list[Sequence_], batch: Batch, rows: list[int],
+                dist: dict[str, torch.Tensor], record: UpdateRecord, dp: Any) -> None:
+    """Bounded token-level dump for `stapo inspect` (format in docs/architecture.md); rank 0 writes.
+
+    ``weight`` is what the update applied (PPO epoch 0; ``weights_per_epoch`` when there are more),
+    ``cell`` the phase cell the update counted each token in (index into ``PHASE_KEYS``, from the p
+    and H the weighting saw) and ``tau_h`` the threshold of the row's mini-batch; ``prob``,
+    ``entropy``, ``sum_q2`` and ``top`` come from :func:`dump_forward` (the sampled policy: the same
+    p and H the weighting saw in the first mini-batch; later mini-batches see the updated policy). Records from every rank are gathered; sequences holding
+    silenced tokens come first, then ones with a learning signal (A != 0), up to the bound.
+    """
+    cfg = run.cfg
+    resp_all = batch.response_mask.cpu()
+    local = []
+    for j, i in enumerate(rows):
+        s, resp = seqs[i], resp_all[i]
+        w = record.weights[:, i][:, resp]  # [E, R]
+        top_p, top_i = dist["top_prob"][j][resp], dist["top_ids"][j][resp]  # [R, k]
+        rec = {
+            "prompt": run.tokenizer.decode(s.prompt_ids, skip_special_tokens=True)[-500:],
+            "gold": s.gold,
+            "reward": s.reward,
+            "advantage": s.advantage,
+            "tokens": [run.tokenizer.decode([t]) for t in s.response_ids],
+            "token_ids": s.response_ids,
+            "prob": dist["logprobs"][j][resp].exp().tolist(),
+            "entropy": dist["entropy"][j][resp].tolist(),
+            "sum_q2": dist["sum_q2"][j][resp].tolist(),
+            "weight": w[0].tolist(),
+            "cell": record.cells[0, i][resp].tolist(),
+            "tau_h": float(record.tau_h[0, i]),
+            "top": [
+                [[run.tokenizer.decode([int(t)]), float(p)] for t, p in zip(ti, pi, strict=True)]
+                for ti, pi in zip(top_i.tolist(), top_p.tolist(), strict=True)
+            ],
+        }
+        if w.shape[0] > 1:
+            rec["weights_per_epoch"] = w.tolist()
+        silenced = bool(((w[0] == 0)).any())
+        local.append(((not silenced, s.advantage == 0, dp.rank, i), rec))
+    gathered = [x for part in dp.gather_objects(local) for x in part]
+    if dp.rank != 0:
+        return
+    out = [rec for _, rec in sorted(gathered, key=lambda kv: kv[0])][: cfg.logging.dump_max_sequences]
+    taus = [t for t in record.tau_h[0].tolist() if math.isfinite(t)]
     d = run.run_dir / "dumps"
     d.mkdir(exist_ok=True)
-    payload = {"step": step, "tau_p": cfg.algorithm.s2t.tau_p, "tau_h": tau_h,
+    payload = {"step": step, "tau_p": cfg.algorithm.s2t.tau_p, "tau_h": _mean(taus),
+               "tau_h_scope": cfg.algorithm.s2t.tau_h_scope,
                "token_weighting": cfg.algorithm.token_weighting, "sequences": out}
     tmp = d / f".step_{step:06d}.json.tmp"
     tmp.write_text(json.dumps(payload))
@@ -527,6 +760,7 @@ def dump_tokens(run: _Run, step: int, seqs: list[Sequence_], batch: Batch, lp: t
 def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[str], None] = print) -> TrainResult:
     """Run (or resume) RL training; returns where it went and validation before/after."""
     from stapo.core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from stapo.core.distributed import DataParallel
     from stapo.core.tracking import LiveView, Tracker, truncate_jsonl
 
     t_start = time.time()
@@ -534,6 +768,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     run = _Run(cfg, run_dir, log)
+    dp = DataParallel(run.backend)
     main = run.rank == 0
     if not main:
         log = _quiet
@@ -565,7 +800,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             t_step = time.time()
             seed_everything(derive_seed(cfg.trainer.seed, step))
 
-            # --- rollouts + rewards (+ DAPO dynamic sampling: resample until the batch is full)
+            # --- rollouts + rewards (+ DAPO dynamic sampling: resample until the GLOBAL batch is full)
             seqs, metrics = rollout_and_grade(run, step, 0)
             all_seqs = list(seqs)
             kept = shape_and_advantage(cfg, seqs)
@@ -573,7 +808,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                 kept = mixed_groups(kept, cfg.algorithm.dynamic_sampling_metric)
                 want = cfg.rollout.prompts_per_step * cfg.rollout.n
                 for round_ in range(1, cfg.algorithm.max_sampling_rounds):
-                    if len(kept) >= want:
+                    if dp.total(len(kept)) >= want:  # a global decision: every rank runs the same rounds
                         break
                     more, m2 = rollout_and_grade(run, step, round_)
                     for key in ("time/rollout_s", "time/reward_s", "reward/failed", "reward/retried"):
@@ -582,36 +817,35 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                         s.group += 10_000 * round_
                     all_seqs += more
                     kept += mixed_groups(shape_and_advantage(cfg, more), cfg.algorithm.dynamic_sampling_metric)
-                kept = kept[:want]
-                metrics["dapo/kept_groups"] = len(kept) / cfg.rollout.n
-
-            lengths = [len(s.response_ids) for s in all_seqs]
-            metrics.update({
-                "reward/mean": _mean([s.reward for s in all_seqs]),
-                "reward/std": float(np.std([s.reward for s in all_seqs])),
-                "reward/accuracy": _mean([float(s.correct) for s in all_seqs]),
-                "response_length/mean": _mean(lengths),
-                "response_length/max": float(max(lengths)),
-                "response_length/clip_ratio": _mean([float(s.finish_reason == "length") for s in all_seqs]),
-            })
-
-            # --- old log-probs, token metrics, updates
-            t0 = time.time()
+                kept = trim_kept(kept, want, cfg.rollout.n, dp)
+                metrics["dapo/kept_groups"] = dp.total(len(kept)) / cfg.rollout.n
             kept = [s for s, k in zip(kept, run.extras.loss_rows(kept).tolist(), strict=True) if k]  # DAPO overlong filter
-            if kept:
-                batch = collate(kept, run.pad_id).to(run.backend.device)
+            counts = dp.counts(len(kept))
+            metrics.update(rollout_metrics(dp, all_seqs, metrics))
+            metrics["batch/sequences"] = float(sum(counts))
+
+            # --- old log-probs, updates (every rank, in lockstep), token dump
+            t0 = time.time()
+            if sum(counts):
+                micro = cfg.trainer.micro_batch_size
+                batch = collate_with_pad_row(kept, run.pad_id, pad=dp.multi).to(run.backend.device)
+                pad_row = len(kept) if dp.multi else None
                 old_lp, old_ent = token_stats_batched(
-                    run.backend, batch, cfg.trainer.micro_batch_size, stats_temperature(cfg)
+                    run.backend, batch, micro, stats_temperature(cfg),
+                    calls=max(1, math.ceil(max(counts) / micro)), pad_row=pad_row,
                 )
-                # issue 9: reference / Lp-Reg proxy log-probs, STARE schedule, KL in the reward
-                metrics.update(run.extras.prepare(batch, old_lp, old_ent, micro_batch=cfg.trainer.micro_batch_size,
+                # issue 9: reference / Lp-Reg proxy log-probs, STARE schedule, KL in the reward (every rank)
+                metrics.update(run.extras.prepare(batch, old_lp, old_ent, micro_batch=micro,
                                                   temperature=stats_temperature(cfg)))
                 metrics.update(run.extras.apply_kl_in_reward(kept, batch, old_lp))
-                tm, (tw, tau_h) = batch_token_metrics(run, batch, old_lp, old_ent)
-                metrics.update(tm)
-                metrics.update(update_policy(run, batch, old_lp, old_ent, step))
-                if main and cfg.logging.dump_tokens_every and step % cfg.logging.dump_tokens_every == 0:
-                    dump_tokens(run, step, kept, batch, old_lp, old_ent, tw.weights, tau_h)
+                dumping = bool(cfg.logging.dump_tokens_every and step % cfg.logging.dump_tokens_every == 0)
+                record = UpdateRecord.empty(cfg.algorithm.ppo_epochs, batch) if dumping else None
+                if dumping:
+                    dump_rows = dump_candidates(cfg, kept)
+                    dump_dist = dump_forward(run, batch, dump_rows, counts)  # the pre-update (sampled) policy
+                metrics.update(update_policy(run, batch, old_lp, old_ent, step, counts=counts, record=record))
+                if dumping:
+                    dump_tokens(run, step, kept, batch, dump_rows, dump_dist, record, dp)
             else:
                 metrics["actor/skipped_updates"] = 1.0
                 log(f"step {step}: no group with a usable advantage signal; update skipped")
@@ -628,7 +862,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                     tracker.log_val(step, v)
                     metrics["val/accuracy"] = last_val = v["accuracy"]
             metrics["time/step_s"] = time.time() - t_step
-            metrics["perf/tokens_per_s"] = sum(lengths) / max(metrics["time/step_s"], 1e-9)
+            metrics["perf/tokens_per_s"] = metrics.pop("_tokens") / max(metrics["time/step_s"], 1e-9)
             tracker.log(step, metrics)
             view.update(metrics)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.trainer.max_steps:

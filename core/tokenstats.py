@@ -141,6 +141,35 @@ def _chunked_stats(
     return logp, ent, lse
 
 
+def _accum_dtype(requested: torch.dtype | None, weight_dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the LM-head gradient buffer summed over chunks: float32 (float64 for float64
+    weights) unless the caller asks otherwise. Summing many chunk contributions in bf16 drops the
+    small ones (bf16 keeps 8 bits of mantissa); the buffer is cast to the weight's dtype once, at
+    the end, as autograd expects."""
+    if requested is not None:
+        return requested
+    return torch.float64 if weight_dtype == torch.float64 else torch.float32
+
+
+def _accumulate_weight_grad_(
+    grad_w: Tensor, gz: Tensor, gz_w: Tensor, h: Tensor, *, autocast: bool
+) -> None:
+    """grad_w [V, D] += gz.T @ h for one chunk (gz [c, V] in the compute dtype, h [c, D]).
+
+    When the buffer has the weight's dtype (and no autocast) the product is accumulated in place
+    (addmm, no [V, D] temporary). Otherwise (a float32 buffer for bf16/fp16 weights, or autocast)
+    the chunk's product is one matmul in the weight's (autocast's) dtype, as lm_head's own backward
+    would run it (tensor cores; the GEMM accumulates in float32 internally), and is ADDED to the
+    float32 buffer: each chunk's product is rounded once, the running sum never is. Costs a [V, D]
+    temporary in the low-precision dtype. ``gz`` (float32) is kept for callers that need it.
+    """
+    del gz
+    if grad_w.dtype == gz_w.dtype and not autocast:
+        grad_w.addmm_(gz_w.t(), h.to(gz_w.dtype))  # [V, D] += [V, c] @ [c, D]
+    else:
+        grad_w.add_(gz_w.t() @ h.to(gz_w.dtype))  # [V, D] (+)= low-precision product, summed in fp32
+
+
 class _FromHidden(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk_size, entropy_grad, temperature, grad_accum_dtype):  # type: ignore[override]
@@ -170,7 +199,7 @@ class _FromHidden(torch.autograd.Function):
         g_logp = g_logp.to(cdt) / t
         use_ent = ctx.entropy_grad and g_ent is not None
         g_ent = g_ent.to(cdt) / t if use_ent else None
-        acc = ctx.grad_accum_dtype or weight.dtype
+        acc = _accum_dtype(ctx.grad_accum_dtype, weight.dtype)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = (
@@ -188,15 +217,12 @@ class _FromHidden(torch.autograd.Function):
             if grad_b is not None:
                 grad_b.add_(gz.sum(dim=0).to(acc))
             gz_w = gz.to(weight.dtype)  # [c, V]
-            del gz, z
+            del z
             if grad_h is not None:
                 grad_h[s:e] = (gz_w @ weight).to(hidden.dtype)  # [c, D]
             if grad_w is not None:
-                if acc == weight.dtype:
-                    grad_w.addmm_(gz_w.t(), h.to(weight.dtype))  # [V, D] += [V, c] @ [c, D], no temp
-                else:
-                    grad_w.add_((gz_w.t() @ h.to(weight.dtype)).to(acc))
-            del gz_w
+                _accumulate_weight_grad_(grad_w, gz, gz_w, h, autocast=False)
+            del gz_w, gz
         if grad_w is not None and grad_w.dtype != weight.dtype:
             grad_w = grad_w.to(weight.dtype)
         if grad_b is not None and grad_b.dtype != bias.dtype:
@@ -280,8 +306,8 @@ def token_logprobs_entropy_from_hidden(
     hidden [N, D] (flatten [B, L, D] first), lm_head_weight [V, D], labels [N] (negative = ignore).
     Peak extra memory is O(chunk_size * V) float32 plus the weight gradient; logits are recomputed
     in backward. ``grad_accum_dtype`` is the dtype the weight gradient is accumulated in across
-    chunks (default: the weight's dtype, as Liger's fused linear cross-entropy does; pass
-    ``torch.float32`` for bf16 weights when you can afford a float32 [V, D] buffer).
+    chunks (default float32, float64 for float64 weights, whatever the weight's dtype: a bf16 sum
+    over many chunks loses the small contributions; costs one float32 [V, D] buffer).
     """
     _validate_from_hidden(hidden, lm_head_weight, labels, bias, chunk_size, temperature)
     labels = labels.long()
@@ -377,7 +403,7 @@ class _FusedLoss(torch.autograd.Function):
         cdt = _compute_dtype(hidden.dtype)
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         need_b = need_b and bias is not None
-        acc = grad_accum_dtype or weight.dtype
+        acc = _accum_dtype(grad_accum_dtype, weight.dtype)
         autocast = _autocast_on(hidden.device)
         logp = torch.zeros(n, dtype=cdt, device=hidden.device)  # [N]
         ent = torch.zeros(n, dtype=cdt, device=hidden.device)  # [N]
@@ -408,15 +434,11 @@ class _FusedLoss(torch.autograd.Function):
             if grad_b is not None:
                 grad_b.add_(gz.sum(dim=0).to(acc))
             gz_w = gz.to(weight.dtype)  # [c, V]
-            del gz, p
             if grad_h is not None:
                 grad_h[s:e] = (gz_w @ weight).to(hidden.dtype)  # [c, D]
             if grad_w is not None:
-                if acc == weight.dtype and not autocast:
-                    grad_w.addmm_(gz_w.t(), h.to(weight.dtype))  # [V, D] += [V, c] @ [c, D], no temp
-                else:  # autocast: the matmul runs in the autocast dtype, like lm_head's own backward
-                    grad_w.add_((gz_w.t() @ h.to(weight.dtype)).to(acc))
-            del gz_w
+                _accumulate_weight_grad_(grad_w, gz, gz_w, h, autocast=autocast)
+            del gz_w, gz, p
         if grad_w is not None and grad_w.dtype != weight.dtype:
             grad_w = grad_w.to(weight.dtype)
         if grad_b is not None and grad_b.dtype != bias.dtype:

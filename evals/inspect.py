@@ -110,11 +110,12 @@ class TokenTable:
     advantage: np.ndarray  # [N] float (the sequence's advantage, shared by its tokens)
     sum_q2: np.ndarray  # [N] float (nan when the dump has none)
     weight: np.ndarray  # [N] float
+    cell: np.ndarray | None = None  # [N] int, the update's own phase cell (-1 = not in the dump)
 
 
 def token_table(dump: dict[str, Any]) -> TokenTable:
     """Flatten the dump's sequences into per-token arrays."""
-    seq, pos, prob, ent, adv, q2, w = [], [], [], [], [], [], []
+    seq, pos, prob, ent, adv, q2, w, cell = [], [], [], [], [], [], [], []
     for i, s in enumerate(dump["sequences"]):
         n = len(s["tokens"])
         seq += [i] * n
@@ -124,10 +125,12 @@ def token_table(dump: dict[str, Any]) -> TokenTable:
         adv += [float(s["advantage"])] * n
         q2 += s.get("sum_q2") or [math.nan] * n
         w += s["weight"]
+        cell += s.get("cell") or [-1] * n
     f = np.float64
     return TokenTable(
         np.asarray(seq, dtype=np.int64), np.asarray(pos, dtype=np.int64), np.asarray(prob, dtype=f),
         np.asarray(ent, dtype=f), np.asarray(adv, dtype=f), np.asarray(q2, dtype=f), np.asarray(w, dtype=f),
+        np.asarray(cell, dtype=np.int64),
     )
 
 
@@ -156,11 +159,19 @@ def resolve_tau_h(dump: dict[str, Any], table: TokenTable) -> tuple[float, str]:
 
 
 def cell_index(table: TokenTable, tau_p: float, tau_h: float) -> np.ndarray:
-    """[N] index into :data:`CELLS` of every token."""
+    """[N] index into :data:`CELLS` of every token.
+
+    Tokens whose dump carries the update's own cell (``cell``, written by the training loop from the
+    p, H and tau_h its token weighting used at that mini-batch) keep it, so the phase table agrees
+    with the ``phase/*`` metrics by construction; older dumps are classified from the thresholds.
+    """
     highp = (table.prob >= tau_p).astype(np.int64)
     highh = (table.entropy >= tau_h).astype(np.int64)
     neg = (table.advantage <= 0).astype(np.int64)
-    return highp * 4 + highh * 2 + neg
+    idx = highp * 4 + highh * 2 + neg
+    if table.cell is not None and table.cell.shape == idx.shape:
+        idx = np.where(table.cell >= 0, table.cell, idx)
+    return idx
 
 
 def phase_table(table: TokenTable, tau_p: float, tau_h: float) -> dict[str, dict[str, float]]:

@@ -19,7 +19,7 @@ from .advantages import ADVANTAGES, AdvantageFn, get_advantage
 from .aggregation import AGGREGATIONS, Aggregation, get_aggregation
 from .dapo import dynamic_sampling_filter, dynamic_sampling_values, overlong_filter_keep, overlong_penalty
 from .losses import KL_ESTIMATORS, POLICY_LOSSES, PolicyLossFn, get_kl_estimator, get_policy_loss, kl_k3
-from .metrics import PHASE_KEYS, token_metrics
+from .metrics import COUNT_KEYS, PHASE_KEYS, fractions_from_counts, phase_cells, token_counts, token_metrics
 from .objective import compute_policy_objective
 from .registry import Registry
 from .stapo import stapo_loss
@@ -41,6 +41,7 @@ __all__ = [
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
+    "COUNT_KEYS",
     "PHASE_KEYS",
     "TOKEN_WEIGHTS",
     "AdvantageFn",
@@ -54,6 +55,7 @@ __all__ = [
     "compute_policy_objective",
     "dynamic_sampling_filter",
     "dynamic_sampling_values",
+    "fractions_from_counts",
     "get_advantage",
     "get_aggregation",
     "get_kl_estimator",
@@ -62,10 +64,12 @@ __all__ = [
     "kl_k3",
     "overlong_filter_keep",
     "overlong_penalty",
+    "phase_cells",
     "quantile",
     "resolve_tau_h",
     "s2t_mask",
     "stapo_loss",
+    "token_counts",
     "token_metrics",
     "top_fraction_threshold",
 ]

@@ -21,20 +21,35 @@ PHASE_KEYS = tuple(
 )
 
 
-def token_metrics(
-    ctx: TokenContext, weights: TokenWeights, *, tau_p: float, tau_h: float | None = None
+def phase_cells(ctx: TokenContext, *, tau_p: float, tau_h: float) -> torch.Tensor:
+    """[B, T] int8 index into :data:`PHASE_KEYS` of every token (meaningful where ``ctx.mask``):
+    ``highp * 4 + highh * 2 + neg`` with highp = p >= tau_p, highh = H >= tau_h, neg = A <= 0."""
+    with torch.no_grad():
+        highp = (ctx.logprobs.detach().double().exp() >= tau_p).to(torch.int8)
+        highh = (ctx.entropy.detach().double() >= float(tau_h)).to(torch.int8)
+        neg = (ctx.advantages <= 0).to(torch.int8)
+        return highp * 4 + highh * 2 + neg  # [B, T]
+
+
+COUNT_KEYS = ("tokens", "silenced", "entropy_sum", "prob_sum", *PHASE_KEYS)
+
+
+def token_counts(
+    ctx: TokenContext, weights: TokenWeights, *, tau_p: float, tau_h: float
 ) -> dict[str, float]:
-    """Fractions over valid tokens (see module doc). ``tau_h`` is absolute; None = the batch's 5th
-    entropy percentile (STAPO's reported choice)."""
+    """GLOBAL sums over valid tokens (one all-reduce when the context has ``all_reduce_sum``):
+    ``tokens``, ``silenced`` (valid tokens the weighting gave weight 0), ``entropy_sum``,
+    ``prob_sum`` and the 8 phase-cell counts (keys ``phase/...``) at absolute thresholds.
+
+    Counts, not fractions, so the loop can add them over the mini-batches of an update and divide
+    once: what it logs is then exactly what the update's weightings produced.
+    """
     with torch.no_grad():
         mask = ctx.mask
         ent = ctx.entropy.detach().double()
         p = ctx.logprobs.detach().double().exp()
-        valid_ent = ctx.gathered(ctx.entropy.detach()[mask])
-        p05 = quantile(valid_ent, 0.05)
-        th = p05 if tau_h is None else float(tau_h)
         lowp = p < tau_p
-        lowh = ent < th
+        lowh = ent < float(tau_h)
         pos = ctx.advantages > 0
         cells = []
         for pm in (lowp, ~lowp):
@@ -47,15 +62,34 @@ def token_metrics(
             + [c.double() for c in cells]
         )  # [4 + 8]
         sums = ctx.summed(sums)
-        n = float(sums[0])
-        denom = max(n, 1.0)
-        out = {
-            "stapo/silenced_frac": float(sums[1]) / denom,
-            "entropy/mean": float(sums[2]) / denom,
-            "entropy/p05": p05,
-            "prob/mean": float(sums[3]) / denom,
-            "tokens/valid": n,
-        }
-        for key, c in zip(PHASE_KEYS, sums[4:], strict=True):
-            out[key] = float(c) / denom
+        return {k: float(v) for k, v in zip(COUNT_KEYS, sums.tolist(), strict=True)}
+
+
+def fractions_from_counts(counts: dict[str, float]) -> dict[str, float]:
+    """``stapo/silenced_frac``, ``entropy/mean``, ``prob/mean``, ``tokens/valid`` and the phase
+    fractions from (summed) :func:`token_counts`."""
+    n = counts["tokens"]
+    denom = max(n, 1.0)
+    out = {
+        "stapo/silenced_frac": counts["silenced"] / denom,
+        "entropy/mean": counts["entropy_sum"] / denom,
+        "prob/mean": counts["prob_sum"] / denom,
+        "tokens/valid": n,
+    }
+    for key in PHASE_KEYS:
+        out[key] = counts[key] / denom
+    return out
+
+
+def token_metrics(
+    ctx: TokenContext, weights: TokenWeights, *, tau_p: float, tau_h: float | None = None
+) -> dict[str, float]:
+    """Fractions over valid tokens (see module doc). ``tau_h`` is absolute; None = the batch's 5th
+    entropy percentile (STAPO's reported choice)."""
+    with torch.no_grad():
+        valid_ent = ctx.gathered(ctx.entropy.detach()[ctx.mask])
+        p05 = quantile(valid_ent, 0.05)
+        th = p05 if tau_h is None else float(tau_h)
+        out = fractions_from_counts(token_counts(ctx, weights, tau_p=tau_p, tau_h=th))
+        out["entropy/p05"] = p05
         return out

@@ -121,6 +121,9 @@ class HFRolloutEngine:
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
         self.last_sync: dict[str, int] = {}
+        # Data parallel under ZeRO-3 (set by the RL loop): every rank keeps calling forward until all
+        # ranks' sequences are done, since each forward gathers partitioned parameters collectively.
+        self.synced_gpus = False
 
     # ----------------------------------------------------------------------------- generation
 
@@ -222,6 +225,7 @@ class HFRolloutEngine:
             attention_mask=attention_mask.to(dev),
             generation_config=gen_config,
             logits_processor=processors,
+            **({"synced_gpus": True} if self.synced_gpus else {}),
         )
         seqs = out.sequences  # [B, P + S]
         logprobs = recorder.finish(seqs).cpu()  # [B, S]

@@ -54,6 +54,7 @@ __all__ = [
     "position_ids_from_mask",
     "compute_token_stats",
     "compute_token_loss",
+    "compute_token_distribution",
     "stat_targets",
     "head_logit_transform",
     "resolve_device",
@@ -100,6 +101,19 @@ class TrainerBackend(Protocol):
         w.r.t. the LM head and hidden states are computed in the forward (no logits recompute);
         then call :meth:`backward` on ``loss`` as usual. See ``compute_token_loss``.
         """
+        ...
+
+    def token_distribution(
+        self,
+        input_ids: torch.Tensor,  # [B, L] long
+        attention_mask: torch.Tensor,  # [B, L] 0/1
+        response_mask: torch.Tensor | None = None,  # [B, L] bool
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+    ) -> dict[str, torch.Tensor]:
+        """No-grad Theorem 3.1 data (p, H, sum q^2, top-k) from one forward; every rank must call it
+        under ZeRO-3 (it gathers parameters). See ``compute_token_distribution``."""
         ...
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -496,3 +510,97 @@ def compute_token_loss(
     logprobs[where] = lp.float()
     entropy[where] = ent.float()
     return loss, logprobs, entropy
+
+
+def compute_token_distribution(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,  # [B, L]
+    attention_mask: torch.Tensor,  # [B, L]
+    response_mask: torch.Tensor | None,  # [B, L]
+    *,
+    chunk_size: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Theorem 3.1 data of each stat position from ONE forward, no grad, at ``temperature``.
+
+    Returns ``logprobs`` [B, L], ``entropy`` [B, L], ``sum_q2`` [B, L] (sum over the vocabulary of
+    q^2, q = softmax(logits / T)), ``top_prob`` / ``top_ids`` [B, L, k] (the k most likely next
+    tokens): p, H, sum q^2 and the alternatives all describe the same distribution, the one the
+    token was sampled from when called with the sampling temperature on the pre-update policy.
+    Positions as :func:`compute_token_stats` (0 / empty elsewhere); chunks of ``chunk_size`` rows
+    bound memory to one [chunk, V] float32 block.
+    """
+    check_token_batch(input_ids, attention_mask, response_mask)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    B, L = input_ids.shape
+    attention_mask = attention_mask.to(input_ids.device)
+    position_ids = position_ids_from_mask(attention_mask)  # [B, L]
+    target = stat_targets(attention_mask, response_mask)  # [B, L]
+    tgt = target[:, 1:]  # [B, L-1]
+    labels = input_ids[:, 1:][tgt]  # [N]
+    scale, needs_logits = head_logit_transform(model)
+
+    def from_logits(chunk: Callable[[int, int], torch.Tensor], n: int, t: float) -> tuple[torch.Tensor, ...]:
+        outs: list[tuple[torch.Tensor, ...]] = []
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            logp_all = torch.log_softmax(chunk(s, e).float() / t, dim=-1)  # [c, V]
+            q = logp_all.exp()
+            k = min(top_k, q.shape[-1])
+            top = torch.topk(q, k=k, dim=-1)
+            outs.append((
+                logp_all.gather(1, labels[s:e].unsqueeze(-1)).squeeze(-1),  # [c]
+                -(q * logp_all).sum(-1),  # [c]
+                (q * q).sum(-1),  # [c]
+                top.values,  # [c, k]
+                top.indices,  # [c, k]
+            ))
+        if not outs:
+            V = model.config.vocab_size if hasattr(model, "config") else 0
+            k = min(top_k, V) if V else top_k
+            z = torch.zeros(0, device=input_ids.device)
+            return z, z, z, torch.zeros(0, k, device=input_ids.device), torch.zeros(0, k, dtype=torch.long,
+                                                                                     device=input_ids.device)
+        return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
+
+    n = int(labels.shape[0])
+    if needs_logits:
+        out = type(model).forward(
+            model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
+        logits = out.logits[:, :-1][tgt]  # [N, V]
+        lp, ent, q2, tv, ti = from_logits(lambda s, e: logits[s:e], n, temperature)
+    else:
+        hidden = _final_hidden(model, input_ids, attention_mask, position_ids)  # [B, L, D]
+        h = hidden[:, :-1][tgt]  # [N, D]
+        head = model.get_output_embeddings()
+        if head is None:
+            raise ValueError(f"{type(model).__name__} has no output embeddings (get_output_embeddings() is None)")
+
+        def _dist(h_: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            bias = getattr(head, "bias", None)
+            return from_logits(
+                lambda s, e: torch.nn.functional.linear(h_[s:e], head.weight, bias), n, temperature / scale
+            )
+
+        with forward_as(head, _dist):
+            lp, ent, q2, tv, ti = head(h)
+    where = target.nonzero(as_tuple=True)
+    k = tv.shape[-1]
+    res = {
+        "logprobs": torch.zeros(B, L, dtype=torch.float32, device=input_ids.device),
+        "entropy": torch.zeros(B, L, dtype=torch.float32, device=input_ids.device),
+        "sum_q2": torch.zeros(B, L, dtype=torch.float32, device=input_ids.device),
+        "top_prob": torch.zeros(B, L, k, dtype=torch.float32, device=input_ids.device),
+        "top_ids": torch.zeros(B, L, k, dtype=torch.long, device=input_ids.device),
+    }
+    res["logprobs"][where] = lp.float()
+    res["entropy"][where] = ent.float()
+    res["sum_q2"][where] = q2.float()
+    res["top_prob"][where] = tv.float()
+    res["top_ids"][where] = ti
+    return res

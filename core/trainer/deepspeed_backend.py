@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 from stapo.core.trainer.base import (
     adamw_param_groups,
+    compute_token_distribution,
     compute_token_loss,
     compute_token_stats,
     enable_activation_checkpointing,
@@ -114,6 +115,9 @@ def build_ds_config(trainer_cfg: Any, *, bf16: bool, offload: bool, own_clip: bo
     zero: dict[str, Any] = {"stage": stage}
     if stage <= 1:
         zero["overlap_comm"] = False  # required by unmanaged accumulation below stage 2
+    threshold = getattr(trainer_cfg, "zero3_param_persistence_threshold", None)
+    if stage == 3 and threshold is not None:
+        zero["stage3_param_persistence_threshold"] = int(threshold)
     if offload:
         if stage == 0:
             raise ValueError("trainer.offload_optimizer needs trainer.zero_stage >= 1 (ZeRO-Offload)")
@@ -268,6 +272,26 @@ class DeepSpeedBackend:
             )
 
         return self._engine_forward(stats, input_ids, attention_mask, response_mask, grad=grad)
+
+    def token_distribution(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_mask: torch.Tensor | None = None,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+    ) -> dict[str, torch.Tensor]:
+        """No-grad p, H, sum q^2 and top-k as the engine's forward (ZeRO-3 gathers: every rank calls)."""
+        self.engine.train(False)
+
+        def dist_fn(ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor | None) -> Any:
+            return compute_token_distribution(
+                self.model, ids, attn, resp,
+                chunk_size=self.tcfg.logits_chunk_size, temperature=temperature, top_k=top_k,
+            )
+
+        return self._engine_forward(dist_fn, input_ids, attention_mask, response_mask, grad=False)
 
     def token_loss(
         self,

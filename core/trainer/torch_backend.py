@@ -31,6 +31,7 @@ import torch
 
 from stapo.core.trainer.base import (
     adamw_param_groups,
+    compute_token_distribution,
     compute_token_loss,
     compute_token_stats,
     enable_activation_checkpointing,
@@ -108,6 +109,28 @@ class TorchBackend:
                 chunk_size=self.tcfg.logits_chunk_size,
                 entropy_grad=self.tcfg.entropy_grad,
                 temperature=temperature,
+            )
+
+    def token_distribution(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_mask: torch.Tensor | None = None,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+    ) -> dict[str, torch.Tensor]:
+        """No-grad p, H, sum q^2 and top-k of one forward; see ``compute_token_distribution``."""
+        self.model.train(False)
+        with torch.no_grad(), self._autocast():
+            return compute_token_distribution(
+                self.model,
+                input_ids.to(self.device),
+                attention_mask.to(self.device),
+                None if response_mask is None else response_mask.to(self.device),
+                chunk_size=self.tcfg.logits_chunk_size,
+                temperature=temperature,
+                top_k=top_k,
             )
 
     def token_loss(

@@ -127,11 +127,11 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, monkeypatch):
     real = loop.update_policy
     calls = {"n": 0}
 
-    def crash_at_step_3(run, batch, old_lp, old_ent, step):
+    def crash_at_step_3(run, batch, old_lp, old_ent, step, **kw):
         if step == 3:
             raise KeyboardInterrupt("killed")  # like a kill mid-step, after step 2's checkpoint
         calls["n"] += 1
-        return real(run, batch, old_lp, old_ent, step)
+        return real(run, batch, old_lp, old_ent, step, **kw)
 
     monkeypatch.setattr(loop, "update_policy", crash_at_step_3)
     with pytest.raises(KeyboardInterrupt):

@@ -174,3 +174,17 @@ def test_inspect_errors(tmp_path: Path) -> None:
     (tmp_path / "dumps" / "step_000002.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match=r"sequences\[1\] lacks field 'entropy'"):
         load_dump(tmp_path)
+
+
+def test_phase_table_uses_the_updates_own_cells(tmp_path: Path) -> None:
+    """A dump that carries the update's per-token ``cell`` is classified by it, not re-thresholded:
+    here the training mini-batch's tau_h put seq 1's first token in lowp_lowh_neg although the
+    dump-level thresholds would say highp_highh_neg."""
+    dump = write_dump(tmp_path)
+    before = phase_table(token_table(dump), TAU_P, TAU_H)
+    for s in dump["sequences"]:
+        s["cell"] = [-1] * len(s["tokens"])  # -1: not recorded, fall back to the thresholds
+    dump["sequences"][1]["cell"][0] = CELLS.index("lowp_lowh_neg")
+    after = phase_table(token_table(dump), TAU_P, TAU_H)
+    assert after["lowp_lowh_neg"]["tokens"] == before["lowp_lowh_neg"]["tokens"] + 1
+    assert sum(c["tokens"] for c in after.values()) == sum(c["tokens"] for c in before.values())

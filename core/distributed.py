@@ -1,0 +1,152 @@
+"""Data-parallel decisions and reductions for the RL loop: every rank runs the same collectives.
+
+Under data parallelism (the DeepSpeed backend on N ranks) each rank samples its share of a step's
+prompts, so after dynamic sampling and invalid-group dropping the ranks hold different numbers of
+sequences. Every collective of the update (ZeRO-3 parameter gathers in each forward and backward,
+the token weighting's all_gather, the normalizer's all_reduce, the optimizer step) must still be
+issued by every rank the same number of times, or the run hangs or silently mixes tensors. So:
+
+* decisions about the batch are global (:meth:`DataParallel.total` of the kept counts decides
+  whether another dynamic-sampling round runs; :func:`balanced_quota` trims the global surplus);
+* the optimizer mini-batches are drawn from ONE global permutation of the global batch
+  (:func:`plan_update`), and each rank runs, per mini-batch, as many micro-batches as the busiest
+  rank needs; a rank short of rows pads with zero-weight rows (no response token: no loss, no
+  gradient), so a rank with nothing kept still joins every collective;
+* logged metrics are global sums / maxima (:meth:`DataParallel.gather_rows`).
+
+With one process every function here is the identity and the plan reproduces the single-process
+loop exactly (same permutation, same mini-batches, same micro-batches).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["DataParallel", "UpdatePlan", "balanced_quota", "plan_update", "even_shard"]
+
+
+class DataParallel:
+    """Global reductions over the learner's data-parallel ranks (identity with one rank).
+
+    Built on the backend's ``all_gather_1d`` (the DeepSpeed backend's gloo/NCCL group), plus
+    ``torch.distributed.all_gather_object`` for small Python objects (token-dump records).
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self.rank = int(getattr(backend, "rank", 0))
+        self.world_size = int(getattr(backend, "world_size", 1))
+        self._gather = getattr(backend, "all_gather_1d", None)
+        if self.world_size > 1 and self._gather is None:
+            raise ValueError(f"{type(backend).__name__} runs {self.world_size} ranks but has no all_gather_1d")
+
+    @property
+    def multi(self) -> bool:
+        return self.world_size > 1
+
+    def gather_rows(self, values: Sequence[float]) -> list[list[float]]:
+        """Every rank's ``values`` (same length on each rank), in rank order: [world][k]."""
+        local = torch.tensor([float(v) for v in values], dtype=torch.float64)  # [k]
+        if not self.multi:
+            return [local.tolist()]
+        allv = self._gather(local)  # [world * k]
+        return allv.reshape(self.world_size, len(values)).tolist()
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum over ranks."""
+        rows = self.gather_rows(values)
+        return [math.fsum(col) for col in zip(*rows, strict=True)] if rows and values else list(values)
+
+    def total(self, n: float) -> float:
+        return self.sum([n])[0]
+
+    def counts(self, n: int) -> list[int]:
+        """``n`` of every rank, in rank order."""
+        return [int(r[0]) for r in self.gather_rows([n])]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (a list of one with one rank)."""
+        if not self.multi:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def even_shard(items: Sequence[Any], rank: int, world_size: int) -> tuple[list[Any], int]:
+    """(this rank's strided share padded to the largest share's length, number of real items).
+
+    Padding repeats the share's first item (or the list's first item for an empty share), so every
+    rank makes the same number of generate calls; the caller drops the padded results.
+    """
+    share = list(items[rank::world_size])
+    size = math.ceil(len(items) / world_size) if items else 0
+    real = len(share)
+    filler = share[0] if share else (items[0] if items else None)
+    return share + [filler] * (size - real), real
+
+
+def balanced_quota(counts: Sequence[int], want: int) -> list[int]:
+    """How many of its kept groups each rank keeps so that the global total is ``min(want, sum)``.
+
+    Water-filling: groups are handed out one at a time to the rank with the fewest so far that
+    still has one (lowest rank first on ties), which keeps per-rank micro-batch counts as equal as
+    possible. Deterministic from the counts, so every rank computes the same quota.
+    """
+    quota = [0] * len(counts)
+    left = min(int(want), int(sum(counts)))
+    while left > 0:
+        r = min((q, i) for i, q in enumerate(quota) if q < counts[i])[1]
+        quota[r] += 1
+        left -= 1
+    return quota
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """One PPO epoch's mini-batches on this rank.
+
+    ``rows[m]`` are this rank's local row indices of global mini-batch m (padded with ``pad_row``
+    so that there are exactly ``micro_counts[m]`` non-empty micro-batches of ``micro`` rows), and
+    ``real[m]`` how many of them are real.
+    """
+
+    rows: list[torch.Tensor]
+    real: list[int]
+    micro_counts: list[int]
+
+
+def plan_update(counts: Sequence[int], rank: int, *, mini_batches: int, micro: int, generator: torch.Generator,
+                pad_row: int | None) -> UpdatePlan:
+    """Split the GLOBAL batch into mini-batches with one seeded permutation, then take this rank's part.
+
+    Global row g belongs to rank r when ``offset_r <= g < offset_r + counts[r]`` (rows in rank
+    order). Mini-batch m is ``perm.chunk(mini_batches)[m]``: the same sets of sequences whatever
+    the number of ranks, and with one rank exactly the single-process split. Every rank gets
+    ``max_r ceil(rows_r(m) / micro)`` (at least 1) micro-batches in mini-batch m; ``pad_row`` (a
+    zero-weight row of the local batch) fills a rank's missing rows. ``pad_row=None`` is allowed only
+    when no padding is needed (one rank).
+    """
+    n = int(sum(counts))
+    offset = sum(counts[:rank])
+    perm = torch.randperm(n, generator=generator)  # [n]
+    rows, real, micro_counts = [], [], []
+    for chunk in perm.chunk(mini_batches):
+        per_rank = [int(((chunk >= sum(counts[:r])) & (chunk < sum(counts[: r + 1]))).sum()) for r in range(len(counts))]
+        k = max(1, max(math.ceil(c / micro) for c in per_rank))
+        mine = chunk[(chunk >= offset) & (chunk < offset + counts[rank])] - offset  # [n_r(m)]
+        need = (k - 1) * micro + 1  # fewest rows that make k non-empty micro-batches
+        if mine.numel() < need:
+            if pad_row is None:
+                raise ValueError("plan_update: padding needed but no pad_row given")
+            mine = torch.cat([mine, torch.full((need - mine.numel(),), pad_row, dtype=mine.dtype)])
+        rows.append(mine)
+        real.append(per_rank[rank])
+        micro_counts.append(k)
+    return UpdatePlan(rows, real, micro_counts)

@@ -1,0 +1,200 @@
+"""Issue 8's findings, one test (or a few) each, on the real loop with a tiny random model (1 process).
+
+The multi-rank halves of findings 1, 2 and 5 (lockstep, collective-safe dumps and validation,
+global metrics) need 2 ranks: tests/e2e/test_multirank_loop.py. Here:
+
+1. the batch decision and the update plan are global (pure functions of every rank's counts);
+2. the token dump runs no forward of its own outside the trainer backend (under ZeRO-3 a bare
+   ``model(...)`` on rank 0 issues all-gathers the other ranks never join);
+3. the dumped weights and logged silenced counts are the update's own: a dumped token has weight 0
+   exactly when it got zero gradient in that step's update (2 mini-batches, thresholds per update);
+4. the dump's p, H, sum q^2 and top-k describe ONE distribution: the sampled (pre-update) policy at
+   the sampling temperature, checked against an independent full-logits computation;
+5. logged counts are sums (``stapo/silenced_count`` = frac x tokens), ``batch/sequences`` is logged.
+(6, fp32 accumulation of the LM-head gradient: tests/unit/test_tokenstats_accum.py.)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from stapo.configs import preset_path
+from stapo.core import loop
+from stapo.core.config import load_config
+from stapo.core.distributed import balanced_quota, even_shard, plan_update
+from stapo.core.tracking import read_jsonl
+from stapo.core.trainer.torch_backend import TorchBackend
+
+BASE = ["logging.live=false", "logging.tensorboard=false", "algorithm.overlong.enabled=true",
+        "rollout.max_new_tokens=32", "algorithm.overlong.buffer=31", "trainer.max_steps=1",
+        "data.val_size=0", "checkpoint.export_hf=false", "algorithm.s2t.tau_p=0.5",
+        "algorithm.s2t.tau_h_quantile=0.9", "logging.dump_max_sequences=8", "trainer.lr=1e-4"]
+
+
+def tiny(*overrides: str):
+    return load_config(preset_path("tiny"), [*BASE, *overrides])
+
+
+# ----------------------------------------------------------------------------- 1: global decisions
+
+
+def test_balanced_quota_trims_the_global_surplus_evenly():
+    assert balanced_quota([3, 1], 2) == [1, 1]
+    assert balanced_quota([3, 0], 2) == [2, 0]  # a rank with nothing keeps nothing
+    assert balanced_quota([2, 2], 8) == [2, 2]  # short of the target: keep everything
+    assert balanced_quota([5, 5, 1], 6) == [3, 2, 1]
+    assert sum(balanced_quota([4, 7, 0, 2], 9)) == 9
+
+
+@pytest.mark.parametrize("counts", [[5, 0], [1, 4], [3, 3], [7, 2, 0]])
+def test_update_plan_same_micro_batches_on_every_rank_and_one_process_split(counts):
+    n, micro, mbs = sum(counts), 2, 2
+    one = plan_update([n], 0, mini_batches=mbs, micro=micro, generator=torch.Generator().manual_seed(1), pad_row=None)
+    plans = [plan_update(counts, r, mini_batches=mbs, micro=micro, generator=torch.Generator().manual_seed(1),
+                         pad_row=counts[r]) for r in range(len(counts))]
+    assert all(p.micro_counts == plans[0].micro_counts for p in plans)  # lockstep
+    for m, global_rows in enumerate(one.rows):  # the same sequences in each mini-batch as one process
+        got = []
+        for r, p in enumerate(plans):
+            real = p.rows[m][: p.real[m]]
+            assert (p.rows[m][p.real[m]:] == counts[r]).all()  # the rest is the padding row
+            assert len(p.rows[m]) > (p.micro_counts[m] - 1) * micro  # every micro-batch non-empty
+            got += (real + sum(counts[:r])).tolist()
+        assert sorted(got) == sorted(global_rows.tolist())
+
+
+def test_even_shard_pads_every_rank_to_the_same_count():
+    assert even_shard(list("abcde"), 0, 2) == (["a", "c", "e"], 3)
+    assert even_shard(list("abcde"), 1, 2) == (["b", "d", "b"], 2)
+    assert even_shard(list("a"), 1, 2) == (["a"], 0)
+
+
+# ----------------------------------------------------------------------------- 2: no bare forward
+
+
+def test_dump_runs_no_forward_outside_the_backend(tmp_path, monkeypatch):
+    """A bare ``model(...)`` outside the backend (and outside generate) is what hangs ZeRO-3."""
+    calls = {"bare": 0, "generating": False}
+    orig_init = loop._Run.__init__
+
+    def init_spy(self, *a, **k):
+        orig_init(self, *a, **k)
+        model, engine = self.backend.model, self.engine
+        fwd, gen = model.forward, engine.generate
+
+        def counting_forward(*args, **kw):
+            if not calls["generating"]:
+                calls["bare"] += 1
+            return fwd(*args, **kw)
+
+        def generate(*args, **kw):
+            calls["generating"] = True
+            try:
+                return gen(*args, **kw)
+            finally:
+                calls["generating"] = False
+
+        model.forward, engine.generate = counting_forward, generate
+
+    monkeypatch.setattr(loop._Run, "__init__", init_spy)
+    loop.train(tiny(), tmp_path / "run", log=lambda m: None)
+    assert list((tmp_path / "run" / "dumps").glob("step_*.json"))
+    assert calls["bare"] == 0
+
+
+# ----------------------------------------------------------------------------- 3 + 5: the update's own
+
+
+@pytest.mark.parametrize("scope", ["step", "minibatch"])
+def test_dumped_silenced_tokens_are_exactly_the_zero_gradient_tokens(tmp_path, monkeypatch, scope):
+    seen = []  # (full row token ids, response mask, d loss / d logp) per micro-batch row
+    orig = TorchBackend.token_loss
+
+    def spy(self, ids, attn, resp, fn, **kw):
+        grads = torch.zeros(ids.shape, dtype=torch.float64)  # [b, L]
+
+        def wrapped(lp, idx):
+            out = fn(lp, idx)
+            (g,) = torch.autograd.grad(out.sum(), lp, retain_graph=True, allow_unused=True)
+            grads.view(-1)[idx.cpu()] = 0.0 if g is None else g.detach().double().cpu()
+            return out
+
+        res = orig(self, ids, attn, resp, wrapped, **kw)
+        for b in range(ids.shape[0]):
+            seen.append((ids[b][attn[b].bool()].tolist(), resp[b][attn[b].bool()].cpu(), grads[b][attn[b].bool()]))
+        return res
+
+    monkeypatch.setattr(TorchBackend, "token_loss", spy)
+    scope_set = [] if scope == "step" else [f"algorithm.s2t.tau_h_scope={scope}"]  # step: the default
+    cfg = tiny("algorithm.mini_batches=2", "trainer.micro_batch_size=2", *scope_set)
+    run_dir = tmp_path / "run"
+    loop.train(cfg, run_dir, log=lambda m: None)
+    dump = json.loads((run_dir / "dumps" / "step_000001.json").read_text())
+    by_response: dict[tuple, list[list[bool]]] = {}
+    for ids, resp, g in seen:
+        r = tuple(t for t, m in zip(ids, resp.tolist(), strict=True) if m)
+        by_response.setdefault(r, []).append((g[resp] == 0).tolist())
+    checked = silenced = 0
+    for s in dump["sequences"]:
+        if s["advantage"] == 0:
+            continue  # no gradient at all: nothing to compare
+        zero_grad = by_response[tuple(s["token_ids"])]
+        w_zero = [w == 0 for w in s["weight"]]
+        assert w_zero in zero_grad, (s["token_ids"], s["weight"], zero_grad)
+        assert [c == 0 for c in s["cell"]] == w_zero  # S2T: silenced = the update's lowp_lowh_pos cell
+        checked += 1
+        silenced += sum(w_zero)
+    assert checked and silenced, "the test needs dumped sequences with silenced tokens"
+    (row,) = read_jsonl(run_dir / "metrics.jsonl")
+    assert row["batch/sequences"] == 8.0
+    assert row["stapo/silenced_count"] == pytest.approx(row["stapo/silenced_frac"] * row["tokens/valid"])
+    assert row["stapo/silenced_count"] >= silenced  # the dump holds a subset of the batch
+    taus = {s["tau_h"] for s in dump["sequences"]}
+    if scope == "step":  # one threshold for the step, fixed before the first mini-batch
+        assert len(taus) == 1 and row["stapo/tau_h"] == pytest.approx(taus.pop())
+    else:  # each mini-batch resolved its own; the metric is their mean
+        assert min(taus) - 1e-9 <= row["stapo/tau_h"] <= max(taus) + 1e-9
+
+
+# ----------------------------------------------------------------------------- 4: one distribution
+
+
+def test_dump_theorem_data_is_the_sampled_policy_at_the_sampling_temperature(tmp_path, monkeypatch):
+    temp, k = 0.7, 3
+    models, dumped = {}, {}
+    orig_init, orig_dump = loop._Run.__init__, loop.dump_tokens
+
+    def init_spy(self, *a, **kw):
+        orig_init(self, *a, **kw)
+        models["before"] = copy.deepcopy(self.backend.model).eval()
+
+    def dump_spy(run, step, seqs, *a, **kw):
+        dumped["seqs"] = list(seqs)
+        return orig_dump(run, step, seqs, *a, **kw)
+
+    monkeypatch.setattr(loop._Run, "__init__", init_spy)
+    monkeypatch.setattr(loop, "dump_tokens", dump_spy)
+    cfg = tiny(f"rollout.temperature={temp}", f"logging.dump_top_k={k}")
+    loop.train(cfg, tmp_path / "run", log=lambda m: None)
+    dump = json.loads((tmp_path / "run" / "dumps" / "step_000001.json").read_text())
+
+    ref = {}
+    with torch.no_grad():  # independent: full logits of the pre-update model, softmax at T
+        for s in dumped["seqs"]:
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            q = torch.softmax(models["before"](input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1].double() / temp,
+                              dim=-1)  # [R, V]
+            p = q.gather(1, torch.tensor(s.response_ids).unsqueeze(1)).squeeze(1)
+            ref[(tuple(s.response_ids), s.gold)] = (p, -(q * q.log()).sum(-1), (q * q).sum(-1), q.topk(k).values)
+    assert dump["sequences"]
+    for s in dump["sequences"]:
+        p, h, q2, top = ref[(tuple(s["token_ids"]), s["gold"])]
+        torch.testing.assert_close(torch.tensor(s["prob"], dtype=torch.float64), p, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(s["entropy"], dtype=torch.float64), h, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(s["sum_q2"], dtype=torch.float64), q2, atol=1e-5, rtol=1e-4)
+        got_top = torch.tensor([[pr for _, pr in tok] for tok in s["top"]], dtype=torch.float64)
+        torch.testing.assert_close(got_top, top, atol=1e-5, rtol=1e-4)
