@@ -151,6 +151,13 @@ def weighting_params(cfg: Config) -> dict[str, Any]:
     return section.model_dump() if section is not None else {}
 
 
+def policy_loss_params(cfg: Config) -> dict[str, Any]:
+    """Extra keyword arguments of the configured policy loss: its config section (``maspo``), if any."""
+    a = cfg.algorithm
+    section = getattr(a, a.policy_loss, None)
+    return section.model_dump() if section is not None else {}
+
+
 def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else float("nan")
 
@@ -330,10 +337,10 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
     n = batch.input_ids.shape[0]
     ref_lp = old_lp if a.kl_coef > 0 else None  # k3 to the policy that sampled (no separate reference model)
     sums: dict[str, float] = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "tokens": 0.0, "ratio_sum": 0.0}
-    loss_kw = {"eps_low": a.eps_low, "eps_high": a.eps_high, "dual_clip_c": a.dual_clip_c}
+    loss_kw = {"eps_low": a.eps_low, "eps_high": a.eps_high, "dual_clip_c": a.dual_clip_c, **policy_loss_params(cfg)}
     fused = (
         cfg.trainer.fused_loss
-        and a.policy_loss in ("ppo_clip",)  # elementwise in each token's log-prob
+        and a.policy_loss in ("ppo_clip", "maspo")  # elementwise in each token's log-prob
         and not cfg.trainer.entropy_grad
         and hasattr(backend, "token_loss")
     )

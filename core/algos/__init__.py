@@ -4,7 +4,8 @@ Families (each a ``Registry`` with a ``get_*`` accessor that lists valid names o
 
 - ``ADVANTAGES``    rewards [P, G] -> advantages [P, G]: grpo, dr_grpo, rloo
 - ``TOKEN_WEIGHTS`` TokenContext -> TokenWeights: none, s2t (STAPO), top_entropy, stare, lp_reg
-- ``POLICY_LOSSES`` per-token loss [B, T] + summable metrics: ppo_clip (clip-higher, dual-clip), gspo
+- ``POLICY_LOSSES`` per-token loss [B, T] + summable metrics: ppo_clip (clip-higher, dual-clip), gspo,
+                    maspo (soft mass-adaptive asymmetric trust region, ``maspo.py``)
 - ``AGGREGATIONS``  accumulation-safe scalar: token-mean, seq-mean-token-mean, seq-mean-token-sum
 
 plus DAPO's ``dynamic_sampling_filter`` / ``overlong_penalty``, ``kl_k3``, ``token_metrics`` and the
@@ -16,6 +17,7 @@ from .advantages import ADVANTAGES, AdvantageFn, get_advantage
 from .aggregation import AGGREGATIONS, Aggregation, get_aggregation
 from .dapo import dynamic_sampling_filter, overlong_penalty
 from .losses import POLICY_LOSSES, PolicyLossFn, get_policy_loss, kl_k3
+from .maspo import maspo_loss  # registers "maspo"
 from .metrics import PHASE_KEYS, token_metrics
 from .objective import compute_policy_objective
 from .registry import Registry
@@ -54,6 +56,7 @@ __all__ = [
     "get_policy_loss",
     "get_token_weighting",
     "kl_k3",
+    "maspo_loss",
     "overlong_penalty",
     "quantile",
     "resolve_tau_h",
