@@ -211,6 +211,23 @@ class _Run:
         log(f"data: {len(self.train_prompts)} train / {len(self.val_prompts)} val prompts from {cfg.data.source}")
         self._encode = lambda text: encode_prompt(self.tokenizer, text, chat_template=cfg.data.chat_template)
         self._encoded: dict[str, list[int]] = {}
+        # --- stability layers (docs/stability.md): which prompts (uniform | goldilocks), DEEP-GRPO state
+        from stapo.core.deep_grpo import DeepGRPO
+        from stapo.core.sampler import build_sampler
+
+        self.sampler = build_sampler(cfg, self.train_prompts, encode=self.encode, model=self.backend.model)
+        self.deep = DeepGRPO(cfg) if cfg.algorithm.deep_grpo.enabled else None
+        if self.deep is not None and self.world_size > 1:
+            raise ValueError("algorithm.deep_grpo.enabled supports one data-parallel rank for now (docs/stability.md)")
+
+    def layer_state(self) -> dict[str, Any]:
+        """The stability layers' state for the checkpoint's ``extra`` (JSON-safe)."""
+        return {"sampler": self.sampler.state_dict(), "deep_grpo": self.deep.state_dict() if self.deep else {}}
+
+    def load_layer_state(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state.get("sampler", {}))
+        if self.deep is not None:
+            self.deep.load_state_dict(state.get("deep_grpo", {}))
 
     def encode(self, rec: Any) -> list[int]:
         if rec.id not in self._encoded:
@@ -235,7 +252,7 @@ def rollout_and_grade(run: _Run, step: int, round_: int) -> tuple[list[Sequence_
     from stapo.core.rollout import SamplingParams
 
     cfg = run.cfg
-    idx = prompts_for_step(len(run.train_prompts), step, cfg.rollout.prompts_per_step, cfg.data.seed, round_)
+    idx = run.sampler.select(step, round_, cfg.rollout.prompts_per_step)  # uniform: prompts_for_step
     recs = [run.train_prompts[i] for i in idx[run.rank :: run.world_size]]  # this rank's share
     sampling = SamplingParams(
         n=cfg.rollout.n,
@@ -258,10 +275,22 @@ def rollout_and_grade(run: _Run, step: int, round_: int) -> tuple[list[Sequence_
     graded = run.rewards([s.text for s in seqs], [s.gold for s in seqs])
     for s, r, v, c in zip(seqs, graded.rewards, graded.valid, graded.correct, strict=True):
         s.reward, s.valid, s.correct = r, v, c
+    record_groups(run, idx[run.rank :: run.world_size], seqs)  # the sampler learns from observed accuracies
     times = {"time/rollout_s": t_roll, "time/reward_s": time.time() - t0, "reward/failed": graded.statuses.get(
         "timeout", 0) + graded.statuses.get("error", 0), "reward/retried": graded.retried,
         "reward/no_answer_frac": graded.statuses.get("no_answer", 0) / max(len(seqs), 1)}
     return seqs, times
+
+
+def record_groups(run: _Run, idx: Sequence[int], seqs: list[Sequence_]) -> None:
+    """Tell the prompt sampler each valid group's accuracy and whether its rewards were all equal."""
+    groups: dict[int, list[Sequence_]] = {}
+    for s in seqs:
+        groups.setdefault(s.group, []).append(s)
+    ok = [(i, g) for i, g in zip(idx, (groups.get(k, []) for k in range(len(idx))), strict=True)
+          if g and all(s.valid for s in g)]
+    run.sampler.record([i for i, _ in ok], [_mean([float(s.correct) for s in g]) for _, g in ok],
+                       [len({s.reward for s in g}) == 1 for _, g in ok])
 
 
 def shape_and_advantage(cfg: Config, seqs: list[Sequence_]) -> list[Sequence_]:
@@ -307,8 +336,12 @@ def mixed_groups(seqs: list[Sequence_]) -> list[Sequence_]:
     return [s for g, k in zip(groups, keep.tolist(), strict=True) if k for s in g]
 
 
-def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.Tensor, step: int) -> dict[str, float]:
+def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.Tensor, step: int,
+                  before_step: Callable[[int, bool], None] | None = None) -> dict[str, float]:
     """K mini-batch updates with the configured token weighting, loss and aggregation.
+
+    ``before_step(update_index, fresh)``, when given, runs right before each optimizer step and may
+    add gradient of its own (DEEP-GRPO's local branch loss, ``stapo.core.deep_grpo``).
 
     Fused path (``trainer.fused_loss``, the default): for a per-token policy loss (``ppo_clip``;
     ``gspo`` couples the tokens of a sequence and keeps the unfused path) without entropy gradient,
@@ -417,6 +450,8 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
                 sums["clip_high"] += float(m["clip_high_count"])
                 sums["tokens"] += float(m["token_count"])
                 sums["ratio_sum"] += float(m["ratio_sum"])
+            if before_step is not None:  # DEEP-GRPO: lambda * local branch loss joins this update
+                before_step(len(step_out), fresh)
             step_out.append(backend.step())
             fresh = False
     updates = len(step_out)
@@ -543,6 +578,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
         state = load_checkpoint(ckpt, backend=run.backend)
         start = state.step
         val_before = state.extra.get("val_before")
+        run.load_layer_state(state.extra.get("layers", {}))
         log(f"resumed from {ckpt} (step {start})")
     for name in ("metrics.jsonl", "val.jsonl") if main else ():
         truncate_jsonl(run_dir / name, max_step=start if ckpt is not None else -1)
@@ -581,6 +617,9 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                     kept += mixed_groups(shape_and_advantage(cfg, more))
                 kept = kept[:want]
                 metrics["dapo/kept_groups"] = len(kept) / cfg.rollout.n
+            metrics.update(run.sampler.end_step(step))  # goldilocks: teacher update + its metrics
+            branches, deep_m = run.deep.rollout_branches(run, step, all_seqs) if run.deep else (None, {})
+            metrics.update(deep_m)
 
             lengths = [len(s.response_ids) for s in all_seqs]
             metrics.update({
@@ -601,7 +640,9 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                 )
                 tm, (tw, tau_h) = batch_token_metrics(run, batch, old_lp, old_ent)
                 metrics.update(tm)
-                metrics.update(update_policy(run, batch, old_lp, old_ent, step))
+                local = run.deep.local_loss_hook(run, branches, step) if run.deep else None
+                metrics.update(update_policy(run, batch, old_lp, old_ent, step, before_step=local))
+                metrics.update(run.deep.local_metrics() if run.deep else {})
                 if main and cfg.logging.dump_tokens_every and step % cfg.logging.dump_tokens_every == 0:
                     dump_tokens(run, step, kept, batch, old_lp, old_ent, tw.weights, tau_h)
             else:
@@ -625,7 +666,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             view.update(metrics)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.trainer.max_steps:
                 save_checkpoint(run_dir, step=step, backend=run.backend, cfg=cfg,
-                                extra={"val_before": val_before}, keep_last=cfg.checkpoint.keep_last)
+                                extra={"val_before": val_before, "layers": run.layer_state()}, keep_last=cfg.checkpoint.keep_last)
 
         view.close()
         end = cfg.trainer.max_steps
@@ -636,7 +677,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             log(f"validation after training: accuracy {v['accuracy']:.3f} (before: {val_before})")
         if end > start:
             save_checkpoint(run_dir, step=end, backend=run.backend, cfg=cfg,
-                            extra={"val_before": val_before}, keep_last=cfg.checkpoint.keep_last)
+                            extra={"val_before": val_before, "layers": run.layer_state()}, keep_last=cfg.checkpoint.keep_last)
         if cfg.checkpoint.export_hf:
             run.backend.export_hf(run_dir / "final", run.tokenizer)
     finally:

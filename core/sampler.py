@@ -104,7 +104,7 @@ class _Recorder:
     def record(self, indices: Sequence[int], accuracies: Sequence[float], zero_variance: Sequence[bool]) -> None:
         if not len(indices) == len(accuracies) == len(zero_variance):
             raise ValueError("record: indices, accuracies and zero_variance must have the same length")
-        self.pending.extend((int(i), float(a), bool(z)) for i, a, z in zip(indices, accuracies, zero_variance))
+        self.pending.extend((int(i), float(a), bool(z)) for i, a, z in zip(indices, accuracies, zero_variance, strict=True))
 
     def take_all_ranks(self) -> list[tuple[int, float, bool]]:
         mine, self.pending = self.pending, []
@@ -148,7 +148,7 @@ class HashedNgramFeatures:
     def __call__(self, text: str) -> torch.Tensor:
         x = torch.zeros(self.dim, dtype=torch.float32)
         words = re.findall(r"\w+|[^\w\s]", text.lower())
-        grams = [f"w:{w}" for w in words] + [f"b:{a} {b}" for a, b in zip(words, words[1:])]
+        grams = [f"w:{w}" for w in words] + [f"b:{a} {b}" for a, b in zip(words, words[1:], strict=False)]
         flat = " ".join(words)
         grams += [f"c:{flat[i:i + 3]}" for i in range(max(len(flat) - 2, 0))]
         for g in grams:
@@ -241,14 +241,14 @@ class GoldilocksSampler(_Recorder):
             pool = rng.choice(self.n_prompts, size=min(self.pool_size, self.n_prompts), replace=False)
             pred = self.predict([int(i) for i in pool]).numpy()
             order = sorted(range(len(pool)), key=lambda k: (-float(pred[k]), int(pool[k])))
-            taken = {b for b, g in zip(base, greedy) if not g}
+            taken = {b for b, g in zip(base, greedy, strict=True) if not g}
             ranked = iter(int(pool[k]) for k in order if int(pool[k]) not in taken)
             for s in np.flatnonzero(greedy):
                 nxt = next(ranked, None)
                 if nxt is None:
                     break
                 out[int(s)] = nxt
-        for i, p in zip(out, self.predict(out).tolist()):
+        for i, p in zip(out, self.predict(out).tolist(), strict=True):
             self._pred_at_select[i] = p
         self._greedy_slots += int(greedy.sum())
         self._slots += per_step
@@ -267,7 +267,7 @@ class GoldilocksSampler(_Recorder):
             metrics["goldilocks/pred_obs_corr"] = _pearson(y_pred, y_obs)
             metrics["goldilocks/pred_utility_mean"] = float(np.nanmean(y_pred))
             metrics["goldilocks/obs_utility_mean"] = float(np.mean(y_obs))
-            self.buffer.extend(zip(idx, y_obs))
+            self.buffer.extend(zip(idx, y_obs, strict=True))
         metrics["goldilocks/teacher_loss"] = self._train(step)
         metrics["goldilocks/greedy_share"] = self._greedy_slots / max(self._slots, 1)
         metrics["goldilocks/buffer"] = float(len(self.buffer))
