@@ -264,8 +264,9 @@ class GoldilocksSampler(_Recorder):
             idx = [i for i, _, _ in obs]
             y_pred = [self._pred_at_select.get(i, float("nan")) for i in idx]
             metrics["sampler/zero_variance_share"] = float(np.mean([z for _, _, z in obs]))
-            metrics["goldilocks/pred_obs_corr"] = _pearson(y_pred, y_obs)
-            metrics["goldilocks/pred_utility_mean"] = float(np.nanmean(y_pred))
+            pairs = [(p, o) for p, o in zip(y_pred, y_obs, strict=True) if math.isfinite(p)]
+            metrics["goldilocks/pred_obs_corr"] = _pearson([p for p, _ in pairs], [o for _, o in pairs])
+            metrics["goldilocks/pred_utility_mean"] = float(np.mean([p for p, _ in pairs])) if pairs else float("nan")
             metrics["goldilocks/obs_utility_mean"] = float(np.mean(y_obs))
             self.buffer.extend(zip(idx, y_obs, strict=True))
         metrics["goldilocks/teacher_loss"] = self._train(step)
