@@ -186,3 +186,14 @@ def test_goldilocks_and_deep_resume_replays_the_uninterrupted_run(tmp_path):
     a, b = strip(read_jsonl(part / "metrics.jsonl")), strip(read_jsonl(full / "metrics.jsonl"))
     assert [r["step"] for r in a] == [1, 2, 3]
     assert a == b
+
+
+def test_maspo_fused_and_unfused_paths_agree(tmp_path):
+    """MASPO is per-token, so the fused chunked loss serves it; the unfused path is the reference.
+    Two mini-batches: the second is off-policy (w != 1), where the gate acts."""
+    fused = _train(_cfg("stapo-maspo", "trainer.fused_loss=true"), tmp_path / "fused")
+    plain = _train(_cfg("stapo-maspo", "trainer.fused_loss=false"), tmp_path / "plain")
+    clip = _train(_cfg("stapo", "trainer.fused_loss=false"), tmp_path / "clip")
+    pf, pp, pc = (_params(s["run"].model) for s in (fused, plain, clip))
+    torch.testing.assert_close(pf, pp, rtol=1e-4, atol=1e-6)
+    assert not torch.equal(pp, pc)  # and MASPO is not the hard clip
