@@ -343,7 +343,7 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
     ``before_step(update_index, fresh)``, when given, runs right before each optimizer step and may
     add gradient of its own (DEEP-GRPO's local branch loss, ``stapo.core.deep_grpo``).
 
-    Fused path (``trainer.fused_loss``, the default): for a per-token policy loss (``ppo_clip``;
+    Fused path (``trainer.fused_loss``, the default): for a per-token policy loss (``ppo_clip``, ``maspo``;
     ``gspo`` couples the tokens of a sequence and keeps the unfused path) without entropy gradient,
     each micro-batch is one ``backend.token_loss`` call: the loss is sum_i coef_i * l_i(logp_i)
     (+ kl_coef * k3_i), where coef_i = d(aggregate)/d(l_i) is taken once per micro-batch by autograd
@@ -666,7 +666,8 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             view.update(metrics)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.trainer.max_steps:
                 save_checkpoint(run_dir, step=step, backend=run.backend, cfg=cfg,
-                                extra={"val_before": val_before, "layers": run.layer_state()}, keep_last=cfg.checkpoint.keep_last)
+                                extra={"val_before": val_before, "layers": run.layer_state()},
+                                keep_last=cfg.checkpoint.keep_last)
 
         view.close()
         end = cfg.trainer.max_steps
@@ -677,7 +678,8 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             log(f"validation after training: accuracy {v['accuracy']:.3f} (before: {val_before})")
         if end > start:
             save_checkpoint(run_dir, step=end, backend=run.backend, cfg=cfg,
-                            extra={"val_before": val_before, "layers": run.layer_state()}, keep_last=cfg.checkpoint.keep_last)
+                            extra={"val_before": val_before, "layers": run.layer_state()},
+                            keep_last=cfg.checkpoint.keep_last)
         if cfg.checkpoint.export_hf:
             run.backend.export_hf(run_dir / "final", run.tokenizer)
     finally:

@@ -110,3 +110,30 @@ def test_bad_epsilon() -> None:
     texts, _ = _pool()
     with pytest.raises(ValueError, match="epsilon"):
         _sampler(texts, epsilon=1.5)
+
+
+def test_policy_embeddings_teacher_uses_a_frozen_copy_of_the_policy_table() -> None:
+    import torch
+
+    from stapo.core.config import load_config
+    from stapo.core.data import PromptRecord, encode_prompt
+    from stapo.core.models import load_policy
+    from stapo.core.sampler import build_sampler
+
+    cfg = load_config(None, ["model.name_or_path=tiny-random", "data.sampler=goldilocks",
+                             "data.goldilocks.teacher=policy_embeddings", "data.goldilocks.epsilon=0"])
+    model, tok = load_policy(cfg.model, device="cpu")
+    recs = [PromptRecord(str(i), f"{i} + {i % 3} =", str(i + i % 3), "t") for i in range(12)]
+    s = build_sampler(cfg, recs, encode=lambda r: encode_prompt(tok, r.prompt, chat_template=False), model=model)
+    f0 = s.features([3])[0]
+    assert f0.shape == (cfg.model.tiny.hidden_size,)
+    ids = encode_prompt(tok, recs[3].prompt, chat_template=False)
+    torch.testing.assert_close(f0, model.get_input_embeddings().weight[ids].mean(0).detach())
+    with torch.no_grad():
+        model.get_input_embeddings().weight.add_(1.0)  # training the policy does not move the teacher's input
+    s._cache.clear()
+    torch.testing.assert_close(s.features([3])[0], f0)
+    idx = s.select(1, 0, 4)
+    assert len(set(idx)) == 4 and all(0 <= i < 12 for i in idx)
+    with pytest.raises(ValueError, match="policy model"):
+        build_sampler(cfg, recs)
