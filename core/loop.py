@@ -641,7 +641,8 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                 tm, (tw, tau_h) = batch_token_metrics(run, batch, old_lp, old_ent)
                 metrics.update(tm)
                 local = run.deep.local_loss_hook(run, branches, step) if run.deep else None
-                metrics.update(update_policy(run, batch, old_lp, old_ent, step, before_step=local))
+                hook = {"before_step": local} if local is not None else {}  # DEEP-GRPO's local loss, if any
+                metrics.update(update_policy(run, batch, old_lp, old_ent, step, **hook))
                 metrics.update(run.deep.local_metrics() if run.deep else {})
                 if main and cfg.logging.dump_tokens_every and step % cfg.logging.dump_tokens_every == 0:
                     dump_tokens(run, step, kept, batch, old_lp, old_ent, tw.weights, tau_h)
