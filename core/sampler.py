@@ -176,7 +176,9 @@ class _Head(torch.nn.Module):
 class GoldilocksSampler(_Recorder):
     """Epsilon-greedy over a teacher-scored candidate pool; the teacher learns online (see module doc).
 
-    ``featurize(i) -> [D]`` gives prompt i's (frozen) features; they are cached per prompt.
+    ``featurize(i) -> [D]`` gives prompt i's (frozen) features; they are cached per prompt (sparse
+    when mostly zero). ``policy_embeddings`` clones the policy's input embedding table to CPU once:
+    meant for small policies (a 151k x 4096 table is 2.5 GB); ``hashed_ngrams`` has no such cost.
     """
 
     def __init__(
@@ -220,8 +222,11 @@ class GoldilocksSampler(_Recorder):
         rows = []
         for i in idx:
             if i not in self._cache:
-                self._cache[i] = self.featurize(i).detach().float().reshape(-1)
-            rows.append(self._cache[i])
+                x = self.featurize(i).detach().float().reshape(-1)
+                # hashed n-grams are ~1-5% non-zero: keep them sparse (17k prompts x 4096 dense = 280 MB)
+                self._cache[i] = x.to_sparse() if int((x != 0).sum()) * 4 < x.numel() else x
+            x = self._cache[i]
+            rows.append(x.to_dense() if x.is_sparse else x)
         return torch.stack(rows) if rows else torch.zeros((0, self.dim))  # [N, D]
 
     def predict(self, idx: Sequence[int]) -> torch.Tensor:
