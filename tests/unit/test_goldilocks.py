@@ -137,3 +137,53 @@ def test_policy_embeddings_teacher_uses_a_frozen_copy_of_the_policy_table() -> N
     assert len(set(idx)) == 4 and all(0 <= i < 12 for i in idx)
     with pytest.raises(ValueError, match="policy model"):
         build_sampler(cfg, recs)
+
+
+_TWO_RANK = r"""
+import json, sys
+import torch.distributed as dist
+sys.path.insert(0, {test_dir!r})
+import numpy as np
+import test_goldilocks as T
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+texts, p = T._pool()
+s = T._sampler(texts, epsilon=0.1)
+for step in range(1, 9):
+    idx = s.select(step, 0, T.PER_STEP)  # every rank picks the same prompts ...
+    mine = idx[rank::2]                  # ... and grades its share, as the loop does
+    rng = np.random.default_rng(1000 + step * 7 + rank)
+    acc = [float(rng.binomial(T.G, p[i]) / T.G) for i in mine]
+    s.record(mine, acc, [a in (0.0, 1.0) for a in acc])
+    m = s.end_step(step)
+print(json.dumps({{"pred": s.predict(list(range(T.N))).tolist(), "buffer": len(s.buffer),
+                  "next": s.select(9, 0, T.PER_STEP)}}))
+dist.destroy_process_group()
+"""
+
+
+def test_two_ranks_train_identical_teachers_on_everyones_groups(tmp_path) -> None:
+    """Real gloo collectives: each rank records its share; both teachers see all groups and agree."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = _TWO_RANK.format(test_dir=os.path.dirname(__file__))
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    a, b = (json.loads(o.strip().splitlines()[-1]) for o, _ in outs)
+    assert a["buffer"] == b["buffer"] == 8 * PER_STEP  # every group of both ranks, on both ranks
+    assert a["pred"] == b["pred"] and a["next"] == b["next"]
