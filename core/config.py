@@ -108,6 +108,32 @@ class ArithmeticData(_Section):
     word_problems: bool = Field(False, description="Phrase problems as short word problems instead of bare `a + b`.")
 
 
+class GoldilocksOptions(_Section):
+    """Goldilocks (arXiv 2602.14868): a teacher picks prompts of high predicted utility sqrt(p (1 - p))."""
+
+    teacher: Literal["hashed_ngrams", "policy_embeddings"] = Field(
+        "hashed_ngrams",
+        description=(
+            "Teacher features, from the prompt alone: `hashed_ngrams` (hashed word 1-2-grams and character "
+            "3-grams, CPU, no model) or `policy_embeddings` (mean of the policy's frozen input embeddings over "
+            "the prompt's tokens). A small head on top is trained online (our choice; the paper's teacher is a "
+            "language model of its own)."
+        ),
+    )
+    hidden_size: int = Field(0, ge=0, description="Hidden width of the teacher's head (0: a linear head).")
+    num_features: int = Field(4096, gt=0, description="Hashed feature dimension (`hashed_ngrams`).")
+    epsilon: float = Field(
+        0.1, ge=0, le=1,
+        description="Epsilon-greedy: each slot keeps the uniform sampler's prompt with this probability (1: uniform).",
+    )
+    pool_size: int = Field(64, gt=0, description="Candidate prompts scored by the teacher each step (our choice).")
+    buffer_size: int = Field(512, gt=0, description="Sliding-window replay buffer of (prompt, observed utility).")
+    train_steps: int = Field(8, ge=0, description="Teacher optimizer steps per RL step (mini-batches from the buffer).")
+    train_batch_size: int = Field(64, gt=0, description="Replay samples per teacher optimizer step.")
+    lr: float = Field(0.05, gt=0, description="Teacher Adam learning rate.")
+    seed: int = Field(0, description="Seed of the teacher's initialization and of its replay sampling.")
+
+
 class DataConfig(_Section):
     """Where training prompts come from and how they are templated."""
 
@@ -143,6 +169,13 @@ class DataConfig(_Section):
     english_only: bool = Field(False, description="Drop prompts with CJK characters (DAPO-Math-17k has 3432).")
     seed: int = Field(0, description="Seed of shuffling and the train/validation split.")
     arithmetic: ArithmeticData = Field(default_factory=ArithmeticData, description="Arithmetic generator knobs.")
+    sampler: Literal["uniform", "goldilocks"] = Field(
+        "uniform",
+        description="Which prompts each step trains on: `uniform` (seeded epochs) or `goldilocks` (a teacher's pick).",
+    )
+    goldilocks: GoldilocksOptions = Field(
+        default_factory=GoldilocksOptions, description="Goldilocks teacher and sampler (with `sampler: goldilocks`)."
+    )
 
 
 # ----------------------------------------------------------------------------- rollout
@@ -300,6 +333,41 @@ class KLOptions(_Section):
     )
 
 
+class MaspoOptions(_Section):
+    """MASPO (arXiv 2602.17550): soft Gaussian gate, mass-adaptive limiter, asymmetric risk controller.
+
+    Defaults are the authors' README recommendation (github.com/VenomRose-Juri/MASPO-RL)."""
+
+    sigma_base: float = Field(1.0, gt=0, description="Base gate width sigma_base (authors: 1; they suggest 1, 2, 3).")
+    alpha: float = Field(0.3, ge=0, description="Mass-adaptive exponent: sigma_base / p_old^alpha (authors: 0.3-0.5).")
+    sigma_high: float = Field(10.0, gt=0, description="Upper bound of the mass-adaptive width (authors: 10).")
+    beta_pos: float = Field(0.03, ge=0, description="Risk controller for A > 0: width x (1 + beta_pos A) (authors: 0.03).")
+    beta_neg: float = Field(0.03, ge=0, description="Risk controller for A < 0: width x 1 / (1 - beta_neg A) (authors: 0.03).")
+    adv_low: float = Field(0.1, gt=0, description="Lower clamp of the risk factor (authors: 0.1).")
+    adv_high: float = Field(10.0, gt=0, description="Upper clamp of the risk factor (authors: 10).")
+
+
+class DeepGRPOOptions(_Section):
+    """DEEP-GRPO (arXiv 2602.14169): dense resampling from pivots of failed rollouts, local branch loss."""
+
+    enabled: bool = Field(False, description="Resample branches from pivots of failed rollouts each step.")
+    k_branches: int = Field(8, ge=2, description="Branches per pivot (authors' code: branches_per_point 8).")
+    gamma: float = Field(0.1, ge=0, description="Depth bias: Q(t) ~ P(success | t/T) (t/T)^gamma (authors' code: 0.1).")
+    lambda_: float = Field(
+        1.0, ge=0, alias="lambda",
+        description="Weight of the local branch loss added to the global loss (authors' code: 1.0; 0: plain GRPO).",
+    )
+    max_pivots: int = Field(
+        4, ge=0, description="Pivots per step, one per failed rollout (authors: 1 per chain; the cap is ours)."
+    )
+    min_fit_samples: int = Field(
+        10, ge=1, description="Fit the logistic regression once the window holds more than this (authors' code: 10)."
+    )
+    window: int = Field(10000, gt=0, description="Sliding window of (t/T, success) samples (authors' code: 10000).")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, populate_by_name=True)
+
+
 class AlgorithmConfig(_Section):
     """The RL objective: advantages, token weighting, per-token loss and aggregation."""
 
@@ -315,7 +383,11 @@ class AlgorithmConfig(_Section):
     top_entropy: TopEntropyOptions = Field(default_factory=TopEntropyOptions, description="20-Entropy options.")
     stare: StareOptions = Field(default_factory=StareOptions, description="STARE options.")
     lp_reg: LpRegOptions = Field(default_factory=LpRegOptions, description="Lp-Reg options.")
-    policy_loss: Literal["ppo_clip", "gspo"] = Field("ppo_clip", description="Per-token policy loss.")
+    policy_loss: Literal["ppo_clip", "gspo", "maspo"] = Field(
+        "ppo_clip", description="Per-token policy loss: `ppo_clip` (hard clip), `gspo` (sequence ratio), `maspo` (soft)."
+    )
+    maspo: MaspoOptions = Field(default_factory=MaspoOptions, description="MASPO options (with `policy_loss: maspo`).")
+    deep_grpo: DeepGRPOOptions = Field(default_factory=DeepGRPOOptions, description="DEEP-GRPO pivot resampling.")
     eps_low: float = Field(0.2, ge=0, le=1, description="Lower clip range of the ratio (DAPO: 0.2; 1: no lower clip).")
     eps_high: float = Field(0.28, ge=0, description="Upper clip range (DAPO clip-higher: 0.28).")
     dual_clip_c: float | None = Field(None, gt=1, description="Dual-clip constant for negative advantages (off).")
@@ -559,6 +631,9 @@ def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[s
         model: type[BaseModel] | None = Config
         for i, part in enumerate(path):
             fields = model.model_fields if model is not None else {}
+            aliases = {f.alias: name for name, f in fields.items() if f.alias}  # e.g. deep_grpo.lambda
+            if part in aliases:
+                fields = {**fields, part: fields[aliases[part]]}
             if model is not None and part not in fields:
                 where = ".".join(path[:i]) or "config"
                 raise ConfigError(
@@ -602,7 +677,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 
 def save_config(cfg: Config, path: str | Path) -> None:
     """Write the config as YAML (every field, defaults included) so the run can be reproduced."""
-    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False))
 
 
 def field_docs(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
@@ -614,7 +689,7 @@ def field_docs(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[
             rows.extend(field_docs(ann, f"{prefix}{name}."))
         else:
             default = f.get_default(call_default_factory=True)
-            rows.append((f"{prefix}{name}", repr(default), f.description or ""))
+            rows.append((f"{prefix}{f.alias or name}", repr(default), f.description or ""))
     return rows
 
 

@@ -197,6 +197,13 @@ def weighting_params(cfg: Config) -> dict[str, Any]:
     return section.model_dump(exclude={"tau_h_scope"}) if section is not None else {}
 
 
+def policy_loss_params(cfg: Config) -> dict[str, Any]:
+    """Extra keyword arguments of the configured policy loss: its config section (``maspo``), if any."""
+    a = cfg.algorithm
+    section = getattr(a, a.policy_loss, None)
+    return section.model_dump() if section is not None else {}
+
+
 def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else float("nan")
 
@@ -263,6 +270,23 @@ class _Run:
         log(f"data: {len(self.train_prompts)} train / {len(self.val_prompts)} val prompts from {cfg.data.source}")
         self._encode = lambda text: encode_prompt(self.tokenizer, text, chat_template=cfg.data.chat_template)
         self._encoded: dict[str, list[int]] = {}
+        # --- stability layers (docs/stability.md): which prompts (uniform | goldilocks), DEEP-GRPO state
+        from stapo.core.deep_grpo import DeepGRPO
+        from stapo.core.sampler import build_sampler
+
+        self.sampler = build_sampler(cfg, self.train_prompts, encode=self.encode, model=self.backend.model)
+        self.deep = DeepGRPO(cfg) if cfg.algorithm.deep_grpo.enabled else None
+        if self.deep is not None and self.world_size > 1:
+            raise ValueError("algorithm.deep_grpo.enabled supports one data-parallel rank for now (docs/stability.md)")
+
+    def layer_state(self) -> dict[str, Any]:
+        """The stability layers' state for the checkpoint's ``extra`` (JSON-safe)."""
+        return {"sampler": self.sampler.state_dict(), "deep_grpo": self.deep.state_dict() if self.deep else {}}
+
+    def load_layer_state(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state.get("sampler", {}))
+        if self.deep is not None:
+            self.deep.load_state_dict(state.get("deep_grpo", {}))
 
     def encode(self, rec: Any) -> list[int]:
         if rec.id not in self._encoded:
@@ -287,7 +311,7 @@ def rollout_and_grade(run: _Run, step: int, round_: int) -> tuple[list[Sequence_
     from stapo.core.rollout import SamplingParams
 
     cfg = run.cfg
-    idx = prompts_for_step(len(run.train_prompts), step, cfg.rollout.prompts_per_step, cfg.data.seed, round_)
+    idx = run.sampler.select(step, round_, cfg.rollout.prompts_per_step)  # uniform: prompts_for_step
     recs = [run.train_prompts[i] for i in idx[run.rank :: run.world_size]]  # this rank's share
     sampling = SamplingParams(
         n=cfg.rollout.n,
@@ -310,10 +334,22 @@ def rollout_and_grade(run: _Run, step: int, round_: int) -> tuple[list[Sequence_
     graded = run.rewards([s.text for s in seqs], [s.gold for s in seqs])
     for s, r, v, c in zip(seqs, graded.rewards, graded.valid, graded.correct, strict=True):
         s.reward, s.valid, s.correct = r, v, c
+    record_groups(run, idx[run.rank :: run.world_size], seqs)  # the sampler learns from observed accuracies
     times = {"time/rollout_s": t_roll, "time/reward_s": time.time() - t0, "reward/failed": graded.statuses.get(
         "timeout", 0) + graded.statuses.get("error", 0), "reward/retried": graded.retried,
         "reward/no_answer_frac": graded.statuses.get("no_answer", 0) / max(len(seqs), 1)}
     return seqs, times
+
+
+def record_groups(run: _Run, idx: Sequence[int], seqs: list[Sequence_]) -> None:
+    """Tell the prompt sampler each valid group's accuracy and whether its rewards were all equal."""
+    groups: dict[int, list[Sequence_]] = {}
+    for s in seqs:
+        groups.setdefault(s.group, []).append(s)
+    ok = [(i, g) for i, g in zip(idx, (groups.get(k, []) for k in range(len(idx))), strict=True)
+          if g and all(s.valid for s in g)]
+    run.sampler.record([i for i, _ in ok], [_mean([float(s.correct) for s in g]) for _, g in ok],
+                       [len({s.reward for s in g}) == 1 for _, g in ok])
 
 
 def shape_and_advantage(cfg: Config, seqs: list[Sequence_]) -> list[Sequence_]:
@@ -467,8 +503,12 @@ class UpdateRecord:
 
 
 def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.Tensor, step: int, *,
-                  counts: Sequence[int] | None = None, record: UpdateRecord | None = None) -> dict[str, float]:
+                  counts: Sequence[int] | None = None, record: UpdateRecord | None = None,
+                  before_step: Callable[[int, bool], None] | None = None) -> dict[str, float]:
     """K mini-batch updates with the configured token weighting, loss and aggregation.
+
+    ``before_step(update_index, fresh)``, when given, runs right before each optimizer step and may
+    add gradient of its own (DEEP-GRPO's local branch loss, ``stapo.core.deep_grpo``; one rank only).
 
     Data parallel (``counts``: every rank's number of real rows; this rank's batch then ends with
     one zero-weight padding row when it has more rows than ``counts[rank]``): mini-batches come from
@@ -481,7 +521,7 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
     epoch; ``stapo/tau_h`` is the mean of the thresholds used. ``algorithm.s2t.tau_h_scope=step``
     fixes tau_h once from the step's global batch under the pre-update policy (``old_ent``).
 
-    Fused path (``trainer.fused_loss``, the default): for a per-token policy loss (``ppo_clip``;
+    Fused path (``trainer.fused_loss``, the default): for a per-token policy loss (``ppo_clip``, ``maspo``;
     ``gspo`` couples the tokens of a sequence and keeps the unfused path) without entropy gradient,
     each micro-batch is one ``backend.token_loss`` call: the loss is sum_i coef_i * l_i(logp_i)
     (+ kl_coef * k3_i), where coef_i = d(aggregate)/d(l_i) is taken once per micro-batch by autograd
@@ -521,10 +561,10 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
     diag: dict[str, float] = {}
     taus: list[float] = []
     sums: dict[str, float] = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "tokens": 0.0, "ratio_sum": 0.0}
-    loss_kw = {"eps_low": a.eps_low, "eps_high": a.eps_high, "dual_clip_c": a.dual_clip_c}
+    loss_kw = {"eps_low": a.eps_low, "eps_high": a.eps_high, "dual_clip_c": a.dual_clip_c, **policy_loss_params(cfg)}
     fused = (
         cfg.trainer.fused_loss
-        and a.policy_loss in ("ppo_clip",)  # elementwise in each token's log-prob
+        and a.policy_loss in ("ppo_clip", "maspo")  # elementwise in each token's log-prob
         and not cfg.trainer.entropy_grad
         and hasattr(backend, "token_loss")
     )
@@ -611,6 +651,8 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
                 sums["clip_high"] += float(m["clip_high_count"])
                 sums["tokens"] += float(m["token_count"])
                 sums["ratio_sum"] += float(m["ratio_sum"])
+            if before_step is not None:  # DEEP-GRPO: lambda * local branch loss joins this update
+                before_step(len(step_out), fresh)
             step_out.append(backend.step())
             fresh = False
     updates = len(step_out)
@@ -781,6 +823,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
         start = state.step
         val_before = state.extra.get("val_before")
         run.extras.load_state_dict(state.extra.get("extras", {}))  # STARE's schedule (issue 9)
+        run.load_layer_state(state.extra.get("layers", {}))
         log(f"resumed from {ckpt} (step {start})")
     for name in ("metrics.jsonl", "val.jsonl") if main else ():
         truncate_jsonl(run_dir / name, max_step=start if ckpt is not None else -1)
@@ -819,6 +862,9 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                     kept += mixed_groups(shape_and_advantage(cfg, more), cfg.algorithm.dynamic_sampling_metric)
                 kept = trim_kept(kept, want, cfg.rollout.n, dp)
                 metrics["dapo/kept_groups"] = dp.total(len(kept)) / cfg.rollout.n
+            metrics.update(run.sampler.end_step(step))  # goldilocks: teacher update + its metrics (every rank)
+            branches, deep_m = run.deep.rollout_branches(run, step, all_seqs) if run.deep else (None, {})
+            metrics.update(deep_m)
             kept = [s for s, k in zip(kept, run.extras.loss_rows(kept).tolist(), strict=True) if k]  # DAPO overlong filter
             counts = dp.counts(len(kept))
             metrics.update(rollout_metrics(dp, all_seqs, metrics))
@@ -843,7 +889,10 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                 if dumping:
                     dump_rows = dump_candidates(cfg, kept)
                     dump_dist = dump_forward(run, batch, dump_rows, counts)  # the pre-update (sampled) policy
-                metrics.update(update_policy(run, batch, old_lp, old_ent, step, counts=counts, record=record))
+                local = run.deep.local_loss_hook(run, branches, step) if run.deep else None
+                hook = {"before_step": local} if local is not None else {}  # DEEP-GRPO's local loss, if any
+                metrics.update(update_policy(run, batch, old_lp, old_ent, step, counts=counts, record=record, **hook))
+                metrics.update(run.deep.local_metrics() if run.deep else {})
                 if dumping:
                     dump_tokens(run, step, kept, batch, dump_rows, dump_dist, record, dp)
             else:
@@ -867,7 +916,8 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             view.update(metrics)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.trainer.max_steps:
                 save_checkpoint(run_dir, step=step, backend=run.backend, cfg=cfg,
-                                extra={"val_before": val_before, "extras": run.extras.state_dict()}, keep_last=cfg.checkpoint.keep_last)
+                                extra={"val_before": val_before, "extras": run.extras.state_dict(),
+                                       "layers": run.layer_state()}, keep_last=cfg.checkpoint.keep_last)
 
         view.close()
         end = cfg.trainer.max_steps
@@ -878,7 +928,8 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             log(f"validation after training: accuracy {v['accuracy']:.3f} (before: {val_before})")
         if end > start:
             save_checkpoint(run_dir, step=end, backend=run.backend, cfg=cfg,
-                            extra={"val_before": val_before, "extras": run.extras.state_dict()}, keep_last=cfg.checkpoint.keep_last)
+                            extra={"val_before": val_before, "extras": run.extras.state_dict(),
+                                   "layers": run.layer_state()}, keep_last=cfg.checkpoint.keep_last)
         if cfg.checkpoint.export_hf:
             run.backend.export_hf(run_dir / "final", run.tokenizer)
     finally:

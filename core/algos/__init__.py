@@ -5,7 +5,8 @@ Families (each a ``Registry`` with a ``get_*`` accessor that lists valid names o
 - ``ADVANTAGES``    rewards [P, G] -> advantages [P, G]: grpo, dr_grpo, rloo
 - ``TOKEN_WEIGHTS`` TokenContext -> TokenWeights: none, s2t (STAPO), top_entropy, stare
 - ``KL_ESTIMATORS`` per-token KL estimators: k1, k2, k3
-- ``POLICY_LOSSES`` per-token loss [B, T] + summable metrics: ppo_clip (clip-higher, dual-clip), gspo
+- ``POLICY_LOSSES`` per-token loss [B, T] + summable metrics: ppo_clip (clip-higher, dual-clip), gspo,
+                    maspo (soft mass-adaptive asymmetric trust region, ``maspo.py``)
 - ``AGGREGATIONS``  accumulation-safe scalar: token-mean, seq-mean-token-mean, seq-mean-token-sum
 
 plus DAPO's ``dynamic_sampling_filter`` / ``dynamic_sampling_values`` / ``overlong_penalty`` /
@@ -19,6 +20,7 @@ from .advantages import ADVANTAGES, AdvantageFn, get_advantage
 from .aggregation import AGGREGATIONS, Aggregation, get_aggregation
 from .dapo import dynamic_sampling_filter, dynamic_sampling_values, overlong_filter_keep, overlong_penalty
 from .losses import KL_ESTIMATORS, POLICY_LOSSES, PolicyLossFn, get_kl_estimator, get_policy_loss, kl_k3
+from .maspo import maspo_loss  # registers "maspo"
 from .metrics import COUNT_KEYS, PHASE_KEYS, fractions_from_counts, phase_cells, token_counts, token_metrics
 from .objective import compute_policy_objective
 from .registry import Registry
@@ -62,6 +64,7 @@ __all__ = [
     "get_policy_loss",
     "get_token_weighting",
     "kl_k3",
+    "maspo_loss",
     "overlong_filter_keep",
     "overlong_penalty",
     "phase_cells",

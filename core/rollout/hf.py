@@ -165,6 +165,21 @@ class HFRolloutEngine:
             out.append(fill_greedy_group(rows[i * copies : (i + 1) * copies], sampling.n, copies))
         return out
 
+    def generate_from_prefix(
+        self, prompt_token_ids: list[list[int]], prefix_token_ids: list[list[int]], sampling: SamplingParams
+    ) -> list[list[Completion]]:
+        """Continue each prompt after a given response prefix (DEEP-GRPO's branches from a pivot).
+
+        The model sees ``prompt + prefix`` exactly as it saw the original rollout (token ids, no
+        re-tokenization); each completion holds the *continuation* only, ``[prompt][sample]``.
+        """
+        if len(prompt_token_ids) != len(prefix_token_ids):
+            raise ValueError(
+                f"generate_from_prefix: {len(prompt_token_ids)} prompts but {len(prefix_token_ids)} prefixes"
+            )
+        return self.generate([list(p) + list(x) for p, x in zip(prompt_token_ids, prefix_token_ids, strict=True)],
+                             sampling)
+
     def _clean_generation_config(self, base: Any) -> Any:
         """A generation config with no sampling knobs of the checkpoint's own (see module docstring)."""
         from transformers import GenerationConfig

@@ -57,7 +57,7 @@ def test_registry_duplicate_and_miss():
 def test_real_registries_list_names_on_miss():
     assert set(ADVANTAGES.names()) == {"grpo", "dr_grpo", "rloo"}
     assert set(TOKEN_WEIGHTS.names()) == {"none", "s2t", "top_entropy", "stare"}
-    assert set(POLICY_LOSSES.names()) == {"ppo_clip", "gspo"}
+    assert set(POLICY_LOSSES.names()) == {"ppo_clip", "gspo", "maspo"}
     assert set(AGGREGATIONS.names()) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum"}
     with pytest.raises(KeyError, match="ppo_clip"):
         get_policy_loss("ppo")

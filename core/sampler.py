@@ -1,0 +1,347 @@
+"""Which prompts a step trains on: the uniform seeded-epoch sampler, or Goldilocks (arXiv 2602.14868).
+
+Goldilocks: a *teacher* predicts, from the prompt alone, the prompt's utility for the current policy
+y_q = sqrt(p_q (1 - p_q)), the standard deviation of its Bernoulli reward, i.e. the size of the GRPO
+signal the group will carry (0 for a prompt always or never solved). Each step:
+
+1. ``select``: a seeded candidate pool of ``pool_size`` prompts is scored by the teacher; each of the
+   step's slots keeps the uniform sampler's prompt with probability epsilon, otherwise it takes the
+   best-scored candidate not yet chosen (epsilon-greedy). With epsilon = 1 the choice is the uniform
+   sampler's, index for index.
+2. ``record``: the loop reports each graded group's observed accuracy p_hat (share of correct samples).
+3. ``end_step``: observations of every rank are gathered, pushed into a sliding-window replay buffer,
+   and the teacher takes ``train_steps`` Adam steps of MSE(pred, sqrt(p_hat (1 - p_hat))) on seeded
+   mini-batches from the buffer. Metrics: predicted-vs-observed utility correlation, share of
+   zero-variance groups (what the sampler should reduce), teacher loss, its wall time.
+
+The teacher (our choice; the paper's teacher is a language model of its own, too heavy for CPU
+runs): hashed word 1-2-gram + character 3-gram features (``hashed_ngrams``, no model) or the mean of
+the policy's frozen input embeddings over the prompt tokens (``policy_embeddings``), under a small
+head (linear, or one hidden layer) with output 0.5 * sigmoid(z), the range of y.
+
+Determinism and resume: the pool, the greedy slots and the replay mini-batches are drawn from
+generators seeded by (seed, step, round); the teacher's weights, optimizer state and buffer are in
+``state_dict()`` (JSON-safe, stored in the checkpoint's ``extra``), so a resumed run selects the same
+prompts as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import math
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+__all__ = [
+    "PromptSampler",
+    "UniformSampler",
+    "GoldilocksSampler",
+    "HashedNgramFeatures",
+    "build_sampler",
+    "group_utility",
+]
+
+
+def group_utility(p: float) -> float:
+    """sqrt(p (1 - p)): the Bernoulli reward's standard deviation at success rate p."""
+    p = min(max(float(p), 0.0), 1.0)
+    return math.sqrt(p * (1.0 - p))
+
+
+def _seed(*parts: int) -> int:
+    digest = hashlib.sha256(",".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def _gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (rank order); ``[obj]`` in a single process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def _pearson(x: Sequence[float], y: Sequence[float]) -> float:
+    if len(x) < 2:
+        return float("nan")
+    xa, ya = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if xa.std() == 0 or ya.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(xa, ya)[0, 1])
+
+
+class PromptSampler(Protocol):
+    """What the loop calls: ``select`` prompts, ``record`` graded groups, ``end_step`` once per step."""
+
+    def select(self, step: int, round_: int, per_step: int) -> list[int]: ...
+
+    def record(self, indices: Sequence[int], accuracies: Sequence[float], zero_variance: Sequence[bool]) -> None: ...
+
+    def end_step(self, step: int) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class _Recorder:
+    """Pending observations of the current step (this rank's groups)."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[int, float, bool]] = []
+
+    def record(self, indices: Sequence[int], accuracies: Sequence[float], zero_variance: Sequence[bool]) -> None:
+        if not len(indices) == len(accuracies) == len(zero_variance):
+            raise ValueError("record: indices, accuracies and zero_variance must have the same length")
+        self.pending.extend((int(i), float(a), bool(z)) for i, a, z in zip(indices, accuracies, zero_variance, strict=True))
+
+    def take_all_ranks(self) -> list[tuple[int, float, bool]]:
+        mine, self.pending = self.pending, []
+        return [obs for part in _gather_objects(mine) for obs in part]
+
+
+class UniformSampler(_Recorder):
+    """Seeded epochs (``stapo.core.loop.prompts_for_step``); logs the zero-variance share for comparison."""
+
+    def __init__(self, n_prompts: int, seed: int) -> None:
+        super().__init__()
+        self.n_prompts, self.seed = n_prompts, seed
+
+    def select(self, step: int, round_: int, per_step: int) -> list[int]:
+        from stapo.core.loop import prompts_for_step
+
+        return prompts_for_step(self.n_prompts, step, per_step, self.seed, round_)
+
+    def end_step(self, step: int) -> dict[str, float]:
+        obs = self.take_all_ranks()
+        if not obs:
+            return {}
+        return {"sampler/zero_variance_share": float(np.mean([z for _, _, z in obs]))}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class HashedNgramFeatures:
+    """L2-normalized counts of hashed word 1-2-grams and character 3-grams (stable across processes)."""
+
+    def __init__(self, num_features: int) -> None:
+        self.dim = num_features
+
+    def _index(self, gram: str) -> int:
+        return int.from_bytes(hashlib.blake2b(gram.encode(), digest_size=8).digest(), "little") % self.dim
+
+    def __call__(self, text: str) -> torch.Tensor:
+        x = torch.zeros(self.dim, dtype=torch.float32)
+        words = re.findall(r"\w+|[^\w\s]", text.lower())
+        grams = [f"w:{w}" for w in words] + [f"b:{a} {b}" for a, b in zip(words, words[1:], strict=False)]
+        flat = " ".join(words)
+        grams += [f"c:{flat[i:i + 3]}" for i in range(max(len(flat) - 2, 0))]
+        for g in grams:
+            x[self._index(g)] += 1.0
+        n = x.norm()
+        return x / n if n > 0 else x
+
+
+class _Head(torch.nn.Module):
+    """Linear (or one-hidden-layer) head with output in [0, 0.5], the range of sqrt(p (1 - p))."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        if hidden:
+            self.net: torch.nn.Module = torch.nn.Sequential(
+                torch.nn.Linear(dim, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)
+            )
+        else:
+            self.net = torch.nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N]
+        return 0.5 * torch.sigmoid(self.net(x).squeeze(-1))
+
+
+class GoldilocksSampler(_Recorder):
+    """Epsilon-greedy over a teacher-scored candidate pool; the teacher learns online (see module doc).
+
+    ``featurize(i) -> [D]`` gives prompt i's (frozen) features; they are cached per prompt (sparse
+    when mostly zero). ``policy_embeddings`` clones the policy's input embedding table to CPU once:
+    meant for small policies (a 151k x 4096 table is 2.5 GB); ``hashed_ngrams`` has no such cost.
+    """
+
+    def __init__(
+        self,
+        n_prompts: int,
+        featurize: Callable[[int], torch.Tensor],
+        dim: int,
+        *,
+        data_seed: int,
+        epsilon: float = 0.1,
+        pool_size: int = 64,
+        buffer_size: int = 512,
+        train_steps: int = 8,
+        train_batch_size: int = 64,
+        lr: float = 0.05,
+        hidden_size: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= epsilon <= 1.0:
+            raise ValueError(f"goldilocks.epsilon must be in [0, 1], got {epsilon}")
+        self.uniform = UniformSampler(n_prompts, data_seed)
+        self.n_prompts, self.featurize, self.dim = n_prompts, featurize, dim
+        self.epsilon, self.pool_size = epsilon, pool_size
+        self.train_steps, self.train_batch_size = train_steps, train_batch_size
+        self.seed = seed
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_seed(seed, 0x601D))
+            self.head = _Head(dim, hidden_size)
+        self.opt = torch.optim.Adam(self.head.parameters(), lr=lr)
+        self.buffer: deque[tuple[int, float]] = deque(maxlen=buffer_size)
+        self._cache: dict[int, torch.Tensor] = {}
+        self._pred_at_select: dict[int, float] = {}
+        self._time_s = 0.0
+        self._greedy_slots = 0
+        self._slots = 0
+
+    # ----------------------------------------------------------------------------- teacher
+
+    def features(self, idx: Sequence[int]) -> torch.Tensor:
+        rows = []
+        for i in idx:
+            if i not in self._cache:
+                x = self.featurize(i).detach().float().reshape(-1)
+                # hashed n-grams are ~1-5% non-zero: keep them sparse (17k prompts x 4096 dense = 280 MB)
+                self._cache[i] = x.to_sparse() if int((x != 0).sum()) * 4 < x.numel() else x
+            x = self._cache[i]
+            rows.append(x.to_dense() if x.is_sparse else x)
+        return torch.stack(rows) if rows else torch.zeros((0, self.dim))  # [N, D]
+
+    def predict(self, idx: Sequence[int]) -> torch.Tensor:
+        """Predicted utility [N] of prompts ``idx``."""
+        with torch.no_grad():
+            return self.head(self.features(idx))
+
+    # ----------------------------------------------------------------------------- the sampler
+
+    def select(self, step: int, round_: int, per_step: int) -> list[int]:
+        t0 = time.perf_counter()
+        base = self.uniform.select(step, round_, per_step)
+        rng = np.random.default_rng(_seed(self.seed, step, round_, 0x5E1))
+        greedy = rng.random(per_step) >= self.epsilon  # [per_step]
+        out = list(base)
+        if greedy.any():
+            pool = rng.choice(self.n_prompts, size=min(self.pool_size, self.n_prompts), replace=False)
+            pred = self.predict([int(i) for i in pool]).numpy()
+            order = sorted(range(len(pool)), key=lambda k: (-float(pred[k]), int(pool[k])))
+            taken = {b for b, g in zip(base, greedy, strict=True) if not g}
+            ranked = iter(int(pool[k]) for k in order if int(pool[k]) not in taken)
+            for s in np.flatnonzero(greedy):
+                nxt = next(ranked, None)
+                if nxt is None:
+                    break
+                out[int(s)] = nxt
+        for i, p in zip(out, self.predict(out).tolist(), strict=True):
+            self._pred_at_select[i] = p
+        self._greedy_slots += int(greedy.sum())
+        self._slots += per_step
+        self._time_s += time.perf_counter() - t0
+        return out
+
+    def end_step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        obs = self.take_all_ranks()
+        metrics: dict[str, float] = {}
+        if obs:
+            y_obs = [group_utility(a) for _, a, _ in obs]
+            idx = [i for i, _, _ in obs]
+            y_pred = [self._pred_at_select.get(i, float("nan")) for i in idx]
+            metrics["sampler/zero_variance_share"] = float(np.mean([z for _, _, z in obs]))
+            pairs = [(p, o) for p, o in zip(y_pred, y_obs, strict=True) if math.isfinite(p)]
+            metrics["goldilocks/pred_obs_corr"] = _pearson([p for p, _ in pairs], [o for _, o in pairs])
+            metrics["goldilocks/pred_utility_mean"] = float(np.mean([p for p, _ in pairs])) if pairs else float("nan")
+            metrics["goldilocks/obs_utility_mean"] = float(np.mean(y_obs))
+            self.buffer.extend(zip(idx, y_obs, strict=True))
+        metrics["goldilocks/teacher_loss"] = self._train(step)
+        metrics["goldilocks/greedy_share"] = self._greedy_slots / max(self._slots, 1)
+        metrics["goldilocks/buffer"] = float(len(self.buffer))
+        self._pred_at_select.clear()
+        self._greedy_slots = self._slots = 0
+        self._time_s += time.perf_counter() - t0
+        metrics["time/sampler_s"], self._time_s = self._time_s, 0.0
+        return metrics
+
+    def _train(self, step: int) -> float:
+        """``train_steps`` Adam steps of MSE on seeded replay mini-batches; mean loss (nan if none)."""
+        if not self.buffer or not self.train_steps:
+            return float("nan")
+        items = list(self.buffer)
+        g = torch.Generator().manual_seed(_seed(self.seed, step, 0x7EA))
+        losses = []
+        self.head.train()
+        for _ in range(self.train_steps):
+            pick = torch.randint(len(items), (min(self.train_batch_size, len(items)),), generator=g).tolist()
+            x = self.features([items[k][0] for k in pick])  # [b, D]
+            y = torch.tensor([items[k][1] for k in pick], dtype=torch.float32)  # [b]
+            loss = torch.mean((self.head(x) - y) ** 2)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.opt.step()
+            losses.append(float(loss.detach()))
+        self.head.eval()
+        return float(np.mean(losses))
+
+    # ----------------------------------------------------------------------------- resume
+
+    def state_dict(self) -> dict[str, Any]:
+        buf = io.BytesIO()
+        torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict()}, buf)
+        return {
+            "teacher": base64.b64encode(buf.getvalue()).decode("ascii"),
+            "buffer": [[i, y] for i, y in self.buffer],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        blob = torch.load(io.BytesIO(base64.b64decode(state["teacher"])), weights_only=True)
+        self.head.load_state_dict(blob["head"])
+        self.opt.load_state_dict(blob["opt"])
+        self.buffer.clear()
+        self.buffer.extend((int(i), float(y)) for i, y in state["buffer"])
+
+
+def build_sampler(cfg: Any, prompts: Sequence[Any], *, encode: Callable[[Any], list[int]] | None = None,
+                  model: Any = None) -> UniformSampler | GoldilocksSampler:
+    """The sampler ``cfg.data.sampler`` names, over ``prompts`` (records with ``.prompt``)."""
+    d = cfg.data
+    if d.sampler == "uniform":
+        return UniformSampler(len(prompts), d.seed)
+    g = d.goldilocks
+    if g.teacher == "hashed_ngrams":
+        feats = HashedNgramFeatures(g.num_features)
+        featurize: Callable[[int], torch.Tensor] = lambda i: feats(prompts[i].prompt)  # noqa: E731
+        dim = g.num_features
+    else:  # policy_embeddings: frozen copy of the input embedding table, on CPU
+        if model is None or encode is None:
+            raise ValueError("data.goldilocks.teacher=policy_embeddings needs the policy model and its tokenizer")
+        table = model.get_input_embeddings().weight.detach().float().cpu().clone()  # [V, H]
+        featurize = lambda i: table[torch.tensor(encode(prompts[i]), dtype=torch.long)].mean(0)  # noqa: E731
+        dim = table.shape[1]
+    return GoldilocksSampler(
+        len(prompts), featurize, dim, data_seed=d.seed, epsilon=g.epsilon, pool_size=g.pool_size,
+        buffer_size=g.buffer_size, train_steps=g.train_steps, train_batch_size=g.train_batch_size, lr=g.lr,
+        hidden_size=g.hidden_size, seed=g.seed,
+    )

@@ -1,0 +1,199 @@
+"""The stability layers in the real loop on a tiny random model (real generate, forward/backward, grader).
+
+What can fail here: each recipe (stapo-goldilocks / -deep / -maspo / -stack) must run 2 steps and log
+its layer's metrics; DEEP-GRPO with lambda = 0 must give plain GRPO's parameters bit for bit (and
+lambda = 1 must not); branches must share exactly their pivot's prefix; the local loss must put no
+gradient on the positions that predict prefix tokens; a Goldilocks run resumed from a checkpoint
+must replay the uninterrupted run's prompts and metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from stapo.configs import preset_path
+from stapo.core import deep_grpo as deep_mod
+from stapo.core import loop
+from stapo.core.config import load_config
+from stapo.core.tracking import read_jsonl
+
+# The recipes are GPU recipes; these overrides shrink them to the tiny random model on CPU and keep
+# every layer switch as the recipe sets it. Overlong shaping over the whole budget gives rewards
+# that vary with length (a random model never answers right), so advantages are not all zero.
+TINY = [
+    "model.name_or_path=tiny-random", "model.dtype=float32", "model.gradient_checkpointing=false",
+    "data.source=arithmetic", "data.template=short", "data.val_size=2", "data.arithmetic.num_problems=48",
+    "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=16",
+    "trainer.backend=torch", "trainer.device=cpu", "trainer.max_steps=2", "trainer.lr=1e-3",
+    "trainer.micro_batch_size=4", "trainer.warmup_steps=0", "reward.urls=[]", "reward.workers=1",
+    "eval.every=0", "checkpoint.every=0", "checkpoint.export_hf=false", "logging.live=false",
+    "logging.tensorboard=false", "logging.dump_tokens_every=0", "algorithm.overlong.enabled=true",
+    "algorithm.overlong.buffer=15", "algorithm.mini_batches=2",
+    "data.goldilocks.pool_size=16", "data.goldilocks.train_batch_size=8", "data.goldilocks.num_features=256",
+    "algorithm.deep_grpo.k_branches=4", "algorithm.deep_grpo.max_pivots=2",
+    # a random model's p ~ 1/vocab: loose S2T thresholds so the mask acts on both streams
+    "algorithm.s2t.tau_p=0.5", "algorithm.s2t.tau_h_quantile=0.9",
+]
+LAYER_KEYS = {
+    "stapo-goldilocks": ["goldilocks/teacher_loss", "sampler/zero_variance_share", "time/sampler_s"],
+    "stapo-deep": ["deep/pivots", "deep/branches", "deep/local_loss", "time/deep_rollout_s"],
+    "stapo-maspo": ["actor/loss"],
+    "stapo-stack": ["goldilocks/teacher_loss", "deep/local_loss", "deep/branches"],
+}
+
+
+def _cfg(name: str, *extra: str):
+    return load_config(preset_path(name), [*TINY, *extra])
+
+
+def _params(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+
+
+def _train(cfg, run_dir: Path, seen: dict | None = None):
+    seen = {} if seen is None else seen
+    orig = loop._Run.__init__
+
+    def spy(self, *a, **k):
+        orig(self, *a, **k)
+        seen["run"] = self
+
+    loop._Run.__init__ = spy
+    try:
+        loop.train(cfg, run_dir, log=lambda m: None)
+    finally:
+        loop._Run.__init__ = orig
+    return seen
+
+
+@pytest.mark.parametrize("name", ["stapo-goldilocks", "stapo-deep", "stapo-maspo", "stapo-stack"])
+def test_recipe_runs_two_steps_on_tiny(name, tmp_path):
+    cfg = _cfg(name)
+    assert cfg.algorithm.name == name
+    _train(cfg, tmp_path)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in LAYER_KEYS[name]:
+        vals = [r.get(key) for r in rows]
+        assert all(v is not None and math.isfinite(v) for v in vals), (key, vals)
+    assert all(math.isfinite(r["actor/loss"]) and math.isfinite(r["actor/grad_norm"]) for r in rows)
+    if "deep" in name or name == "stapo-stack":
+        assert sum(r["deep/branches"] for r in rows) > 0
+
+
+def test_deep_lambda_zero_is_plain_grpo_bit_for_bit(tmp_path):
+    plain = _train(_cfg("stapo-deep", "algorithm.deep_grpo.enabled=false"), tmp_path / "plain")
+    zero = _train(_cfg("stapo-deep", "algorithm.deep_grpo.lambda=0"), tmp_path / "zero")
+    one = _train(_cfg("stapo-deep", "algorithm.deep_grpo.lambda=1"), tmp_path / "one")
+    p0, pz, p1 = (_params(s["run"].model) for s in (plain, zero, one))
+    assert torch.equal(p0, pz)  # branches were generated and graded, but lambda = 0 adds nothing
+    assert sum(r["deep/branches"] for r in read_jsonl(tmp_path / "zero" / "metrics.jsonl")) > 0
+    assert not torch.equal(p0, p1)  # and the local term does move the weights when it is on
+
+
+def test_branches_share_exactly_the_pivot_prefix_and_local_loss_skips_it(tmp_path, monkeypatch):
+    captured: list = []
+    grads: list = []
+    orig_branches = deep_mod.DeepGRPO.rollout_branches
+    orig_hook = deep_mod.DeepGRPO.local_loss_hook
+
+    def spy_branches(self, run, step, seqs):
+        br, m = orig_branches(self, run, step, seqs)
+        captured.append((list(seqs), br))
+        return br, m
+
+    def spy_hook(self, run, br, step):
+        hook = orig_hook(self, run, br, step)
+        if hook is None:
+            return None
+        norm = run.model.model.norm  # final hidden states: position j only feeds the logits of token j+1
+
+        def wrapped(update, fresh):
+            ids: list = []
+
+            def take_ids(_m, args, kwargs):
+                ids.append(kwargs.get("input_ids", args[0] if args else None))
+
+            def keep(_m, _i, out):
+                if out.requires_grad:
+                    x = ids[-1]
+                    out.register_hook(lambda g, x=x: grads.append((x.detach().cpu(), g.detach().clone())))
+
+            run.backend.zero_grad()
+            h1 = run.model.model.register_forward_pre_hook(take_ids, with_kwargs=True)
+            h2 = norm.register_forward_hook(keep)
+            try:
+                hook(update, fresh)
+            finally:
+                h1.remove()
+                h2.remove()
+
+        wrapped.br = br  # type: ignore[attr-defined]
+        return wrapped
+
+    monkeypatch.setattr(deep_mod.DeepGRPO, "rollout_branches", spy_branches)
+    monkeypatch.setattr(deep_mod.DeepGRPO, "local_loss_hook", spy_hook)
+    _train(_cfg("stapo-deep", "algorithm.mini_batches=1", "trainer.micro_batch_size=64"), tmp_path)
+    assert captured and any(br is not None for _, br in captured)
+    for seqs, br in captured:
+        if br is None:
+            continue
+        failed = [s for s in seqs if not s.correct]
+        for i, b in enumerate(br.seqs):
+            t = b.prefix_len
+            assert 1 <= t < max(len(s.response_ids) for s in failed)
+            # the prefix is a failed rollout's first t tokens, token for token (same prompt)
+            assert any(s.prompt_ids == b.prompt_ids and s.response_ids[:t] == b.response_ids[:t]
+                       and len(s.response_ids) > t for s in failed)
+            resp = br.batch.response_mask[i].nonzero().flatten()
+            suf = br.suffix[i].nonzero().flatten()
+            assert suf.tolist() == resp[t:].tolist()  # exactly the continuation
+    # gradient of the local term w.r.t. the final hidden states: zero wherever the next token is
+    # a prompt or prefix token, nonzero somewhere on the continuation
+    assert grads
+    brs = [br for _, br in captured if br is not None]
+    all_ids = [(br.batch.input_ids[k].cpu(), br.suffix[k].cpu()) for br in brs for k in range(br.suffix.shape[0])]
+    saw_signal = False
+    for ids, g in grads:  # rows come in the hook's shuffled order: match them by their token ids
+        for row, grow in zip(ids, g, strict=True):
+            match = [suf for ids_k, suf in all_ids if ids_k.shape == row.shape and torch.equal(ids_k, row)]
+            assert match
+            suffix = match[0]
+            nxt_in_suffix = torch.zeros_like(suffix)
+            nxt_in_suffix[:-1] = suffix[1:]  # position j predicts token j+1
+            g_tok = grow.abs().sum(-1)  # [L]
+            assert torch.all(g_tok[~nxt_in_suffix] == 0)
+            saw_signal |= bool((g_tok[nxt_in_suffix] > 0).any())
+    assert saw_signal
+
+
+def test_goldilocks_and_deep_resume_replays_the_uninterrupted_run(tmp_path):
+    """Teacher weights, its optimizer, the replay buffer and the logistic window are in the checkpoint."""
+    over = ["checkpoint.every=1", "algorithm.deep_grpo.min_fit_samples=2"]
+    full = tmp_path / "full"
+    _train(_cfg("stapo-stack", *over, "trainer.max_steps=3"), full)
+    part = tmp_path / "part"
+    _train(_cfg("stapo-stack", *over, "trainer.max_steps=1"), part)
+    loop.train(_cfg("stapo-stack", *over, "trainer.max_steps=3"), part, resume=True, log=lambda m: None)
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+
+    a, b = strip(read_jsonl(part / "metrics.jsonl")), strip(read_jsonl(full / "metrics.jsonl"))
+    assert [r["step"] for r in a] == [1, 2, 3]
+    assert a == b
+
+
+def test_maspo_fused_and_unfused_paths_agree(tmp_path):
+    """MASPO is per-token, so the fused chunked loss serves it; the unfused path is the reference.
+    Two mini-batches: the second is off-policy (w != 1), where the gate acts."""
+    fused = _train(_cfg("stapo-maspo", "trainer.fused_loss=true"), tmp_path / "fused")
+    plain = _train(_cfg("stapo-maspo", "trainer.fused_loss=false"), tmp_path / "plain")
+    clip = _train(_cfg("stapo", "trainer.fused_loss=false"), tmp_path / "clip")
+    pf, pp, pc = (_params(s["run"].model) for s in (fused, plain, clip))
+    torch.testing.assert_close(pf, pp, rtol=1e-4, atol=1e-6)
+    assert not torch.equal(pp, pc)  # and MASPO is not the hard clip

@@ -1,0 +1,120 @@
+"""DEEP-GRPO pure parts: pivot utility and logistic fit hand-checked, pivot sampling, suffix mask,
+and generation from a prefix on a real (tiny) transformers model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from stapo.core.algos.deep_grpo import OnlineLogistic, pivot_utility, sample_pivot, suffix_mask
+
+
+def test_pivot_utility_hand_values() -> None:
+    r = np.array([0.25, 0.5, 1.0])
+    p = np.array([1.0, 0.5, 0.2])
+    assert pivot_utility(r, p, 1.0).tolist() == pytest.approx([0.25 / 0.7, 0.25 / 0.7, 0.2 / 0.7])
+    q = [1.0 * 0.25**0.1, 0.5 * 0.5**0.1, 0.2 * 1.0]
+    assert pivot_utility(r, p, 0.1).tolist() == pytest.approx([x / sum(q) for x in q])
+    assert pivot_utility(r, p, 0.0).tolist() == pytest.approx([1 / 1.7, 0.5 / 1.7, 0.2 / 1.7])
+    with pytest.raises(ValueError, match="zero utility"):
+        pivot_utility(r, np.zeros(3), 1.0)
+
+
+def test_logistic_waits_for_both_classes_and_enough_samples() -> None:
+    m = OnlineLogistic(window=100, min_samples=10)
+    assert m.predict(np.array([0.3, 0.9])).tolist() == [1.0, 1.0]  # the authors' prior: P = 1
+    m.update([0.5] * 20, [False] * 20)
+    assert not m.fit() and not m.fitted  # one class only
+    m2 = OnlineLogistic(window=100, min_samples=10)
+    m2.update([0.2, 0.8] * 5, [True, False] * 5)  # 10 samples: not more than min_samples
+    assert not m2.fit()
+    m2.update([0.5], [True])
+    assert m2.fit()
+    with pytest.raises(ValueError, match="r must be"):
+        m2.update([0.0], [True])
+
+
+def test_logistic_fit_hand_checked() -> None:
+    # Two points r = 0.25 (3 of 4 succeed) and r = 0.75 (1 of 4), L2 0.5 w^2 on the slope only.
+    # d/db: sum(p - y) = 0; the data are antisymmetric around r = 0.5, so b = -w/2 and, with
+    # q = p(0.25) = sigmoid(-w/4), p(0.75) = 1 - q. d/dw: 4 (q - 0.75) 0.25 + 4 (0.25 - q) 0.75 + w = 0,
+    # i.e. w + 2 (0.75 - q) = 0: a scalar equation solved below by bisection, independently of Newton.
+    m = OnlineLogistic(window=100, min_samples=1)
+    m.update([0.25] * 4 + [0.75] * 4, [True, True, True, False, True, False, False, False])
+    assert m.fit()
+    w, b = m.w, m.b
+    q = 1 / (1 + math.exp(-(0.25 * w + b)))
+    assert b == pytest.approx(-w / 2, abs=1e-9)
+    lo, hi = -10.0, 10.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        qm = 1 / (1 + math.exp(mid / 4))  # p(0.25) with b = -w/2
+        f = mid + 2 * (0.75 - qm)
+        lo, hi = (lo, mid) if f > 0 else (mid, hi)
+    assert w == pytest.approx(lo, abs=1e-8)
+    assert w < 0  # later pivots are less recoverable here
+    assert m.predict(np.array([0.25, 0.75])).tolist() == pytest.approx([q, 1 - q], abs=1e-9)
+
+
+def test_logistic_fit_is_the_penalized_optimum() -> None:
+    rng = np.random.default_rng(0)
+    r = rng.uniform(0.01, 1.0, size=300)
+    y = rng.random(300) < 1 / (1 + np.exp(-(2.0 - 4.0 * r)))
+    m = OnlineLogistic(window=1000, min_samples=10)
+    m.update(r.tolist(), y.tolist())
+    assert m.fit()
+    wb = torch.tensor([m.w, m.b], dtype=torch.float64, requires_grad=True)
+    x, t = torch.tensor(r), torch.tensor(y, dtype=torch.float64)
+    z = wb[0] * x + wb[1]
+    obj = torch.nn.functional.binary_cross_entropy_with_logits(z, t, reduction="sum") + 0.5 * wb[0] ** 2
+    (g,) = torch.autograd.grad(obj, wb)
+    assert g.abs().max().item() < 1e-6
+    # the window slides: only the last `window` outcomes count
+    small = OnlineLogistic(window=5, min_samples=1)
+    small.update([0.1] * 10, [True] * 10)
+    assert len(small.r) == 5
+
+
+def test_sample_pivot_distribution_and_bounds() -> None:
+    m = OnlineLogistic()
+    rng = np.random.default_rng(0)
+    assert {sample_pivot(2, m, 0.1, rng) for _ in range(20)} == {1}
+    draws = np.array([sample_pivot(5, m, 0.0, rng) for _ in range(8000)])  # P = 1, gamma = 0: uniform on 1..4
+    freq = np.bincount(draws, minlength=5)[1:] / len(draws)
+    assert np.abs(freq - 0.25).max() < 0.02
+    deep = np.array([sample_pivot(5, m, 3.0, rng) for _ in range(8000)])  # gamma = 3: (t/5)^3
+    want = np.array([1, 8, 27, 64]) / 100
+    assert np.abs(np.bincount(deep, minlength=5)[1:] / len(deep) - want).max() < 0.02
+    with pytest.raises(ValueError, match="proper prefix"):
+        sample_pivot(1, m, 0.1, rng)
+
+
+def test_suffix_mask_hand_values() -> None:
+    resp = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    got = suffix_mask(resp, torch.tensor([2, 1]))
+    want = torch.tensor([[0, 0, 0, 0, 1, 1, 0], [0, 0, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(got, want)
+
+
+def test_hf_generate_from_prefix_continues_the_greedy_rollout() -> None:
+    """Greedy from prompt + first k tokens of a greedy rollout must give that rollout's remaining tokens."""
+    from stapo.core.config import ModelConfig
+    from stapo.core.models import load_policy
+    from stapo.core.rollout import SamplingParams
+    from stapo.core.rollout.hf import HFRolloutEngine
+
+    model, tok = load_policy(ModelConfig(name_or_path="tiny-random"), device="cpu")
+    eng = HFRolloutEngine(model, tok, batch_size=4)
+    prompts = [tok.encode("1 + 2 =")[:6], tok.encode("seven")[:4]]
+    full = eng.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=12))
+    k = 5
+    prefixes = [c[0].token_ids[:k] for c in full]
+    cont = eng.generate_from_prefix(prompts, prefixes, SamplingParams(n=2, temperature=0.0, max_new_tokens=12 - k))
+    for f, c in zip(full, cont, strict=True):
+        assert len(c) == 2
+        assert c[0].token_ids == f[0].token_ids[k:]
+    with pytest.raises(ValueError, match="prefixes"):
+        eng.generate_from_prefix(prompts, prefixes[:1], SamplingParams(n=1))
