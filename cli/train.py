@@ -30,7 +30,10 @@ def command(
         bool, typer.Option("--resume", help="Continue the run in --run-dir from its last checkpoint.")
     ] = False,
 ) -> None:
-    """Train a policy with STAPO or a baseline (GRPO, DAPO, 20-Entropy, JustRL).
+    """Train a policy with STAPO or a baseline (GRPO, DAPO, 20-Entropy, JustRL, STARE, Lp-Reg, GSPO, ...).
+
+    `--config NAME` picks a preset (`stapo recipes` lists them with their papers; `stapo recipes diff
+    dapo stapo` shows what two differ in), `--set a.b=c` overrides any field.
 
     With no arguments it runs the CPU demo: SmolLM2-135M-Instruct learning single-digit addition
     (needs `make demo-model` once). Writes config.yaml, metrics.jsonl, TensorBoard events, token
