@@ -49,6 +49,13 @@ class VerifyItem(BaseModel):
 
 class VerifyRequest(BaseModel):
     items: list[VerifyItem] = Field(description="Items to grade; answered one result per item, in order.")
+    budget_s: float | None = Field(
+        None,
+        gt=0,
+        le=86_400,
+        description="Seconds the caller will wait; items still queued after it answer 'timeout' ungraded "
+        "(the stapo client sends its HTTP timeout).",
+    )
 
 
 class VerifyResult(BaseModel):
