@@ -28,8 +28,9 @@ How it works (one dispatcher thread in the parent, N worker processes)::
 
 Cancellation: cancelling the future ``submit`` returned (the service does so when the client
 disconnects) drops the job's queued items at once; a job whose ``budget_s`` is spent answers its
-still-queued items 'timeout' without grading them. Admission is measured in work: the queue's
-estimated seconds (queued items x the mode's recent per-item time / workers) beyond
+still-queued items 'timeout' without grading them. Admission is measured in work: the estimated
+seconds of what is pending (items queued or in flight x the mode's recent per-item time / workers;
+a task of hung items in flight is real backlog) beyond
 ``max_queue_s`` raises :class:`PoolBusy` with a ``retry_after_s`` from that estimate.
 
 Results: 'timeout' and 'error' are never cached (a retry re-grades; an item that timed out before
@@ -349,6 +350,7 @@ def _worker_main(conn: Any, memory_mb: int, warmup: bool, max_chars: int, progre
 # --------------------------------------------------------------------------- parent side
 
 _MAIN_LOCK = threading.Lock()
+_REBUILD_LOCK = threading.Lock()
 _POOLS: weakref.WeakSet[GraderPool] = weakref.WeakSet()
 
 
@@ -382,8 +384,9 @@ def _after_fork_in_child() -> None:
     parent's workers (they are in the inherited ``multiprocessing.process._children``). Each pool
     is rebuilt lazily on its first use in the child (``_ensure_owner``).
     """
-    global _MAIN_LOCK
+    global _MAIN_LOCK, _REBUILD_LOCK
     _MAIN_LOCK = threading.Lock()
+    _REBUILD_LOCK = threading.Lock()
     for pool in list(_POOLS):
         with contextlib.suppress(Exception):
             pool._forget_parent_workers()
@@ -534,8 +537,9 @@ class GraderPool:
         self._idle = threading.Condition(self._lock)  # notified when no job is outstanding
         self._active: dict[_Job, None] = {}  # jobs with queued items, in arrival order
         self._pending_items = 0  # queued + in flight
-        self._queued_by_mode: collections.Counter[str] = collections.Counter()
-        self._item_s: dict[str, float] = {}  # mode -> running mean of per-item grading seconds
+        self._pending_by_mode: collections.Counter[str] = collections.Counter()
+        self._item_s: dict[str, float] = {}  # mode -> running mean of per-item seconds (timeouts too)
+        self._typical_s: dict[str, float] = {}  # the same without timeouts: sizes tasks
         self._outstanding: set[_Job] = set()
         self._closing = False
         self._stop = False
@@ -576,7 +580,7 @@ class GraderPool:
         """Rebuild the pool in a forked child on first use (new fork server, new workers, new thread)."""
         if self._owner_pid == os.getpid():
             return
-        with _MAIN_LOCK:
+        with _REBUILD_LOCK:
             if self._owner_pid == os.getpid():
                 return
             if self._start_method == "forkserver":
@@ -690,7 +694,7 @@ class GraderPool:
             self._active[job] = None
             self._pending_items += len(leaders)
             for i in leaders.values():
-                self._queued_by_mode[norm[i][2]] += 1
+                self._pending_by_mode[norm[i][2]] += 1
         job.future.add_done_callback(lambda f, j=weakref.ref(job): self._on_future_done(f, j))
         self._wake()
         return job.future
@@ -738,7 +742,7 @@ class GraderPool:
         return self._pending_items
 
     def queued_seconds(self) -> float:
-        """Estimated seconds of grading queued (not yet sent to a worker), spread over the workers."""
+        """Estimated seconds of grading pending (queued or in flight), spread over the workers."""
         with self._lock:
             return self._queued_seconds()
 
@@ -789,11 +793,14 @@ class GraderPool:
         return self._item_s.get(mode, INITIAL_ITEM_S)
 
     def _queued_seconds(self) -> float:
-        return sum(n * self._est_item_s(m) for m, n in self._queued_by_mode.items() if n) / self.size
+        return sum(n * self._est_item_s(m) for m, n in self._pending_by_mode.items() if n) / self.size
 
-    def _observe(self, mode: str, seconds: float) -> None:
-        old = self._item_s.get(mode)
-        self._item_s[mode] = seconds if old is None else old + EWMA_ALPHA * (seconds - old)
+    def _observe(self, mode: str, seconds: float, *, timed_out: bool = False) -> None:
+        """Admission counts every item's cost; task sizing only the items that finished (one hang
+        in a hundred must not cut every task to one item)."""
+        for table in (self._item_s,) if timed_out else (self._item_s, self._typical_s):
+            old = table.get(mode)
+            table[mode] = seconds if old is None else old + EWMA_ALPHA * (seconds - old)
 
     def _on_future_done(self, fut: concurrent.futures.Future, ref: Any) -> None:
         """The caller cancelled (the HTTP client went away): drop what is still queued."""
@@ -811,7 +818,7 @@ class GraderPool:
             self._active.pop(job, None)
             if cancelled:
                 job.cancelled = True
-                self._unqueue(job, idx)
+                self._uncount(job, idx)
                 self._pending_items -= len(idx)
                 job.remaining -= len(idx)
                 self.stats["cancelled_items"] += len(idx)
@@ -820,14 +827,14 @@ class GraderPool:
                     if not self._outstanding:
                         self._idle.notify_all()
                 return
-            self._unqueue(job, idx)
         self.stats["expired_items"] += len(idx)
         for i in idx:
             self._complete(job, i, GradeResult(False, 0.0, "timeout", None, 0.0), count=False)
 
-    def _unqueue(self, job: _Job, idx: list[int]) -> None:
+    def _uncount(self, job: _Job, idx: list[int]) -> None:
+        """Items that will never complete (dropped): out of the per-mode pending counts (admission)."""
         for i in idx:
-            self._queued_by_mode[job.items[i][2]] -= 1
+            self._pending_by_mode[job.items[i][2]] -= 1
 
     def _requeue(self, job: _Job, idx: list[int]) -> None:
         """Items back from a lost worker: the head of their own job's queue, not of everyone's."""
@@ -835,6 +842,7 @@ class GraderPool:
             return
         if job.cancelled:
             with self._lock:
+                self._uncount(job, idx)
                 self._pending_items -= len(idx)
                 job.remaining -= len(idx)
                 if job.remaining <= 0:
@@ -844,8 +852,6 @@ class GraderPool:
             return
         with self._lock:
             job.queue.extendleft(reversed(idx))
-            for i in idx:
-                self._queued_by_mode[job.items[i][2]] += 1
             self._active.setdefault(job, None)
 
     def _complete(self, job: _Job, leader: int, r: GradeResult, *, count: bool = True) -> None:
@@ -875,10 +881,13 @@ class GraderPool:
                 with self._lock:
                     job.remaining += len(followers)
                     self._pending_items += len(followers)
+                    for f in followers:
+                        self._pending_by_mode[job.items[f][2]] += 1
                 self._requeue(job, followers)
         with self._lock:
             job.remaining -= 1
             self._pending_items -= 1
+            self._pending_by_mode[job.items[leader][2]] -= 1
             if job.remaining == 0:
                 self._outstanding.discard(job)
                 if not self._outstanding:
@@ -996,10 +1005,11 @@ class GraderPool:
         first = job.queue[0]
         mode = job.items[first][2]
         per = self._est_item_s(mode)
+        typical = self._typical_s.get(mode, INITIAL_ITEM_S)
         deadline = job.deadlines.get(first, self.deadline_s)
         n = min(
             self.batch_size,
-            max(1, int(TASK_TARGET_S / max(per, 1e-6))),
+            max(1, int(TASK_TARGET_S / max(typical, 1e-6))),
             max(1, math.ceil(len(job.queue) / self.size)),  # a small job is spread over every worker
         )
         idx = [job.queue.popleft()]
@@ -1007,7 +1017,6 @@ class GraderPool:
             idx.append(job.queue.popleft())
         if not job.queue:
             self._active.pop(job, None)
-        self._unqueue(job, idx)
         job.served += len(idx) * per
         return _Task(job, idx, deadline)
 
@@ -1108,7 +1117,7 @@ class GraderPool:
             task.pos = i
             leader = task.idx[i]
             if reason == "timeout":
-                self._observe(task.items[i][2], task.deadline_s)
+                self._observe(task.items[i][2], task.deadline_s, timed_out=True)
                 self._complete(job, leader, timeout_result(task.deadline_s))
                 task.pos += 1
             elif blame_item:
@@ -1157,7 +1166,7 @@ class GraderPool:
             for job in jobs:
                 idx = list(job.queue)
                 job.queue.clear()
-                self._unqueue(job, idx)
+                self._uncount(job, idx)
                 self._pending_items -= len(idx)
                 job.remaining -= len(idx)
                 job.cancelled = True

@@ -87,7 +87,10 @@ class Server:
         return self.proc.returncode
 
 
-def start_server(workers: int = WORKERS, *, args: tuple[str, ...] = (), **env_overrides: str) -> Server:
+def start_server(
+    workers: int = WORKERS, *, args: tuple[str, ...] = (), capture_stdout: bool = False, **env_overrides: str
+) -> Server:
+    """A real ``stapo verifier serve`` on a free loopback port; stdout (the access log) kept on request."""
     port = free_port()
     env = dict(os.environ)
     env.update(
@@ -103,7 +106,7 @@ def start_server(workers: int = WORKERS, *, args: tuple[str, ...] = (), **env_ov
     proc = subprocess.Popen(
         [sys.executable, "-m", "stapo.cli.main", "verifier", "serve", "--port", str(port), *args],
         env=env,
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE if capture_stdout else subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
     srv = Server(f"http://127.0.0.1:{port}", proc, workers)
