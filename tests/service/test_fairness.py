@@ -16,7 +16,6 @@ import httpx
 
 from stapo.verifier_service.grader import grade
 from stapo.verifier_service.loadgen import build_stream
-from stapo.verifier_service.pool import verdict_key
 from tests.service.conftest import DEADLINE_S, verify, wait_pending
 
 POWER = "so \\boxed{5^{5^{5^{5^5}}}}"
@@ -168,6 +167,8 @@ def test_verdict_key_agrees_with_the_grader():
     """The parent-side verdict cache keys on the answer the parent extracts; it must be the answer the
     grader extracts, or a cached verdict would be served for a different answer. Checked on the RL
     streams and on end-of-turn tokens (the grader may strip them: then this test says the key must too)."""
+    from stapo.verifier_service.pool import verdict_key
+
     items = build_stream(600, seed=7) + build_stream(300, seed=8, style="answer_line")
     items = [(p, g, "dapo" if "Answer:" in p and k % 2 else m) for k, (p, g, m) in enumerate(items)]
     items += [

@@ -16,7 +16,7 @@ import time
 import httpx
 
 from stapo.verifier_service.grader import GradeResult
-from stapo.verifier_service.pool import GraderPool, PoolBroken, _ByteLRU
+from stapo.verifier_service.pool import GraderPool, PoolBroken
 from tests.service.conftest import free_port
 
 
@@ -110,6 +110,8 @@ def test_workers_are_recycled_after_n_items_and_above_rss():
 
 
 def test_caches_are_bounded_in_bytes():
+    from stapo.verifier_service.pool import _ByteLRU
+
     lru = _ByteLRU(max_bytes=50_000, max_entries=10_000)
     for k in range(500):
         lru.put(k.to_bytes(16, "big"), GradeResult(True, 1.0, "ok", "x" * 1000, 0.0))
