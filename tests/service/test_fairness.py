@@ -214,3 +214,22 @@ def test_admission_in_work_answers_429_and_the_client_waits_as_told():
         assert 'stapo_verifier_pool_events_total{event="rejected"}' in httpx.get(f"{srv.url}/metrics").text
     finally:
         srv.stop()
+
+
+def test_budget_spent_items_are_answered_timeout_without_grading():
+    """Items still queued when their request's ``budget_s`` is spent answer 'timeout' ungraded (ms 0),
+    and a cancelled job's queued items never reach a worker."""
+    from stapo.verifier_service.pool import GraderPool
+
+    with GraderPool(workers=1, deadline_s=1.5) as pool:
+        assert pool.wait_ready(60)
+        hang = pool.submit([(POWER, "1"), (POWER, "2")])  # holds the only worker ~3 s
+        time.sleep(0.2)
+        late = pool.submit([("\\boxed{1}", "1"), ("\\boxed{2}", "2")], budget_s=0.3)
+        doomed = pool.submit([(POWER, str(k)) for k in range(3, 40)])
+        doomed.cancel()
+        res = late.result(timeout=10)
+        assert [(r.status, r.ms) for r in res] == [("timeout", 0.0), ("timeout", 0.0)]
+        assert [r.status for r in hang.result(timeout=10)] == ["timeout", "timeout"]
+        assert pool.stats["expired_items"] == 2 and pool.stats["cancelled_items"] == 37
+        assert pool.pending_items() == 0 and pool.queued_seconds() == 0
