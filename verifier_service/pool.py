@@ -77,6 +77,7 @@ import threading
 import time
 import types
 import weakref
+import zlib
 from collections.abc import Iterable, Sequence
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
@@ -396,12 +397,48 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class _ShardQueue:
+    """A job's items not yet sent, one deque per gold shard (= worker slot): a worker takes its own
+    shard's items first, so the grader's per-process caches for those golds stay hot (repeats of a
+    pair cost ~23 us there, a first sight ~1.3 ms), and steals from the fullest shard otherwise."""
+
+    __slots__ = ("q", "n")
+
+    def __init__(self, shards: int) -> None:
+        self.q: list[collections.deque[int]] = [collections.deque() for _ in range(shards)]
+        self.n = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        for d in self.q:
+            yield from d
+
+    def clear(self) -> None:
+        for d in self.q:
+            d.clear()
+        self.n = 0
+
+    def append(self, shard: int, i: int) -> None:
+        self.q[shard].append(i)
+        self.n += 1
+
+    def push_front(self, shard: int, i: int) -> None:
+        self.q[shard].appendleft(i)
+        self.n += 1
+
+    def source(self, slot: int) -> collections.deque[int]:
+        d = self.q[slot % len(self.q)]
+        return d if d else max(self.q, key=len)
+
+
 class _Job:
     """One submit() call: results in order, duplicates answered from their leader, a queue to dispatch."""
 
     __slots__ = (
         "results", "dups", "keys", "vkeys", "vdups", "remaining", "future", "queue", "items", "deadlines",
-        "crashes", "served", "expires", "cancelled", "seq", "__weakref__",
+        "crashes", "served", "expires", "cancelled", "seq", "spread", "shard", "single", "__weakref__",
     )  # fmt: skip
 
     def __init__(self, n: int, seq: int) -> None:
@@ -412,7 +449,9 @@ class _Job:
         self.vdups: dict[int, list[int]] = {}  # leader -> items with the same (mode, gold, answer)
         self.remaining = 0  # leaders not answered yet (queued or in flight)
         self.future: concurrent.futures.Future[list[GradeResult]] = concurrent.futures.Future()
-        self.queue: collections.deque[int] = collections.deque()  # leader indices not yet sent
+        self.queue = _ShardQueue(1)  # leader indices not yet sent, by gold shard
+        self.shard: dict[int, int] = {}  # item -> its gold shard
+        self.single: set[int] = set()  # items back from a lost worker: sent one per task
         self.items: list[Item] = []
         self.deadlines: dict[int, float] = {}  # leader -> its deadline when not the pool's default
         self.crashes: dict[int, int] = {}
@@ -420,6 +459,7 @@ class _Job:
         self.expires: float | None = None
         self.cancelled = False
         self.seq = seq
+        self.spread = 1  # most items per task so that the job's items reach every worker
 
 
 class _Task:
@@ -539,7 +579,7 @@ class GraderPool:
         self._pending_items = 0  # queued + in flight
         self._pending_by_mode: collections.Counter[str] = collections.Counter()
         self._item_s: dict[str, float] = {}  # mode -> running mean of per-item seconds (timeouts too)
-        self._typical_s: dict[str, float] = {}  # the same without timeouts: sizes tasks
+        self._typical_log_s: dict[str, float] = {}  # running mean of log(seconds), no timeouts: sizes tasks
         self._outstanding: set[_Job] = set()
         self._closing = False
         self._stop = False
@@ -646,12 +686,14 @@ class GraderPool:
                     if vl is not None:  # same gold and final answer as an item sent above: its verdict
                         job.vdups.setdefault(vl, []).append(i)
                         job.keys[i] = key
+                        job.shard[i] = zlib.crc32(gold.encode("utf-8", "surrogatepass")) % self.size
                         vhits += 1
                         continue
                     vleaders[vk[0]] = i
                     job.vkeys[i] = vk
             leaders[key] = i
             job.keys[i] = key
+            job.shard[i] = zlib.crc32(gold.encode("utf-8", "surrogatepass")) % self.size
             if self._timed_out.get(key) is not None:
                 job.deadlines[i] = self.deadline_s * self.retry_deadline_factor
         new_s = sum(self._est_item_s(norm[i][2]) for i in leaders.values()) / self.size
@@ -687,7 +729,10 @@ class GraderPool:
             self._job_seq += 1
             job.seq = self._job_seq
             job.remaining = len(leaders)
-            job.queue.extend(leaders.values())
+            job.spread = max(1, math.ceil(len(leaders) / self.size))
+            job.queue = _ShardQueue(self.size)
+            for i in leaders.values():
+                job.queue.append(job.shard[i], i)
             if budget_s is not None:
                 job.expires = time.monotonic() + budget_s
             self._outstanding.add(job)
@@ -796,11 +841,20 @@ class GraderPool:
         return sum(n * self._est_item_s(m) for m, n in self._pending_by_mode.items() if n) / self.size
 
     def _observe(self, mode: str, seconds: float, *, timed_out: bool = False) -> None:
-        """Admission counts every item's cost; task sizing only the items that finished (one hang
-        in a hundred must not cut every task to one item)."""
-        for table in (self._item_s,) if timed_out else (self._item_s, self._typical_s):
-            old = table.get(mode)
-            table[mode] = seconds if old is None else old + EWMA_ALPHA * (seconds - old)
+        """Admission counts every item's cost (arithmetic mean, timeouts at their deadline); task
+        sizing uses the typical item (geometric mean of the items that finished): grading times are
+        heavy-tailed (median ~12 us, 1% of items ~90% of the time), and one slow item in a hundred
+        must not cut every task to a few items."""
+        old = self._item_s.get(mode)
+        self._item_s[mode] = seconds if old is None else old + EWMA_ALPHA * (seconds - old)
+        if not timed_out:
+            x = math.log(max(seconds, 1e-6))
+            old = self._typical_log_s.get(mode)
+            self._typical_log_s[mode] = x if old is None else old + EWMA_ALPHA * (x - old)
+
+    def _typical_s(self, mode: str) -> float:
+        x = self._typical_log_s.get(mode)
+        return INITIAL_ITEM_S if x is None else math.exp(x)
 
     def _on_future_done(self, fut: concurrent.futures.Future, ref: Any) -> None:
         """The caller cancelled (the HTTP client went away): drop what is still queued."""
@@ -836,10 +890,15 @@ class GraderPool:
         for i in idx:
             self._pending_by_mode[job.items[i][2]] -= 1
 
-    def _requeue(self, job: _Job, idx: list[int]) -> None:
-        """Items back from a lost worker: the head of their own job's queue, not of everyone's."""
+    def _requeue(self, job: _Job, idx: list[int], *, single: bool = False) -> None:
+        """Items back from a lost worker: the head of their own job's queue, not of everyone's.
+
+        ``single``: they go one per task, so that if the lost task held several hostile items they
+        now overrun in parallel, not one deadline after another."""
         if not idx:
             return
+        if single:
+            job.single.update(idx)
         if job.cancelled:
             with self._lock:
                 self._uncount(job, idx)
@@ -851,7 +910,8 @@ class GraderPool:
                         self._idle.notify_all()
             return
         with self._lock:
-            job.queue.extendleft(reversed(idx))
+            for i in reversed(idx):
+                job.queue.push_front(job.shard[i], i)
             self._active.setdefault(job, None)
 
     def _complete(self, job: _Job, leader: int, r: GradeResult, *, count: bool = True) -> None:
@@ -981,17 +1041,22 @@ class GraderPool:
                     self._break_for_a_while()
                     return
 
-    def _pick(self) -> _Job | None:
-        """The open job that has received the least worker time (ties: the oldest); expired jobs drained."""
+    def _pick(self, slot: int = 0) -> _Job | None:
+        """The open job that has received the least worker time (ties: the oldest); expired jobs drained.
+
+        A job with no items of this worker's gold shard counts one task target more (it would make
+        the worker steal, with cold caches): fairness holds to within one short task."""
         best: _Job | None = None
+        best_key = 0.0
         now = time.monotonic()
         expired = []
         for job in self._active:
             if job.expires is not None and now > job.expires:
                 expired.append(job)
                 continue
-            if best is None or job.served < best.served:
-                best = job
+            key = job.served + (0.0 if job.queue.q[slot % len(job.queue.q)] else TASK_TARGET_S)
+            if best is None or key < best_key:
+                best, best_key = job, key
         for job in expired:
             self._lock.release()
             try:
@@ -1000,21 +1065,31 @@ class GraderPool:
                 self._lock.acquire()
         return best
 
-    def _take(self, job: _Job) -> _Task:
-        """Up to batch_size items of the job, fewer when they would hold the worker too long."""
-        first = job.queue[0]
+    def _take(self, job: _Job, slot: int) -> _Task:
+        """Up to batch_size items of the job (its shard of this worker first), fewer when they would
+        hold the worker too long."""
+        d = job.queue.source(slot)
+        first = d[0]
         mode = job.items[first][2]
         per = self._est_item_s(mode)
-        typical = self._typical_s.get(mode, INITIAL_ITEM_S)
+        typical = self._typical_s(mode)
         deadline = job.deadlines.get(first, self.deadline_s)
         n = min(
             self.batch_size,
             max(1, int(TASK_TARGET_S / max(typical, 1e-6))),
-            max(1, math.ceil(len(job.queue) / self.size)),  # a small job is spread over every worker
+            job.spread,  # a small job is spread over every worker
         )
-        idx = [job.queue.popleft()]
-        while job.queue and len(idx) < n and job.deadlines.get(job.queue[0], self.deadline_s) == deadline:
-            idx.append(job.queue.popleft())
+        if first in job.single:
+            n = 1
+        idx = [d.popleft()]
+        while (
+            d
+            and len(idx) < n
+            and d[0] not in job.single
+            and job.deadlines.get(d[0], self.deadline_s) == deadline
+        ):
+            idx.append(d.popleft())
+        job.queue.n -= len(idx)
         if not job.queue:
             self._active.pop(job, None)
         job.served += len(idx) * per
@@ -1025,8 +1100,8 @@ class GraderPool:
             if w.state != "idle":
                 continue
             with self._lock:
-                job = self._pick()
-                task = self._take(job) if job is not None else None
+                job = self._pick(w.slot)
+                task = self._take(job, w.slot) if job is not None else None
             if task is None:
                 return
             self._send(w, task)
@@ -1126,7 +1201,7 @@ class GraderPool:
                     self._complete(job, leader, status_result("error"))
                     task.pos += 1
             # The rest goes back to the head of its own job's queue: other jobs keep their turn.
-            self._requeue(job, redo + [task.idx[j] for j in range(task.pos, len(task.idx))])
+            self._requeue(job, redo + [task.idx[j] for j in range(task.pos, len(task.idx))], single=True)
         self.stats[f"restarts_{reason}"] += 1
         log.warning("grader worker %s (pid %s) lost: %s; replacing it", w.slot, w.pid, reason)
         with contextlib.suppress(Exception):
