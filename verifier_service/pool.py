@@ -680,6 +680,7 @@ class GraderPool:
                     v = self._verdicts.get(vk[0])
                     if v is not None:
                         job.results[i] = v
+                        self._cache.put(key, v)  # the same item again skips the extraction too
                         vhits += 1
                         continue
                     vl = vleaders.get(vk[0])
