@@ -900,8 +900,8 @@ class GraderPool:
             return
         if single:
             job.single.update(idx)
-        if job.cancelled:
-            with self._lock:
+        with self._lock:  # the cancelled flag is set under this lock too
+            if job.cancelled:
                 self._uncount(job, idx)
                 self._pending_items -= len(idx)
                 job.remaining -= len(idx)
@@ -909,8 +909,7 @@ class GraderPool:
                     self._outstanding.discard(job)
                     if not self._outstanding:
                         self._idle.notify_all()
-            return
-        with self._lock:
+                return
             for i in reversed(idx):
                 job.queue.push_front(job.shard[i], i)
             self._active.setdefault(job, None)

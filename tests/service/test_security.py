@@ -144,20 +144,25 @@ def test_limit_concurrency_reaches_uvicorn():
     try:
         import threading
 
-        from tests.service.conftest import sympy_items
-
         done: dict = {}
+        hang = {"prediction": "\\boxed{5^{5^{5^{5^5}}}}", "gold": "1"}  # in flight a full deadline (2 s)
 
         def slow() -> None:
-            done["code"] = httpx.post(
-                f"{srv.url}/v1/verify", json={"items": sympy_items(40, 7000)}, timeout=60
-            ).status_code
+            done["code"] = httpx.post(f"{srv.url}/v1/verify", json={"items": [hang]}, timeout=60).status_code
 
-        t = threading.Thread(target=slow)
-        t.start()
-        time.sleep(0.3)
-        codes = {httpx.get(f"{srv.url}/healthz").status_code for _ in range(5)}
-        t.join(60)
+        for _ in range(3):  # the hanging request itself may be the one refused if a probe raced it
+            done.clear()
+            t = threading.Thread(target=slow)
+            t.start()
+            time.sleep(0.5)  # it holds its connection ~2 s (one deadline)
+            codes = set()
+            while t.is_alive() and 503 not in codes:
+                codes.add(httpx.get(f"{srv.url}/healthz").status_code)
+                time.sleep(0.02)
+            t.join(60)
+            if done.get("code") == 200:
+                break
         assert 503 in codes and done["code"] == 200
+        assert httpx.get(f"{srv.url}/healthz").status_code == 200  # alone again: served
     finally:
         srv.stop()
