@@ -3,6 +3,7 @@
     python benchmarks/verifier.py                     # 3 streams x 4096 items, 64 per request, 4 in flight
     python benchmarks/verifier.py --repeat 3          # the whole thing 3 times, every run reported
     python benchmarks/verifier.py --items 1024 --streams math  # quicker
+    python benchmarks/verifier.py --before 8887d46    # also the service as of that commit, same run
 
 What runs, per stream: a fresh ``stapo verifier serve`` on a free loopback port (one worker per
 core, cold caches), the stream of ``stapo.verifier_service.loadgen.build_stream`` sent over HTTP,
@@ -10,6 +11,11 @@ the same items once more (all result-cache hits: the HTTP + pool ceiling), then 
 through ``math_verify.verify(parse(gold), parse(prediction))`` one by one in this process. Both
 numbers come from the same run on the same machine and are reported as a ratio; the load average
 is recorded because other work on a small machine moves them.
+
+Variants of the service, each started fresh on the same stream in the same run: ``after`` (this
+tree), ``no-verdict`` (this tree with the verdict cache off: what the fairness/cancellation/
+admission machinery costs by itself) and, with ``--before REV``, ``before`` (the service of that git
+revision, unpacked with ``git archive`` into a temporary folder that goes first on PYTHONPATH).
 
 Streams (``STREAMS``): ``math`` MATH-500 + GSM8K golds, ``\\boxed{}`` endings, prompts revisited;
 ``math-fresh`` the same golds, every group a new prompt; ``dapo`` DAPO-Math-17k golds (all integers,
@@ -22,10 +28,12 @@ import argparse
 import os
 import platform
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -64,11 +72,30 @@ def machine() -> str:
     )
 
 
-def start_server(workers: int | None) -> tuple[subprocess.Popen, str]:
+def unpack_revision(rev: str) -> Path:
+    """``git archive REV`` laid out as an importable ``stapo`` package (pyproject's package-dir)."""
+    root = Path(__file__).resolve().parent.parent
+    dest = Path(tempfile.mkdtemp(prefix="stapo-before-"))
+    src = dest / "src"
+    src.mkdir()
+    tar = subprocess.run(["git", "-C", str(root), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=tar, check=True)
+    pkg = dest / "stapo"
+    shutil.copytree(src / "stapo_pkg", pkg)
+    for sub in ("cli", "core", "evals", "verifier_service", "configs"):
+        shutil.copytree(src / sub, pkg / sub)
+    return dest
+
+
+def start_server(
+    workers: int | None, *, pythonpath: Path | None = None, env_extra: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, STAPO_VERIFIER_LOG_LEVEL="warning")
+    env = dict(os.environ, STAPO_VERIFIER_LOG_LEVEL="warning", **(env_extra or {}))
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
     cmd = [sys.executable, "-m", "stapo.cli.main", "verifier", "serve", "--port", str(port)]
     if workers:
         cmd += ["--workers", str(workers)]
@@ -96,23 +123,46 @@ def write_section(text: str) -> None:
     RESULTS.write_text(new.rstrip() + "\n")
 
 
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def run_variant(items: list, args: argparse.Namespace, variant: str) -> dict:
+    """One fresh service (cold caches) of one variant: the stream, then the same items again."""
+    env = {"STAPO_VERIFIER_VERDICT_CACHE": "false"} if variant == "no-verdict" else {}
+    pythonpath = args.before_tree if variant == "before" else None
+    proc, url = start_server(args.workers, pythonpath=pythonpath, env_extra=env)
+    try:
+        svc = run_service_load(url, items, batch=args.batch, concurrency=args.concurrency)
+        # Same items again: every one is a result-cache hit, so this is the ceiling of HTTP + pool.
+        again = run_service_load(url, items, batch=args.batch, concurrency=args.concurrency)
+        workers = httpx.get(f"{url}/readyz").json()["workers"]
+        text = httpx.get(f"{url}/metrics").text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    sent = _metric(text, "stapo_verifier_cache_misses_total") - len(items)  # the second pass sends none
+    return {
+        "svc": svc, "again": again, "workers": workers,
+        "to_workers": (_metric(text, "stapo_verifier_cache_misses_total") or sent) / max(1, len(items)),
+        "verdict_hits": _metric(text, 'stapo_verifier_pool_events_total{event="verdict_hits"}') / max(1, len(items)),
+        # share of the workers' wall time spent grading (the rest: waiting on the parent, IPC)
+        "busy": svc.grade_ms / 1000 / max(1e-9, svc.seconds * workers),
+    }  # fmt: skip
+
+
 def run_stream(name: str, args: argparse.Namespace) -> dict:
-    """One stream: fresh service (cold caches), the items twice, then plain math-verify on them."""
+    """One stream: every service variant fresh (cold caches), then plain math-verify on the items."""
     spec = STREAMS[name]
     items = build_stream(
         args.items, seed=args.seed, golds=load_golds(source=spec["source"]), style=spec["style"],
         revisit=spec["revisit"],
     )  # fmt: skip
     load_before = os.getloadavg()[0]
-    proc, url = start_server(args.workers)
-    try:
-        svc = run_service_load(url, items, batch=args.batch, concurrency=args.concurrency)
-        # Same items again: every one is a result-cache hit, so this is the ceiling of HTTP + pool.
-        again = run_service_load(url, items, batch=args.batch, concurrency=args.concurrency)
-        workers = httpx.get(f"{url}/readyz").json()["workers"]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+    variants = {v: run_variant(items, args, v) for v in args.variants}
+    after = variants[args.variants[-1]]
+    svc, again, workers = after["svc"], after["again"], after["workers"]
     # math-verify warms up too (regexes, ANTLR's prediction tables), as the service's fork server did;
     # on the stream's own first items, which can only favour the baseline.
     run_baseline(items[:256])
@@ -121,7 +171,7 @@ def run_stream(name: str, args: argparse.Namespace) -> dict:
     return {
         "stream": name, "stats": stream_stats(items), "svc": svc, "again": again, "base": base,
         "ratio": svc.items_per_s / base.items_per_s, "agree": agree, "workers": workers,
-        "load": (load_before, os.getloadavg()[0]),
+        "load": (load_before, os.getloadavg()[0]), "variants": variants,
     }  # fmt: skip
 
 
@@ -137,7 +187,14 @@ def main() -> None:
         "--repeat", type=int, default=1, help="run everything this many times; all runs are reported"
     )
     ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    ap.add_argument(
+        "--before",
+        default=None,
+        help="git revision whose service is measured too, in the same run (e.g. 8887d46)",
+    )
     args = ap.parse_args()
+    args.before_tree = unpack_revision(args.before) if args.before else None
+    args.variants = (["before"] if args.before else []) + ["no-verdict", "after"]
     names = [x.strip() for x in args.streams.split(",") if x.strip()]
     bad = [x for x in names if x not in STREAMS]
     if bad:
@@ -146,37 +203,29 @@ def main() -> None:
     runs = [run_stream(name, args) | {"run": k + 1} for k in range(args.repeat) for name in names]
     console = Console()
     table = Table(title=f"{args.items} RL-shaped items per stream")
-    for col in (
-        "run",
-        "stream",
-        "service/s",
-        "p50 ms",
-        "p99 ms",
-        "cached/s",
-        "math-verify/s",
-        "ratio",
-        "load",
-    ):
-        table.add_column(col, justify="left" if col in ("run", "stream") else "right")
+    cols = ("run", "stream", "service", "items/s", "p50 ms", "p99 ms", "cached/s", "to workers", "busy",
+            "math-verify/s", "ratio", "load")  # fmt: skip
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("run", "stream", "service") else "right")
+    lines = []
     for r in runs:
-        svc, again, base = r["svc"], r["again"], r["base"]
-        table.add_row(
-            str(r["run"]), r["stream"], f"{svc.items_per_s:.0f}", f"{svc.pct(50) * 1e3:.1f}", f"{svc.pct(99) * 1e3:.1f}",
-            f"{again.items_per_s:.0f}", f"{base.items_per_s:.0f}", f"{r['ratio']:.1f}x",
-            f"{r['load'][0]:.1f}/{r['load'][1]:.1f}",
-        )  # fmt: skip
+        base = r["base"]
+        for v, res in r["variants"].items():
+            svc, again = res["svc"], res["again"]
+            cells = (
+                str(r["run"]), r["stream"], v, f"{svc.items_per_s:.0f}", f"{svc.pct(50) * 1e3:.1f}",
+                f"{svc.pct(99) * 1e3:.1f}", f"{again.items_per_s:.0f}", f"{res['to_workers']:.0%}",
+                f"{res['busy']:.0%}", f"{base.items_per_s:.0f}", f"{svc.items_per_s / base.items_per_s:.1f}x",
+                f"{r['load'][0]:.1f}/{r['load'][1]:.1f}",
+            )  # fmt: skip
+            table.add_row(*cells)
+            lines.append("| " + " | ".join(c if k != 10 else f"**{c}**" for k, c in enumerate(cells)) + " |")
     console.print(table)
     if args.no_write:
         return
 
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    rows = "\n".join(
-        f"| {r['run']} | {r['stream']} | {r['svc'].items_per_s:.0f} | {r['svc'].pct(50) * 1e3:.1f} | "
-        f"{r['svc'].pct(99) * 1e3:.1f} | {r['again'].items_per_s:.0f} | {r['base'].items_per_s:.0f} | "
-        f"{r['base'].pct(50) * 1e3:.2f} | {r['base'].pct(99) * 1e3:.2f} | **{r['ratio']:.1f}x** | "
-        f"{r['svc'].errors} | {r['agree']:.1%} | {r['load'][0]:.1f} / {r['load'][1]:.1f} |"
-        for r in runs
-    )
+    rows = "\n".join(lines)
     first = {r["stream"]: r for r in runs if r["run"] == 1}
     stats_rows = "\n".join(
         f"| {name} | {STREAMS[name]['source']} | {STREAMS[name]['style']} | {'yes' if STREAMS[name]['revisit'] else 'no'} | "
@@ -184,34 +233,38 @@ def main() -> None:
         f"{st['integer_golds']:.0%} | {st['latex_golds']:.0%} | {st['no_marker']:.1%} | {st['mean_chars']:.0f} |"
         for name, st in ((n, r["stats"]) for n, r in first.items())
     )
-    ratios = [r["ratio"] for r in runs]
+
+    def ratios(v: str) -> str:
+        xs = [r["variants"][v]["svc"].items_per_s / r["base"].items_per_s for r in runs if v in r["variants"]]
+        return f"{min(xs):.1f}x to {max(xs):.1f}x" if xs else "n/a"
+
     workers = runs[0]["workers"]
+    before = f" `--before {args.before}`" if args.before else ""
     write_section(
         f"""{SECTION}
 
-`python benchmarks/verifier.py --items {args.items} --batch {args.batch} --concurrency {args.concurrency} --streams {args.streams} --repeat {args.repeat}` ({when})
+`python benchmarks/verifier.py --items {args.items} --batch {args.batch} --concurrency {args.concurrency} --streams {args.streams} --repeat {args.repeat}{before}` ({when})
 
-Machine: {machine()}; other jobs shared the machine (load average before / after each stream in
-the last column). Per stream, the service was started fresh (cold caches, {workers} workers); the
-client ran on the same machine (it encodes the request bodies before the clock starts, as a trainer
-would on its own machine). Service latency is per request ({args.batch} items), math-verify's per item.
-Before its timed run, math-verify grades the stream's first 256 items once (its warm-up; the
-service's workers are warmed on generic items in the fork server, `verifier_service/warmup.py`).
+Machine: {machine()}; **shared with other jobs** (load average before / after each stream in the
+last column: compare only rows of the same stream and run, which ran minutes apart). Each service
+variant was started fresh for each stream (cold caches, {workers} workers); the client ran on the
+same machine (it encodes the request bodies before the clock starts, as a trainer would on its own
+machine). Service latency is per request ({args.batch} items). Before its timed run, math-verify grades
+the stream's first 256 items once (its warm-up; the service's workers are warmed in the fork server).
 
-| run | stream | service items/s | p50 ms | p99 ms | cached items/s | math-verify items/s | p50 ms | p99 ms | ratio | errors | same verdict | load |
-|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|
+Variants: `before` = the service at `{args.before or "-"}` (FIFO tasks, item-key cache only);
+`no-verdict` = this tree with `STAPO_VERIFIER_VERDICT_CACHE=false` (fair queueing, cancellation,
+admission, recycling: the machinery alone); `after` = this tree as shipped (answers extracted in the
+server process, verdicts reused by (mode, gold, extracted answer), also between items of one request).
+"to workers": share of items that reached a grading worker. "busy": grading time the workers reported
+/ (wall time x workers): how much of the service's time is grading rather than HTTP, JSON, dispatch.
+
+| run | stream | service | items/s | p50 ms | p99 ms | cached items/s | to workers | busy | math-verify items/s | ratio | load |
+|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|
 {rows}
 
-Throughput ratio service / math-verify: **{min(ratios):.1f}x to {max(ratios):.1f}x** over {len(runs)} stream runs.
-The ratio needs the machine to itself: the service uses both cores (2 workers, the HTTP server, the
-client), math-verify one, so other jobs cut the first more. In a run at load 1.7-2.6 (other helpers'
-jobs starting; before the batched pool results below) the same streams gave 2.8x-4.0x (cached
-ceiling down from ~30k to ~16k items/s).
-Before the grader's fast paths (same machine, `math` stream only): 840 vs 439 items/s = 1.9x at load
-5.0, and 1589 vs 680 items/s = 2.3x re-measured at load 1.7 (p99 396 ms per request).
-"cached" is the same items sent again (all result-cache hits: what HTTP and the pool cost alone).
-"same verdict": share of items where the service and plain math-verify agree (the grader's
-extraction and equivalence rules differ on purpose; see docs/verifier.md and "## Grader accuracy").
+Throughput ratio service / math-verify over {len(runs)} stream runs: `after` **{ratios("after")}**,
+`no-verdict` {ratios("no-verdict")}, `before` {ratios("before")}.
 
 The streams (`loadgen.build_stream`, `loadgen.stream_stats`, seed {args.seed}): groups of 8 responses per
 gold; a group draws from a few final answers (the gold, an equivalent form, two near misses: one
@@ -222,20 +275,6 @@ stream; no whole response repeats.
 | stream | golds | ending | prompts revisited | distinct golds | answers per group | answer repeat | response repeat | integer golds | LaTeX golds | no marker | mean chars |
 |---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|
 {stats_rows}
-
-Where the time goes (cold grading, one process, `math` stream): before this work 90% of it was
-latex2sympy (ANTLR, ~20 ms per distinct string) and sympy `simplify` on answers that turn out to be
-*wrong*: near misses, equations read from cut-off responses, words parsed as products of letters.
-The grader now rejects those without sympy (`verifier_service/numeric.py`: a small LaTeX-arithmetic
-evaluator checked against latex2sympy; a rejection needs the values to differ by far more than
-math-verify's rounding; acceptance still goes through math-verify), answers math-verify's search
-"can this candidate parse?" with the same evaluator, and warms every worker's regexes and ANTLR
-prediction tables (generic LaTeX shapes) in the fork server. The pool's workers send results in batches (every 2 ms and at the end of a task) and
-report the item in progress through shared memory for the deadline, which halved the
-dispatcher's CPU (it woke once per item). Grading verdicts are unchanged on the 1,144 labelled
-rows and on the stream (tests in
-`tests/unit/test_grader_numeric.py`). What remains cold is latex2sympy on LaTeX golds outside the
-evaluator's subset (intervals, unions, matrices, trig), once per gold and worker: it sets p99.
 """
     )
     console.print(f"wrote {RESULTS}")

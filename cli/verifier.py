@@ -1,12 +1,14 @@
 """`stapo verifier serve | bench`: run the math-verification service, or load-test one on loopback.
 
     stapo verifier serve --workers 2 --deadline 5            # 127.0.0.1:8000 unless told otherwise
-    STAPO_VERIFIER_TOKEN=s3cret stapo verifier serve --host 0.0.0.0
+    STAPO_VERIFIER_TOKEN=s3cret stapo verifier serve --host 0.0.0.0 --limit-concurrency 256
+    stapo verifier serve --host 0.0.0.0 --allow-unauthenticated   # a private network, on purpose
     stapo verifier bench http://127.0.0.1:8000 --requests 40 --batch 64
 
 Every serve flag has a ``STAPO_VERIFIER_*`` environment twin (see
-``stapo.verifier_service.settings``); a flag wins over the environment. The token is read only from
-the environment (a flag would show in ``ps``).
+``stapo.verifier_service.settings``); a flag wins over the environment. Prefer the environment for
+the token: ``--token`` shows in ``ps``. Serving a non-loopback address without a token is refused
+unless ``--allow-unauthenticated`` is given.
 """
 
 from __future__ import annotations
@@ -72,7 +74,39 @@ def serve(
     log_level: Annotated[
         str | None, typer.Option(help="uvicorn log level [STAPO_VERIFIER_LOG_LEVEL].")
     ] = None,
-    access_log: Annotated[bool, typer.Option(help="Log every request (off: high request rates).")] = False,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            help="Bearer token every route but the probes requires [STAPO_VERIFIER_TOKEN; prefer the "
+            "environment: a flag shows in ps]."
+        ),
+    ] = None,
+    allow_unauthenticated: Annotated[
+        bool,
+        typer.Option(
+            "--allow-unauthenticated",
+            help="Serve a non-loopback --host without a token (refused otherwise) "
+            "[STAPO_VERIFIER_ALLOW_UNAUTHENTICATED].",
+        ),
+    ] = False,
+    limit_concurrency: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Most concurrent connections before uvicorn answers 503 [STAPO_VERIFIER_LIMIT_CONCURRENCY; "
+            "default: no limit].",
+        ),
+    ] = None,
+    max_queue_s: Annotated[
+        float | None,
+        typer.Option(
+            help="Queued grading work (estimated seconds) past which requests get 429 + Retry-After "
+            "[STAPO_VERIFIER_MAX_QUEUE_S; default 60].",
+        ),
+    ] = None,
+    access_log: Annotated[
+        bool, typer.Option(help="Log every request (off: high request rates); ?token= is redacted.")
+    ] = False,
 ) -> None:
     """Serve POST /v1/verify, POST /get_reward, /healthz, /readyz, /metrics and /docs with uvicorn."""
     settings = build_settings(
@@ -87,24 +121,43 @@ def serve(
         max_body_bytes=max_body_bytes,
         cache_size=cache_size,
         log_level=log_level,
+        token=token,
+        allow_unauthenticated=allow_unauthenticated or None,
+        limit_concurrency=limit_concurrency,
+        max_queue_s=max_queue_s,
     )
+    check_exposure(settings)
     import uvicorn
-    from rich.console import Console
 
-    from stapo.verifier_service.app import create_app
+    from stapo.verifier_service.app import create_app, redact_access_log
 
-    if not _is_loopback(settings.host) and settings.token is None:
-        Console(stderr=True).print(
-            f"[yellow]warning:[/] binding {settings.host} without STAPO_VERIFIER_TOKEN: anyone who can reach "
-            "the port can use the service."
-        )
+    redact_access_log()
     uvicorn.run(
         create_app(settings),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         access_log=access_log,
+        limit_concurrency=settings.limit_concurrency,
         timeout_graceful_shutdown=int(settings.graceful_shutdown_s) or None,
+    )
+
+
+def check_exposure(settings) -> None:
+    """Refuse a non-loopback address without a token unless the user said so (secure by default)."""
+    if _is_loopback(settings.host) or settings.token is not None:
+        return
+    if not settings.allow_unauthenticated:
+        raise CLIError(
+            f"--host {settings.host} is not loopback and no token is set: anyone who can reach the port could "
+            "use the service. Set STAPO_VERIFIER_TOKEN (or --token), or pass --allow-unauthenticated if the "
+            "network is private on purpose."
+        )
+    from rich.console import Console
+
+    Console(stderr=True).print(
+        f"[yellow]warning:[/] serving {settings.host} without a token (--allow-unauthenticated): anyone who "
+        "can reach the port can use the service."
     )
 
 

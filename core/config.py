@@ -493,7 +493,7 @@ class RewardConfig(_Section):
         default_factory=list,
         description="Verifier service URLs (sharded, with failover). Empty: grade in a local worker pool.",
     )
-    token: str | None = Field(None, description="Bearer token of the verifier service.")
+    token: str | None = Field(None, description="Bearer token of the verifier service (unset: `$STAPO_VERIFIER_TOKEN` from the environment).")
     workers: int | None = Field(None, gt=0, description="Local grader processes (default: one per core).")
     deadline_s: float = Field(5.0, gt=0, description="Per-item grading deadline.")
     think: Literal["optional", "required", "ignore"] = Field(

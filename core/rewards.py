@@ -17,6 +17,7 @@ score ``reward.scale.wrong``. Rewards are ``reward.scale.correct`` / ``reward.sc
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,7 +55,9 @@ class RewardFunction:
         elif cfg.urls:
             from stapo.verifier_service.client import VerifierClient
 
-            self._grader = _ClientGrader(VerifierClient(cfg.urls, token=cfg.token))
+            # No token in the config: the environment's (compose hands STAPO_VERIFIER_TOKEN to the trainer).
+            token = cfg.token or os.environ.get("STAPO_VERIFIER_TOKEN") or None
+            self._grader = _ClientGrader(VerifierClient(cfg.urls, token=token))
         else:
             from stapo.verifier_service.pool import GraderPool
 
@@ -70,7 +73,9 @@ class RewardFunction:
             ) from err
 
     def __call__(self, responses: Sequence[str], golds: Sequence[str]) -> RewardBatch:
-        items = [{"prediction": r, "gold": g, "mode": self.cfg.mode} for r, g in zip(responses, golds, strict=True)]
+        items = [
+            {"prediction": r, "gold": g, "mode": self.cfg.mode} for r, g in zip(responses, golds, strict=True)
+        ]
         results = self._grade(items)
         pending = [i for i, r in enumerate(results) if _status(r) in _FAILED]
         retried = 0

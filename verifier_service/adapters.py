@@ -342,17 +342,11 @@ trl_reward = make_trl_reward("answer")
 
 
 def response_of(query: str, prompt: str | None) -> str:
-    """The response part of an OpenRLHF query (prompt + response, decoded with special tokens kept).
+    """The response part of an OpenRLHF query (prompt + response, decoded with special tokens kept):
+    the same rule as the service's ``/get_reward`` (``schemas.strip_prompt``)."""
+    from stapo.verifier_service.schemas import strip_prompt
 
-    The prompt is searched anywhere in the query, not only at its start: left padding
-    (``<|endoftext|>`` x n) comes before it. When it is not found the whole query is graded; the
-    extractor takes the LAST marker, which lives in the response.
-    """
-    if prompt:
-        idx = query.find(prompt)
-        if idx >= 0:
-            return query[idx + len(prompt) :]
-    return query
+    return strip_prompt(query, prompt)
 
 
 def reward_func(

@@ -3,9 +3,11 @@
 Routes::
 
     POST /v1/verify     {"items": [{"prediction", "gold", "mode"?}]} -> {"results": [...]}, in order
-    POST /get_reward    OpenRLHF's remote reward protocol ({"query", "prompts", "labels"})
-    GET  /healthz       alive (the process answers)            -- never needs the token
-    GET  /readyz        grading workers are up (503 otherwise) -- never needs the token
+    POST /get_reward    OpenRLHF's remote reward protocol ({"query", "prompts", "labels"});
+                        the token may also come as ``?token=`` (OpenRLHF's client sends no headers)
+    GET  /healthz       alive (the process answers)                    -- never needs the token
+    GET  /readyz        the pool can grade now (503 otherwise: starting, broken, closing)
+                        -- never needs the token; what container health checks should probe
     GET  /metrics       Prometheus text format
     GET  /docs          OpenAPI UI (schema only, no data; open without the token)
 
@@ -15,10 +17,17 @@ Run it with ``stapo verifier serve`` (uvicorn), or build it in code::
     from stapo.verifier_service.settings import Settings
     app = create_app(Settings(workers=2, deadline_s=2))   # uvicorn.run(app, host=..., port=...)
 
-Errors are explicit: malformed JSON or wrong types 422 (pydantic's reason, naming the field),
-an oversize body 413 (Content-Length checked before reading, the byte count enforced while
-reading), too many items 413, a full queue 429 with Retry-After, no workers 503, a missing or
-wrong bearer token 401. A failed item is not an HTTP error: it is a status in its result.
+Errors are explicit: malformed JSON or wrong types 422 (pydantic's reason, naming the field; the
+offending input is never echoed back), an oversize body 413 (Content-Length checked before reading,
+the byte count enforced while reading), too many items 413, too much queued work 429 with a
+Retry-After estimated from the queue, no workers 503, a missing or wrong token 401 (checked in a
+middleware before the body is read). A failed item is not an HTTP error: it is a status in its
+result. Responses are always valid UTF-8 JSON: text that cannot be encoded (a lone surrogate sent
+as ``"\\ud800"``) comes back with U+FFFD in its place.
+
+A request whose client disconnects is cancelled: its items still queued are dropped before they
+reach a worker. ``/v1/verify`` takes an optional ``budget_s``: items still queued after it answer
+'timeout' ungraded (our client sends its own HTTP timeout).
 
 Shutdown: uvicorn stops accepting connections and lets in-flight requests finish, then the
 lifespan closes the pool, which finishes queued items before stopping the workers.
@@ -30,14 +39,17 @@ import asyncio
 import hmac
 import json
 import logging
+import math
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stapo import __version__
@@ -56,7 +68,95 @@ from stapo.verifier_service.settings import Settings
 log = logging.getLogger("stapo.verifier_service.app")
 
 
+# --------------------------------------------------------------------------- encoding
+
+
+def clean_text(s: str) -> str:
+    """``s`` with lone surrogates (invalid in UTF-8) replaced by U+FFFD; valid pairs are joined."""
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return s.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON that always encodes: text with lone surrogates is cleaned instead of raising a 500."""
+
+    def render(self, content: Any) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        try:
+            return text.encode("utf-8")
+        except UnicodeEncodeError:
+            return clean_text(text).encode("utf-8")
+
+
 # --------------------------------------------------------------------------- middleware
+
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+"""Routes that never need the token: probes, and the API description (schema only, no data)."""
+QUERY_TOKEN_PATHS = frozenset({"/get_reward"})
+"""Routes that accept ``?token=``: OpenRLHF's remote reward client can send no header."""
+
+
+class AuthMiddleware:
+    """401 unless the bearer token matches, decided from the headers alone: the body is never read.
+
+    Checked in constant time. ``/get_reward`` also accepts ``?token=...`` (OpenRLHF
+    ``--remote_rm_url http://host:port/get_reward?token=...``); URLs with tokens must not be
+    logged, so the access log is redacted (``redact_access_log``).
+    """
+
+    def __init__(self, app: ASGIApp, token: str | None) -> None:
+        self.app = app
+        self.token = token.encode() if token else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.token is None or scope["type"] != "http" or scope.get("path", "") in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, cred = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    given = cred.strip()
+        if not given and scope.get("path", "") in QUERY_TOKEN_PATHS:
+            from urllib.parse import parse_qs
+
+            qs = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            if qs.get("token"):
+                given = qs["token"][-1].encode("latin-1")
+        if not given or not hmac.compare_digest(given, self.token):
+            await _send_json(
+                send, 401, {"detail": "missing or wrong bearer token"}, [(b"www-authenticate", b"Bearer")]
+            )
+            return
+        await self.app(scope, receive, send)
+
+
+_TOKEN_IN_URL_RE = re.compile(r"([?&]token=)[^&\s\"]*", re.I)
+
+
+class _RedactTokenFilter(logging.Filter):
+    """Rewrite ``?token=...`` in uvicorn's access-log lines to ``?token=***``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and record.args:
+            record.args = tuple(
+                _TOKEN_IN_URL_RE.sub(r"\1***", a) if isinstance(a, str) and "token=" in a.lower() else a
+                for a in record.args
+            )
+        elif isinstance(record.msg, str) and "token=" in record.msg.lower():
+            record.msg = _TOKEN_IN_URL_RE.sub(r"\1***", record.msg)
+        return True
+
+
+def redact_access_log() -> None:
+    """Install the token redaction on uvicorn's access logger (idempotent)."""
+    lg = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, _RedactTokenFilter) for f in lg.filters):
+        lg.addFilter(_RedactTokenFilter())
 
 
 class BodyLimitMiddleware:
@@ -129,13 +229,16 @@ class MetricsMiddleware:
             self.metrics.observe_request(scope.get("path", ""), code, time.perf_counter() - t0)
 
 
-async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+async def _send_json(
+    send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
     data = json.dumps(body).encode()
     await send(
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+            + (headers or []),
         }
     )
     await send({"type": "http.response.body", "body": data})
@@ -145,7 +248,34 @@ async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
 
 
 def _result_dict(r: GradeResult) -> dict[str, Any]:
-    return {"correct": r.correct, "score": r.score, "status": r.status, "extracted": r.extracted, "ms": r.ms}
+    ext = clean_text(r.extracted) if r.extracted is not None else None
+    return {"correct": r.correct, "score": r.score, "status": r.status, "extracted": ext, "ms": r.ms}
+
+
+def _validation_detail(errors: Any) -> list[dict[str, Any]]:
+    """pydantic's errors without the offending input (it may be huge, or not encodable)."""
+    out = []
+    for e in errors:
+        out.append(
+            {
+                "type": e.get("type"),
+                "loc": [clean_text(x) if isinstance(x, str) else x for x in e.get("loc", ())],
+                "msg": clean_text(str(e.get("msg", ""))),
+            }
+        )
+    return out
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    """Return when the client goes away (the body was read already; the next message is the end)."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class _ClientGone(Exception):
+    pass
 
 
 def create_app(settings: Settings | None = None, *, pool: GraderPool | None = None) -> FastAPI:
@@ -160,6 +290,7 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
         if own:
             state["pool"] = await asyncio.to_thread(lambda: GraderPool(**settings.pool_kwargs()))
         app.state.pool = state["pool"]
+        redact_access_log()
         log.info(
             "stapo verifier: %d workers, deadline %.1fs, token %s",
             settings.workers,
@@ -177,24 +308,23 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
         version=__version__,
         summary="Math answer verification with hard per-item deadlines (math-verify behind a worker pool).",
         lifespan=lifespan,
+        default_response_class=SafeJSONResponse,
     )
     app.state.settings = settings
     app.state.metrics = metrics
+    # Outermost last: metrics see every answer (401s too); the token is checked before the body.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(AuthMiddleware, token=settings.token_value())
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    redact_access_log()
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        return SafeJSONResponse({"detail": _validation_detail(exc.errors())}, status_code=422)
+
+    # The check itself is AuthMiddleware's; this only documents the scheme in the OpenAPI schema.
     bearer = HTTPBearer(auto_error=False, description="Required when STAPO_VERIFIER_TOKEN is set.")
-    token = settings.token_value()
-
-    # Default-argument style: the annotation must resolve from module globals (bearer is local).
-    def require_token(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        """Constant-time bearer check; a no-op when no token is configured."""
-        if token is None:
-            return
-        if creds is None or not hmac.compare_digest(creds.credentials.encode(), token.encode()):
-            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
-
-    Auth = [Depends(require_token)]
+    Auth = [Depends(bearer)]
 
     def get_pool() -> GraderPool:
         p = state["pool"]
@@ -202,29 +332,54 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
             raise HTTPException(503, "the grader pool is not started yet")
         return p
 
-    async def grade(items: list[tuple[str, str, str]]) -> list[GradeResult]:
+    async def grade(
+        request: Request, items: list[tuple[str, str, str]], budget_s: float | None = None
+    ) -> list[GradeResult]:
         if len(items) > settings.max_items:
             raise HTTPException(
                 413,
                 f"{len(items)} items in one request; the limit is {settings.max_items} (STAPO_VERIFIER_MAX_ITEMS)",
             )
+        pool = get_pool()
         try:
-            results = await get_pool().agrade_many(items)
+            fut = pool.submit(items, budget_s=budget_s)
         except PoolBusy as err:
-            raise HTTPException(429, str(err), headers={"Retry-After": "1"}) from err
+            retry = str(max(1, math.ceil(err.retry_after_s)))
+            raise HTTPException(429, str(err), headers={"Retry-After": retry}) from err
         except (PoolBroken, PoolClosed) as err:
-            raise HTTPException(503, str(err), headers={"Retry-After": "5"}) from err
+            retry = str(max(1, math.ceil(getattr(err, "retry_after_s", 5.0))))
+            raise HTTPException(503, str(err), headers={"Retry-After": retry}) from err
+        graded = asyncio.wrap_future(fut)
+        gone = asyncio.ensure_future(_wait_disconnect(request.receive))
+        try:
+            await asyncio.wait({graded, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not graded.done():
+                graded.cancel()  # the client went away: its queued items never reach a worker
+                metrics.cancelled_requests.inc()
+            gone.cancel()
+        if not graded.done() or graded.cancelled():
+            raise _ClientGone
+        try:
+            results = graded.result()
+        except (PoolBroken, PoolClosed) as err:
+            retry = str(max(1, math.ceil(getattr(err, "retry_after_s", 5.0))))
+            raise HTTPException(503, str(err), headers={"Retry-After": retry}) from err
         metrics.observe_statuses([r.status for r in results])
         return results
 
+    @app.exception_handler(_ClientGone)
+    async def _gone(request: Request, exc: _ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
     @app.post("/v1/verify", response_model=VerifyResponse, dependencies=Auth, tags=["verify"])
-    async def verify(req: VerifyRequest) -> Response:
+    async def verify(req: VerifyRequest, request: Request) -> Response:
         """Grade a batch: one result per item, in order. A failed item is a status, not an HTTP error."""
-        results = await grade([(it.prediction, it.gold, it.mode) for it in req.items])
-        return JSONResponse({"results": [_result_dict(r) for r in results]})
+        results = await grade(request, [(it.prediction, it.gold, it.mode) for it in req.items], req.budget_s)
+        return SafeJSONResponse({"results": [_result_dict(r) for r in results]})
 
     @app.post("/get_reward", response_model=RewardResponse, dependencies=Auth, tags=["verify"])
-    async def get_reward(req: RewardRequest) -> Response:
+    async def get_reward(req: RewardRequest, request: Request) -> Response:
         """OpenRLHF ``--remote_rm_url``: reward = score; per-sample statuses are in ``extra_logs``.
 
         OpenRLHF needs a number for every sample, so an item that timed out or errored gets reward
@@ -236,7 +391,7 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
             (strip_prompt(q, p), lbl, req.mode)
             for q, p, lbl in zip(req.query, prompts, req.labels, strict=True)
         ]
-        results = await grade(items)
+        results = await grade(request, items)
         scores = [float(r.score) for r in results]
         flags = {
             name: [1.0 if r.status in statuses else 0.0 for r in results]
@@ -251,7 +406,7 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
             "scores": scores,
             "extra_logs": {"accuracy": [float(r.correct) for r in results], **flags},
         }
-        return JSONResponse(body)
+        return SafeJSONResponse(body)
 
     @app.get("/healthz", tags=["ops"])
     async def healthz() -> dict[str, str]:
@@ -260,22 +415,33 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
 
     @app.get("/readyz", tags=["ops"])
     async def readyz() -> Response:
-        """Ready when at least one grading worker is up and the pool is open; body has the counts."""
+        """200 only when the pool can grade now (a worker is up, not broken, not closing); else 503.
+
+        The body has the counts: workers up, items queued or in flight, estimated queued seconds;
+        for a broken pool the reason and when it restarts. Worker PIDs are nobody's business.
+        """
         p = state["pool"]
         if p is None:
-            return JSONResponse({"ready": False, "reason": "starting"}, status_code=503)
+            return SafeJSONResponse({"ready": False, "reason": "starting"}, status_code=503)
         n = p.ready_workers()
         ok = n > 0 and not p.closed and p.broken is None
-        body = {
+        body: dict[str, Any] = {
             "ready": ok,
             "workers_ready": n,
             "workers": p.size,
-            "worker_pids": p.worker_pids(),
             "pending_items": p.pending_items(),
+            "queued_seconds": round(p.queued_seconds(), 3),
         }
         if p.broken:
             body["reason"] = p.broken
-        return JSONResponse(body, status_code=200 if ok else 503)
+            left = p.restart_in_s()
+            if left is not None and math.isfinite(left):
+                body["restart_in_s"] = round(left, 1)
+        elif p.closed:
+            body["reason"] = "shutting down"
+        elif n == 0:
+            body["reason"] = "no grading worker is up yet"
+        return SafeJSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics", dependencies=Auth, tags=["ops"])
     async def prometheus_metrics() -> Response:

@@ -3,9 +3,13 @@
 * batching: items are sent in requests of ``batch_size``;
 * sharding and failover: with several URLs, batch k goes to URL k mod n first, and to the next
   URL when that one fails (a dead replica costs one connection error, not the run);
-* retries with exponential backoff (+ jitter) on connection errors, timeouts, 429 and 5xx,
-  honouring ``Retry-After``; other 4xx are the caller's mistake and raise ``VerifierRequestError``
-  at once;
+* retries with exponential backoff (+ jitter) on connection errors, timeouts and 5xx; a 429
+  (the service's queue is full of work) waits the ``Retry-After`` it gives, plus up to 25% jitter
+  so that many clients do not come back in lockstep, and does not use up a retry (up to
+  ``max_busy_wait_s`` in all); the waits are logged and counted in ``busy_waits`` / ``busy_wait_s``;
+  other 4xx are the caller's mistake and raise ``VerifierRequestError`` at once;
+* each request carries ``budget_s`` = the HTTP timeout: items the service could not start by then
+  are not graded for nobody (they answer ``timeout``);
 * never a silent 0: when every attempt failed, ``VerifierUnavailable`` is raised. An item the
   service could not grade comes back with its status (``timeout``, ``error``, ``too_large``).
 
@@ -17,7 +21,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +36,7 @@ from stapo.verifier_service.pool import as_item
 from stapo.verifier_service.schemas import VerifyItem
 
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+log = logging.getLogger("stapo.verifier_service.client")
 
 
 class VerifierUnavailable(RuntimeError):
@@ -82,6 +89,7 @@ class _Base:
         concurrency: int = 4,
         backoff_s: float = 0.25,
         max_backoff_s: float = 8.0,
+        max_busy_wait_s: float = 600.0,
     ) -> None:
         self.urls = _urls(urls)
         if retries < 0:
@@ -96,6 +104,10 @@ class _Base:
         self.concurrency = concurrency
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.max_busy_wait_s = max_busy_wait_s
+        self.busy_waits = 0  # 429s honoured
+        self.busy_wait_s = 0.0  # seconds spent waiting on them
+        self._stats_lock = threading.Lock()
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     def _batches(self, items: Sequence[VerifyItem | dict | Sequence[str]]) -> list[list[dict[str, str]]]:
@@ -111,6 +123,24 @@ class _Base:
                 pass
         base = min(self.max_backoff_s, self.backoff_s * (2**attempt))
         return base * (0.5 + random.random() / 2)  # jitter: replicas do not get hit in lockstep
+
+    def _busy_delay(self, resp: httpx.Response, url: str, waited: float) -> float | None:
+        """A 429: the Retry-After the service estimated, + up to 25% jitter; None once waited too long."""
+        try:
+            base = max(0.5, float(resp.headers.get("retry-after", "1")))
+        except ValueError:
+            base = 1.0
+        delay = base * (1.0 + random.random() / 4)
+        if waited + delay > self.max_busy_wait_s:
+            return None
+        with self._stats_lock:
+            self.busy_waits += 1
+            self.busy_wait_s += delay
+        log.warning("verifier %s busy (429): waiting %.1f s as it asked (Retry-After %s)", url, delay, base)
+        return delay
+
+    def _body(self, batch: list[dict[str, str]]) -> dict[str, Any]:
+        return {"items": batch, "budget_s": self.timeout_s}
 
     def _plan(self, k: int, attempt: int) -> str:
         """URL for batch k on this attempt: its shard first, then the others in turn (failover)."""
@@ -151,19 +181,27 @@ class VerifierClient(_Base):
 
     def _send(self, k: int, batch: list[dict[str, str]]) -> list[GradeResult]:
         last = "no attempt made"
-        for attempt in range(self.retries + 1):
+        attempt = waited = 0
+        while attempt <= self.retries:
             url = self._plan(k, attempt)
             retry_after = None
             try:
-                resp = self._http.post(f"{url}/v1/verify", json={"items": batch})
+                resp = self._http.post(f"{url}/v1/verify", json=self._body(batch))
                 if self._classify(resp, url) is None:
                     return _parse_results(resp.json(), len(batch), url)
                 last = f"{url}: HTTP {resp.status_code}"
+                if resp.status_code == 429:
+                    busy = self._busy_delay(resp, url, waited)
+                    if busy is not None:
+                        time.sleep(busy)
+                        waited += busy
+                        continue
                 retry_after = resp.headers.get("retry-after")
             except httpx.TransportError as err:  # connect errors, resets, timeouts
                 last = f"{url}: {type(err).__name__}: {err}"
             if attempt < self.retries:
                 time.sleep(self._delay(attempt, retry_after))
+            attempt += 1
         raise VerifierUnavailable(
             f"verifier unavailable after {self.retries + 1} attempts; last error: {last}"
         )
@@ -208,19 +246,27 @@ class AsyncVerifierClient(_Base):
 
     async def _send(self, k: int, batch: list[dict[str, str]]) -> list[GradeResult]:
         last = "no attempt made"
-        for attempt in range(self.retries + 1):
+        attempt = waited = 0
+        while attempt <= self.retries:
             url = self._plan(k, attempt)
             retry_after = None
             try:
-                resp = await self._http.post(f"{url}/v1/verify", json={"items": batch})
+                resp = await self._http.post(f"{url}/v1/verify", json=self._body(batch))
                 if self._classify(resp, url) is None:
                     return _parse_results(resp.json(), len(batch), url)
                 last = f"{url}: HTTP {resp.status_code}"
+                if resp.status_code == 429:
+                    busy = self._busy_delay(resp, url, waited)
+                    if busy is not None:
+                        await asyncio.sleep(busy)
+                        waited += busy
+                        continue
                 retry_after = resp.headers.get("retry-after")
             except httpx.TransportError as err:
                 last = f"{url}: {type(err).__name__}: {err}"
             if attempt < self.retries:
                 await asyncio.sleep(self._delay(attempt, retry_after))
+            attempt += 1
         raise VerifierUnavailable(
             f"verifier unavailable after {self.retries + 1} attempts; last error: {last}"
         )

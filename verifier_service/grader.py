@@ -931,6 +931,28 @@ def _grade_dapo(prediction: str, gold: str, think: str) -> tuple[bool, Status, s
     return correct, "ok", extracted
 
 
+def marker_answer(prediction: str, mode: str = "math", *, think: str = "optional") -> str | None:
+    """The answer :func:`grade` compares with the gold when it is found by markers alone, else None.
+
+    Cheap and bounded (no math-verify search), for the service's parent-side verdict cache
+    (``pool.verdict_key``): in mode ``math`` a marker answer that is not prose is exactly the string
+    ``_grade_math`` compares; in mode ``dapo`` the stripped ``Answer:`` text is. None means "only a
+    worker can tell" (no marker, prose: the search fallback runs there). One function for both, so
+    the cache key and the grade cannot drift apart.
+    """
+    if mode == "dapo":
+        body = apply_think(prediction, think)
+        raw = dapo_extract(body) if body is not None else None
+        return raw.strip() if raw is not None else None
+    if mode != "math":
+        return None
+    extracted = extract_answer(prediction, think=think)
+    if extracted is None:
+        return None
+    extracted = latexify(extracted)
+    return None if _is_prose(extracted) else extracted
+
+
 def final_answer(
     prediction: str,
     mode: str = "math",

@@ -239,6 +239,7 @@ class LoadReport:
     statuses: dict[str, int] = field(default_factory=dict)
     correct: list[bool] = field(default_factory=list)
     errors: int = 0
+    grade_ms: float = 0.0  # sum of the per-item grading times the service reported (0 for cache hits)
 
     @property
     def items_per_s(self) -> float:
@@ -308,11 +309,13 @@ def run_service_load(
     seconds = time.perf_counter() - t0
     statuses: dict[str, int] = {}
     correct: list[bool] = []
+    grade_ms = 0.0
     for res in out:
         for r in res or []:
             statuses[r["status"]] = statuses.get(r["status"], 0) + 1
             correct.append(bool(r["correct"]))
-    return LoadReport(len(items), seconds, lat, statuses, correct, errors)
+            grade_ms += float(r.get("ms") or 0.0)
+    return LoadReport(len(items), seconds, lat, statuses, correct, errors, grade_ms)
 
 
 def run_baseline(items: Sequence[Item], *, limit: int | None = None) -> LoadReport:

@@ -11,7 +11,11 @@ knowledge of Prometheus.
     stapo_verifier_timeouts_total                  items killed at the deadline
     stapo_verifier_worker_restarts_total{reason}   timeout | crash | startup
     stapo_verifier_cache_hits_total / _misses_total   result cache (+ duplicates inside a request)
-    stapo_verifier_workers / _workers_ready / _pending_items / _cache_entries   gauges
+    stapo_verifier_cancelled_requests_total        requests whose client went away (queued items dropped)
+    stapo_verifier_pool_events_total{event}        rejected | cancelled_items | expired_items | recycled_items |
+                                                   recycled_rss | pool_restarts | fork_rebuilds | verdict_hits
+    stapo_verifier_workers / _workers_ready / _pending_items / _queued_seconds / _cache_entries /
+    _cache_bytes   gauges
 """
 
 from __future__ import annotations
@@ -24,6 +28,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+POOL_EVENTS = (
+    "rejected",
+    "cancelled_items",
+    "expired_items",
+    "recycled_items",
+    "recycled_rss",
+    "pool_restarts",
+    "fork_rebuilds",
+    "verdict_hits",
+)
 ROUTES = frozenset({"/v1/verify", "/get_reward", "/healthz", "/readyz", "/metrics"})
 """Routes labelled by name; anything else is 'other', so a scanner cannot blow up the label set."""
 
@@ -48,6 +62,14 @@ class _PoolCollector(Collector):
         for reason in ("timeout", "crash", "startup"):
             restarts.add_metric([reason], stats.get(f"restarts_{reason}", 0))
         yield restarts
+        events = CounterMetricFamily(
+            "stapo_verifier_pool_events",
+            "Admission, cancellation, recycling and self-healing events",
+            labels=["event"],
+        )
+        for ev in POOL_EVENTS:
+            events.add_metric([ev], stats.get(ev, 0))
+        yield events
         yield CounterMetricFamily(
             "stapo_verifier_cache_hits",
             "Items answered from the result cache or a duplicate",
@@ -64,7 +86,15 @@ class _PoolCollector(Collector):
             "stapo_verifier_pending_items", "Items queued or in flight", value=pool.pending_items()
         )
         yield GaugeMetricFamily(
-            "stapo_verifier_cache_entries", "Entries in the result cache", value=pool.cache_len()
+            "stapo_verifier_queued_seconds",
+            "Estimated seconds of grading queued, per worker (admission control)",
+            value=pool.queued_seconds(),
+        )
+        yield GaugeMetricFamily(
+            "stapo_verifier_cache_entries", "Entries in the result caches", value=pool.cache_len()
+        )
+        yield GaugeMetricFamily(
+            "stapo_verifier_cache_bytes", "Estimated bytes of the result caches", value=pool.cache_bytes()
         )
 
 
@@ -88,6 +118,11 @@ class ServiceMetrics:
         )
         self.items = Counter(
             "stapo_verifier_items", "Graded items by status", ["status"], registry=self.registry
+        )
+        self.cancelled_requests = Counter(
+            "stapo_verifier_cancelled_requests",
+            "Requests whose client disconnected before the answer (their queued items were dropped)",
+            registry=self.registry,
         )
         self.registry.register(_PoolCollector(get_pool))
 

@@ -49,6 +49,13 @@ class VerifyItem(BaseModel):
 
 class VerifyRequest(BaseModel):
     items: list[VerifyItem] = Field(description="Items to grade; answered one result per item, in order.")
+    budget_s: float | None = Field(
+        None,
+        gt=0,
+        le=86_400,
+        description="Seconds the caller will wait; items still queued after it answer 'timeout' ungraded "
+        "(the stapo client sends its HTTP timeout).",
+    )
 
 
 class VerifyResult(BaseModel):
@@ -112,7 +119,11 @@ def strip_prompt(query: str, prompt: str | None) -> str:
     prefix, so removing it leaves the response. When the prefix does not match exactly (a tokenizer
     that re-spaces on decode), the whole query is graded: the answer extractor looks for the LAST
     boxed / ``Answer:`` marker, which lives in the response, so this is the safe fallback.
+    The prompt is searched anywhere in the query, not only at its start: left padding
+    (``<|endoftext|>`` x n) comes before it.
     """
-    if prompt and query.startswith(prompt):
-        return query[len(prompt) :]
+    if prompt:
+        idx = query.find(prompt)
+        if idx >= 0:
+            return query[idx + len(prompt) :]
     return query

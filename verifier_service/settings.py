@@ -2,8 +2,9 @@
 
 Every field can be set three ways, strongest first: a ``stapo verifier serve`` flag, an environment
 variable (``STAPO_VERIFIER_DEADLINE_S=2``), or the default below. The defaults are the safe ones:
-bind to loopback, one worker per core, a 5 s hard deadline per item, bounded request sizes, no
-token (set ``STAPO_VERIFIER_TOKEN`` before exposing the port beyond loopback).
+bind to loopback, one worker per core, a 5 s hard deadline per item, bounded request sizes and
+queue, no token on loopback; ``stapo verifier serve`` refuses a non-loopback address without a
+token (``STAPO_VERIFIER_TOKEN``) unless ``--allow-unauthenticated`` says so.
 
     from stapo.verifier_service.settings import Settings
     s = Settings(workers=2, deadline_s=2.0)     # keyword arguments win over the environment
@@ -61,12 +62,44 @@ class Settings(BaseSettings):
         description="Largest request body; checked on Content-Length and while reading.",
     )
     max_pending_items: int = Field(
-        200_000, ge=1, description="Items queued in the pool past which new requests get 429 (back-pressure)."
+        200_000, ge=1, description="Hard cap on items queued in the pool; past it new requests get 429."
+    )
+    max_queue_s: float = Field(
+        60.0,
+        gt=0,
+        description="Admission bound in work: when the queued items' estimated grading time (items x recent "
+        "per-item time of their mode / workers) would exceed it, a request gets 429 with a Retry-After from "
+        "the estimate.",
+    )
+    limit_concurrency: int | None = Field(
+        None,
+        ge=1,
+        description="Most concurrent connections/requests uvicorn serves before answering 503 (None: no limit).",
+    )
+    retry_deadline_factor: float = Field(
+        2.0,
+        ge=1.0,
+        le=10.0,
+        description="An item that timed out recently gets this many deadlines on its next try (a retry).",
     )
     cache_size: int = Field(
         65_536,
         ge=0,
-        description="Results remembered per (prediction, gold, mode); 0 turns the result cache off.",
+        description="Entries remembered per cache (results by item, verdicts by extracted answer); 0 = off.",
+    )
+    cache_max_mb: float = Field(
+        64.0, ge=0, description="Memory bound of the result caches together, in MiB (estimated bytes)."
+    )
+    verdict_cache: bool = Field(
+        True,
+        description="Extract answers in the server process and reuse verdicts by (mode, gold, answer): "
+        "a repeated final answer skips the workers.",
+    )
+    worker_max_items: int = Field(
+        50_000, ge=0, description="Recycle a worker after grading this many items (0: never)."
+    )
+    worker_max_rss_mb: int = Field(
+        1024, ge=0, description="Recycle an idle worker whose resident memory exceeds this (MiB; 0: never)."
     )
     start_method: Literal["forkserver", "spawn"] = Field(
         "forkserver",
@@ -84,6 +117,10 @@ class Settings(BaseSettings):
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="uvicorn log level."
+    )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Serve on a non-loopback address without a token (refused otherwise).",
     )
 
     @field_validator("token", mode="before")
@@ -108,6 +145,12 @@ class Settings(BaseSettings):
             "max_gold_chars": self.max_gold_chars,
             "cache_size": self.cache_size,
             "max_pending_items": self.max_pending_items,
+            "max_queue_s": self.max_queue_s,
+            "retry_deadline_factor": self.retry_deadline_factor,
+            "cache_max_mb": self.cache_max_mb,
+            "verdict_cache": self.verdict_cache,
+            "worker_max_items": self.worker_max_items,
+            "worker_max_rss_mb": self.worker_max_rss_mb,
             "start_method": self.start_method,
             "worker_memory_mb": self.worker_memory_mb,
         }

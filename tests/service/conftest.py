@@ -7,6 +7,7 @@ while a 5 MB body is refused (413).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -39,6 +40,28 @@ class Server:
     def ready(self) -> dict:
         return httpx.get(f"{self.url}/readyz", timeout=5).json()
 
+    def worker_pids(self) -> list[int]:
+        """The grading workers: children of the server's fork server (/readyz does not show PIDs)."""
+        import psutil
+
+        out = []
+        for child in psutil.Process(self.proc.pid).children():
+            with contextlib.suppress(psutil.Error):
+                if "forkserver" in " ".join(child.cmdline()):
+                    out += [g.pid for g in child.children() if g.is_running()]
+        return sorted(out)
+
+    def rss_mb(self) -> float:
+        """Resident memory of the server and everything under it, in MiB."""
+        import psutil
+
+        root = psutil.Process(self.proc.pid)
+        total = 0
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                total += p.memory_info().rss
+        return total / 2**20
+
     def wait_full(self, timeout: float = 30.0) -> dict:
         """Block until every worker is up again (after a kill or a timeout)."""
         end = time.monotonic() + timeout
@@ -64,7 +87,10 @@ class Server:
         return self.proc.returncode
 
 
-def start_server(workers: int = WORKERS, **env_overrides: str) -> Server:
+def start_server(
+    workers: int = WORKERS, *, args: tuple[str, ...] = (), capture_stdout: bool = False, **env_overrides: str
+) -> Server:
+    """A real ``stapo verifier serve`` on a free loopback port; stdout (the access log) kept on request."""
     port = free_port()
     env = dict(os.environ)
     env.update(
@@ -78,9 +104,9 @@ def start_server(workers: int = WORKERS, **env_overrides: str) -> Server:
     env.pop("STAPO_VERIFIER_TOKEN", None)
     env.update(env_overrides)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "stapo.cli.main", "verifier", "serve", "--port", str(port)],
+        [sys.executable, "-m", "stapo.cli.main", "verifier", "serve", "--port", str(port), *args],
         env=env,
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE if capture_stdout else subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
     srv = Server(f"http://127.0.0.1:{port}", proc, workers)
@@ -96,6 +122,19 @@ def start_server(workers: int = WORKERS, **env_overrides: str) -> Server:
         time.sleep(0.1)
     srv.stop()
     raise RuntimeError("server did not become ready in 60 s")
+
+
+def wait_pending(srv: Server, pred, timeout: float) -> dict:
+    """Poll /readyz until ``pred(body)`` holds; the last body (AssertionError after ``timeout``)."""
+    end = time.monotonic() + timeout
+    body: dict = {}
+    while time.monotonic() < end:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            body = srv.ready()
+            if pred(body):
+                return body
+        time.sleep(0.05)
+    raise AssertionError(f"condition not reached in {timeout} s; /readyz: {body}")
 
 
 @pytest.fixture(scope="session")

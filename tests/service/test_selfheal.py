@@ -1,0 +1,159 @@
+"""Self-healing, recycling, bounded memory and fork safety of the grading pool (issue 10 finding 7,
+issue 11 item 2). Real worker processes; the start failures are real too (an address-space limit
+too small for a spawned worker to import the grader), not a mocked crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from stapo.verifier_service.grader import GradeResult
+from stapo.verifier_service.pool import GraderPool, PoolBroken
+from tests.service.conftest import free_port
+
+
+def _wait(pred, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
+def test_pool_that_cannot_start_workers_is_retried_with_backoff():
+    """Workers die while starting -> the pool is broken *for a while* (callers get PoolBroken with a
+    retry time), then tries again; once workers can start, it serves again without a restart."""
+    pool = GraderPool(
+        workers=1, deadline_s=2.0, start_method="spawn", worker_memory_mb=40, max_start_failures=1
+    )
+    try:
+        _wait(lambda: pool.broken is not None, 60, "pool never reported broken")
+        assert "dying while starting" in pool.broken and pool.restart_in_s() is not None
+        try:
+            pool.grade("\\boxed{2}", "2")
+            raise AssertionError("a broken pool graded")
+        except PoolBroken as err:
+            assert err.retry_after_s >= 1
+        pool._memory_mb = 0  # the operator fixed the cause (here: the memory limit)
+        _wait(lambda: pool.broken is None and pool.ready_workers() == 1, 60, "pool never healed")
+        assert pool.grade("\\boxed{2}", "2").correct
+        assert pool.stats["pool_restarts"] >= 1
+    finally:
+        pool.close()
+
+
+def test_readyz_is_503_with_the_reason_while_the_pool_is_broken():
+    """The container health check probes /readyz: it must fail while every request would get 503."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STAPO_VERIFIER_")}
+    env.update(
+        STAPO_VERIFIER_WORKERS="1",
+        STAPO_VERIFIER_START_METHOD="spawn",
+        STAPO_VERIFIER_WORKER_MEMORY_MB="40",
+        STAPO_VERIFIER_LOG_LEVEL="warning",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stapo.cli.main", "verifier", "serve", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        body: dict = {}
+
+        def broken() -> bool:
+            nonlocal body
+            try:
+                r = httpx.get(f"{url}/readyz", timeout=2)
+                body = r.json()
+                return r.status_code == 503 and "dying while starting" in body.get("reason", "")
+            except (httpx.HTTPError, ValueError):
+                return False
+
+        _wait(broken, 90, "readyz never reported the broken pool")
+        assert body["ready"] is False and "restart_in_s" in body and "worker_pids" not in body
+        assert httpx.get(f"{url}/healthz").status_code == 200  # alive, but not ready
+        r = httpx.post(f"{url}/v1/verify", json={"items": [{"prediction": "1", "gold": "1"}]}, timeout=10)
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_workers_are_recycled_after_n_items_and_above_rss():
+    with GraderPool(workers=1, deadline_s=5.0, worker_max_items=4, worker_max_rss_mb=0) as pool:
+        assert pool.wait_ready(60)
+        first = pool.worker_pids()
+        for k in range(3):
+            res = pool.grade_many([(f"\\boxed{{{k}{j}}}", f"{k}{j}") for j in range(4)])
+            assert all(r.correct for r in res)
+        assert pool.stats["recycled_items"] >= 2 and pool.worker_pids() != first
+    with GraderPool(workers=1, deadline_s=5.0, worker_max_items=0, worker_max_rss_mb=1) as pool:
+        assert pool.wait_ready(60)
+        assert pool.grade("\\boxed{7}", "7").correct
+        _wait(lambda: pool.stats["recycled_rss"] >= 1, 10, "a worker over the RSS bound was not recycled")
+        _wait(lambda: pool.ready_workers() == 1, 30, "no worker after recycling")
+        assert pool.grade("\\boxed{8}", "8").correct
+
+
+def test_caches_are_bounded_in_bytes():
+    from stapo.verifier_service.pool import _ByteLRU
+
+    lru = _ByteLRU(max_bytes=50_000, max_entries=10_000)
+    for k in range(500):
+        lru.put(k.to_bytes(16, "big"), GradeResult(True, 1.0, "ok", "x" * 1000, 0.0))
+    assert lru.bytes <= 50_000 and 0 < len(lru) < 20
+    assert lru.get((499).to_bytes(16, "big")) is not None and lru.get((0).to_bytes(16, "big")) is None
+    with GraderPool(workers=1, deadline_s=5.0, cache_max_mb=0.05) as pool:
+        pool.grade_many([(f"\\boxed{{{'9' * 2000}{k}}}", "1") for k in range(40)])
+        assert 0 < pool.cache_bytes() <= 0.05 * 2**20
+
+
+def test_pool_is_fork_safe():
+    """Issue 11 item 2: fork after grading; the child grades (under a timeout) with workers of its own,
+    and its exit leaves the parent's workers alone (multiprocessing's exit handler would SIGTERM them)."""
+    with GraderPool(workers=1, deadline_s=5.0) as pool:
+        assert pool.grade("\\boxed{2}", "2").correct
+        parent_workers = pool.worker_pids()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child
+            code = 1
+            try:
+                os.close(r)
+                signal.alarm(90)  # a hang kills the child; the parent sees no answer
+                res = pool.grade_many([("\\boxed{3}", "3"), ("so \\boxed{4}", "5")])
+                out = {"res": [[x.correct, x.status] for x in res], "workers": pool.worker_pids()}
+                os.write(w, json.dumps(out).encode())
+                from multiprocessing import util
+
+                util._exit_function()  # what a normal interpreter exit runs (stops daemonic children)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        ready, _, _ = select.select([r], [], [], 120)
+        data = os.read(r, 65536) if ready else b""
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+        assert data, "the forked child did not answer (hung?)"
+        out = json.loads(data)
+        assert out["res"] == [[True, "ok"], [False, "ok"]]
+        assert out["workers"] and not set(out["workers"]) & set(parent_workers)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        time.sleep(0.5)
+        assert pool.worker_pids() == parent_workers  # the child's exit did not touch them
+        assert pool.grade("\\boxed{6}", "6").correct and pool.stats["restarts_crash"] == 0
