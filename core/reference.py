@@ -13,8 +13,10 @@ combination until it exists.
 
 **minp_stats_batched** - per response position, log of the probability mass that survives the
 min-p filter (p >= min_p * max p) and log of the max probability, from the hidden states and the
-LM head in row chunks, never a [B, L, V] tensor; the head runs as the head module's forward
-(``forward_as``) so ZeRO-3 hooks would gather its weight.
+LM head in row chunks, never a [B, L, V] tensor; each micro-batch runs as the model's forward and
+the head as the head module's forward (``forward_as``), so ZeRO-3's hooks gather the partitioned
+weights. Data parallel: it makes the same number of forwards on every rank (``calls``, padded with
+the batch's zero-weight row), so Lp-Reg runs under ZeRO-3 on several ranks.
 """
 
 from __future__ import annotations
