@@ -68,16 +68,28 @@ class StepExtras:
         return overlong_filter_keep([s.finish_reason for s in seqs])
 
     def prepare(self, batch: Any, old_lp: torch.Tensor, old_ent: torch.Tensor, *, micro_batch: int,
-                temperature: float) -> dict[str, float]:
-        """Compute this step's constants (reference / proxy log-probs, STARE state); return metrics."""
+                temperature: float, calls: int | None = None, pad_row: int | None = None) -> dict[str, float]:
+        """Compute this step's constants (reference / proxy log-probs, STARE state); return metrics.
+
+        Data parallel: every rank must call this (the metrics are all-reduced, Lp-Reg's selection
+        all-gathered, in a fixed order that depends on the config only). ``pad_row`` / ``calls`` are
+        those of the step's old-log-prob pass (``loop.token_stats_batched``): the Lp-Reg proxy pass
+        over the policy makes exactly ``calls`` forwards on every rank (ZeRO-3 gathers parameters in
+        each); the frozen reference is a plain local module (never ZeRO-3: the config refuses it), so
+        its forwards issue no collective and it runs on the real rows only.
+        """
         a, metrics = self.cfg.algorithm, {}
         mask = batch.response_mask
         self.ref_lp = self.proxy_lp = None
         if a.kl_coef > 0:
             if self.reference is not None:
-                self.ref_lp = self.reference.logprobs(batch.input_ids, batch.attention_mask, mask,
-                                                      micro_batch=micro_batch, temperature=temperature)
-                self.ref_lp = self.ref_lp.to(old_lp.device)
+                real = batch.input_ids.shape[0] if pad_row is None else pad_row
+                self.ref_lp = torch.zeros_like(old_lp)  # [N, L]; the padding row has no response: 0
+                if real:
+                    self.ref_lp[:real] = self.reference.logprobs(
+                        batch.input_ids[:real], batch.attention_mask[:real], mask[:real],
+                        micro_batch=micro_batch, temperature=temperature,
+                    ).to(old_lp.device)
             else:
                 self.ref_lp = old_lp  # kl.reference=none: KL to the policy that sampled
             if self.reference is not None:  # to the sampler itself the KL is 0 before the update
@@ -89,6 +101,7 @@ class StepExtras:
             kept, pmax = minp_stats_batched(
                 self.backend.model, batch.input_ids, batch.attention_mask, mask, min_p=a.lp_reg.min_p,
                 micro_batch=micro_batch, temperature=temperature, chunk_size=self.cfg.trainer.logits_chunk_size,
+                calls=calls, pad_row=pad_row,
             )
             self.proxy_lp = minp_proxy_logprobs(old_lp, kept, pmax, min_p=a.lp_reg.min_p)
             metrics["lp_reg/below_floor_frac"] = self._global_mean((self.proxy_lp <= -1e3).double(), mask)
@@ -104,7 +117,9 @@ class StepExtras:
         """``kl.in_reward``: reward_i -= kl_coef * sum_t k(old, ref); group advantages again; the
         batch's advantages rewritten in place. No-op otherwise. Call after :meth:`prepare`.
 
-        Groups are the step's groups as collated: dynamic sampling already chose them (on accuracy),
+        Data parallel: every rank calls it (the logged mean penalty is all-reduced); groups never
+        span ranks (whole groups are kept), so the advantages are recomputed locally. Groups are the
+        step's groups as collated: dynamic sampling already chose them (on accuracy),
         and with DAPO's overlong filter the truncated rows are no longer in the batch, so they do not
         enter the recomputed group statistics (our choice: their tokens have no KL to charge).
         """
@@ -129,7 +144,12 @@ class StepExtras:
             s.advantage = v
         adv_bl = adv.to(batch.advantages.device).unsqueeze(1).expand_as(batch.advantages[:n])  # [n, L]
         batch.advantages[:n] = torch.where(batch.response_mask[:n], adv_bl, torch.zeros_like(adv_bl))
-        return {"actor/kl_reward_penalty": float(pen.mean()) if pen.numel() else 0.0}
+        # global mean over every rank's sequences (a rank may hold none); every rank joins the reduce
+        stats = torch.stack([pen.detach().double().sum(), torch.tensor(float(n), dtype=torch.float64)])
+        reduce = getattr(self.backend, "all_reduce_sum", None)
+        if reduce is not None and getattr(self.backend, "world_size", 1) > 1:
+            stats = reduce(stats)
+        return {"actor/kl_reward_penalty": float(stats[0] / stats[1].clamp_min(1.0))}
 
     # ------------------------------------------------------------------ inside update_policy
 

@@ -252,12 +252,6 @@ class _Run:
                 f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be divisible by the "
                 f"number of data-parallel ranks ({self.world_size})"
             )
-        if self.world_size > 1 and cfg.algorithm.lp_reg.enabled and cfg.trainer.zero_stage == 3:
-            raise ValueError(
-                "algorithm.lp_reg.enabled is not supported with trainer.zero_stage=3 on several ranks yet (its "
-                "min-p proxy pass makes one forward per local micro-batch, which ranks with different batch "
-                "sizes would not issue in lockstep); use trainer.zero_stage 0-2"
-            )
         self.engine = build_rollout_engine(cfg, model=self.backend.model, tokenizer=self.tokenizer)
         if self.world_size > 1 and hasattr(self.engine, "synced_gpus"):
             # ZeRO-3 gathers parameters in every generate step: a rank whose sequences finished early
@@ -876,13 +870,13 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                 micro = cfg.trainer.micro_batch_size
                 batch = collate_with_pad_row(kept, run.pad_id, pad=dp.multi).to(run.backend.device)
                 pad_row = len(kept) if dp.multi else None
+                calls = max(1, math.ceil(max(counts) / micro))  # forwards per rank in each no-grad pass
                 old_lp, old_ent = token_stats_batched(
-                    run.backend, batch, micro, stats_temperature(cfg),
-                    calls=max(1, math.ceil(max(counts) / micro)), pad_row=pad_row,
+                    run.backend, batch, micro, stats_temperature(cfg), calls=calls, pad_row=pad_row,
                 )
                 # issue 9: reference / Lp-Reg proxy log-probs, STARE schedule, KL in the reward (every rank)
                 metrics.update(run.extras.prepare(batch, old_lp, old_ent, micro_batch=micro,
-                                                  temperature=stats_temperature(cfg)))
+                                                  temperature=stats_temperature(cfg), calls=calls, pad_row=pad_row))
                 metrics.update(run.extras.apply_kl_in_reward(kept, batch, old_lp))
                 dumping = bool(cfg.logging.dump_tokens_every and step % cfg.logging.dump_tokens_every == 0)
                 record = UpdateRecord.empty(cfg.algorithm.ppo_epochs, batch) if dumping else None

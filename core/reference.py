@@ -13,8 +13,10 @@ combination until it exists.
 
 **minp_stats_batched** - per response position, log of the probability mass that survives the
 min-p filter (p >= min_p * max p) and log of the max probability, from the hidden states and the
-LM head in row chunks, never a [B, L, V] tensor; the head runs as the head module's forward
-(``forward_as``) so ZeRO-3 hooks would gather its weight.
+LM head in row chunks, never a [B, L, V] tensor; each micro-batch runs as the model's forward and
+the head as the head module's forward (``forward_as``), so ZeRO-3's hooks gather the partitioned
+weights. Data parallel: it makes the same number of forwards on every rank (``calls``, padded with
+the batch's zero-weight row), so Lp-Reg runs under ZeRO-3 on several ranks.
 """
 
 from __future__ import annotations
@@ -76,8 +78,17 @@ class ReferencePolicy:
 @torch.no_grad()
 def minp_stats_batched(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        response_mask: torch.Tensor, *, min_p: float, micro_batch: int, temperature: float,
-                       chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log kept mass [B, L], log max prob [B, L]) at the response positions (0 elsewhere)."""
+                       chunk_size: int = 1024, calls: int | None = None,
+                       pad_row: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log kept mass [B, L], log max prob [B, L]) at the response positions (0 elsewhere).
+
+    Data parallel, as ``loop.token_stats_batched``: ``pad_row`` is the batch's zero-weight padding
+    row (the last one) and ``calls`` the number of forwards every rank makes; calls past this rank's
+    real rows run on the padding row (no response position: nothing is written). Each micro-batch
+    runs as the model's own forward (``forward_as``), so the root module's hooks fire as in any
+    forward (ZeRO-3: the start-of-forward step reset, then each submodule's parameter gather): under
+    ZeRO-3 every rank must make the same number of calls, which ``calls`` guarantees.
+    """
     from stapo.core.trainer.base import (
         _final_hidden,
         forward_as,
@@ -88,39 +99,50 @@ def minp_stats_batched(model: torch.nn.Module, input_ids: torch.Tensor, attentio
 
     B, L = input_ids.shape
     device = input_ids.device
+    real = B if pad_row is None else pad_row
+    row_sets = [torch.arange(s, min(s + micro_batch, real)) for s in range(0, real, micro_batch)]
+    if calls is not None and calls > len(row_sets):
+        if pad_row is None:
+            raise ValueError("minp_stats_batched: more calls than micro-batches needs a pad_row")
+        row_sets += [torch.tensor([pad_row])] * (calls - len(row_sets))
     kept = torch.zeros(B, L, dtype=torch.float32, device=device)
     pmax = torch.zeros(B, L, dtype=torch.float32, device=device)
     scale, needs_logits = head_logit_transform(model)
+    head = model.get_output_embeddings()
+    bias = getattr(head, "bias", None)
+
+    def _run(h_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def proj(x: torch.Tensor) -> torch.Tensor:
+            z = x @ head.weight.t()
+            return (z + bias if bias is not None else z) * scale
+
+        return _stats_in_chunks(proj, h_, min_p, temperature, chunk_size)
+
+    def micro_stats(ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log kept mass [n], log max prob [n]) at the micro-batch's target positions, in order."""
+        pos = position_ids_from_mask(attn)
+        tgt = stat_targets(attn, resp)[:, 1:]  # [b, L-1]
+        if needs_logits:  # soft-capped heads: the model's own logits, row chunk by row chunk
+            logits = type(model).forward(model, input_ids=ids, attention_mask=attn, position_ids=pos,
+                                         use_cache=False).logits[:, :-1][tgt]  # [n, V]
+            return _stats_in_chunks(lambda x: x, logits, min_p, temperature, chunk_size)
+        h = _final_hidden(model, ids, attn, pos)[:, :-1][tgt]  # [n, D]
+        with forward_as(head, _run):
+            return head(h)
+
     was_training = model.training
     model.eval()
     try:
-        for s in range(0, B, micro_batch):
-            rows = slice(s, s + micro_batch)
-            ids, attn = input_ids[rows], attention_mask[rows]
-            pos = position_ids_from_mask(attn)
-            target = stat_targets(attn, response_mask[rows])  # [b, L]
-            tgt = target[:, 1:]
-            if needs_logits:  # soft-capped heads: the model's own logits, row chunk by row chunk
-                logits = type(model).forward(model, input_ids=ids, attention_mask=attn, position_ids=pos,
-                                             use_cache=False).logits[:, :-1][tgt]  # [n, V]
-                lk, lm = _stats_in_chunks(lambda x: x, logits, min_p, temperature, chunk_size)
-            else:
-                h = _final_hidden(model, ids, attn, pos)[:, :-1][tgt]  # [n, D]
-                head = model.get_output_embeddings()
-                bias = getattr(head, "bias", None)
-
-                def _run(h_: torch.Tensor, head: Any = head, bias: Any = bias) -> tuple[torch.Tensor, torch.Tensor]:
-                    def proj(x: torch.Tensor) -> torch.Tensor:
-                        z = x @ head.weight.t()
-                        return (z + bias if bias is not None else z) * scale
-
-                    return _stats_in_chunks(proj, h_, min_p, temperature, chunk_size)
-
-                with forward_as(head, _run):
-                    lk, lm = head(h)
-            where = target.nonzero(as_tuple=True)
-            kept[rows][where] = lk.float()
-            pmax[rows][where] = lm.float()
+        for rows in row_sets:
+            rows = rows.to(device)
+            ids, attn, resp = input_ids[rows], attention_mask[rows], response_mask[rows]
+            with forward_as(model, micro_stats):  # the root module's forward (and its hooks)
+                lk, lm = model(ids, attn, resp)
+            where = stat_targets(attn, resp).nonzero(as_tuple=True)
+            block_k = torch.zeros(ids.shape, dtype=torch.float32, device=device)  # [b, L]
+            block_m = torch.zeros_like(block_k)
+            block_k[where], block_m[where] = lk.float(), lm.float()
+            kept[rows], pmax[rows] = block_k, block_m
     finally:
         model.train(was_training)
     return kept, pmax

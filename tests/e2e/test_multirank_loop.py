@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -109,11 +110,21 @@ def torchrun(args: list[str], tmp_path: Path) -> None:
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *args]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
     try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"2-rank run did not finish in {TIMEOUT_S}s (ranks out of lockstep?): {str(err.stderr)[-3000:]}")
-    assert p.returncode == 0, p.stderr[-4000:]
+        _, err = p.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # SIGTERM: torchrun then kills its ranks (each in its own session; a SIGKILL of the launcher
+        # alone would leave them behind, blocked in a collective); SIGKILL if it does not exit
+        p.terminate()
+        try:
+            _, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            _, err = p.communicate()
+        pytest.fail(f"2-rank run did not finish in {TIMEOUT_S}s (ranks out of lockstep?): {err[-3000:]}")
+    assert p.returncode == 0, err[-4000:]
 
 
 # ----------------------------------------------------------------------------- the real loop
