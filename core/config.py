@@ -279,7 +279,7 @@ class LpRegOptions(_Section):
     removed and the rest renormalized.
     """
 
-    enabled: bool = Field(False, description="Add the Lp-Reg term to the loss (costs one no-grad LM-head pass per step).")
+    enabled: bool = Field(False, description="Add the Lp-Reg term to the loss (costs one extra no-grad forward of the policy per step).")
     rho: float = Field(
         0.01, ge=0, le=1, description="Fraction of negative-advantage tokens (lowest log-prob) regularized (`logp_neg_k_percent`)."
     )

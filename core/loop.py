@@ -650,6 +650,12 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
             step_out.append(backend.step())
             fresh = False
     updates = len(step_out)
+    # Global, like every logged metric: each rank's loss is its share of the global objective (the
+    # normalizer is all-reduced), so the ranks' losses and clip counts add up (one gather, every rank).
+    from stapo.core.distributed import DataParallel
+
+    keys = ("loss", "clip_low", "clip_high", "tokens", "ratio_sum")
+    sums = dict(zip(keys, DataParallel(backend).sum([sums[k] for k in keys]), strict=True))
     tokens = max(sums["tokens"], 1.0)
     grad_norms = [o.get("grad_norm", float("nan")) for o in step_out]
     token_diag = fractions_from_counts(diag)
