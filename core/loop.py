@@ -236,6 +236,7 @@ def rollout_and_grade(run: _Run, step: int, round_: int) -> tuple[list[Sequence_
         top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens,
         seed=derive_seed(cfg.trainer.seed, step, round_, run.rank),
+        ignore_eos=cfg.rollout.ignore_eos,
     )
     t0 = time.time()
     run.engine.wake()
@@ -589,12 +590,25 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             t0 = time.time()
             if kept:
                 batch = collate(kept, run.pad_id).to(run.backend.device)
-                old_lp, old_ent = token_stats_batched(
-                    run.backend, batch, cfg.trainer.micro_batch_size, stats_temperature(cfg)
-                )
-                tm, (tw, tau_h) = batch_token_metrics(run, batch, old_lp, old_ent)
-                metrics.update(tm)
-                metrics.update(update_policy(run, batch, old_lp, old_ent, step))
+                # -- issue 12: an exactly on-policy update takes p and H from its gradient forward
+                #    (no separate old-log-prob pass); see stapo.core.onpolicy
+                from stapo.core.onpolicy import onpolicy_applies, onpolicy_update
+
+                if onpolicy_applies(cfg, run.backend, batch.input_ids.shape[0]):
+                    upd, old_lp, old_ent = onpolicy_update(run, batch, step)
+                    t_stats = time.time()
+                    tm, (tw, tau_h) = batch_token_metrics(run, batch, old_lp, old_ent)
+                    metrics.update(tm)
+                    metrics["time/stats_s"] = upd.pop("time/weights_s") + time.time() - t_stats
+                    metrics.update(upd)
+                else:
+                    old_lp, old_ent = token_stats_batched(
+                        run.backend, batch, cfg.trainer.micro_batch_size, stats_temperature(cfg)
+                    )
+                    tm, (tw, tau_h) = batch_token_metrics(run, batch, old_lp, old_ent)
+                    metrics.update(tm)
+                    metrics["time/stats_s"] = time.time() - t0
+                    metrics.update(update_policy(run, batch, old_lp, old_ent, step))
                 if main and cfg.logging.dump_tokens_every and step % cfg.logging.dump_tokens_every == 0:
                     dump_tokens(run, step, kept, batch, old_lp, old_ent, tw.weights, tau_h)
             else:

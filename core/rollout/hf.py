@@ -208,6 +208,7 @@ class HFRolloutEngine:
         gen_config = GenerationConfig(
             do_sample=not sampling.greedy,
             max_new_tokens=sampling.max_new_tokens,
+            min_new_tokens=sampling.max_new_tokens if sampling.ignore_eos else None,
             **neutral,
             num_beams=1,
             num_return_sequences=1,
