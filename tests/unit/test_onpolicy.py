@@ -170,3 +170,44 @@ def test_loop_runs_no_separate_statistics_pass(tmp_path, monkeypatch):
     assert not passes  # fails on the two-pass loop: it runs token_stats_batched (no grad) every step
     assert stats and all(stats)  # the statistics came from gradient forwards (prompt prefix shared)
     assert (tmp_path / "dumps" / "step_000001.json").is_file()  # token dumps still get p and H
+
+
+def test_waves_are_graded_while_the_next_wave_generates(tmp_path, monkeypatch):
+    """rollout.batch_size < prompts x n: wave 0 is graded in a thread while wave 1 generates."""
+    import threading
+    import time
+
+    from stapo.configs import preset_path
+    from stapo.core.config import load_config
+    from stapo.core.rewards import RewardFunction
+    from stapo.core.rollout.hf import HFRolloutEngine
+
+    cfg = load_config(preset_path("tiny"), ["trainer.max_steps=1", "checkpoint.every=0", "data.val_size=0",
+                                            "logging.dump_tokens_every=0", "logging.live=false",
+                                            "rollout.batch_size=4"])  # 2 prompts x 4 samples: 2 waves
+    events = []
+    real_gen, real_grade = HFRolloutEngine.generate, RewardFunction.__call__
+
+    def generate(self, prompts, sampling):
+        events.append(("gen_start", len(prompts), sampling.seed))
+        out = real_gen(self, prompts, sampling)
+        events.append(("gen_end",))
+        return out
+
+    def grade(self, responses, golds):
+        events.append(("grade_start", threading.current_thread().name.startswith("grade")))
+        time.sleep(0.3)  # a slow grader: the second wave must start generating meanwhile
+        out = real_grade(self, responses, golds)
+        events.append(("grade_end", len(responses)))
+        return out
+
+    monkeypatch.setattr(HFRolloutEngine, "generate", generate)
+    monkeypatch.setattr(RewardFunction, "__call__", grade)
+    loop.train(cfg, tmp_path, log=lambda m: None)
+    kinds = [e[0] for e in events]
+    assert kinds.count("gen_start") == 2 and [e[1] for e in events if e[0] == "gen_start"] == [1, 1]
+    assert events[0][2] != events[kinds.index("gen_start", 1)][2]  # each wave its own seed
+    assert kinds.index("grade_start") < kinds.index("gen_start", 1) < kinds.index("grade_end")
+    assert all(e[1] for e in events if e[0] == "grade_start")  # graded off the main thread
+    rows = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert '"time/reward_total_s"' in rows[0]
