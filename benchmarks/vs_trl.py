@@ -31,7 +31,8 @@ on CUDA.
     python benchmarks/vs_trl.py --device cuda --model Qwen/Qwen3-1.7B ...   # see benchmarks/gpu_suite.sh
 
 ``stapo-baseline`` is stapo with its speed-ups switched off (the separate old-log-prob pass, no
-prefix sharing): the before/after of issue 12 in the same run. TRL is an optional benchmark
+prompt-prefix sharing in generation or training): the before/after of issue 12 in the same run. ``stapo-none`` is stapo
+with the ``none`` token weighting (DAPO): against ``stapo`` it gives the S2T mask's overhead. TRL is an optional benchmark
 dependency (``pip install "trl==1.16.*"`` or ``pip install -e ".[bench]"``), never a runtime one.
 """
 
@@ -51,10 +52,11 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-SIDES = ("stapo", "trl", "stapo-baseline")
+SIDES = ("stapo", "trl", "stapo-baseline", "stapo-none")
 
 # stapo settings that turn issue 12's speed-ups off (what "stapo-baseline" runs).
-BASELINE_OVERRIDES = ["trainer.onpolicy_fast_path=off", "trainer.share_prompt_prefix=false"]
+BASELINE_OVERRIDES = ["trainer.onpolicy_fast_path=off", "trainer.share_prompt_prefix=false",
+                      "rollout.share_prefix=false"]
 
 
 def _peak_mem_mib(device: str) -> float:
@@ -97,6 +99,8 @@ def _stapo_cfg(args: argparse.Namespace, extra: list[str]) -> Any:
     ]
     if args.force_length:
         overrides.append("rollout.ignore_eos=true")
+    if args.gradient_checkpointing:
+        overrides.append("model.gradient_checkpointing=true")
     return load_config(HERE.parent / "configs" / "demo.yaml", overrides + extra)
 
 
@@ -192,7 +196,8 @@ def run_trl(args: argparse.Namespace) -> list[dict[str, float]]:
         return [float(x) for x in graded.rewards]
 
     out_dir = tempfile.mkdtemp(prefix="vs_trl_trl_")
-    gen_kwargs = {"ignore_eos": True} if args.force_length else None
+    # HF generate has no ignore_eos: min_new_tokens = max suppresses EOS until the last token
+    gen_kwargs = {"min_new_tokens": args.max_new_tokens} if args.force_length else None
     conf = GRPOConfig(
         output_dir=out_dir,
         per_device_train_batch_size=args.micro,
@@ -261,6 +266,8 @@ def child(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     side = args.child
+    if side == "stapo-none":  # S2T off (DAPO's weighting): the mask's overhead is the difference
+        args.weighting = "none"
     rows = run_trl(args) if side == "trl" else run_stapo(args, baseline=side == "stapo-baseline")
     print("VS_TRL_RESULT " + json.dumps({"side": side, "rows": rows, "peak_mib": _peak_mem_mib(args.device)}))
 
@@ -312,7 +319,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--weighting", default="s2t", help="stapo token weighting (s2t: STAPO; none: DAPO)")
     p.add_argument("--force-length", action="store_true", help="generate exactly --max-new-tokens (ignore EOS)")
-    p.add_argument("--gradient-checkpointing", action="store_true", help="for TRL (stapo: model.gradient_checkpointing)")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="both sides recompute activations")
     p.add_argument("--threads", type=int, default=0, help="torch threads in each run (0: torch's default)")
     p.add_argument("--json", default="", help="also write every row here")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)

@@ -165,6 +165,9 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     max_new_tokens: int = Field(256, gt=0, description="Maximum response length in tokens.")
     batch_size: int = Field(32, gt=0, description="Sequences per generate call of the `hf` engine.")
+    share_prefix: bool = Field(
+        True, description="`hf` engine: prefill each distinct prompt once and repeat its KV cache for its n samples."
+    )
     ignore_eos: bool = Field(
         False, description="Generate exactly max_new_tokens (EOS does not stop a response): benchmarks only."
     )
