@@ -60,7 +60,7 @@ def check_tokenstats(dev: torch.device, tiny: bool) -> dict[str, Any]:
         labels = torch.randint(0, v, (n,), generator=g).to(dev)
         adv = torch.randn(n, generator=g).to(dev)
 
-        def loss_of(lp: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:  # elementwise, like ppo_clip's
+        def loss_of(lp: torch.Tensor, idx: torch.Tensor, adv: torch.Tensor = adv) -> torch.Tensor:  # elementwise
             return -adv[idx] * torch.exp(lp - lp.detach()) / n
 
         # reference: float64 naive from the same (rounded) inputs

@@ -148,7 +148,7 @@ class HFRolloutEngine:
         self.model.eval()
         try:
             self.model.generation_config = self._clean_generation_config(saved_gen_config)
-            with torch.no_grad():
+            with torch.no_grad(), self._autocast():
                 if sampling.seed is None:
                     rows = self._generate_all(flat, sampling)
                 else:
@@ -164,6 +164,16 @@ class HFRolloutEngine:
         for i in range(len(prompt_token_ids)):
             out.append(fill_greedy_group(rows[i * copies : (i + 1) * copies], sampling.n, copies))
         return out
+
+    def _autocast(self) -> Any:
+        """bf16 autocast on CUDA when the weights are fp32 masters (the torch backend's layout): the
+        learner computes its log-probs under the same autocast, so sampler and learner agree, and
+        generating from fp32 weights would run the GPU at a fraction of its bf16 rate."""
+        import contextlib
+
+        if self.device.type == "cuda" and next(self.model.parameters()).dtype == torch.float32:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def _clean_generation_config(self, base: Any) -> Any:
         """A generation config with no sampling knobs of the checkpoint's own (see module docstring)."""
