@@ -355,7 +355,11 @@ def main() -> None:
             res["summary"] = _summary(res)
             results.append(res)
             s = res["summary"]
-            print(f"  round {rnd + 1} {side:15s} step {s['total']:.2f}s (load {res['load']})", flush=True)
+            print(f"  round {rnd + 1} {side:15s} step {s['total']:.2f}s = gen {s['gen']:.2f} + grade {s['grade']:.3f} "
+                  f"+ stats {s['stats']:.2f} + update {s['update']:.2f}; {s['tokens']:.0f} tokens, "
+                  f"{s['ms_per_token']:.1f} ms/token, peak {s['peak_mib']:.0f} MiB (load {res['load']})", flush=True)
+            if args.json:  # after every run: a long comparison interrupted keeps what it measured
+                Path(args.json).write_text(json.dumps(results, indent=1))
     hdr = ("| round | side | step s | gen s | grade s | stats s | update s | gen tokens | ms / gen token "
            "| peak MiB | step vs TRL | per token vs TRL | load |")
     print()
