@@ -288,7 +288,7 @@ class TrainerConfig(_Section):
             "recompute in backward; per-token losses only: ppo_clip; gspo falls back)."
         ),
     )
-    onpolicy_fast_path: Literal["auto", "on", "off"] = Field(
+    onpolicy_fast_path: Literal["auto", "always", "never"] = Field(
         "auto",
         description=(
             "Exactly on-policy updates (ppo_epochs = 1, mini_batches = 1): skip the separate no-grad "
@@ -296,7 +296,7 @@ class TrainerConfig(_Section):
             "(docs/performance.md). `auto`: on, except that a weighting needing the mini-batch's "
             "statistics (s2t, top_entropy, ...) over several micro-batches on a GPU keeps the old pass "
             "(the fast path would hold every micro-batch's activations until the thresholds are known); "
-            "`on`: always (also that case); `off`: always the separate pass."
+            "`always`: also that case; `never`: always the separate pass."
         ),
     )
     share_prompt_prefix: bool = Field(

@@ -26,8 +26,8 @@ So: weightings that read no statistics (``none``: GRPO, DAPO, JustRL) get weight
 forward and backpropagate each micro-batch at once (memory as today, any micro-batching);
 weightings that read statistics (``s2t``, ``top_entropy``, ``stare``, ``lp_reg``) keep the graphs of
 the mini-batch's micro-batches (option 1). ``trainer.onpolicy_fast_path = auto`` does the latter
-only where memory is not what micro-batching protects (CPU, or a single micro-batch); ``on``
-always; ``off`` never (the two-pass path). The fast path uses the unfused ``token_stats(grad=True)``
+only where memory is not what micro-batching protects (CPU, or a single micro-batch); ``always``
+also there; ``never`` never (the two-pass path). The fast path uses the unfused ``token_stats(grad=True)``
 (the fused loss needs its coefficients, i.e. the weights, before its forward).
 
 **Prompt-prefix sharing** (``trainer.share_prompt_prefix``, torch backend). The G responses of a
@@ -63,11 +63,11 @@ STATS_FREE_WEIGHTINGS = frozenset({"none"})
 def onpolicy_applies(cfg: Any, backend: Any, n_rows: int) -> bool:
     """Whether this step's update takes the fast path (see the module docstring)."""
     a, t = cfg.algorithm, cfg.trainer
-    if t.onpolicy_fast_path == "off" or a.ppo_epochs != 1 or a.mini_batches != 1:
+    if t.onpolicy_fast_path == "never" or a.ppo_epochs != 1 or a.mini_batches != 1:
         return False
     if not hasattr(backend, "token_stats"):
         return False
-    if t.onpolicy_fast_path == "on" or a.token_weighting in STATS_FREE_WEIGHTINGS:
+    if t.onpolicy_fast_path == "always" or a.token_weighting in STATS_FREE_WEIGHTINGS:
         return True
     one_micro = n_rows <= t.micro_batch_size
     return one_micro or torch.device(getattr(backend, "device", "cpu")).type == "cpu"

@@ -141,14 +141,14 @@ def test_fast_path_off_on_and_auto():
     model, _ = load_policy(make_cfg().model, device="cpu")
     b = TorchBackend(make_cfg(), model, total_optimizer_steps=1)
     assert onpolicy.onpolicy_applies(make_cfg(), b, 8)  # CPU: graphs kept
-    assert not onpolicy.onpolicy_applies(make_cfg(onpolicy_fast_path="off"), b, 8)
+    assert not onpolicy.onpolicy_applies(make_cfg(onpolicy_fast_path="never"), b, 8)
     off_policy = config_from_dict({**make_cfg().model_dump(), "algorithm": {"ppo_epochs": 2}})
     assert not onpolicy.onpolicy_applies(off_policy, b, 8)
     b.device = torch.device("cuda")  # only read by the rule: several micro-batches on a GPU keep two passes
     assert not onpolicy.onpolicy_applies(make_cfg(), b, 8)
     assert onpolicy.onpolicy_applies(make_cfg(micro=8), b, 8)
     assert onpolicy.onpolicy_applies(make_cfg("none"), b, 8)
-    assert onpolicy.onpolicy_applies(make_cfg(onpolicy_fast_path="on"), b, 8)
+    assert onpolicy.onpolicy_applies(make_cfg(onpolicy_fast_path="always"), b, 8)
 
 
 def test_loop_runs_no_separate_statistics_pass(tmp_path, monkeypatch):
