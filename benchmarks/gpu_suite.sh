@@ -47,7 +47,7 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, keep going on failure
   "$@" >>"$OUT/$name.log" 2>&1
   local rc=$?
   echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/$name.log"
-  tail -n 40 "$OUT/$name.log" | grep -E '^\||ok|FAILED|Error|error' | tail -n 25
+  tail -n 40 "$OUT/$name.log" | grep -E '^\||"ok"|FAILED|Error|error' | tail -n 25
   [ $rc = 0 ] || status=1
 }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi";
