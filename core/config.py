@@ -203,6 +203,12 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     max_new_tokens: int = Field(256, gt=0, description="Maximum response length in tokens.")
     batch_size: int = Field(32, gt=0, description="Sequences per generate call of the `hf` engine.")
+    share_prefix: bool = Field(
+        True, description="`hf` engine: prefill each distinct prompt once and repeat its KV cache for its n samples."
+    )
+    ignore_eos: bool = Field(
+        False, description="Generate exactly max_new_tokens (EOS does not stop a response): benchmarks only."
+    )
     vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="vLLM engine options.")
 
 
@@ -443,6 +449,26 @@ class TrainerConfig(_Section):
         description=(
             "Compute the loss's gradient w.r.t. the LM head inside the chunked forward (no logits "
             "recompute in backward; per-token losses only: ppo_clip; gspo falls back)."
+        ),
+    )
+    onpolicy_fast_path: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description=(
+            "Exactly on-policy updates (ppo_epochs = 1, mini_batches = 1): skip the separate no-grad "
+            "old-log-prob pass; p and H for the token weighting come from the gradient forward itself "
+            "(docs/performance.md). `auto`: on, except that a weighting needing the mini-batch's "
+            "statistics (s2t, top_entropy, ...) over several micro-batches on a GPU keeps the old pass "
+            "(the fast path would hold every micro-batch's activations until the thresholds are known); "
+            "`always`: also that case; `never`: always the separate pass."
+        ),
+    )
+    share_prompt_prefix: bool = Field(
+        True,
+        description=(
+            "Training forwards run each group's prompt once (batch = distinct prompts) and the G "
+            "responses on top of its KV cache, instead of G copies of prompt + response: same "
+            "log-probs and gradients, (P + G R) / (G (P + R)) of the tokens (torch backend, hidden-"
+            "state path; others fall back to full rows)."
         ),
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")

@@ -39,7 +39,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -313,25 +313,55 @@ def rollout_and_grade(run: _Run, step: int, round_: int) -> tuple[list[Sequence_
         top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens,
         seed=derive_seed(cfg.trainer.seed, step, round_, run.rank),
+        ignore_eos=cfg.rollout.ignore_eos,
     )
-    t0 = time.time()
-    run.engine.wake()
-    groups = run.engine.generate([run.encode(r) for r in recs], sampling)
-    run.engine.sleep()
-    t_roll = time.time() - t0
-    seqs = [
-        Sequence_(run.encode(rec), list(c.token_ids), c.finish_reason, c.text, rec.answer, group=g)
-        for g, (rec, comps) in enumerate(zip(recs, groups, strict=True))
-        for c in comps
-    ]
-    t0 = time.time()
-    graded = run.rewards([s.text for s in seqs], [s.gold for s in seqs])
-    for s, r, v, c in zip(seqs, graded.rewards, graded.valid, graded.correct, strict=True):
-        s.reward, s.valid, s.correct = r, v, c
+    # -- issue 12: with the hf engine, a step larger than one generate call (rollout.batch_size
+    #    sequences) is sampled in waves, and each wave is graded (in a thread; the grader's work runs
+    #    in its own processes or service) while the next one generates. Wave 0 keeps the step's seed,
+    #    so a single-wave step samples exactly what it did before.
+    per_wave = max(1, cfg.rollout.batch_size // cfg.rollout.n) if cfg.rollout.engine == "hf" else len(recs)
+    waves = [recs[i : i + per_wave] for i in range(0, len(recs), per_wave)] or [recs]
+    seqs: list[Sequence_] = []
+    futures = []
+    t_grade: list[float] = []
+
+    def grade(wave_seqs: list[Sequence_]) -> Any:
+        t = time.time()
+        out = run.rewards([s.text for s in wave_seqs], [s.gold for s in wave_seqs])
+        t_grade.append(time.time() - t)
+        return out
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    t_roll = 0.0
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="grade") as pool:
+        for w, wave in enumerate(waves):
+            params = sampling if w == 0 else replace(sampling, seed=derive_seed(sampling.seed or 0, w))
+            t1 = time.time()
+            run.engine.wake()
+            groups = run.engine.generate([run.encode(r) for r in wave], params)
+            run.engine.sleep()
+            t_roll += time.time() - t1
+            base = len(seqs) // cfg.rollout.n
+            wave_seqs = [
+                Sequence_(run.encode(rec), list(c.token_ids), c.finish_reason, c.text, rec.answer, group=base + g)
+                for g, (rec, comps) in enumerate(zip(wave, groups, strict=True))
+                for c in comps
+            ]
+            seqs += wave_seqs
+            futures.append((wave_seqs, pool.submit(grade, wave_seqs)))
+        t_wait = time.time()
+        failed = retried = no_answer = 0
+        for wave_seqs, fut in futures:
+            graded = fut.result()
+            for s, r, v, c in zip(wave_seqs, graded.rewards, graded.valid, graded.correct, strict=True):
+                s.reward, s.valid, s.correct = r, v, c
+            failed += graded.statuses.get("timeout", 0) + graded.statuses.get("error", 0)
+            retried += graded.retried
+            no_answer += graded.statuses.get("no_answer", 0)
     record_groups(run, idx[run.rank :: run.world_size], seqs)  # the sampler learns from observed accuracies
-    times = {"time/rollout_s": t_roll, "time/reward_s": time.time() - t0, "reward/failed": graded.statuses.get(
-        "timeout", 0) + graded.statuses.get("error", 0), "reward/retried": graded.retried,
-        "reward/no_answer_frac": graded.statuses.get("no_answer", 0) / max(len(seqs), 1)}
+    times = {"time/rollout_s": t_roll, "time/reward_s": time.time() - t_wait, "time/reward_total_s": sum(t_grade),
+             "reward/failed": failed, "reward/retried": retried, "reward/no_answer_frac": no_answer / max(len(seqs), 1)}
     return seqs, times
 
 
@@ -877,22 +907,33 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                 batch = collate_with_pad_row(kept, run.pad_id, pad=dp.multi).to(run.backend.device)
                 pad_row = len(kept) if dp.multi else None
                 calls = max(1, math.ceil(max(counts) / micro))  # forwards per rank in each no-grad pass
-                old_lp, old_ent = token_stats_batched(
-                    run.backend, batch, micro, stats_temperature(cfg), calls=calls, pad_row=pad_row,
-                )
-                # issue 9: reference / Lp-Reg proxy log-probs, STARE schedule, KL in the reward (every rank)
-                metrics.update(run.extras.prepare(batch, old_lp, old_ent, micro_batch=micro,
-                                                  temperature=stats_temperature(cfg), calls=calls, pad_row=pad_row))
-                metrics.update(run.extras.apply_kl_in_reward(kept, batch, old_lp))
                 dumping = bool(cfg.logging.dump_tokens_every and step % cfg.logging.dump_tokens_every == 0)
                 record = UpdateRecord.empty(cfg.algorithm.ppo_epochs, batch) if dumping else None
                 if dumping:
                     dump_rows = dump_candidates(cfg, kept)
                     dump_dist = dump_forward(run, batch, dump_rows, counts)  # the pre-update (sampled) policy
-                local = run.deep.local_loss_hook(run, branches, step) if run.deep else None
-                hook = {"before_step": local} if local is not None else {}  # DEEP-GRPO's local loss, if any
-                metrics.update(update_policy(run, batch, old_lp, old_ent, step, counts=counts, record=record, **hook))
-                metrics.update(run.deep.local_metrics() if run.deep else {})
+                # -- issue 12: an exactly on-policy update takes p and H from its gradient forward (no
+                #    separate old-log-prob pass; stapo.core.onpolicy). One rank and no per-step extras
+                #    (onpolicy_blockers lists them); elsewhere the two-pass path below.
+                from stapo.core.onpolicy import onpolicy_applies, onpolicy_update
+
+                if not dp.multi and onpolicy_applies(cfg, run.backend, len(kept)):
+                    upd, old_lp, old_ent = onpolicy_update(run, batch, step, record=record)
+                    metrics["time/stats_s"] = upd.pop("time/weights_s")
+                    metrics.update(upd)
+                else:
+                    old_lp, old_ent = token_stats_batched(
+                        run.backend, batch, micro, stats_temperature(cfg), calls=calls, pad_row=pad_row,
+                    )
+                    metrics["time/stats_s"] = time.time() - t0
+                    # issue 9: reference / Lp-Reg proxy log-probs, STARE schedule, KL in the reward (every rank)
+                    metrics.update(run.extras.prepare(batch, old_lp, old_ent, micro_batch=micro,
+                                                      temperature=stats_temperature(cfg), calls=calls, pad_row=pad_row))
+                    metrics.update(run.extras.apply_kl_in_reward(kept, batch, old_lp))
+                    local = run.deep.local_loss_hook(run, branches, step) if run.deep else None
+                    hook = {"before_step": local} if local is not None else {}  # DEEP-GRPO's local loss, if any
+                    metrics.update(update_policy(run, batch, old_lp, old_ent, step, counts=counts, record=record, **hook))
+                    metrics.update(run.deep.local_metrics() if run.deep else {})
                 if dumping:
                     dump_tokens(run, step, kept, batch, dump_rows, dump_dist, record, dp)
             else:

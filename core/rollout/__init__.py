@@ -67,7 +67,7 @@ def build_rollout_engine(
             raise ValueError(
                 "rollout.engine='hf' needs the policy model and tokenizer: pass model= and tokenizer="
             )
-        return cls(model, tokenizer, batch_size=cfg.rollout.batch_size)
+        return cls(model, tokenizer, batch_size=cfg.rollout.batch_size, share_prefix=cfg.rollout.share_prefix)
     if name == "vllm":
         opts = cfg.rollout.vllm
         max_new = max(cfg.rollout.max_new_tokens, cfg.eval.val_max_new_tokens or 0)

@@ -43,6 +43,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 256
     seed: int | None = None
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks: equal work on both sides)
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:

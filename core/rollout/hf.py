@@ -103,9 +103,11 @@ class HFRolloutEngine:
     """Sample with transformers ``generate`` on ``model`` (usually the learner's own module).
 
     ``batch_size``: sequences (prompts x n) per ``generate`` call; lower it when memory is short.
+    ``share_prefix``: prefill each distinct prompt of a call once and repeat its KV cache for its n
+    samples (the prompt is most of a short response's cost); same logits up to float rounding.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 32) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 32, share_prefix: bool = True) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"HFRolloutEngine: batch_size must be an int >= 1, got {batch_size!r}")
         if not hasattr(model, "generation_config") and hasattr(model, "module"):
@@ -117,6 +119,7 @@ class HFRolloutEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.share_prefix = share_prefix  # prefill each distinct prompt once (see _shared_prompt_cache)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
@@ -148,7 +151,7 @@ class HFRolloutEngine:
         self.model.eval()
         try:
             self.model.generation_config = self._clean_generation_config(saved_gen_config)
-            with torch.no_grad():
+            with torch.no_grad(), self._autocast():
                 if sampling.seed is None:
                     rows = self._generate_all(flat, sampling)
                 else:
@@ -179,6 +182,15 @@ class HFRolloutEngine:
             )
         return self.generate([list(p) + list(x) for p, x in zip(prompt_token_ids, prefix_token_ids, strict=True)],
                              sampling)
+    def _autocast(self) -> Any:
+        """bf16 autocast on CUDA when the weights are fp32 masters (the torch backend's layout): the
+        learner computes its log-probs under the same autocast, so sampler and learner agree, and
+        generating from fp32 weights would run the GPU at a fraction of its bf16 rate."""
+        import contextlib
+
+        if self.device.type == "cuda" and next(self.model.parameters()).dtype == torch.float32:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def _clean_generation_config(self, base: Any) -> Any:
         """A generation config with no sampling knobs of the checkpoint's own (see module docstring)."""
@@ -226,6 +238,7 @@ class HFRolloutEngine:
         gen_config = GenerationConfig(
             do_sample=not sampling.greedy,
             max_new_tokens=sampling.max_new_tokens,
+            min_new_tokens=sampling.max_new_tokens if sampling.ignore_eos else None,
             **neutral,
             num_beams=1,
             num_return_sequences=1,
@@ -235,17 +248,46 @@ class HFRolloutEngine:
             use_cache=True,
             return_dict_in_generate=True,
         )
+        extra = {}
+        if self.share_prefix and width > 1:
+            cache = self._shared_prompt_cache(input_ids.to(dev), attention_mask.to(dev))
+            if cache is not None:
+                extra["past_key_values"] = cache
         out = self.model.generate(
             input_ids=input_ids.to(dev),
             attention_mask=attention_mask.to(dev),
             generation_config=gen_config,
             logits_processor=processors,
+            **extra,
             **({"synced_gpus": True} if self.synced_gpus else {}),
         )
         seqs = out.sequences  # [B, P + S]
         logprobs = recorder.finish(seqs).cpu()  # [B, S]
         new = seqs[:, width:].cpu()  # [B, S]
         return [self._completion(new[b].tolist(), logprobs[b].tolist()) for b in range(len(prompts))]
+
+    def _shared_prompt_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any | None:
+        """KV cache of every row's prompt but its last token, each distinct prompt computed once.
+
+        The n samples of a prompt are n identical rows: their prefill is one forward of the distinct
+        prompts (all columns but the last), repeated along the batch; ``generate`` then runs only the
+        last prompt column and the new tokens. None when every row is distinct (nothing to share).
+        Position ids follow ``generate``'s (count of real tokens), so the logits are the unshared ones.
+        """
+        from transformers import DynamicCache
+
+        from stapo.core.onpolicy import prompt_groups
+
+        first, group = prompt_groups(input_ids, attention_mask, input_ids.shape[1])  # [U], [B]
+        if first.numel() == input_ids.shape[0]:
+            return None
+        ids, att = input_ids[first, :-1], attention_mask[first, :-1]  # [U, P-1]
+        positions = (att.long().cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=ids, attention_mask=att, position_ids=positions, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1)
+        cache.batch_select_indices(group)  # [U, ...] -> [B, ...]
+        return cache
 
     def _completion(self, tokens: list[int], logprobs: list[float]) -> Completion:
         """Cut a padded row after its first eos; ``stop`` if an eos was produced, else ``length``."""

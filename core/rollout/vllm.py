@@ -221,7 +221,8 @@ class VLLMRolloutEngine:
             max_tokens=sampling.max_new_tokens,
             seed=sampling.seed,
             logprobs=0,
-            stop_token_ids=list(self.eos_token_ids),
+            stop_token_ids=[] if sampling.ignore_eos else list(self.eos_token_ids),
+            ignore_eos=sampling.ignore_eos,
             skip_special_tokens=True,
         )
 
