@@ -2,7 +2,7 @@
 # Fill .whl/ with what the GPU image lacks for benchmarks/gpu_suite.sh (Python 3.12, x86-64), and print
 # the sizes (the device tool carries at most 64 MiB of working tree). The image already has torch,
 # transformers, accelerate, pandas, pyarrow, xxhash, pyyaml, typer, rich, tensorboard, ninja, psutil,
-# msgpack, einops, py-cpuinfo, mpmath, sympy (see /work/.library/device/KINDS.md).
+# msgpack, einops, py-cpuinfo, mpmath, sympy (the device tool's list of the GPU image's packages).
 #   benchmarks/gpu_wheels.sh            # then: run(..., carry=[".whl"]) with benchmarks/gpu_suite.sh
 set -eu
 cd "$(dirname "$0")/.."
