@@ -204,6 +204,35 @@ def policy_loss_params(cfg: Config) -> dict[str, Any]:
     return section.model_dump() if section is not None else {}
 
 
+@dataclass(frozen=True)
+class UpdateParts:
+    """The configured pieces of an update, resolved once from the registries (update_policy and the
+    on-policy fast path, stapo.core.onpolicy, share them)."""
+
+    weigh: Any  # TOKEN_WEIGHTS entry
+    loss_fn: Any  # POLICY_LOSSES entry
+    agg: Any  # AGGREGATIONS entry
+    params: dict[str, Any]  # the weighting's keywords
+    loss_kw: dict[str, Any]  # the policy loss's keywords
+    micro: int
+    temperature: float
+
+
+def update_parts(cfg: Config, extra_params: dict[str, Any] | None = None) -> UpdateParts:
+    from stapo.core.algos import get_aggregation, get_policy_loss, get_token_weighting
+
+    a = cfg.algorithm
+    return UpdateParts(
+        weigh=get_token_weighting(a.token_weighting),
+        loss_fn=get_policy_loss(a.policy_loss),
+        agg=get_aggregation(a.aggregation),
+        params={**weighting_params(cfg), **(extra_params or {})},
+        loss_kw={"eps_low": a.eps_low, "eps_high": a.eps_high, "dual_clip_c": a.dual_clip_c, **policy_loss_params(cfg)},
+        micro=cfg.trainer.micro_batch_size,
+        temperature=stats_temperature(cfg),
+    )
+
+
 def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else float("nan")
 
@@ -556,9 +585,6 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
     from stapo.core.algos import (
         TokenContext,
         fractions_from_counts,
-        get_aggregation,
-        get_policy_loss,
-        get_token_weighting,
         phase_cells,
     )
     from stapo.core.algos.regularizers import add_terms, entropy_bonus
@@ -567,13 +593,10 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
 
     cfg, backend = run.cfg, run.backend
     a = cfg.algorithm
-    weigh = get_token_weighting(a.token_weighting)
-    loss_fn = get_policy_loss(a.policy_loss)
-    agg = get_aggregation(a.aggregation)
     extras = extras_of(run)
-    params = {**weighting_params(cfg), **extras.weighting_params()}  # STARE: the scheduled W, M
-    micro = cfg.trainer.micro_batch_size
-    temp = stats_temperature(cfg)
+    parts = update_parts(cfg, extras.weighting_params())  # STARE: the scheduled W, M
+    weigh, loss_fn, agg, params = parts.weigh, parts.loss_fn, parts.agg, parts.params
+    micro, temp, loss_kw = parts.micro, parts.temperature, parts.loss_kw
     n = batch.input_ids.shape[0]
     rank = int(getattr(backend, "rank", 0))
     counts = [n] if counts is None else [int(c) for c in counts]
@@ -585,7 +608,6 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
     diag: dict[str, float] = {}
     taus: list[float] = []
     sums: dict[str, float] = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "tokens": 0.0, "ratio_sum": 0.0}
-    loss_kw = {"eps_low": a.eps_low, "eps_high": a.eps_high, "dual_clip_c": a.dual_clip_c, **policy_loss_params(cfg)}
     fused = (
         cfg.trainer.fused_loss
         and a.policy_loss in ("ppo_clip", "maspo")  # elementwise in each token's log-prob

@@ -242,30 +242,14 @@ def onpolicy_update(run: Any, batch: Any, step: int, *, record: Any = None) -> t
     The returned statistics are those of the sampling policy (the gradient forward ran before the
     optimizer step), for the step's token metrics and token dumps.
     """
-    from stapo.core.algos import (
-        TokenContext,
-        fractions_from_counts,
-        get_aggregation,
-        get_policy_loss,
-        get_token_weighting,
-    )
-    from stapo.core.loop import (
-        policy_loss_params,
-        stats_temperature,
-        step_entropy_thresholds,
-        update_diagnostics,
-        weighting_params,
-    )
+    from stapo.core.algos import TokenContext, fractions_from_counts
+    from stapo.core.loop import step_entropy_thresholds, update_diagnostics, update_parts
 
     cfg, backend = run.cfg, run.backend
     a = cfg.algorithm
-    weigh = get_token_weighting(a.token_weighting)
-    loss_fn = get_policy_loss(a.policy_loss)
-    agg = get_aggregation(a.aggregation)
-    params = weighting_params(cfg)
-    micro = cfg.trainer.micro_batch_size
-    temp = stats_temperature(cfg)
-    loss_kw = {"eps_low": a.eps_low, "eps_high": a.eps_high, "dual_clip_c": a.dual_clip_c, **policy_loss_params(cfg)}
+    parts = update_parts(cfg)
+    weigh, loss_fn, agg, params = parts.weigh, parts.loss_fn, parts.agg, parts.params
+    micro, temp, loss_kw = parts.micro, parts.temperature, parts.loss_kw
     inner = shared_stats_fn(cfg, backend) or backend.token_stats
 
     def stats_fn(ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor, *, grad: bool, temperature: float) -> Any:
