@@ -80,7 +80,7 @@ def test_readyz_is_503_with_the_reason_while_the_pool_is_broken():
             except (httpx.HTTPError, ValueError):
                 return False
 
-        _wait(broken, 90, "readyz never reported the broken pool")
+        _wait(broken, 240, "readyz never reported the broken pool")  # 6 failed spawns: slow on a loaded machine
         assert body["ready"] is False and "restart_in_s" in body and "worker_pids" not in body
         assert httpx.get(f"{url}/healthz").status_code == 200  # alive, but not ready
         r = httpx.post(f"{url}/v1/verify", json={"items": [{"prediction": "1", "gold": "1"}]}, timeout=10)
