@@ -697,8 +697,13 @@ def _numerically_unequal(gold: str, pred: str) -> bool:
 # letters, spaces, commas, full stops: no operator that could make letters cancel (":" divides,
 # "-" subtracts, "!" and "'" are postfix operators to latex2sympy)
 _SOUP_RE = re.compile(r"[A-Za-z\s.,]*")
-# "d x" is a differential (a derivative can be 0); a lone "e" is Euler's number
-_SOUP_RISKY_RE = re.compile(r"(?i)d\s*[a-z]|\be\b")
+# a lone "e" is Euler's number. ("d x" is latex2sympy's DIFFERENTIAL token, but outside ``\\frac{d}{dx}``
+# and ``\\int`` it becomes the plain symbol ``dx`` (``convert_atom``); both need a backslash, which the
+# soup excludes, so words holding "d" + letter stay products of symbols.)
+_SOUP_RISKY_RE = re.compile(r"(?i)\be\b")
+# a letter latex2sympy surely reads as a free variable: not e (Euler's number), not i / j (the imaginary
+# unit in complex mode: "iiii" could be 1)
+_SOUP_VARIABLE_RE = re.compile(r"[a-df-hk-zA-DF-HK-Z]")
 # words that latex2sympy's lexer reads as functions or constants even without a backslash
 _LEXER_WORDS_RE = re.compile(
     r"(?i)gcd|lcm|floor|ceil|ar(?:c)?(?:sin|cos|tan)|eye|zeros|ones|cols|rows|diag|norm|rank|trace|rref|stack"
@@ -713,15 +718,17 @@ def _word_soup(gold: str, pred: str) -> bool:
     monomial that cannot equal a constant gold; it costs ~50 ms of parsing and ``simplify`` to
     find that out. Decided only when the normalized text (normalization turns "infinity" into
     ``\\infty``) is letters, spaces, commas and full stops (no operator that could make letters
-    cancel), has no word the LaTeX lexer knows, no "d x" (a differential) and no lone "e", and the
-    gold is a plain constant. Text golds were compared as text before (step 2).
+    cancel), has no word the LaTeX lexer knows and no lone "e", keeps a letter other than e / i / j,
+    and the gold is a plain constant. Text golds were compared as text before (step 2). Words with a
+    "d" before a letter ("sides", "reconsider": latex2sympy's differential token) count as soup: the
+    token is the plain symbol ``dx`` outside ``\\frac{d}{dx}`` and ``\\int``, which need a backslash.
     """
     if _SOUP_RE.fullmatch(pred) is None or not _is_prose(pred):
         return False
     norm = _sympy_text(pred)
     if norm is None or _SOUP_RE.fullmatch(norm) is None or _LEXER_WORDS_RE.search(norm):
         return False
-    if _SOUP_RISKY_RE.search(norm) or not re.search(r"[a-df-zA-DF-Z]", norm):
+    if _SOUP_RISKY_RE.search(norm) or not _SOUP_VARIABLE_RE.search(norm):
         return False  # a variable must remain, and nothing may turn the product into a constant
     g = _sympy_text(gold)
     vals = evaluate_numeric(g) if g is not None and "=" not in g else None

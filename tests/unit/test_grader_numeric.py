@@ -219,7 +219,8 @@ def _grade_all(items):
 _REJECT_PAIRS = [
     ("2\\sqrt{3}", "2\\sqrt{5}"), ("\\frac{5\\pi^2}{4}", "\\frac{5\\pi^2}{2}"), ("12", "x = 7"),
     ("20", "f(x) = x^2 - 45x + 11"), ("(3, -13)", "(3, -14)"), ("[2, 5)", "[2, 6)"), ("(1, 2)", "3"),
-    ("34", "Therefore the sum of t"), ("7i - 2", "75"), ("x^2+1", "x^2-1"), ("\\frac{\\sqrt{3}}{2}", "0.87"),
+    ("34", "Therefore the sum of t"), ("9", "Multiplying both sides"), ("12", "so dx then we"),
+    ("5", "Hmm, wait. Let me reconsider the"), ("7i - 2", "75"), ("x^2+1", "x^2-1"), ("\\frac{\\sqrt{3}}{2}", "0.87"),
 ]  # fmt: skip
 
 
@@ -294,7 +295,10 @@ def test_oracle_is_off_outside_the_search():
         ("1", "Let me: let me", False),  # ':' divides: (l*E*t*m*E)/(l*E*t*m*E) = 1 to latex2sympy
         ("0", "the x - the x", False),  # '-' could cancel
         ("12", "so the e", False),  # a lone e is Euler's number
-        ("12", "so dx then we", False),  # a differential
+        ("12", "so dx then we", True),  # a differential outside \\frac{d}{dx} / \\int is the symbol dx
+        ("9", "Multiplying both sides", True),  # "de" is a differential token, still a symbol
+        ("5", "Hmm, wait. Let me reconsider the", True),
+        ("1", "iiii", False),  # only i's: the imaginary unit in complex mode, i^4 = 1
         ("12", "the rank of it", False),  # a word latex2sympy's lexer knows
         ("12", "it is infinity", False),  # normalized to \infty
         ("\\text{Evelyn}", "Evelyn wins", False),  # text golds are compared as text
