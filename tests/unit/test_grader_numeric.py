@@ -255,7 +255,8 @@ def test_stream_verdicts_do_not_change(monkeypatch):
         for name in fired:
             m.setattr(grader, name, counting(name))
         fast = _grade_all(items)
-    assert fired["_numerically_unequal"] >= 10 and fired["_stand_in"] >= 10 and fired["_word_soup"] >= 5, fired
+    assert fired["_numerically_unequal"] >= 10 and fired["_stand_in"] >= 10, fired
+    assert fired["_word_soup"] >= 5, fired
     _exact_only(monkeypatch)
     slow = _grade_all(items)
     grader.cache_clear()
