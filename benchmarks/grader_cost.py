@@ -3,8 +3,9 @@
     python benchmarks/grader_cost.py --before 9cb5ac6            # 4096-item `math` stream, 3 rounds
     python benchmarks/grader_cost.py --before 9cb5ac6 --rounds 5 --items 2048 --style answer_line
 
-Each measurement is a fresh process (``python -c``) that warms the grader on another seed's stream
-(ANTLR's prediction tables, regexes: what the service's fork server does), empties the grader's
+Each measurement is a fresh process (``python -c``) that runs the service's warm-up
+(``verifier_service/warmup.py``: ANTLR's prediction tables, regexes) and grades another seed's
+stream, empties the grader's
 caches and grades the stream once in order with ``grade`` (cold caches, like one worker seeing the
 stream for the first time), timing every item. Items are classed as the service sees them: no
 answer marker (``marker_answer`` is None: cut off, math-verify's search runs), first sight of a
@@ -31,6 +32,7 @@ CHILD = r"""
 import json, sys, time
 from stapo.verifier_service import grader
 from stapo.verifier_service.loadgen import build_stream
+import stapo.verifier_service.warmup  # what the service's fork server runs before forking workers
 n, style = int(sys.argv[1]), sys.argv[2]
 for p, g, m in build_stream(1024, seed=7, style=style):
     grader.grade(p, g)
