@@ -148,6 +148,10 @@ def _mv():
 
         if not getattr(mv_parser.parse_latex_cached, "stapo_oracle", False):
             mv_parser.parse_latex_cached = _search_parse_oracle(mv_parser.parse_latex_cached)
+        if not getattr(mv_parser.extract_latex, "stapo_oracle", False):
+            mv_parser.extract_latex = _search_match_oracle(mv_parser.extract_latex)
+        if not getattr(mv_parser.parse_expr_cached, "stapo_oracle", False):
+            mv_parser.parse_expr_cached = _search_expr_oracle(mv_parser.parse_expr_cached)
 
         norm = NormalizationConfig(
             basic_latex=True, units=True, malformed_operators=True, nits=True, boxed="all", equations=False
@@ -697,8 +701,13 @@ def _numerically_unequal(gold: str, pred: str) -> bool:
 # letters, spaces, commas, full stops: no operator that could make letters cancel (":" divides,
 # "-" subtracts, "!" and "'" are postfix operators to latex2sympy)
 _SOUP_RE = re.compile(r"[A-Za-z\s.,]*")
-# "d x" is a differential (a derivative can be 0); a lone "e" is Euler's number
-_SOUP_RISKY_RE = re.compile(r"(?i)d\s*[a-z]|\be\b")
+# a lone "e" is Euler's number. ("d x" is latex2sympy's DIFFERENTIAL token, but outside ``\\frac{d}{dx}``
+# and ``\\int`` it becomes the plain symbol ``dx`` (``convert_atom``); both need a backslash, which the
+# soup excludes, so words holding "d" + letter stay products of symbols.)
+_SOUP_RISKY_RE = re.compile(r"(?i)\be\b")
+# a letter latex2sympy surely reads as a free variable: not e (Euler's number), not i / j (the imaginary
+# unit in complex mode: "iiii" could be 1)
+_SOUP_VARIABLE_RE = re.compile(r"[a-df-hk-zA-DF-HK-Z]")
 # words that latex2sympy's lexer reads as functions or constants even without a backslash
 _LEXER_WORDS_RE = re.compile(
     r"(?i)gcd|lcm|floor|ceil|ar(?:c)?(?:sin|cos|tan)|eye|zeros|ones|cols|rows|diag|norm|rank|trace|rref|stack"
@@ -713,15 +722,17 @@ def _word_soup(gold: str, pred: str) -> bool:
     monomial that cannot equal a constant gold; it costs ~50 ms of parsing and ``simplify`` to
     find that out. Decided only when the normalized text (normalization turns "infinity" into
     ``\\infty``) is letters, spaces, commas and full stops (no operator that could make letters
-    cancel), has no word the LaTeX lexer knows, no "d x" (a differential) and no lone "e", and the
-    gold is a plain constant. Text golds were compared as text before (step 2).
+    cancel), has no word the LaTeX lexer knows and no lone "e", keeps a letter other than e / i / j,
+    and the gold is a plain constant. Text golds were compared as text before (step 2). Words with a
+    "d" before a letter ("sides", "reconsider": latex2sympy's differential token) count as soup: the
+    token is the plain symbol ``dx`` outside ``\\frac{d}{dx}`` and ``\\int``, which need a backslash.
     """
     if _SOUP_RE.fullmatch(pred) is None or not _is_prose(pred):
         return False
     norm = _sympy_text(pred)
     if norm is None or _SOUP_RE.fullmatch(norm) is None or _LEXER_WORDS_RE.search(norm):
         return False
-    if _SOUP_RISKY_RE.search(norm) or not re.search(r"[a-df-zA-DF-Z]", norm):
+    if _SOUP_RISKY_RE.search(norm) or not _SOUP_VARIABLE_RE.search(norm):
         return False  # a variable must remain, and nothing may turn the product into a constant
     g = _sympy_text(gold)
     vals = evaluate_numeric(g) if g is not None and "=" not in g else None
@@ -796,18 +807,23 @@ def _search_fallback(body: str) -> str | None:
     """math-verify's own search (last LaTeX span, else last number) for responses with no marker.
 
     We keep only the string it reports (``fallback_mode="first_match"`` appends the text of the
-    first candidate it tried). Which candidate that is depends on whether latex2sympy *can* parse
-    each candidate, not on what it parses to, so during this call a candidate that the numeric
-    parser accepts is answered "parses" without running ANTLR (``_search_parse_oracle``).
+    first candidate it tried). That string never depends on what a candidate parses to, and on
+    whether it parses only for a match with several LaTeX groups; so during this call a one-group
+    match, a plain-text expression, and any candidate the numeric parser accepts are answered
+    "parses" without running ANTLR or sympy (``_search_match_oracle``, ``_search_expr_oracle``,
+    ``_search_parse_oracle``). The search then stops at its first candidate instead of parsing
+    every failing one (on cut-off RL responses ~10x less time; ``SEARCH_ORACLE=False`` is the
+    real search, and tests compare the two).
     """
     mv = _mv()
-    _SEARCH_STATE.active = True
+    _SEARCH_STATE.active = SEARCH_ORACLE
     try:
         found = mv["parse"](
             body, extraction_config=mv["search_cfg"], fallback_mode="first_match", parsing_timeout=None
         )
     finally:
         _SEARCH_STATE.active = False
+        _SEARCH_STATE.single = False
     strs = [f for f in found if isinstance(f, str) and f.strip()]
     if strs:
         return strs[0].strip()
@@ -819,6 +835,9 @@ def _search_fallback(body: str) -> str | None:
 
 
 _SEARCH_STATE = threading.local()
+SEARCH_ORACLE = True
+"""Answer math-verify's parse attempts inside ``_search_fallback`` without parsing where the reported
+string cannot depend on them (tests switch it off to compare with the real search)."""
 
 
 def _surely_parses(latex: str) -> bool:
@@ -827,26 +846,85 @@ def _surely_parses(latex: str) -> bool:
     return all(evaluate_numeric(side) is not None for side in sides)
 
 
+_PARSES = None
+
+
+def _stand_in():
+    """The object the oracles return for "this parses": a sympy object, so math-verify's percent
+    wrapping and set building still work on it."""
+    global _PARSES
+    if _PARSES is None:
+        import sympy
+
+        _PARSES = sympy.Symbol("stapo_parses")
+    return _PARSES
+
+
 def _search_parse_oracle(real: Callable) -> Callable:
     """Wrap math-verify's ``parse_latex_cached`` (its module global, looked up at call time).
 
     Active only on the thread inside ``_search_fallback``: every other caller, in this process
-    or thread, gets the real function. This is the one place stapo touches math-verify internals.
+    or thread, gets the real function. This and the two wrappers below are the one place stapo
+    touches math-verify internals (math-verify 0.9's ``parser.extract_target_from_pred``).
     """
 
-    import sympy
-
-    parses = sympy.Symbol("stapo_parses")  # a sympy object, so math-verify's percent wrapping still works
-
     def parse_latex_cached(latex: str):
-        if getattr(_SEARCH_STATE, "active", False) and _surely_parses(latex):
-            return parses
+        if getattr(_SEARCH_STATE, "active", False) and (
+            getattr(_SEARCH_STATE, "single", False) or _surely_parses(latex)
+        ):
+            return _stand_in()
         return real(latex)
 
     parse_latex_cached.stapo_oracle = True  # type: ignore[attr-defined]
     parse_latex_cached.cache_info = real.cache_info  # type: ignore[attr-defined]
     parse_latex_cached.cache_clear = real.cache_clear  # type: ignore[attr-defined]
     return parse_latex_cached
+
+
+def _search_match_oracle(real: Callable) -> Callable:
+    """Wrap math-verify's ``extract_latex``: inside the search, a match with ONE LaTeX group parses.
+
+    Why that is exact: math-verify's search keeps trying matches (rightmost first, by priority)
+    until one parses, but the string it reports with ``fallback_mode="first_match"`` is the text
+    of the *first* match it tried, computed before parsing. Only a match with several LaTeX groups
+    ("$a$ and $b$") reports a string that depends on parsing (all groups parse: joined with
+    "and"; else the first), so those still get the real answer (or ``_surely_parses``). Saying
+    "parses" to the first match ends the search there instead of after every failing ANTLR parse.
+    """
+
+    def extract_latex(match, latex_config):
+        if not getattr(_SEARCH_STATE, "active", False):
+            return real(match, latex_config)
+        groups = sum(
+            1
+            for name, val in match.groupdict().items()
+            if val and (name.startswith("first_latex") or (name.startswith("next") and "_latex" in name))
+        )
+        _SEARCH_STATE.single = groups == 1
+        try:
+            return real(match, latex_config)
+        finally:
+            _SEARCH_STATE.single = False
+
+    extract_latex.stapo_oracle = True  # type: ignore[attr-defined]
+    extract_latex.cache_info = getattr(real, "cache_info", None)  # type: ignore[attr-defined]
+    extract_latex.cache_clear = getattr(real, "cache_clear", None)  # type: ignore[attr-defined]
+    return extract_latex
+
+
+def _search_expr_oracle(real: Callable) -> Callable:
+    """Wrap math-verify's ``parse_expr_cached`` (sympy's ``parse_expr`` of a plain-text expression
+    match): inside the search it "parses"; the reported string is the match text either way."""
+
+    def parse_expr_cached(expr: str):
+        if getattr(_SEARCH_STATE, "active", False):
+            return _stand_in()
+        return real(expr)
+
+    parse_expr_cached.stapo_oracle = True  # type: ignore[attr-defined]
+    parse_expr_cached.cache_info = getattr(real, "cache_info", None)  # type: ignore[attr-defined]
+    parse_expr_cached.cache_clear = getattr(real, "cache_clear", None)  # type: ignore[attr-defined]
+    return parse_expr_cached
 
 
 _WORD_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")

@@ -209,6 +209,7 @@ def _exact_only(monkeypatch) -> None:
     monkeypatch.setattr(grader, "_word_soup", lambda g, p: False)
     monkeypatch.setattr(grader, "_brackets_unequal", lambda g, p: False)
     monkeypatch.setattr(grader, "_surely_parses", lambda latex: False)
+    monkeypatch.setattr(grader, "SEARCH_ORACLE", False)
     grader.cache_clear()
 
 
@@ -219,7 +220,8 @@ def _grade_all(items):
 _REJECT_PAIRS = [
     ("2\\sqrt{3}", "2\\sqrt{5}"), ("\\frac{5\\pi^2}{4}", "\\frac{5\\pi^2}{2}"), ("12", "x = 7"),
     ("20", "f(x) = x^2 - 45x + 11"), ("(3, -13)", "(3, -14)"), ("[2, 5)", "[2, 6)"), ("(1, 2)", "3"),
-    ("34", "Therefore the sum of t"), ("7i - 2", "75"), ("x^2+1", "x^2-1"), ("\\frac{\\sqrt{3}}{2}", "0.87"),
+    ("34", "Therefore the sum of t"), ("9", "Multiplying both sides"), ("12", "so dx then we"),
+    ("5", "Hmm, wait. Let me reconsider the"), ("7i - 2", "75"), ("x^2+1", "x^2-1"), ("\\frac{\\sqrt{3}}{2}", "0.87"),
 ]  # fmt: skip
 
 
@@ -237,7 +239,7 @@ def test_stream_verdicts_do_not_change(monkeypatch):
     """An RL-shaped stream (LaTeX and integer golds, near misses, cut-off responses): same results."""
     items = build_stream(480, seed=11, prompt_pool=60, cutoff_frac=0.15)
     grader.cache_clear()
-    fired = {"_numerically_unequal": 0, "_word_soup": 0, "_brackets_unequal": 0, "_surely_parses": 0}
+    fired = {"_numerically_unequal": 0, "_word_soup": 0, "_brackets_unequal": 0, "_stand_in": 0}
 
     def counting(name):
         real = getattr(grader, name)
@@ -253,7 +255,8 @@ def test_stream_verdicts_do_not_change(monkeypatch):
         for name in fired:
             m.setattr(grader, name, counting(name))
         fast = _grade_all(items)
-    assert fired["_numerically_unequal"] >= 10 and fired["_surely_parses"] >= 10, fired
+    assert fired["_numerically_unequal"] >= 10 and fired["_stand_in"] >= 10, fired
+    assert fired["_word_soup"] >= 5, fired
     _exact_only(monkeypatch)
     slow = _grade_all(items)
     grader.cache_clear()
@@ -270,9 +273,17 @@ def test_search_oracle_finds_the_same_string(monkeypatch):
         "so $x = 49$ into $f(x) = x^2 - 5x + 3$",
         "first $\\frac{1}{2}$ and $\\frac{3}{4}$ then 12% of it",
         f"the values are {r.randint(1, 99)} and $\\sqrt{{2}}$ so",
+        # several LaTeX groups in one match: the reported string depends on whether all parse
+        "the final answer is $1$ and $\\frac{x}{$",
+        "The answers are $x=2$ and $y=\\frac{1}{$",
+        "the final answer is $a$ and $b$",
+        "so the answer is $\\sqrt{2}$ and $3$",
+        # first candidates that latex2sympy / sympy cannot parse, a later one that it can
+        "we have $\\frac{1}{$ then 7 and x^^2",
+        "then $f(x) = x^2 - 79x + 9$ and $\\begin{matrix}$",
     ]
     fast = [grader._search_fallback(b) for b in bodies]
-    monkeypatch.setattr(grader, "_surely_parses", lambda latex: False)
+    monkeypatch.setattr(grader, "SEARCH_ORACLE", False)
     slow = [grader._search_fallback(b) for b in bodies]
     assert fast == slow
 
@@ -294,7 +305,10 @@ def test_oracle_is_off_outside_the_search():
         ("1", "Let me: let me", False),  # ':' divides: (l*E*t*m*E)/(l*E*t*m*E) = 1 to latex2sympy
         ("0", "the x - the x", False),  # '-' could cancel
         ("12", "so the e", False),  # a lone e is Euler's number
-        ("12", "so dx then we", False),  # a differential
+        ("12", "so dx then we", True),  # a differential outside \\frac{d}{dx} / \\int is the symbol dx
+        ("9", "Multiplying both sides", True),  # "de" is a differential token, still a symbol
+        ("5", "Hmm, wait. Let me reconsider the", True),
+        ("1", "iiii", False),  # only i's: the imaginary unit in complex mode, i^4 = 1
         ("12", "the rank of it", False),  # a word latex2sympy's lexer knows
         ("12", "it is infinity", False),  # normalized to \infty
         ("\\text{Evelyn}", "Evelyn wins", False),  # text golds are compared as text
