@@ -136,3 +136,14 @@ def fill_greedy_group(group: list[Completion], n: int, copies: int) -> list[Comp
             Completion(list(c.token_ids), list(c.logprobs), c.finish_reason, c.text) for _ in range(n - 1)
         ]
     return group
+
+
+def prefixed_prompts(prompt_token_ids: list[list[int]], prefix_token_ids: list[list[int]]) -> list[list[int]]:
+    """``prompt + prefix`` per row, for an engine's ``generate_from_prefix``: the model sees exactly
+    the token ids of the original rollout (no re-tokenization), and each completion then holds the
+    *continuation* only, ``[prompt][sample]``."""
+    if len(prompt_token_ids) != len(prefix_token_ids):
+        raise ValueError(
+            f"generate_from_prefix: {len(prompt_token_ids)} prompts but {len(prefix_token_ids)} prefixes"
+        )
+    return [list(p) + list(x) for p, x in zip(prompt_token_ids, prefix_token_ids, strict=True)]

@@ -47,7 +47,13 @@ from typing import Any
 
 import torch
 
-from stapo.core.rollout.base import Completion, SamplingParams, check_prompts, fill_greedy_group
+from stapo.core.rollout.base import (
+    Completion,
+    SamplingParams,
+    check_prompts,
+    fill_greedy_group,
+    prefixed_prompts,
+)
 
 __all__ = ["HFRolloutEngine", "SampledLogprobRecorder"]
 
@@ -171,17 +177,8 @@ class HFRolloutEngine:
     def generate_from_prefix(
         self, prompt_token_ids: list[list[int]], prefix_token_ids: list[list[int]], sampling: SamplingParams
     ) -> list[list[Completion]]:
-        """Continue each prompt after a given response prefix (DEEP-GRPO's branches from a pivot).
-
-        The model sees ``prompt + prefix`` exactly as it saw the original rollout (token ids, no
-        re-tokenization); each completion holds the *continuation* only, ``[prompt][sample]``.
-        """
-        if len(prompt_token_ids) != len(prefix_token_ids):
-            raise ValueError(
-                f"generate_from_prefix: {len(prompt_token_ids)} prompts but {len(prefix_token_ids)} prefixes"
-            )
-        return self.generate([list(p) + list(x) for p, x in zip(prompt_token_ids, prefix_token_ids, strict=True)],
-                             sampling)
+        """Continue each prompt after a given response prefix (DEEP-GRPO's branches from a pivot)."""
+        return self.generate(prefixed_prompts(prompt_token_ids, prefix_token_ids), sampling)
     def _autocast(self) -> Any:
         """bf16 autocast on CUDA when the weights are fp32 masters (the torch backend's layout): the
         learner computes its log-probs under the same autocast, so sampler and learner agree, and

@@ -57,7 +57,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from stapo.core.rollout.base import Completion, SamplingParams, check_prompts, fill_greedy_group
+from stapo.core.rollout.base import (
+    Completion,
+    SamplingParams,
+    check_prompts,
+    fill_greedy_group,
+    prefixed_prompts,
+)
 
 __all__ = ["VLLMRolloutEngine", "INSTALL_HINT"]
 
@@ -251,17 +257,8 @@ class VLLMRolloutEngine:
     def generate_from_prefix(
         self, prompt_token_ids: list[list[int]], prefix_token_ids: list[list[int]], sampling: SamplingParams
     ) -> list[list[Completion]]:
-        """Continue each prompt after a given response prefix (DEEP-GRPO's branches from a pivot).
-
-        The model sees ``prompt + prefix`` exactly as it saw the original rollout (token ids, no
-        re-tokenization); each completion holds the *continuation* only, ``[prompt][sample]``.
-        """
-        if len(prompt_token_ids) != len(prefix_token_ids):
-            raise ValueError(
-                f"generate_from_prefix: {len(prompt_token_ids)} prompts but {len(prefix_token_ids)} prefixes"
-            )
-        return self.generate([list(p) + list(x) for p, x in zip(prompt_token_ids, prefix_token_ids, strict=True)],
-                             sampling)
+        """Continue each prompt after a given response prefix (DEEP-GRPO's branches from a pivot)."""
+        return self.generate(prefixed_prompts(prompt_token_ids, prefix_token_ids), sampling)
 
     def _completion(self, out: Any) -> Completion:
         """vLLM ``CompletionOutput`` -> :class:`Completion` (eos kept in ``token_ids``)."""
