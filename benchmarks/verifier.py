@@ -93,7 +93,9 @@ def start_server(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, STAPO_VERIFIER_LOG_LEVEL="warning", **(env_extra or {}))
+    # A private loopback service: no token (the harness's clients send none), quiet unless overridden.
+    env = {**os.environ, "STAPO_VERIFIER_LOG_LEVEL": "warning", **(env_extra or {})}
+    env.pop("STAPO_VERIFIER_TOKEN", None)
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
     cmd = [sys.executable, "-m", "stapo.cli.main", "verifier", "serve", "--port", str(port)]

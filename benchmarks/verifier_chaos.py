@@ -25,7 +25,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -43,6 +42,9 @@ from stapo.verifier_service.client import VerifierClient, VerifierUnavailable
 from stapo.verifier_service.grader import grade
 from stapo.verifier_service.loadgen import build_stream
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from verifier import machine, start_server  # noqa: E402  (the service harness: same machine line and launcher)
+
 RESULTS = Path(__file__).with_name("RESULTS.md")
 SECTION = "## Verifier chaos"
 
@@ -56,38 +58,6 @@ HOSTILE = [
     ("$" * 30_000, "1"),
     ("\\boxed{" * 3000, "1"),
 ]
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        m = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
-        cpu = m.group(1).strip() if m else cpu
-    except OSError:
-        pass
-    return f"{len(os.sched_getaffinity(0))} cores ({cpu})"
-
-
-def start_server(workers: int, deadline: float) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, STAPO_VERIFIER_LOG_LEVEL="error")
-    env.pop("STAPO_VERIFIER_TOKEN", None)
-    cmd = [sys.executable, "-m", "stapo.cli.main", "verifier", "serve", "--port", str(port),
-           "--workers", str(workers), "--deadline", str(deadline)]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 120
-    while time.monotonic() < end:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("the service did not become ready in 120 s")
 
 
 def worker_pids(server_pid: int) -> list[int]:
@@ -145,7 +115,9 @@ def main() -> None:
         hostile_idx.append(bad)
 
     load_before = os.getloadavg()[0]
-    proc, url = start_server(args.workers, args.deadline)
+    proc, url = start_server(
+        args.workers, env_extra={"STAPO_VERIFIER_DEADLINE_S": str(args.deadline), "STAPO_VERIFIER_LOG_LEVEL": "error"}
+    )
     stop = threading.Event()
     results: list[list | None] = [None] * args.clients
     failures: list[str] = []
