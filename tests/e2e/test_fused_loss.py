@@ -37,13 +37,7 @@ LR = 1e-2
 TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64, "seed": 0}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls: one thread is fastest, and spared from spinning on a shared, loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_cfg(*, trainer=None, algorithm=None):

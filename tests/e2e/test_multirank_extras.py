@@ -33,7 +33,7 @@ import torch
 pytest.importorskip("deepspeed")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_multirank_loop import one_thread, torchrun  # noqa: E402  (same launcher, same timeout)
+from test_multirank_loop import torchrun  # noqa: E402  (same launcher, same timeout)
 
 SPLITS = [[2, 4], [6, 0]]
 
@@ -160,9 +160,8 @@ def two_rank_results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_two_rank_extras_update_equals_one_process_update(two_rank_results, variant):
-    with one_thread():  # as torchrun's ranks (see test_multirank_loop.one_thread)
-        m1, p1 = extras_update("torch", variant, split=[6])  # the one-process reference, in this process
+def test_two_rank_extras_update_equals_one_process_update(two_rank_results, variant, one_thread):
+    m1, p1 = extras_update("torch", variant, split=[6])  # the one-process reference, on one thread like the ranks
     for key in VARIANTS[variant][1]:
         assert m1[key] != 0 and math.isfinite(m1[key]), f"{variant}: {key} = {m1[key]} (extra not exercised)"
     if variant == "overlong":

@@ -21,7 +21,6 @@ Kept small for CI (tiny model, 3 steps; ~1 minute on 2 busy cores). Skipped with
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -235,28 +234,14 @@ def fixed_update(backend_name: str, split: list[int]) -> tuple[dict, dict]:
     return m, params
 
 
-@contextlib.contextmanager
-def one_thread():
-    """torchrun starts its ranks with OMP_NUM_THREADS=1; the in-process reference must reduce in the
-    same order too, or an AdamW step (m / sqrt(v) ~ sign(g) for tiny g) can turn float noise of 1e-9
-    in a gradient into a parameter difference near lr."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-def test_two_rank_update_equals_one_process_update(tmp_path):
+def test_two_rank_update_equals_one_process_update(tmp_path, one_thread):  # reference reduces like the ranks
     """Splits [2, 4] (both ranks hold rows, unevenly) and [6, 0] (rank 1 holds none)."""
     out2 = tmp_path / "two.pt"
     two = UPDATE_SCRIPT.format(test_dir=os.path.dirname(__file__), backend="deepspeed", splits=[[2, 4], [6, 0]],
                                out=str(out2))
     (tmp_path / "two.py").write_text(two)
     torchrun([str(tmp_path / "two.py")], tmp_path)
-    with one_thread():
-        m1, p1 = fixed_update("torch", split=[6])  # the one-process reference, in this process
+    m1, p1 = fixed_update("torch", split=[6])  # the one-process reference, in this process
     r1 = {"metrics": m1, "params": p1}
     for r2 in torch.load(out2):
         _assert_same_update(r1, r2)
