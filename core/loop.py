@@ -394,11 +394,17 @@ def rollout_and_grade(run: _Run, step: int, round_: int) -> tuple[list[Sequence_
     return seqs, times
 
 
+def group_sequences(seqs: Sequence[Sequence_]) -> dict[int, list[Sequence_]]:
+    """Sequences by group id, groups and members in order of first appearance."""
+    by_group: dict[int, list[Sequence_]] = {}
+    for s in seqs:
+        by_group.setdefault(s.group, []).append(s)
+    return by_group
+
+
 def record_groups(run: _Run, idx: Sequence[int], seqs: list[Sequence_]) -> None:
     """Tell the prompt sampler each valid group's accuracy and whether its rewards were all equal."""
-    groups: dict[int, list[Sequence_]] = {}
-    for s in seqs:
-        groups.setdefault(s.group, []).append(s)
+    groups = group_sequences(seqs)
     ok = [(i, g) for i, g in zip(idx, (groups.get(k, []) for k in range(len(idx))), strict=True)
           if g and all(s.valid for s in g)]
     run.sampler.record([i for i, _ in ok], [_mean([float(s.correct) for s in g]) for _, g in ok],
@@ -419,10 +425,7 @@ def shape_and_advantage(cfg: Config, seqs: list[Sequence_]) -> list[Sequence_]:
         )
         for s, p in zip(seqs, pen.tolist(), strict=True):
             s.reward += p
-    by_group: dict[int, list[Sequence_]] = {}
-    for s in seqs:
-        by_group.setdefault(s.group, []).append(s)
-    groups = [g for g in by_group.values() if all(s.valid for s in g)]
+    groups = [g for g in group_sequences(seqs).values() if all(s.valid for s in g)]
     if not groups:
         return []
     rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [P, G]
@@ -438,10 +441,7 @@ def mixed_groups(seqs: list[Sequence_], metric: str = "acc") -> list[Sequence_]:
     rewards (``"reward"``) are not all equal."""
     from stapo.core.algos import dynamic_sampling_filter, dynamic_sampling_values
 
-    by_group: dict[int, list[Sequence_]] = {}
-    for s in seqs:
-        by_group.setdefault(s.group, []).append(s)
-    groups = list(by_group.values())
+    groups = list(group_sequences(seqs).values())
     if not groups:
         return []
     rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [P, G]
