@@ -79,6 +79,23 @@ class DataParallel:
         return out
 
 
+def micro_row_sets(n_rows: int, micro: int, *, calls: int | None = None, pad_row: int | None = None,
+                   what: str = "a no-grad pass") -> list[torch.Tensor]:
+    """Row indices of each forward of a no-grad pass over a rank's batch, micro-batch by micro-batch.
+
+    ``pad_row`` (the batch's last, zero-weight row) is left out of the real rows; with ``calls`` (the
+    number of forwards EVERY rank makes, so ZeRO-3's per-forward gathers stay in lockstep) the calls
+    past this rank's real rows run on the padding row alone.
+    """
+    real = n_rows if pad_row is None else pad_row
+    row_sets = [torch.arange(s, min(s + micro, real)) for s in range(0, real, micro)]
+    if calls is not None and calls > len(row_sets):
+        if pad_row is None:
+            raise ValueError(f"{what}: more calls than micro-batches needs a pad_row")
+        row_sets += [torch.tensor([pad_row])] * (calls - len(row_sets))
+    return row_sets
+
+
 def even_shard(items: Sequence[Any], rank: int, world_size: int) -> tuple[list[Any], int]:
     """(this rank's strided share padded to the largest share's length, number of real items).
 

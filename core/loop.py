@@ -168,14 +168,10 @@ def token_stats_batched(backend: Any, batch: Batch, micro: int, temperature: flo
     the number of forwards every rank makes (ZeRO-3 gathers parameters in each); calls past this
     rank's real rows run on the padding row. Stats of the padding row are 0 (it has no response).
     """
-    n = batch.input_ids.shape[0]
-    real = n if pad_row is None else pad_row
-    row_sets = [torch.arange(s, min(s + micro, real)) for s in range(0, real, micro)]
-    if calls is not None:
-        if pad_row is None and calls > len(row_sets):
-            raise ValueError("token_stats_batched: more calls than micro-batches needs a pad_row")
-        if calls > len(row_sets):
-            row_sets += [torch.tensor([pad_row])] * (calls - len(row_sets))
+    from stapo.core.distributed import micro_row_sets
+
+    row_sets = micro_row_sets(batch.input_ids.shape[0], micro, calls=calls, pad_row=pad_row,
+                              what="token_stats_batched")
     lp_all = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)  # [N, L]
     ent_all = torch.zeros_like(lp_all)  # [N, L]
     for rows in row_sets:

@@ -89,6 +89,7 @@ def minp_stats_batched(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     forward (ZeRO-3: the start-of-forward step reset, then each submodule's parameter gather): under
     ZeRO-3 every rank must make the same number of calls, which ``calls`` guarantees.
     """
+    from stapo.core.distributed import micro_row_sets
     from stapo.core.trainer.base import (
         _final_hidden,
         forward_as,
@@ -99,12 +100,7 @@ def minp_stats_batched(model: torch.nn.Module, input_ids: torch.Tensor, attentio
 
     B, L = input_ids.shape
     device = input_ids.device
-    real = B if pad_row is None else pad_row
-    row_sets = [torch.arange(s, min(s + micro_batch, real)) for s in range(0, real, micro_batch)]
-    if calls is not None and calls > len(row_sets):
-        if pad_row is None:
-            raise ValueError("minp_stats_batched: more calls than micro-batches needs a pad_row")
-        row_sets += [torch.tensor([pad_row])] * (calls - len(row_sets))
+    row_sets = micro_row_sets(B, micro_batch, calls=calls, pad_row=pad_row, what="minp_stats_batched")
     kept = torch.zeros(B, L, dtype=torch.float32, device=device)
     pmax = torch.zeros(B, L, dtype=torch.float32, device=device)
     scale, needs_logits = head_logit_transform(model)
