@@ -550,6 +550,43 @@ class UpdateRecord:
         return UpdateRecord(torch.ones(epochs, n, L), torch.full((epochs, n), float("nan")),
                             torch.full((epochs, n, L), -1, dtype=torch.int8))
 
+    def put(self, epoch: int, rows: torch.Tensor, ctx: Any, tw: Any, tau_h: float, tau_p: float) -> None:
+        """Store what one mini-batch's weighting gave its first ``len(rows)`` rows (the real ones;
+        padding rows come after them): applied weights, tau_h, and each token's phase cell."""
+        from stapo.core.algos import phase_cells
+
+        k = len(rows)
+        rows = rows.cpu()
+        self.weights[epoch, rows] = tw.weights[:k].detach().float().cpu()
+        self.tau_h[epoch, rows] = tau_h
+        self.cells[epoch, rows] = phase_cells(ctx, tau_p=tau_p, tau_h=tau_h)[:k].cpu()  # [k, L]
+
+
+def update_metrics(diag: dict[str, float], taus: Sequence[float], p05: float, sums: dict[str, float],
+                   step_out: Sequence[dict[str, float]], epochs: int) -> dict[str, float]:
+    """The update's logged metrics: token diagnostics counted from its own weightings (``diag``,
+    summed over mini-batches and epochs), the thresholds it used, and the loss / clip sums and
+    optimizer outputs (``step_out``: one per optimizer step). Shared by update_policy and the
+    on-policy fast path (stapo.core.onpolicy), so both log the same keys with the same meaning."""
+    from stapo.core.algos import fractions_from_counts
+
+    tokens = max(sums["tokens"], 1.0)
+    token_diag = fractions_from_counts(diag)
+    token_diag["tokens/valid"] = diag["tokens"] / epochs  # every epoch sees each row once
+    return {
+        **token_diag,
+        "stapo/silenced_count": diag["silenced"],
+        "stapo/tau_h": _mean(taus),
+        "entropy/p05": p05,
+        "actor/loss": sums["loss"] / len(step_out),
+        "actor/grad_norm": _mean([o.get("grad_norm", float("nan")) for o in step_out]),
+        "actor/lr": step_out[-1].get("lr", float("nan")),
+        "actor/skipped_updates": float(sum(o.get("skipped", 0.0) for o in step_out)),
+        "actor/clip_frac_low": sums["clip_low"] / tokens,
+        "actor/clip_frac_high": sums["clip_high"] / tokens,
+        "actor/ratio_mean": sums["ratio_sum"] / tokens,
+    }
+
 
 def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.Tensor, step: int, *,
                   counts: Sequence[int] | None = None, record: UpdateRecord | None = None,
@@ -580,8 +617,6 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
     """
     from stapo.core.algos import (
         TokenContext,
-        fractions_from_counts,
-        phase_cells,
     )
     from stapo.core.algos.regularizers import add_terms, entropy_bonus
     from stapo.core.distributed import plan_update
@@ -658,11 +693,7 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
             tau_mb = update_diagnostics(cfg, ctx, tw, tau_step, diag)
             taus.append(tau_mb)
             if record is not None:
-                real_rows = mb_idx[:mb_real].cpu()
-                record.weights[epoch, real_rows] = tw.weights[:mb_real].detach().float().cpu()
-                record.tau_h[epoch, real_rows] = tau_mb
-                cells = phase_cells(ctx, tau_p=a.s2t.tau_p, tau_h=tau_mb)  # [b, L]
-                record.cells[epoch, real_rows] = cells[:mb_real].cpu()
+                record.put(epoch, mb_idx[:mb_real], ctx, tw, tau_mb, a.s2t.tau_p)
             norm = agg.normalizer(tw, mb.response_mask)
             reduce = getattr(backend, "all_reduce_sum", None)
             norm = reduce(norm) if reduce is not None else norm
@@ -697,30 +728,13 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
                 before_step(len(step_out), fresh)
             step_out.append(backend.step())
             fresh = False
-    updates = len(step_out)
     # Global, like every logged metric: each rank's loss is its share of the global objective (the
     # normalizer is all-reduced), so the ranks' losses and clip counts add up (one gather, every rank).
     from stapo.core.distributed import DataParallel
 
     keys = ("loss", "clip_low", "clip_high", "tokens", "ratio_sum")
     sums = dict(zip(keys, DataParallel(backend).sum([sums[k] for k in keys]), strict=True))
-    tokens = max(sums["tokens"], 1.0)
-    grad_norms = [o.get("grad_norm", float("nan")) for o in step_out]
-    token_diag = fractions_from_counts(diag)
-    token_diag["tokens/valid"] = diag["tokens"] / a.ppo_epochs  # every epoch sees each row once
-    return {
-        **token_diag,
-        "stapo/silenced_count": diag["silenced"],
-        "stapo/tau_h": _mean(taus),
-        "entropy/p05": p05,
-        "actor/loss": sums["loss"] / updates,
-        "actor/grad_norm": _mean(grad_norms),
-        "actor/lr": step_out[-1].get("lr", float("nan")),
-        "actor/skipped_updates": float(sum(o.get("skipped", 0.0) for o in step_out)),
-        "actor/clip_frac_low": sums["clip_low"] / tokens,
-        "actor/clip_frac_high": sums["clip_high"] / tokens,
-        "actor/ratio_mean": sums["ratio_sum"] / tokens,
-    }
+    return update_metrics(diag, taus, p05, sums, step_out, a.ppo_epochs)
 
 
 def validate(run: _Run) -> dict[str, float]:

@@ -242,8 +242,8 @@ def onpolicy_update(run: Any, batch: Any, step: int, *, record: Any = None) -> t
     The returned statistics are those of the sampling policy (the gradient forward ran before the
     optimizer step), for the step's token metrics and token dumps.
     """
-    from stapo.core.algos import TokenContext, fractions_from_counts
-    from stapo.core.loop import step_entropy_thresholds, update_diagnostics, update_parts
+    from stapo.core.algos import TokenContext
+    from stapo.core.loop import step_entropy_thresholds, update_diagnostics, update_metrics, update_parts
 
     cfg, backend = run.cfg, run.backend
     a = cfg.algorithm
@@ -319,7 +319,6 @@ def onpolicy_update(run: Any, batch: Any, step: int, *, record: Any = None) -> t
             backward_rows(rows, lp, tw, norm)
         del graphs
     out = backend.step()
-    tokens = max(sums["tokens"], 1.0)
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(n, device=perm.device)
     lp_all, ent_all = torch.cat(lps)[inv], torch.cat(ents)[inv]  # back to the batch's row order
@@ -331,28 +330,9 @@ def onpolicy_update(run: Any, batch: Any, step: int, *, record: Any = None) -> t
     p05, tau_step = step_entropy_thresholds(cfg, ctx.entropy, ctx.mask, gather)
     diag: dict[str, float] = {}
     tau = update_diagnostics(cfg, ctx, tw, tau_step, diag)
-    token_diag = fractions_from_counts(diag)
-    token_diag["tokens/valid"] = diag["tokens"]
-    if record is not None:  # what the update applied, per row, for the token dump (core.loop.UpdateRecord)
-        from stapo.core.algos import phase_cells
-
-        rows = perm.cpu()
-        record.weights[0, rows] = tw.weights.detach().float().cpu()
-        record.tau_h[0, rows] = tau
-        record.cells[0, rows] = phase_cells(ctx, tau_p=a.s2t.tau_p, tau_h=tau).cpu()
+    if record is not None:  # what the update applied, per row, for the token dump
+        record.put(0, perm, ctx, tw, tau, a.s2t.tau_p)
     t_weights += time.time() - t0
-    metrics = {
-        **token_diag,
-        "stapo/silenced_count": diag["silenced"],
-        "stapo/tau_h": tau,
-        "entropy/p05": p05,
-        "actor/loss": sums["loss"],
-        "actor/grad_norm": out.get("grad_norm", float("nan")),
-        "actor/lr": out.get("lr", float("nan")),
-        "actor/skipped_updates": float(out.get("skipped", 0.0)),
-        "actor/clip_frac_low": sums["clip_low"] / tokens,
-        "actor/clip_frac_high": sums["clip_high"] / tokens,
-        "actor/ratio_mean": sums["ratio_sum"] / tokens,
-        "time/weights_s": t_weights,
-    }
+    metrics = update_metrics(diag, [tau], p05, sums, [out], epochs=1)
+    metrics["time/weights_s"] = t_weights
     return metrics, lp_all, ent_all
