@@ -1051,10 +1051,9 @@ def final_answer(
         raise ValueError(f"think: unknown mode {think!r}; valid: {', '.join(THINK_MODES)}")
     if special_tokens:
         prediction = strip_special_tokens(prediction, tuple(special_tokens))
-    if mode == "dapo":
-        body = apply_think(prediction, think)
-        raw = dapo_extract(body) if body is not None else None
-        return ("ok", raw.strip()) if raw is not None else ("no_answer", None)
+    if mode == "dapo":  # the ``Answer:`` line is found by its marker or not at all
+        raw = marker_answer(prediction, "dapo", think=think)
+        return ("ok", raw) if raw is not None else ("no_answer", None)
     return _extract_math(prediction, think)
 
 
