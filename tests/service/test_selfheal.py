@@ -32,8 +32,11 @@ def _wait(pred, timeout: float, what: str) -> None:
 def test_pool_that_cannot_start_workers_is_retried_with_backoff():
     """Workers die while starting -> the pool is broken *for a while* (callers get PoolBroken with a
     retry time), then tries again; once workers can start, it serves again without a restart."""
+    # startup_timeout_s: a start that hangs under the memory limit (seen once in a full-suite run:
+    # the pool took > 60 s to report) also counts as a failed start, sooner than the 60 s default.
     pool = GraderPool(
-        workers=1, deadline_s=2.0, start_method="spawn", worker_memory_mb=40, max_start_failures=1
+        workers=1, deadline_s=2.0, start_method="spawn", worker_memory_mb=40, max_start_failures=1,
+        startup_timeout_s=15,
     )
     try:
         _wait(lambda: pool.broken is not None, 60, "pool never reported broken")
