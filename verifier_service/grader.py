@@ -44,7 +44,7 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import Literal
 
-from stapo.verifier_service.dapo import dapo_extract, dapo_is_correct
+from stapo.verifier_service.dapo import TAIL_CHARS, dapo_extract, dapo_is_correct, dapo_normalize
 from stapo.verifier_service.extract import THINK_MODES, apply_think, extract_answer, strip_special_tokens
 from stapo.verifier_service.normalize import (
     Num,
@@ -383,9 +383,12 @@ def _base_equal(gb: re.Match | None, pb: re.Match | None, g: _Info, p: _Info) ->
     return False
 
 
-@lru_cache(maxsize=RESULT_CACHE_SIZE)
-def _equiv(gold: str, pred: str) -> bool:
-    """Is the extracted prediction ``pred`` the same answer as ``gold``? (cheapest test first)."""
+def _equiv_cheap(gold: str, pred: str) -> bool | None:
+    """The first steps of :func:`_equiv`: string and exact-number tests only, None when undecided.
+
+    Its own function so that the server process can run exactly these steps on short answers
+    (:func:`quick_verdict`) and leave everything else to the workers; ``_equiv`` starts with it.
+    """
     g, p = _info(gold), _info(pred)
     if not g.canon or not p.canon:
         return False
@@ -408,6 +411,16 @@ def _equiv(gold: str, pred: str) -> bool:
         if numbers_equal(g_num, p_num):
             return True
         return not p_num.percent and not p_num.degree and _rounded_gold_match(g, pred, p_num.value)
+    return None
+
+
+@lru_cache(maxsize=RESULT_CACHE_SIZE)
+def _equiv(gold: str, pred: str) -> bool:
+    """Is the extracted prediction ``pred`` the same answer as ``gold``? (cheapest test first)."""
+    cheap = _equiv_cheap(gold, pred)
+    if cheap is not None:
+        return cheap
+    g, p = _info(gold), _info(pred)
     # 3b. clock times: "1:30 p.m." = "1:30\text{ pm}" = "13:30"; a clock gold needs a clock answer
     gc = _clock(g.canon)
     if gc is not None:
@@ -1019,8 +1032,7 @@ def marker_answer(prediction: str, mode: str = "math", *, think: str = "optional
     the cache key and the grade cannot drift apart.
     """
     if mode == "dapo":
-        body = apply_think(prediction, think)
-        raw = dapo_extract(body) if body is not None else None
+        raw = dapo_line(prediction, think=think)
         return raw.strip() if raw is not None else None
     if mode != "math":
         return None
@@ -1029,6 +1041,45 @@ def marker_answer(prediction: str, mode: str = "math", *, think: str = "optional
         return None
     extracted = latexify(extracted)
     return None if _is_prose(extracted) else extracted
+
+
+def dapo_line(prediction: str, *, think: str = "optional") -> str | None:
+    """Mode ``dapo``'s raw ``Answer:`` text, unstripped: its verdict reads this string and the gold only.
+
+    (``marker_answer`` reports it stripped, as ``grade`` does; the DAPO normalizer sees it unstripped,
+    and "Answer: x is a " normalizes differently from "x is a", so a verdict cache keys on this.)
+    """
+    body = apply_think(prediction, think)
+    return dapo_extract(body) if body is not None else None
+
+
+QUICK_MAX_CHARS = 64
+"""Longest gold and answer (mode ``math``) that :func:`quick_verdict` decides; RL answers are short."""
+QUICK_MAX_GOLD_DAPO = 400
+"""Longest gold :func:`quick_verdict` normalizes in mode ``dapo`` (the answer line is <= 300 chars)."""
+
+
+def quick_verdict(gold: str, answer: str, mode: str = "math") -> bool | None:
+    """``grade``'s verdict for a response whose final answer is ``answer``, when string and exact-number
+    steps decide it; None when only a worker can (sympy, math-verify, long strings).
+
+    For the service's server process: it has no deadline, so this runs only steps whose cost is
+    linear in short inputs. Mode ``math``: ``answer`` is :func:`marker_answer`'s string, and the
+    verdict is ``_equiv_cheap`` -- the first steps of the grader's own comparison (equal canonical
+    strings, choice letters, text answers, numerals in a base, exact numbers) -- so a decided
+    verdict is the one a worker would return. Mode ``dapo``: ``answer`` is :func:`dapo_line`'s raw
+    text and the verdict is the DAPO normalizer's string equality (``dapo.py``), always decided.
+    """
+    if mode == "dapo":
+        if len(answer) > TAIL_CHARS or len(gold) > QUICK_MAX_GOLD_DAPO:
+            return None
+        return dapo_normalize(answer) == dapo_normalize(strip_special_tokens(gold))
+    if mode != "math" or len(answer) > QUICK_MAX_CHARS or len(gold) > QUICK_MAX_CHARS:
+        return None
+    gold_ans = latexify(gold_answer(strip_special_tokens(gold)))
+    if not strip_delims(gold_ans):
+        return None  # grade says "error" (empty gold): the worker reports it
+    return _equiv_cheap(gold_ans, answer)
 
 
 def final_answer(

@@ -13,7 +13,8 @@ knowledge of Prometheus.
     stapo_verifier_cache_hits_total / _misses_total   result cache (+ duplicates inside a request)
     stapo_verifier_cancelled_requests_total        requests whose client went away (queued items dropped)
     stapo_verifier_pool_events_total{event}        rejected | cancelled_items | expired_items | recycled_items |
-                                                   recycled_rss | pool_restarts | fork_rebuilds | verdict_hits
+                                                   recycled_rss | pool_restarts | fork_rebuilds | verdict_hits |
+                                                   inline_verdicts (decided in the server process)
     stapo_verifier_workers / _workers_ready / _pending_items / _queued_seconds / _cache_entries /
     _cache_bytes   gauges
 """
@@ -37,6 +38,7 @@ POOL_EVENTS = (
     "pool_restarts",
     "fork_rebuilds",
     "verdict_hits",
+    "inline_verdicts",
 )
 ROUTES = frozenset({"/v1/verify", "/get_reward", "/healthz", "/readyz", "/metrics"})
 """Routes labelled by name; anything else is 'other', so a scanner cannot blow up the label set."""

@@ -80,7 +80,7 @@ import weakref
 import zlib
 from collections.abc import Iterable, Sequence
 from multiprocessing.connection import wait as mp_wait
-from typing import Any
+from typing import Any, NamedTuple
 
 from stapo.verifier_service.grader import GradeResult
 from stapo.verifier_service.schemas import VerifyItem
@@ -174,10 +174,21 @@ def cache_key(item: Item) -> bytes:
     return _digest(mode, gold, pred)
 
 
-def verdict_key(item: Item) -> tuple[bytes, str] | None:
-    """(digest of mode + gold + extracted answer, extracted answer) when the grader's verdict depends
-    on nothing else; None when only a worker can tell (no marker: math-verify's search; prose in the
-    answer; too long). Runs the grader's own extraction steps, in the parent, in microseconds.
+class VerdictKey(NamedTuple):
+    """What the parent knows about an item's final answer (``verdict_key``)."""
+
+    digest: bytes
+    """of mode + gold + the answer the verdict reads: equal digests, equal verdicts"""
+    extracted: str
+    """the answer as ``grade`` reports it (``GradeResult.extracted``)"""
+    answer: str
+    """the string the verdict reads (mode ``math``: = extracted; ``dapo``: the raw, unstripped line)"""
+
+
+def verdict_key(item: Item) -> VerdictKey | None:
+    """(digest of mode + gold + extracted answer, extracted answer, answer) when the grader's verdict
+    depends on nothing else; None when only a worker can tell (no marker: math-verify's search; prose in
+    the answer; too long). Runs the grader's own extraction steps, in the parent, in microseconds.
 
     The verdict of mode ``math`` is ``_equiv(latexify(gold_answer(gold)), latexify(extract_answer(
     prediction)))`` whenever the extracted answer exists and is not prose (grader._grade_math); mode
@@ -193,17 +204,40 @@ def verdict_key(item: Item) -> tuple[bytes, str] | None:
         return None
     if pred.count("boxed") + pred.count("fbox") > VERDICT_MAX_BOXES:
         return None
-    from stapo.verifier_service.grader import marker_answer
+    from stapo.verifier_service.grader import dapo_line, marker_answer
 
     if mode not in ("math", "dapo"):
         return None
     try:
-        ext = marker_answer(pred, mode)
+        if mode == "dapo":
+            answer = dapo_line(pred)
+            ext = answer.strip() if answer is not None else None
+        else:
+            answer = ext = marker_answer(pred, mode)
     except Exception:  # the worker will say what went wrong
         return None
-    if ext is None:
+    if ext is None or answer is None:
         return None
-    return _digest("verdict", mode, gold, ext), ext
+    return VerdictKey(_digest("verdict", mode, gold, answer), ext, answer)
+
+
+def inline_grade(gold: str, mode: str, vk: VerdictKey) -> GradeResult | None:
+    """The item's result when ``grader.quick_verdict`` decides it in this process, else None.
+
+    Most first sights on an RL stream are integers against an integer gold (DAPO-Math-17k, GSM8K)
+    or an answer equal to the gold up to markup: a worker would take microseconds to grade them,
+    after a round trip (pickling, a pipe, two context switches) that costs more than the grading.
+    """
+    from stapo.verifier_service.grader import quick_verdict
+
+    t0 = time.perf_counter()
+    try:
+        ok = quick_verdict(gold, vk.answer, mode)
+    except Exception:  # the worker will say what went wrong
+        return None
+    if ok is None:
+        return None
+    return GradeResult(ok, 1.0 if ok else 0.0, "ok", vk.extracted, (time.perf_counter() - t0) * 1e3)
 
 
 class _ByteLRU:
@@ -431,7 +465,7 @@ class _Job:
         self.results: list[GradeResult | None] = [None] * n
         self.dups: dict[int, list[int]] = {}
         self.keys: dict[int, bytes] = {}
-        self.vkeys: dict[int, tuple[bytes, str]] = {}
+        self.vkeys: dict[int, VerdictKey] = {}
         self.vdups: dict[int, list[int]] = {}  # leader -> items with the same (mode, gold, answer)
         self.remaining = 0  # leaders not answered yet (queued or in flight)
         self.future: concurrent.futures.Future[list[GradeResult]] = concurrent.futures.Future()
@@ -490,6 +524,7 @@ class GraderPool:
         cache_size: int = 65_536,
         cache_max_mb: float = 64.0,
         verdict_cache: bool = True,
+        inline_verdicts: bool = True,
         max_pending_items: int = 200_000,
         max_queue_s: float = 60.0,
         retry_deadline_factor: float = 2.0,
@@ -534,6 +569,7 @@ class GraderPool:
         self.worker_max_items = worker_max_items
         self.worker_max_rss_mb = worker_max_rss_mb
         self.verdict_cache = verdict_cache
+        self.inline_verdicts = inline_verdicts and verdict_cache
         self._memory_mb = worker_memory_mb
         self._warmup = warmup
         self._start_method = start_method
@@ -642,7 +678,7 @@ class GraderPool:
         job.items = norm
         leaders: dict[bytes, int] = {}
         vleaders: dict[bytes, int] = {}
-        hits = vhits = too_large = 0
+        hits = vhits = inline = too_large = 0
         for i, item in enumerate(norm):
             pred, gold, mode = item
             if len(pred) > self.max_prediction_chars or len(gold) > self.max_gold_chars:
@@ -663,20 +699,29 @@ class GraderPool:
             if self.verdict_cache:
                 vk = verdict_key(item)
                 if vk is not None:
-                    v = self._verdicts.get(vk[0])
+                    v = self._verdicts.get(vk.digest)
                     if v is not None:
                         job.results[i] = v
                         self._cache.put(key, v)  # the same item again skips the extraction too
                         vhits += 1
                         continue
-                    vl = vleaders.get(vk[0])
+                    vl = vleaders.get(vk.digest)
                     if vl is not None:  # same gold and final answer as an item sent above: its verdict
                         job.vdups.setdefault(vl, []).append(i)
                         job.keys[i] = key
                         job.shard[i] = zlib.crc32(gold.encode("utf-8", "surrogatepass")) % self.size
                         vhits += 1
                         continue
-                    vleaders[vk[0]] = i
+                    if self.inline_verdicts:
+                        r = inline_grade(gold, mode, vk)
+                        if r is not None:  # decided here: no worker round trip
+                            job.results[i] = r
+                            kept = GradeResult(r.correct, r.score, r.status, r.extracted, 0.0)
+                            self._verdicts.put(vk.digest, kept)
+                            self._cache.put(key, kept)
+                            inline += 1
+                            continue
+                    vleaders[vk.digest] = i
                     job.vkeys[i] = vk
             leaders[key] = i
             job.keys[i] = key
@@ -686,8 +731,9 @@ class GraderPool:
         new_s = sum(self._est_item_s(norm[i][2]) for i in leaders.values()) / self.size
         with self._lock:
             self.stats["items"] += len(norm)
-            self.stats["cache_hits"] += hits + vhits
+            self.stats["cache_hits"] += hits + vhits + inline
             self.stats["verdict_hits"] += vhits
+            self.stats["inline_verdicts"] += inline
             self.stats["cache_misses"] += len(leaders)
             self.stats["too_large"] += too_large
             if self._closing:
@@ -909,8 +955,8 @@ class GraderPool:
             if key is not None:
                 self._cache.put(key, GradeResult(r.correct, r.score, r.status, r.extracted, 0.0))
             vk = job.vkeys.get(leader)
-            if vk is not None and r.status == "ok" and r.extracted == vk[1]:
-                self._verdicts.put(vk[0], GradeResult(r.correct, r.score, r.status, r.extracted, 0.0))
+            if vk is not None and r.status == "ok" and r.extracted == vk.extracted:
+                self._verdicts.put(vk.digest, GradeResult(r.correct, r.score, r.status, r.extracted, 0.0))
         elif r.status == "timeout" and key is not None and count:
             self._timed_out.put(key, r)
         if r.status in ("timeout", "error") and count:
@@ -918,7 +964,7 @@ class GraderPool:
         followers = job.vdups.pop(leader, None)
         if followers:
             vk = job.vkeys.get(leader)
-            if vk is not None and r.status == "ok" and r.extracted == vk[1]:
+            if vk is not None and r.status == "ok" and r.extracted == vk.extracted:
                 same = GradeResult(r.correct, r.score, r.status, r.extracted, 0.0)
                 for f in followers:
                     job.results[f] = same

@@ -95,6 +95,12 @@ class Settings(BaseSettings):
         description="Extract answers in the server process and reuse verdicts by (mode, gold, answer): "
         "a repeated final answer skips the workers.",
     )
+    inline_verdicts: bool = Field(
+        True,
+        description="Decide in the server process the verdicts that need only string and exact-number "
+        "tests on short answers (integer golds, equal strings, DAPO's string rule): no worker round trip. "
+        "Needs verdict_cache.",
+    )
     worker_max_items: int = Field(
         50_000, ge=0, description="Recycle a worker after grading this many items (0: never)."
     )
@@ -149,6 +155,7 @@ class Settings(BaseSettings):
             "retry_deadline_factor": self.retry_deadline_factor,
             "cache_max_mb": self.cache_max_mb,
             "verdict_cache": self.verdict_cache,
+            "inline_verdicts": self.inline_verdicts,
             "worker_max_items": self.worker_max_items,
             "worker_max_rss_mb": self.worker_max_rss_mb,
             "start_method": self.start_method,

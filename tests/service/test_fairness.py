@@ -202,7 +202,9 @@ def test_admission_in_work_answers_429_and_the_client_waits_as_told():
         t.start()
         # after the first two hangs the estimate is ~deadline per item: 4 queued x 2 s / 2 workers = 4 s
         wait_pending(srv, lambda b: b.get("queued_seconds", 0) > 1.5, timeout=15)
-        small = [{"prediction": f"\\boxed{{{k}}}", "gold": str(k)} for k in range(5)]
+        # no answer marker: only a worker can grade these (a boxed integer would be decided in the server
+        # process without queueing, and so never refused: see test_inline_verdicts.py)
+        small = [{"prediction": f"so the value is {k}", "gold": str(k)} for k in range(5)]
         r = httpx.post(f"{srv.url}/v1/verify", json={"items": small}, timeout=10)
         assert r.status_code == 429, r.text
         assert 1 <= int(r.headers["retry-after"]) <= 10 and "max_queue_s" in r.json()["detail"]
@@ -225,7 +227,7 @@ def test_budget_spent_items_are_answered_timeout_without_grading():
         assert pool.wait_ready(60)
         hang = pool.submit([(POWER, "1"), (POWER, "2")])  # holds the only worker ~3 s
         time.sleep(0.2)
-        late = pool.submit([("\\boxed{1}", "1"), ("\\boxed{2}", "2")], budget_s=0.3)
+        late = pool.submit([("so it is 1", "1"), ("so it is 2", "2")], budget_s=0.3)  # worker items
         doomed = pool.submit([(POWER, str(k)) for k in range(3, 40)])
         doomed.cancel()
         res = late.result(timeout=10)

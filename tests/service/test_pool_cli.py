@@ -15,8 +15,15 @@ from stapo.verifier_service.pool import GraderPool, PoolBusy, PoolClosed
 
 @pytest.fixture(scope="module")
 def pool():
+    # inline_verdicts off: these tests are about the worker path (a boxed integer against an integer gold
+    # would otherwise be decided in this process and never queued; tests/service/test_inline_verdicts.py)
     with GraderPool(
-        workers=1, deadline_s=1.5, max_prediction_chars=1000, max_pending_items=50, cache_size=8
+        workers=1,
+        deadline_s=1.5,
+        max_prediction_chars=1000,
+        max_pending_items=50,
+        cache_size=8,
+        inline_verdicts=False,
     ) as p:
         assert p.wait_ready(60)
         yield p

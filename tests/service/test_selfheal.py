@@ -84,7 +84,9 @@ def test_readyz_is_503_with_the_reason_while_the_pool_is_broken():
             except (httpx.HTTPError, ValueError):
                 return False
 
-        _wait(broken, 240, "readyz never reported the broken pool")  # 6 failed spawns: slow on a loaded machine
+        _wait(
+            broken, 240, "readyz never reported the broken pool"
+        )  # 6 failed spawns: slow on a loaded machine
         assert body["ready"] is False and "restart_in_s" in body and "worker_pids" not in body
         assert httpx.get(f"{url}/healthz").status_code == 200  # alive, but not ready
         r = httpx.post(f"{url}/v1/verify", json={"items": [{"prediction": "1", "gold": "1"}]}, timeout=10)
@@ -98,14 +100,18 @@ def test_readyz_is_503_with_the_reason_while_the_pool_is_broken():
 
 
 def test_workers_are_recycled_after_n_items_and_above_rss():
-    with GraderPool(workers=1, deadline_s=5.0, worker_max_items=4, worker_max_rss_mb=0) as pool:
+    with GraderPool(
+        workers=1, deadline_s=5.0, worker_max_items=4, worker_max_rss_mb=0, inline_verdicts=False
+    ) as pool:
         assert pool.wait_ready(60)
         first = pool.worker_pids()
         for k in range(3):
             res = pool.grade_many([(f"\\boxed{{{k}{j}}}", f"{k}{j}") for j in range(4)])
             assert all(r.correct for r in res)
         assert pool.stats["recycled_items"] >= 2 and pool.worker_pids() != first
-    with GraderPool(workers=1, deadline_s=5.0, worker_max_items=0, worker_max_rss_mb=1) as pool:
+    with GraderPool(
+        workers=1, deadline_s=5.0, worker_max_items=0, worker_max_rss_mb=1, inline_verdicts=False
+    ) as pool:
         assert pool.wait_ready(60)
         assert pool.grade("\\boxed{7}", "7").correct
         _wait(lambda: pool.stats["recycled_rss"] >= 1, 10, "a worker over the RSS bound was not recycled")
@@ -129,7 +135,7 @@ def test_caches_are_bounded_in_bytes():
 def test_pool_is_fork_safe():
     """Issue 11 item 2: fork after grading; the child grades (under a timeout) with workers of its own,
     and its exit leaves the parent's workers alone (multiprocessing's exit handler would SIGTERM them)."""
-    with GraderPool(workers=1, deadline_s=5.0) as pool:
+    with GraderPool(workers=1, deadline_s=5.0, inline_verdicts=False) as pool:  # worker items only
         assert pool.grade("\\boxed{2}", "2").correct
         parent_workers = pool.worker_pids()
         r, w = os.pipe()
