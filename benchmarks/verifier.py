@@ -13,9 +13,16 @@ numbers come from the same run on the same machine and are reported as a ratio; 
 is recorded because other work on a small machine moves them.
 
 Variants of the service, each started fresh on the same stream in the same run: ``after`` (this
-tree), ``no-verdict`` (this tree with the verdict cache off: what the fairness/cancellation/
-admission machinery costs by itself) and, with ``--before REV``, ``before`` (the service of that git
-revision, unpacked with ``git archive`` into a temporary folder that goes first on PYTHONPATH).
+tree), ``no-inline`` (this tree without inline verdicts: every first-seen answer goes to a worker),
+``no-verdict`` (this tree with the verdict cache off: what the fairness/cancellation/admission
+machinery costs by itself), ``after+httpx`` (this tree, measured with the httpx client instead of
+the lean one) and, with ``--before REV``, ``before`` (the service of that git revision, unpacked with
+``git archive`` into a temporary folder that goes first on PYTHONPATH).
+
+The client (``--client``, default ``raw``: ``loadgen.CLIENTS``) runs on the same cores as the
+service. A trainer runs it on its own machine; here its CPU is taken from the service, so the
+default is a lean keep-alive HTTP/1.1 client over asyncio streams (~0.2 ms of CPU per 64-item
+request) rather than httpx (~1.5 ms): ``after+httpx`` shows what the heavier client costs.
 
 Streams (``STREAMS``): ``math`` MATH-500 + GSM8K golds, ``\\boxed{}`` endings, prompts revisited;
 ``math-fresh`` the same golds, every group a new prompt; ``dapo`` DAPO-Math-17k golds (all integers,
@@ -43,6 +50,7 @@ from rich.console import Console
 from rich.table import Table
 
 from stapo.verifier_service.loadgen import (
+    CLIENTS,
     build_stream,
     load_golds,
     run_baseline,
@@ -125,6 +133,13 @@ def write_section(text: str) -> None:
     RESULTS.write_text(new.rstrip() + "\n")
 
 
+VARIANT_ENV: dict[str, dict[str, str]] = {
+    "no-verdict": {"STAPO_VERIFIER_VERDICT_CACHE": "false"},
+    "no-inline": {"STAPO_VERIFIER_INLINE_VERDICTS": "false"},
+}
+"""Environment of a service variant (``before`` and ``after`` run as shipped)."""
+
+
 def _metric(text: str, name: str) -> float:
     m = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
@@ -132,13 +147,15 @@ def _metric(text: str, name: str) -> float:
 
 def run_variant(items: list, args: argparse.Namespace, variant: str) -> dict:
     """One fresh service (cold caches) of one variant: the stream, then the same items again."""
-    env = {"STAPO_VERIFIER_VERDICT_CACHE": "false"} if variant == "no-verdict" else {}
+    env = VARIANT_ENV.get(variant, {})
     pythonpath = args.before_tree if variant == "before" else None
+    client = "httpx" if variant.endswith("+httpx") else args.client
     proc, url = start_server(args.workers, pythonpath=pythonpath, env_extra=env)
     try:
-        svc = run_service_load(url, items, batch=args.batch, concurrency=args.concurrency)
+        load = {"batch": args.batch, "concurrency": args.concurrency, "client": client}
+        svc = run_service_load(url, items, **load)
         # Same items again: every one is a result-cache hit, so this is the ceiling of HTTP + pool.
-        again = run_service_load(url, items, batch=args.batch, concurrency=args.concurrency)
+        again = run_service_load(url, items, **load)
         workers = httpx.get(f"{url}/readyz").json()["workers"]
         text = httpx.get(f"{url}/metrics").text
     finally:
@@ -190,13 +207,28 @@ def main() -> None:
     )
     ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     ap.add_argument(
+        "--client", default="raw", choices=CLIENTS, help="how the load is sent (see the module doc)"
+    )
+    ap.add_argument(
+        "--variants",
+        default="no-verdict,no-inline,after+httpx,after",
+        help="comma list of service variants (before is added by --before); the last one is the headline",
+    )
+    ap.add_argument(
         "--before",
         default=None,
         help="git revision whose service is measured too, in the same run (e.g. 8887d46)",
     )
     args = ap.parse_args()
     args.before_tree = unpack_revision(args.before) if args.before else None
-    args.variants = (["before"] if args.before else []) + ["no-verdict", "after"]
+    args.variants = (["before"] if args.before else []) + [
+        v.strip() for v in args.variants.split(",") if v.strip()
+    ]
+    unknown = [v for v in args.variants if v not in ("before", "after", "after+httpx", *VARIANT_ENV)]
+    if unknown:
+        raise SystemExit(
+            f"--variants: unknown {unknown}; valid: after, after+httpx, {', '.join(VARIANT_ENV)}"
+        )
     names = [x.strip() for x in args.streams.split(",") if x.strip()]
     bad = [x for x in names if x not in STREAMS]
     if bad:
@@ -245,28 +277,30 @@ def main() -> None:
     write_section(
         f"""{SECTION}
 
-`python benchmarks/verifier.py --items {args.items} --batch {args.batch} --concurrency {args.concurrency} --streams {args.streams} --repeat {args.repeat}{before}` ({when})
+`python benchmarks/verifier.py --items {args.items} --batch {args.batch} --concurrency {args.concurrency} --streams {args.streams} --repeat {args.repeat} --client {args.client} --variants {",".join(v for v in args.variants if v != "before")}{before}` ({when})
 
 Machine: {machine()}; **shared with other jobs** (load average before / after each stream in the
 last column: compare only rows of the same stream and run, which ran minutes apart). Each service
-variant was started fresh for each stream (cold caches, {workers} workers); the client ran on the
-same machine (it encodes the request bodies before the clock starts, as a trainer would on its own
-machine). Service latency is per request ({args.batch} items). Before its timed run, math-verify grades
+variant was started fresh for each stream (cold caches, {workers} workers); the client (`{args.client}`,
+see the harness's docstring) ran on the same machine (it encodes the request bodies before the clock
+starts, as a trainer would on its own machine). Service latency is per request ({args.batch} items). Before its timed run, math-verify grades
 the stream's first 256 items once (its warm-up; the service's workers are warmed in the fork server).
 
-Variants: `before` = the service at `{args.before or "-"}` (FIFO tasks, item-key cache only);
+Variants: `before` = the service at `{args.before or "-"}`;
 `no-verdict` = this tree with `STAPO_VERIFIER_VERDICT_CACHE=false` (fair queueing, cancellation,
-admission, recycling: the machinery alone); `after` = this tree as shipped (answers extracted in the
-server process, verdicts reused by (mode, gold, extracted answer), also between items of one request).
-"to workers": share of items that reached a grading worker. "busy": grading time the workers reported
-/ (wall time x workers): how much of the service's time is grading rather than HTTP, JSON, dispatch.
+admission, recycling: the machinery alone); `no-inline` = this tree with
+`STAPO_VERIFIER_INLINE_VERDICTS=false` (verdicts reused by (mode, gold, extracted answer), but every
+first-seen answer graded by a worker); `after` = this tree as shipped (also short string/number
+verdicts decided in the server process); `after+httpx` = the same service measured with the httpx
+client. "to workers": share of items that reached a grading worker. "busy": grading time reported
+(workers, and the server process for inline verdicts) / (wall time x workers).
 
 | run | stream | service | items/s | p50 ms | p99 ms | cached items/s | to workers | busy | math-verify items/s | ratio | load |
 |---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|
 {rows}
 
-Throughput ratio service / math-verify over {len(runs)} stream runs: `after` **{ratios("after")}**,
-`no-verdict` {ratios("no-verdict")}, `before` {ratios("before")}.
+Throughput ratio service / math-verify over {len(runs)} stream runs: `{args.variants[-1]}` **{ratios(args.variants[-1])}**;
+{"; ".join(f"`{v}` {ratios(v)}" for v in args.variants[:-1])}.
 
 The streams (`loadgen.build_stream`, `loadgen.stream_stats`, seed {args.seed}): groups of 8 responses per
 gold; a group draws from a few final answers (the gold, an equivalent form, two near misses: one

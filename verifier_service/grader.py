@@ -1008,7 +1008,23 @@ def _grade_math(prediction: str, gold: str, think: str) -> tuple[bool, Status, s
     status, extracted = _extract_math(prediction, think)
     if extracted is None:
         return False, status, None
+    if PROSE_AS_TEXT and _SENTENCE_RE.search(extracted) and _is_prose(extracted):
+        return _equiv_cheap(gold_ans, extracted) is True, "ok", extracted
     return _equiv(gold_ans, extracted), "ok", extracted
+
+
+# three words in a row (not command names): a sentence, not a product of variables ("RCs + LCs^2")
+_SENTENCE_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}\s+[A-Za-z]{2,}\s+[A-Za-z]{2,}")
+
+PROSE_AS_TEXT = True
+"""An answer that is still a sentence after math-verify's search (words it found no math in, or a span
+of words around math it reported as its first candidate: "Let me double-check: $\\frac{255", a response
+cut off after ``</think>``) is compared as text only: equal canonical strings, choice letters, text
+answers (``_equiv_cheap``). Only three words in a row count (``_SENTENCE_RE``): a single word
+("infinity", a mangled command) or juxtaposed variables ("RCs") still go to sympy. That is how math-verify compares a string it could not parse (string
+equality, ``compare_single_extraction``); latex2sympy would read the words as products of one-letter
+symbols and spend 10-50 ms in ANTLR and sympy to find them unequal. Tests switch it off to check
+that no verdict of the grading tables, the dev corpus or the RL streams changes."""
 
 
 @register_mode("dapo")
