@@ -56,9 +56,11 @@ from stapo.verifier_service.normalize import (
     strip_delims,
 )
 from stapo.verifier_service.numeric import cache_clear as numeric_cache_clear
-from stapo.verifier_service.numeric import clearly_unequal
+from stapo.verifier_service.numeric import clearly_unequal, rational_function
+from stapo.verifier_service.numeric import constant as numeric_constant
 from stapo.verifier_service.numeric import differ as numeric_differ
 from stapo.verifier_service.numeric import evaluate as evaluate_numeric
+from stapo.verifier_service.numeric import variables as numeric_variables
 
 __all__ = [
     "MAX_CHARS",
@@ -480,7 +482,7 @@ def _equiv(gold: str, pred: str) -> bool:
         return True
     if g.num is not None and _compound_quantity(pred):
         return False
-    if _numerically_unequal(gold, pred) or _word_soup(gold, pred) or _brackets_unequal(gold, pred):
+    if _surely_unequal(gold, pred):
         return False
     gold_exprs = _sympy_parse(gold, False)
     if not gold_exprs:
@@ -786,6 +788,235 @@ def _brackets_unequal(gold: str, pred: str) -> bool:
     if g is None or p is None or g[0] != p[0] or len(g[1]) != len(p[1]):
         return False
     return any(all(numeric_differ(a, b) for b in p[1]) for a in g[1])
+
+
+FAST_REJECT = True
+"""Run the step-7 rejections (``_surely_unequal``) before math-verify. They only ever say "no" where
+math-verify says no, so switching them off changes times, never verdicts (tests compare the two)."""
+
+
+def _surely_unequal(gold: str, pred: str) -> bool:
+    """Would math-verify surely say no? Each rule below says why; False means "ask math-verify"."""
+    if not FAST_REJECT:
+        return False
+    return (
+        _numerically_unequal(gold, pred)
+        or _word_soup(gold, pred)
+        or _brackets_unequal(gold, pred)
+        or _equations_unequal(gold, pred)
+        or _interval_sets_unequal(gold, pred)
+        or _matrices_unequal(gold, pred)
+    )
+
+
+# the left side of an assignment: one letter (not e: Euler's number; d: a differential; i: the
+# imaginary unit in complex mode)
+_ASSIGNED_LETTER_RE = re.compile(r"^\s*([a-ce-hj-zA-CF-HJ-Z])\s*$")
+
+
+def _assignment(text: str) -> tuple[str, str] | None:
+    """(letter, right side) of ``L = G``, as latex2sympy would read it, when G is a rational function
+    of letters other than L (numeric.py's subset); else None."""
+    norm = _sympy_text(text)
+    if norm is None or norm.count("=") != 1 or _mv()["complex_mode"](norm):
+        return None
+    lhs, rhs = norm.split("=")
+    m = _ASSIGNED_LETTER_RE.match(lhs)
+    if m is None:
+        return None
+    letter = m.group(1)
+    names = numeric_variables(rhs)
+    if (
+        names is None
+        or letter.lower() in names
+        or not rational_function(rhs)
+        or evaluate_numeric(rhs) is None
+    ):
+        return None
+    return letter, rhs
+
+
+def _equations_unequal(gold: str, pred: str) -> bool:
+    """Two assignments ``y = G`` and ``y = P`` (the same letter) whose right sides differ at a point.
+
+    math-verify (``sympy_expr_eq`` -> ``sympy_compare_relational``) says yes in three ways, and none
+    can hold when G and P (rational functions, neither containing y) differ numerically:
+
+    - same relation: ``y - G`` vs ``y - P``; their difference is ``P - G``, not zero (the numeric
+      premise of ``_numerically_unequal``: a difference beyond ``numeric.REL_TOL`` at a point is
+      far beyond the 6-decimal rounding and ``evalf(chop=True)`` of ``sympy_numeric_eq``, and
+      ``simplify`` keeps values);
+    - flipped: ``y - G`` vs ``P - y``; the difference ``2y - G - P`` varies with y;
+    - ``sympy_solve_and_compare``: ``solve`` of each equation for its free symbols is a list of
+      dicts ``{s: v}``; math-verify needs both lists equally long (``zip(strict=True)``) and every
+      pair with the same symbol and equal values. The gold's list is never empty (``solve_linear``
+      always solves ``y - G`` for y, the coefficient being 1: either ``{y: G}`` is kept or an earlier
+      symbol was solved), so the vacuous ``all([])`` cannot happen. A pair for ``s = y`` compares G
+      with P: unequal. A pair for another letter ``s = x`` with equal values v means both
+      ``G(x = v) = y`` and ``P(x = v) = y`` hold on the curve x = v(y, ...), and v takes a whole
+      interval of values as y varies (``G(x = v) = y`` forces v to move with y); two rational
+      functions that agree there, for every value of the other letters, are identical, so G = P
+      everywhere: contradiction.
+
+    Both sides must be one letter and one ``=`` (chains and ``f(x)`` are left to math-verify);
+    ``_exact_constants_equal`` never applies to equations.
+    """
+    if "=" not in gold or "=" not in pred:
+        return False
+    g, p = _assignment(gold), _assignment(pred)
+    return g is not None and p is not None and g[0] == p[0] and clearly_unequal(g[1], p[1])
+
+
+_CUP_RE = re.compile(r"\\cup(?![A-Za-z])")
+_LEFT_RIGHT_RE = re.compile(r"\\(?:left|right)(?=\s*[()\[\]])")
+_INFTY_RE = re.compile(r"^([+-]?)\s*\\infty$")
+_INF = object()  # marks an infinite endpoint (its sign is known from its side)
+
+
+def _endpoint(text: str):
+    """(value, text) of a finite endpoint; ("-inf" / "+inf", None) for infinities; None otherwise."""
+    text = text.strip()
+    m = _INFTY_RE.match(text)
+    if m:
+        return ("-inf" if m.group(1) == "-" else "+inf", None)
+    v = numeric_constant(text)
+    return None if v is None else (v, text.replace(" ", ""))
+
+
+def _interval_union(text: str) -> tuple | None:
+    """An interval or a union of intervals with constant endpoints, as latex2sympy reads it:
+    a tuple of (lo, lo_closed, hi, hi_closed), lo/hi = (value, text) or None for -oo / +oo; else None.
+
+    Only ``(a, b)`` / ``[a, b]`` / half-open pieces joined by ``\\cup``, with lo < hi clearly (then
+    latex2sympy reads ``(a, b)`` as an open interval, not a tuple) and ``-\\infty`` / ``\\infty``
+    only where they make sense. sympy makes infinite ends open: ``[-\\infty, 3)`` is ``(-oo, 3)``.
+    """
+    norm = _sympy_text(text)
+    if norm is None or "\\in" in norm.replace("\\infty", "") or _mv()["complex_mode"](norm):
+        return None
+    out = []
+    for piece in _CUP_RE.split(_LEFT_RIGHT_RE.sub("", norm)):
+        piece = piece.strip()
+        if len(piece) < 5 or piece[0] not in "([" or piece[-1] not in ")]" or not _balanced(piece[1:-1]):
+            return None
+        parts = split_top_level(piece[1:-1])
+        if len(parts) != 2:
+            return None
+        lo, hi = _endpoint(parts[0]), _endpoint(parts[1])
+        if lo is None or hi is None or lo[0] == "+inf" or hi[0] == "-inf":
+            return None
+        lo_closed, hi_closed = piece[0] == "[", piece[-1] == "]"
+        if lo[0] == "-inf":
+            lo, lo_closed = None, False
+        if hi[0] == "+inf":
+            hi, hi_closed = None, False
+        if lo is not None and hi is not None and (lo[0] >= hi[0] or not numeric_differ(lo[0], hi[0])):
+            return None  # (5, 2), (2, 2): a tuple to latex2sympy
+        out.append((lo, lo_closed, hi, hi_closed))
+    return tuple(out)
+
+
+def _union_pieces(unions: list[tuple]) -> list[tuple[bool, ...]] | None:
+    """Each union as the membership of the line's elementary pieces (gaps and endpoints), or None
+    when two endpoints are neither the same text nor clearly apart (then their order is unsure)."""
+    ends = sorted(
+        {e for u in unions for iv in u for e in (iv[0], iv[2]) if e is not None}, key=lambda e: e[0]
+    )
+    rank: dict[tuple, int] = {}
+    r = -1
+    for k, e in enumerate(ends):
+        if k == 0 or numeric_differ(ends[k - 1][0], e[0]):
+            r += 1
+        elif ends[k - 1][1] != e[1]:
+            return None
+        rank[e] = r
+    m = r + 1  # piece 2k+1 is the k-th endpoint; 2k, 2k+2 the gaps on either side
+    out = []
+    for u in unions:
+        inside = [False] * (2 * m + 1)
+        for lo, lo_closed, hi, hi_closed in u:
+            start = 0 if lo is None else 2 * rank[lo] + (1 if lo_closed else 2)
+            end = 2 * m if hi is None else 2 * rank[hi] + (1 if hi_closed else 0)
+            for k in range(start, end + 1):
+                inside[k] = True
+        out.append(tuple(inside))
+    return out
+
+
+def _interval_sets_unequal(gold: str, pred: str) -> bool:
+    """Intervals / unions of intervals with constant endpoints that are different sets, or such a set
+    against a single number.
+
+    math-verify (``sympy_expr_eq`` -> ``sympy_compare_sets``) calls two sets equal when they are the
+    same object, when sympy proves their symmetric difference empty, or, for an open interval against
+    a 2-element finite set or tuple, element by element (``(1, 2)`` = ``1, 2``); both Interval ->
+    ``sympy_compare_interval``: the same ends and open/closed flags. A number becomes ``{n}``. So
+    two unions that differ as sets of reals (an end moved beyond ``numeric.REL_TOL``, an end open in
+    one and closed in the other, a piece more) are unequal in every one of those ways, and a union of
+    intervals of positive length is never one number (the 2-element rule needs a finite set of two,
+    which neither side is). The sets are compared exactly on the line cut at every endpoint; two
+    endpoints that are close but not the same text are undecided. Single intervals vs single
+    intervals are included (``(1, 2)`` vs ``[1, 2)``), tuples are not (``(5, 2)``: lo must be < hi).
+    """
+    gu = _interval_union(gold) if gold.lstrip()[:1] in ("(", "[", "\\") else None
+    pu = _interval_union(pred) if pred.lstrip()[:1] in ("(", "[", "\\") else None
+    if gu is not None and pu is not None:
+        pieces = _union_pieces([gu, pu])
+        return pieces is not None and pieces[0] != pieces[1]
+    if gu is None and pu is None:
+        return False
+    other = pred if gu is not None else gold
+    norm = _sympy_text(other)
+    return (
+        norm is not None
+        and "=" not in norm
+        and not _mv()["complex_mode"](norm)
+        and numeric_constant(norm) is not None
+    )
+
+
+_MATRIX_RE = re.compile(r"^\\begin\{(pmatrix|bmatrix|matrix)\}(.*)\\end\{\1\}$", re.S)
+
+
+def _matrix_cells(text: str) -> tuple[tuple[str, ...], ...] | None:
+    """The entries of a ``pmatrix`` / ``bmatrix`` / ``matrix`` of numeric.py's subset, row by row."""
+    norm = _sympy_text(text)
+    if norm is None or _mv()["complex_mode"](norm):
+        return None
+    m = _MATRIX_RE.match(norm.strip())
+    if m is None or "\\begin" in m.group(2):
+        return None
+    rows = m.group(2).split("\\\\")
+    if rows and not rows[-1].strip():
+        rows.pop()  # a trailing row break
+    cells = tuple(tuple(c.strip() for c in row.split("&")) for row in rows)
+    if not cells or len({len(r) for r in cells}) != 1:
+        return None
+    if any(evaluate_numeric(c) is None for row in cells for c in row):
+        return None
+    return cells
+
+
+def _matrices_unequal(gold: str, pred: str) -> bool:
+    """Two matrices of different shapes, or of one shape with an entry that differs numerically.
+
+    latex2sympy reads both as sympy Matrices (``vmatrix`` is a determinant: not matched). math-verify
+    (``sympy_expr_eq``): structural equality fails; ``sympy_numeric_eq`` compares same-shape matrices
+    entry by entry (all must agree: one entry beyond ``numeric.REL_TOL`` cannot, the premise of
+    ``_numerically_unequal``) and returns False for different shapes; ``sympy_symbolic_eq`` needs
+    ``simplify(a - b)`` to be the zero matrix (the differing entry is not zero; different shapes
+    raise, caught as False). Matrices are not ``sympy.Expr``, so ``_exact_constants_equal`` is silent.
+    """
+    if "\\begin" not in gold or "\\begin" not in pred:
+        return False
+    g, p = _matrix_cells(gold), _matrix_cells(pred)
+    if g is None or p is None:
+        return False
+    if (len(g), len(g[0])) != (len(p), len(p[0])):
+        return True
+    return any(
+        clearly_unequal(a, b) for ra, rb in zip(g, p, strict=True) for a, b in zip(ra, rb, strict=True)
+    )
 
 
 def answers_equivalent(a: str, b: str) -> bool:

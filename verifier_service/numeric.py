@@ -41,7 +41,17 @@ from functools import lru_cache
 
 import mpmath
 
-__all__ = ["MAX_MAGNITUDE", "REL_TOL", "clearly_unequal", "differ", "evaluate", "parse"]
+__all__ = [
+    "MAX_MAGNITUDE",
+    "REL_TOL",
+    "clearly_unequal",
+    "constant",
+    "differ",
+    "evaluate",
+    "parse",
+    "rational_function",
+    "variables",
+]
 
 REL_TOL = 1e-5
 """Reject only when |a - b| > REL_TOL * max(1, |a|, |b|) at some evaluation point."""
@@ -343,6 +353,70 @@ def evaluate(s: str) -> tuple | None:
         return tuple(_ev(node, pt) for pt in _POINTS)
     except (Undecided, ZeroDivisionError, ValueError, OverflowError):
         return None
+
+
+def variables(s: str) -> frozenset[str] | None:
+    """The (lower-cased) letters of ``s`` as latex2sympy's variables, or None outside the subset."""
+    node = parse(s)
+    if node is None:
+        return None
+    out: set[str] = set()
+
+    def walk(n: tuple) -> None:
+        if n[0] == "var":
+            out.add(n[1])
+        elif n[0] == "imul":
+            for f in n[1]:
+                walk(f)
+        else:
+            for x in n[1:]:
+                if isinstance(x, tuple):
+                    walk(x)
+
+    walk(node)
+    return frozenset(out)
+
+
+def _rational(n: tuple) -> bool:
+    kind = n[0]
+    if kind in ("num", "var", "pi"):
+        return True
+    if kind == "imul":
+        return all(_rational(f) for f in n[1])
+    if kind == "pow":
+        base, ex = n[1], n[2]
+        if _has_var(ex):
+            return False
+        if not _has_var(base):
+            return True
+        if ex[0] == "neg":
+            ex = ex[1]
+        return ex[0] == "num" and ex[1].denominator == 1 and _rational(base)
+    if kind == "sqrt":
+        return not _has_var(n[1]) and (n[2] is None or not _has_var(n[2]))
+    return all(_rational(x) for x in n[1:] if isinstance(x, tuple))
+
+
+def rational_function(s: str) -> bool:
+    """Is ``s`` (inside the subset) a rational function of its variables?
+
+    Variables appear only under ``+ - * /`` and integer powers (roots and powers of constants are
+    fine: ``\\sqrt{2}x^2``). Two such functions that agree on a curve along which a variable takes
+    a whole interval of values agree everywhere, which is what the grader's equation rule needs.
+    """
+    node = parse(s)
+    return node is not None and _rational(node)
+
+
+def constant(s: str):
+    """The real value of ``s`` when it is a constant of the subset (no variable, not complex), else None."""
+    node = parse(s)
+    if node is None or _has_var(node):
+        return None
+    vals = evaluate(s)
+    if vals is None or abs(vals[0].imag) > 0:
+        return None
+    return vals[0].real
 
 
 def differ(a, b) -> bool:
