@@ -811,7 +811,7 @@ def _surely_unequal(gold: str, pred: str) -> bool:
 
 # the left side of an assignment: one letter (not e: Euler's number; d: a differential; i: the
 # imaginary unit in complex mode)
-_ASSIGNED_LETTER_RE = re.compile(r"^\s*([a-ce-hj-zA-CF-HJ-Z])\s*$")
+_ASSIGNED_LETTER_RE = re.compile(r"^\s*([a-cf-hj-zA-CF-HJ-Z])\s*$")
 
 
 def _assignment(text: str) -> tuple[str, str] | None:
