@@ -730,28 +730,60 @@ _LEXER_WORDS_RE = re.compile(
 )
 
 
+# a power of a letter with a positive integer exponent ("c^2" in "By the Pythagorean theorem, c^2"):
+# still a non-constant factor of the monomial (an exponent 0 could make it 1, so it is not allowed)
+_SOUP_POW_RE = re.compile(r"(?<=[A-Za-z])\^(?:[1-9]|\{[1-9]\d?\})")
+
+
+def _soup(text: str) -> bool:
+    """Letters, spaces, commas, full stops, and powers ``c^2`` of single letters; nothing else."""
+    return _SOUP_RE.fullmatch(_SOUP_POW_RE.sub("", text)) is not None
+
+
 def _word_soup(gold: str, pred: str) -> bool:
-    """Plain words with no math ("Therefore the sum of t", a response cut after ``</think>``) vs a number.
+    """Plain words with no math ("Therefore the sum of t", a response cut after ``</think>``) vs a
+    constant, an interval / union of intervals, or a matrix.
 
     latex2sympy would read the words as a product of one-letter variables (T*h*E*r*...), a
     monomial that cannot equal a constant gold; it costs ~50 ms of parsing and ``simplify`` to
     find that out. Decided only when the normalized text (normalization turns "infinity" into
     ``\\infty``) is letters, spaces, commas and full stops (no operator that could make letters
-    cancel), has no word the LaTeX lexer knows and no lone "e", keeps a letter other than e / i / j,
-    and the gold is a plain constant. Text golds were compared as text before (step 2). Words with a
-    "d" before a letter ("sides", "reconsider": latex2sympy's differential token) count as soup: the
-    token is the plain symbol ``dx`` outside ``\\frac{d}{dx}`` and ``\\int``, which need a backslash.
+    cancel) and powers of letters with a positive integer exponent (``c^2``: a factor of the
+    monomial), has no word the LaTeX lexer knows and no lone "e", keeps a letter other than
+    e / i / j. Commas make a finite set of such monomials (``{c^2, B*y*t*h*E*...}``), which is
+    not ``{constant}`` either (``sympy_compare_sets``: a symmetric difference that is not empty,
+    element-wise comparisons of a monomial with a number). Text golds were compared as text before
+    (step 2). Words with a "d" before a letter ("sides", "reconsider": latex2sympy's differential
+    token) count as soup: the token is the plain symbol ``dx`` outside ``\\frac{d}{dx}`` and
+    ``\\int``, which need a backslash.
+
+    If latex2sympy fails on the normalized text (a full stop), ``_sympy_parse`` lets math-verify
+    search the raw prediction: with no digit except in such an exponent (its number patterns need
+    a digit after a space, ``=`` or the start), no ``\\``, brackets or ``\\boxed`` and at most one
+    ``$`` (every LaTeX pattern needs a closing delimiter: ``So the remaining quantity is $``), it
+    finds nothing, and no answer is "no" too.
+
+    Other golds: a matrix is never a monomial or a set (``sympy_numeric_eq`` and ``simplify`` of
+    a matrix minus a scalar raise, caught as False; its ``str`` is no symbol's name); an interval
+    or union of intervals with constant ends is not a finite set of monomials (its symmetric
+    difference with one is not empty, and the open-interval-vs-two-elements rule compares its
+    constant ends with monomials).
     """
-    if _SOUP_RE.fullmatch(pred) is None or not _is_prose(pred):
+    if not _soup(pred.replace("$", "")) or pred.count("$") > 1 or not _is_prose(pred):
         return False
     norm = _sympy_text(pred)
-    if norm is None or _SOUP_RE.fullmatch(norm) is None or _LEXER_WORDS_RE.search(norm):
+    if norm is None or not _soup(norm) or _LEXER_WORDS_RE.search(norm):
         return False
-    if _SOUP_RISKY_RE.search(norm) or not _SOUP_VARIABLE_RE.search(norm):
+    words = _SOUP_POW_RE.sub("", norm)
+    if _LEXER_WORDS_RE.search(words) or _SOUP_RISKY_RE.search(words) or not _SOUP_VARIABLE_RE.search(words):
         return False  # a variable must remain, and nothing may turn the product into a constant
     g = _sympy_text(gold)
-    vals = evaluate_numeric(g) if g is not None and "=" not in g else None
-    return vals is not None and vals[0] == vals[1]
+    if g is None:
+        return False
+    vals = evaluate_numeric(g) if "=" not in g else None
+    if vals is not None:
+        return vals[0] == vals[1]
+    return _matrix_cells(gold) is not None or _interval_union(gold) is not None
 
 
 def _bracket_values(text: str) -> tuple[str, tuple] | None:

@@ -129,6 +129,28 @@ def test_matrices_rule(gold, pred, fires):
     assert grader._matrices_unequal(L(gold), pred) is fires
 
 
+@pytest.mark.parametrize(
+    "gold,pred,fires",
+    [
+        ("7", "By the Pythagorean theorem, $c^2", True),  # a set {c^2, monomial}
+        ("58", "So the remaining quantity is $", True),  # one $ opens no LaTeX span
+        ("5", "so x^2 y, then", True),
+        (_mat("1/5 \\\\ -18"), "Hmm, wait. Let me reconsider the", True),  # a matrix is no monomial
+        ("(2,12) \\cup (12,102)", "Therefore the sum of t", True),  # nor an interval union
+        ("1", "So the x^0", False),  # x^0 = 1
+        ("7", "By the theorem, $c^2$ and $d$", False),  # two $: a LaTeX span to search
+        ("x^2", "so x^2", False),  # the gold is not a constant
+        ("2", "so $ e^2", False),  # a lone e
+        ("12", "the pi^2 of", False),  # a lexer word
+        ("y = 2x + 3", "Therefore the sum", False),  # equation golds are not handled
+        ("\\cot x", "so the value", False),
+        ("12", "so the 2 of", False),  # a digit the search could find
+    ],
+)
+def test_word_soup_extensions(gold, pred, fires):
+    assert grader._word_soup(L(gold), pred) is fires
+
+
 def test_switch_turns_every_rejection_off(monkeypatch):
     assert grader._surely_unequal("y = 2x + 3", "y = 7x + 3")
     monkeypatch.setattr(grader, "FAST_REJECT", False)
@@ -163,7 +185,7 @@ def _key(r):
 
 def _count_fired(monkeypatch) -> dict[str, int]:
     fired: dict[str, int] = {}
-    for name in ("_equations_unequal", "_interval_sets_unequal", "_matrices_unequal"):
+    for name in ("_equations_unequal", "_interval_sets_unequal", "_matrices_unequal", "_word_soup"):
         real = getattr(grader, name)
 
         def counting(g, p, _real=real, _name=name):
@@ -360,8 +382,9 @@ def _fragment_pairs(r: random.Random) -> list[tuple[str, str]]:
         "30^\\circ",
     ]
     out = []
-    for _ in range(20):
-        body = "Let's solve this.\n" + r.choice(starts) + r.choice(["", "12", " x", "\\sqrt{"])
+    for _ in range(60):
+        head = r.choice(["Let's solve this.\n", "<think>\nWe get $x = 3$ and 12.\n</think>\n\n"])
+        body = head + r.choice(starts) + r.choice(["", "12", " x", "\\sqrt{"])
         out.append((r.choice(golds), "RAW:" + body))
     return out
 
@@ -377,4 +400,5 @@ def test_generated_near_misses_do_not_change(monkeypatch):
     assert fired.get("_equations_unequal", 0) >= N_GEN, fired
     assert fired.get("_interval_sets_unequal", 0) >= N_GEN, fired
     assert fired.get("_matrices_unequal", 0) >= N_GEN, fired
+    assert fired.get("_word_soup", 0) >= 3, fired
     assert sum(k[0] for k in on) >= 5 * N_GEN
