@@ -1037,13 +1037,24 @@ def _matrices_unequal(gold: str, pred: str) -> bool:
     entry by entry (all must agree: one entry beyond ``numeric.REL_TOL`` cannot, the premise of
     ``_numerically_unequal``) and returns False for different shapes; ``sympy_symbolic_eq`` needs
     ``simplify(a - b)`` to be the zero matrix (the differing entry is not zero; different shapes
-    raise, caught as False). Matrices are not ``sympy.Expr``, so ``_exact_constants_equal`` is silent.
+    raise, caught as False). A matrix against a scalar expression of the numeric subset: structural
+    equality fails, ``sympy_numeric_eq`` compares ``Matrix == scalar`` (False) or fails on
+    ``Matrix - scalar`` (caught), and ``simplify(Matrix - scalar)`` raises (caught). Matrices are not
+    ``sympy.Expr``, so ``_exact_constants_equal`` is silent.
     """
-    if "\\begin" not in gold or "\\begin" not in pred:
+    if "\\begin" not in gold and "\\begin" not in pred:
         return False
     g, p = _matrix_cells(gold), _matrix_cells(pred)
-    if g is None or p is None:
+    if g is None and p is None:
         return False
+    if g is None or p is None:  # a matrix against a scalar expression
+        norm = _sympy_text(pred if g is not None else gold)
+        return (
+            norm is not None
+            and "=" not in norm
+            and not _mv()["complex_mode"](norm)
+            and evaluate_numeric(norm) is not None
+        )
     if (len(g), len(g[0])) != (len(p), len(p[0])):
         return True
     return any(

@@ -123,6 +123,12 @@ def _mat(body: str, env: str = "pmatrix") -> str:
         (_mat("\\sin x \\\\ 1"), _mat("\\cos x \\\\ 1"), False),  # outside the numeric subset
         (_mat("1 \\\\ i"), _mat("1 \\\\ 2i"), False),  # complex mode
         (_mat("1 \\\\ 2"), "(1, 2)", False),  # a tuple is not a matrix
+        (_mat("1/5 \\\\ -18"), "-2280", True),  # a matrix is not a scalar
+        (_mat("5"), "5", True),  # not even a 1x1 matrix
+        ("5", _mat("5"), True),
+        (_mat("1 \\\\ 2"), "x + 1", True),
+        (_mat("1 \\\\ 2"), "x = 5", False),  # equations are left to the other rules
+        (_mat("1 \\\\ 2"), "\\text{none}", False),
     ],
 )
 def test_matrices_rule(gold, pred, fires):
@@ -166,6 +172,10 @@ def test_switch_turns_every_rejection_off(monkeypatch):
         ("(2,12) \\cup (12,102)", "364"),
         (_mat("1/5 \\\\ -18"), _mat("1/5 \\\\ -68")),
         (_mat("1 \\\\ 2"), _mat("1 & 2")),
+        (_mat("5"), "5"),
+        (_mat("1 \\\\ 2"), "x + 1"),
+        ("58", "So the remaining quantity is $"),
+        ("7", "By the Pythagorean theorem, $c^2"),
     ],
 )
 def test_rejected_pairs_are_wrong_for_math_verify(gold, pred, monkeypatch):
@@ -358,6 +368,8 @@ def _matrix_pairs(r: random.Random) -> list[tuple[str, str]]:
             (gold, mat(transposed)),
             (gold, mat(text + [text[-1]])),
             (gold, "(" + ", ".join(t for row in text for t in row) + ")"),
+            (gold, text[0][0]),  # a scalar
+            (mat([[text[0][0]]]), text[0][0]),
         ]
     return out
 
