@@ -838,6 +838,7 @@ def _surely_unequal(gold: str, pred: str) -> bool:
         or _equations_unequal(gold, pred)
         or _interval_sets_unequal(gold, pred)
         or _matrices_unequal(gold, pred)
+        or _unparseable_fragment(gold, pred)
     )
 
 
@@ -1005,6 +1006,48 @@ def _interval_sets_unequal(gold: str, pred: str) -> bool:
         and not _mv()["complex_mode"](norm)
         and numeric_constant(norm) is not None
     )
+
+
+# the commands latex2sympy lexes as tokens without braces of their own (no \text{...}-style token
+# that swallows braces, no \begin{...}); anything else makes _unparseable_fragment undecided
+_PLAIN_CMDS = frozenset({"\\frac", "\\dfrac", "\\tfrac", "\\sqrt", "\\cdot", "\\times", "\\div", "\\pi"})
+_BACKSLASH_RE = re.compile(r"\\[A-Za-z]*")
+# what math-verify's search needs to find anything: a digit (every number / expression pattern),
+# a LaTeX span ($...$, $$...$$, \[...\], \(...\), " [...] ") or \boxed
+_SEARCHABLE_RE = re.compile(r"\d|\[|\]|\\\(|\\boxed")
+
+
+def _unparseable_fragment(gold: str, pred: str) -> bool:
+    """A cut-off fragment ("Let me double-check: $\\\\frac{", "... the case where $n =") that neither
+    latex2sympy nor math-verify's search can read: the grader then has no prediction, "no".
+
+    ``_sympy_parse`` gives latex2sympy the normalized text (math-verify's ``parse_latex_cached``,
+    which retries only the part after the last ``=`` when there are two or more) and, if that
+    fails, lets math-verify search the raw text. Both fail for sure when:
+
+    - the normalized text is ASCII, its only commands are ``_PLAIN_CMDS`` and it has no ``=`` and
+      a different number of ``{`` and ``}``: every rule of latex2sympy's grammar (PS.g4) that uses
+      ``{`` closes it with ``}``, and the only lexer tokens holding braces without a backslash
+      (``^{T}``) hold both, so an unbalanced text has no parse tree and the error listener raises;
+      or it has exactly one ``=`` and ends with it: ``=`` (and ``<=``, ``!=``, ...) is infix in
+      every rule, so nothing can follow it at the end;
+    - the raw text has no digit (every number / expression pattern of the search needs one), at
+      most one ``$`` (every LaTeX pattern needs a closing delimiter), no ``[``, ``]``, ``\\\\(``
+      and no ``\\\\boxed``: the search finds nothing.
+
+    The gold does not matter. Verified against the real parse and search by the tests.
+    """
+    if pred.count("$") > 1 or _SEARCHABLE_RE.search(pred):
+        return False
+    norm = _sympy_text(pred)
+    if norm is None or not norm.isascii() or "<" in norm or ">" in norm:
+        return False
+    if any(cmd not in _PLAIN_CMDS for cmd in _BACKSLASH_RE.findall(norm)):
+        return False
+    eqs = norm.count("=")
+    if eqs == 0:
+        return norm.count("{") != norm.count("}")
+    return eqs == 1 and norm.rstrip().endswith("=")
 
 
 _MATRIX_RE = re.compile(r"^\\begin\{(pmatrix|bmatrix|matrix)\}(.*)\\end\{\1\}$", re.S)

@@ -157,6 +157,63 @@ def test_word_soup_extensions(gold, pred, fires):
     assert grader._word_soup(L(gold), pred) is fires
 
 
+_FRAGMENTS = [
+    ("Let me double-check: $\\frac{", True),  # unbalanced braces
+    ("Let me double-check: $\\frac{\\sqrt{", True),
+    ("Hmm, wait. Let me reconsider the case where $n =", True),  # ends with its one "="
+    ("Let me: \\left( \\frac{", True),
+    ("a, b =", True),
+    ("a^{T} {", True),  # ^{T} is one token holding both braces
+    ("So x = y = \\frac{", False),  # two "=": math-verify retries the last part
+    ("the \\text{a{b} c", False),  # \\text{...} is one token that may hold a "{"
+    ("so $\\frac{ and $", False),  # two $: a LaTeX span to search
+    ("we get \\frac{1}{", False),  # a digit to search
+    ("so x }{", False),  # balanced counts
+    ("so n \\le", False),  # a command outside the plain list
+    ("then [x =", False),  # a bracket: the search's " [...] " pattern
+    ("\\boxed{", False),
+]
+
+
+@pytest.mark.parametrize("pred,fires", _FRAGMENTS)
+def test_unparseable_fragment_rule(pred, fires):
+    assert grader._unparseable_fragment("7", pred) is fires
+    if fires:  # the premise itself: latex2sympy and math-verify's search both find nothing
+        assert grader._sympy_parse(pred, True) == ()
+
+
+def test_unparseable_fragments_generated():
+    """Random prose with cut-off LaTeX: whenever the rule fires, the real parse and search give nothing."""
+    r = random.Random(7)
+    words = ["Let", "me", "so", "the", "case", "where", "x", "n", "check:", "wait,", "Then", "a", "b."]
+    bits = [
+        "\\frac{",
+        "\\sqrt{",
+        "{",
+        "}",
+        " = ",
+        "=",
+        " x",
+        "^{T}",
+        "^2",
+        ",",
+        ":",
+        "(",
+        ")",
+        "$",
+        "\\cdot",
+        "\\pi",
+    ]
+    fired = 0
+    for _ in range(150):
+        text = " ".join(r.choice(words) for _ in range(r.randint(1, 5)))
+        text += "".join(r.choice(bits) for _ in range(r.randint(1, 4)))
+        if grader._unparseable_fragment("7", text):
+            fired += 1
+            assert grader._sympy_parse(text, True) == (), text
+    assert fired >= 20
+
+
 def test_switch_turns_every_rejection_off(monkeypatch):
     assert grader._surely_unequal("y = 2x + 3", "y = 7x + 3")
     monkeypatch.setattr(grader, "FAST_REJECT", False)
@@ -195,7 +252,13 @@ def _key(r):
 
 def _count_fired(monkeypatch) -> dict[str, int]:
     fired: dict[str, int] = {}
-    for name in ("_equations_unequal", "_interval_sets_unequal", "_matrices_unequal", "_word_soup"):
+    for name in (
+        "_equations_unequal",
+        "_interval_sets_unequal",
+        "_matrices_unequal",
+        "_word_soup",
+        "_unparseable_fragment",
+    ):
         real = getattr(grader, name)
 
         def counting(g, p, _real=real, _name=name):
@@ -413,4 +476,5 @@ def test_generated_near_misses_do_not_change(monkeypatch):
     assert fired.get("_interval_sets_unequal", 0) >= N_GEN, fired
     assert fired.get("_matrices_unequal", 0) >= N_GEN, fired
     assert fired.get("_word_soup", 0) >= 3, fired
+    assert fired.get("_unparseable_fragment", 0) >= 3, fired
     assert sum(k[0] for k in on) >= 5 * N_GEN
