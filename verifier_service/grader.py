@@ -1012,13 +1012,27 @@ def _interval_sets_unequal(gold: str, pred: str) -> bool:
 # that swallows braces, no \begin{...}); anything else makes _unparseable_fragment undecided
 _PLAIN_CMDS = frozenset({"\\frac", "\\dfrac", "\\tfrac", "\\sqrt", "\\cdot", "\\times", "\\div", "\\pi"})
 _BACKSLASH_RE = re.compile(r"\\[A-Za-z]*")
-# what math-verify's search needs to find anything: a digit (every number / expression pattern),
-# a LaTeX span ($...$, $$...$$, \[...\], \(...\), " [...] ") or \boxed
-_SEARCHABLE_RE = re.compile(r"\d|\[|\]|\\\(|\\boxed")
+# what math-verify's search needs to find anything: a LaTeX span ($...$, $$...$$, \[...\], \(...\),
+# " [...] "), \boxed, a complete \frac of two numbers (its plain-text fraction pattern), or a digit
+# run where a number may start (checked by _anchored_digits)
+_SEARCHABLE_RE = re.compile(r"\[|\]|\\\(|\\boxed|\\frac\{-?\d+(?:[.,]\d+)?\}\{-?\d+(?:[.,]\d+)?\}")
+_DIGITS_RE = re.compile(r"\d+")
+# characters after which math-verify's number / expression patterns cannot start (they need the
+# start, a space or "=" before the number, with at most "-", "(", ".", "**" or a currency sign between)
+_NOT_ANCHOR = frozenset("{}^_/+")
+
+
+def _anchored_digits(text: str) -> bool:
+    """Could math-verify's number or expression patterns start at some digit run of ``text``?"""
+    for m in _DIGITS_RE.finditer(text):
+        before = text[m.start() - 1] if m.start() else ""
+        if not (before.isascii() and (before.isalpha() or before in _NOT_ANCHOR)):
+            return True
+    return False
 
 
 def _unparseable_fragment(gold: str, pred: str) -> bool:
-    """A cut-off fragment ("Let me double-check: $\\\\frac{", "... the case where $n =") that neither
+    """A cut-off fragment ("Let me double-check: $\\frac{", "... the case where $n =") that neither
     latex2sympy nor math-verify's search can read: the grader then has no prediction, "no".
 
     ``_sympy_parse`` gives latex2sympy the normalized text (math-verify's ``parse_latex_cached``,
@@ -1031,13 +1045,15 @@ def _unparseable_fragment(gold: str, pred: str) -> bool:
       (``^{T}``) hold both, so an unbalanced text has no parse tree and the error listener raises;
       or it has exactly one ``=`` and ends with it: ``=`` (and ``<=``, ``!=``, ...) is infix in
       every rule, so nothing can follow it at the end;
-    - the raw text has no digit (every number / expression pattern of the search needs one), at
-      most one ``$`` (every LaTeX pattern needs a closing delimiter), no ``[``, ``]``, ``\\\\(``
-      and no ``\\\\boxed``: the search finds nothing.
+    - the raw text has at most one ``$`` (every LaTeX pattern needs a closing delimiter), no ``[``,
+      ``]``, ``\\(``, ``\\boxed`` or complete ``\\frac{1}{2}``, and every digit run follows a
+      letter or one of ``{}^_/+`` (``$\\frac{255``, ``c^2``): math-verify's number and expression
+      patterns need the start, a space or ``=`` before a number (with at most ``-``, ``(``, ``.``,
+      ``**`` or a currency sign between), so the search finds nothing.
 
     The gold does not matter. Verified against the real parse and search by the tests.
     """
-    if pred.count("$") > 1 or _SEARCHABLE_RE.search(pred):
+    if pred.count("$") > 1 or _SEARCHABLE_RE.search(pred) or _anchored_digits(pred):
         return False
     norm = _sympy_text(pred)
     if norm is None or not norm.isascii() or "<" in norm or ">" in norm:
