@@ -1044,7 +1044,10 @@ def _unparseable_fragment(gold: str, pred: str) -> bool:
       ``{`` closes it with ``}``, and the only lexer tokens holding braces without a backslash
       (``^{T}``) hold both, so an unbalanced text has no parse tree and the error listener raises;
       or it has exactly one ``=`` and ends with it: ``=`` (and ``<=``, ``!=``, ...) is infix in
-      every rule, so nothing can follow it at the end;
+      every rule, so nothing can follow it at the end; or it ends with one backslash (cut inside a
+      command, ``$\\``): every lexer token that starts with a backslash has more after it, and
+      none that could hold it (``\\text{...}``) is closed, so the lexer's error listener raises
+      (for any number of ``=``: math-verify's retry on the last part ends the same way);
     - the raw text has at most one ``$`` (every LaTeX pattern needs a closing delimiter), no ``[``,
       ``]``, ``\\(``, ``\\boxed`` or complete ``\\frac{1}{2}``, and every digit run follows a
       letter or one of ``{}^_/+`` (``$\\frac{255``, ``c^2``): math-verify's number and expression
@@ -1056,7 +1059,11 @@ def _unparseable_fragment(gold: str, pred: str) -> bool:
     if pred.count("$") > 1 or _SEARCHABLE_RE.search(pred) or _anchored_digits(pred):
         return False
     norm = _sympy_text(pred)
-    if norm is None or not norm.isascii() or "<" in norm or ">" in norm:
+    if norm is None:
+        return False
+    if norm.endswith("\\") and not norm.endswith("\\\\"):
+        return True  # a lone backslash at the end: no lexer token is a bare backslash
+    if not norm.isascii() or "<" in norm or ">" in norm:
         return False
     if any(cmd not in _PLAIN_CMDS for cmd in _BACKSLASH_RE.findall(norm)):
         return False

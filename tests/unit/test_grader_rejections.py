@@ -177,6 +177,9 @@ _FRAGMENTS = [
     ("so n \\le", False),  # a command outside the plain list
     ("then [x =", False),  # a bracket: the search's " [...] " pattern
     ("\\boxed{", False),
+    ("Let me double-check: $\\", True),  # a lone backslash at the end
+    ("so x = y = z \\", True),
+    ("so x \\\\", False),  # a row break, not a lone backslash
 ]
 
 
