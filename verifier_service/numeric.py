@@ -11,7 +11,8 @@ latex2sympy's own precedences (checked against it by ``tests/unit/test_grader_nu
 integers and decimals, ``+ - * / \\cdot \\times \\div``, implicit products (which bind tighter
 than ``/``: ``1/2x`` is ``1/(2x)``), ``^{...}`` / ``^d`` / ``^x`` (one level), ``\\frac{a}{b}``
 (also ``\\dfrac``, ``\\tfrac``), ``\\sqrt{a}``, ``\\sqrt[n]{a}``, ``\\pi``, ``( )`` / ``{ }`` groups,
-``\\left`` / ``\\right``, and single-letter variables (lower-cased, as latex2sympy does). ``e`` and
+``\\left`` / ``\\right``, a degree sign ``^\\circ`` / ``^{\\circ}`` (latex2sympy keeps the value: the grader's
+degrees-are-a-unit policy), and single-letter variables (lower-cased, as latex2sympy does). ``e`` and
 ``d`` are refused (latex2sympy may read ``e`` as Euler's number and ``d x`` as a differential);
 ``i`` is a plain variable here, so callers leave strings that math-verify reads in complex mode to
 math-verify. Anything else -- commas, brackets, relations, functions (``f(x)``, ``\\pi(x)``),
@@ -108,7 +109,12 @@ def _tokenize(s: str) -> list[tuple[str, str]]:
                 if nxt is None or nxt.group("op") != ("(" if text == "\\left" else ")"):
                     raise Undecided(f"{text} without a parenthesis")
                 continue
-            if text not in _MUL_CMDS and text not in _FRAC_CMDS and text not in ("\\div", "\\sqrt", "\\pi"):
+            if text == "\\circ":
+                # only latex2sympy's degree tokens ^\circ and ^{\circ}, written without spaces
+                st = m.start("cmd")
+                if not (s[st - 1 : st] == "^" or (s[st - 2 : st] == "^{" and s[pos : pos + 1] == "}")):
+                    raise Undecided("\\circ outside a degree sign")
+            elif text not in _MUL_CMDS and text not in _FRAC_CMDS and text not in ("\\div", "\\sqrt", "\\pi"):
                 raise Undecided(f"command {text}")
         if kind == "letter":
             text = text.lower()
@@ -174,13 +180,30 @@ class _Parser:
         kind, text = tok
         return kind in ("num", "letter") or text in ("(", "{", "\\sqrt", "\\pi") or text in _FRAC_CMDS
 
+    def _degree_ahead(self) -> int:
+        """How many tokens a degree sign (``^\\circ``, ``^{\\circ}``) here takes, else 0."""
+        t, i = self.t, self.i
+        if i + 1 < len(t) and t[i] == ("op", "^"):
+            if t[i + 1] == ("cmd", "\\circ"):
+                return 2
+            if (
+                i + 3 < len(t)
+                and t[i + 1] == ("op", "{")
+                and t[i + 2] == ("cmd", "\\circ")
+                and t[i + 3] == ("op", "}")
+            ):
+                return 4
+        return 0
+
     def postfix(self) -> tuple:
         base = self.comp()
-        if self.peek() == ("op", "^"):
+        if self.peek() == ("op", "^") and not self._degree_ahead():
             self.i += 1
             base = ("pow", base, self.sup())
-            if self.peek() == ("op", "^"):
-                raise Undecided("x^a^b: latex2sympy groups it left to right")
+        while n := self._degree_ahead():
+            self.i += n  # a degree sign: latex2sympy (convert_degrees=False) keeps the value, 30^\\circ = 30
+        if self.peek() == ("op", "^"):
+            raise Undecided("x^a^b: latex2sympy groups it left to right")
         return base
 
     def sup(self) -> tuple:

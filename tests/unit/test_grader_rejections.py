@@ -222,6 +222,39 @@ def test_unparseable_fragments_generated():
     assert fired >= 30
 
 
+@pytest.mark.parametrize(
+    "s",
+    ["30^\\circ", "30^{\\circ}", "x^2^\\circ", "2\\cdot 30^\\circ", "90^\\circ + x", "\\frac{1}{2}^\\circ"],
+)
+def test_degree_sign_reads_like_latex2sympy(s):
+    """numeric.py reads a degree sign as latex2sympy does (convert_degrees=False): the value stays."""
+    import sympy
+
+    from stapo.verifier_service import numeric
+
+    norm = grader._sympy_text(s)
+    mine = numeric.evaluate(norm)
+    assert mine is not None, norm
+    expr = grader._mv()["parse_latex"](norm)
+    syms = sorted(expr.free_symbols, key=lambda x: x.name)
+    fn = sympy.lambdify(syms, expr, modules="mpmath")
+    for got, pt in zip(mine, numeric._POINTS, strict=True):
+        ref = complex(fn(*[pt[x.name] for x in syms]))
+        assert abs(complex(got) - ref) <= 1e-9 * max(1.0, abs(ref)), (s, got, ref)
+
+
+@pytest.mark.parametrize("s", ["30^ \\circ", "30^{ \\circ}", "30^\\circ^2", "\\circ", "x \\circ"])
+def test_other_circles_are_undecided(s):
+    from stapo.verifier_service import numeric
+
+    assert numeric.evaluate(s) is None  # latex2sympy's lexer has no token for these
+
+
+def test_degree_gold_against_a_function():
+    assert grader._numerically_unequal("30^\\circ", "f(x) = x^2 - 99x + 12")
+    assert not grader._numerically_unequal("30^\\circ", "30")
+
+
 def test_switch_turns_every_rejection_off(monkeypatch):
     assert grader._surely_unequal("y = 2x + 3", "y = 7x + 3")
     monkeypatch.setattr(grader, "FAST_REJECT", False)
@@ -240,6 +273,8 @@ def test_switch_turns_every_rejection_off(monkeypatch):
         (_mat("5"), "5"),
         (_mat("1 \\\\ 2"), "x + 1"),
         ("58", "So the remaining quantity is $"),
+        ("30^\\circ", "f(x) = x^2 - 99x + 12"),
+        ("90^\\circ", "45^{\\circ}"),
         ("7", "By the Pythagorean theorem, $c^2"),
     ],
 )
@@ -445,6 +480,27 @@ def _matrix_pairs(r: random.Random) -> list[tuple[str, str]]:
     return out
 
 
+def _degree_pairs(r: random.Random) -> list[tuple[str, str]]:
+    """Degree signs (numeric.py reads ``^\\circ`` as latex2sympy does: the value stays)."""
+    out = [
+        ("0.6667", "\\frac{2}{3}^\\circ"),
+        ("\\frac{2}{3}^\\circ", "0.6667"),
+        ("\\sin 30^\\circ", "\\frac{1}{2}"),
+    ]
+    for _ in range(N_GEN):
+        a = r.choice([30, 45, 60, 90, 120, 135, 150])
+        out += [
+            (f"{a}^\\circ", f"{a}"),
+            (f"{a}^\\circ", f"{a}^{{\\circ}}"),
+            (f"{a}^\\circ", f"{a + 15}^\\circ"),
+            (f"{a}^\\circ", f"f(x) = x^2 - {a}x + 3"),
+            (f"{a}^\\circ", f"\\frac{{{a}}}{{180}}\\pi"),
+            (f"{a}", f"{a}^ \\circ"),
+            (f"{a}", f"{a + 1}^\\circ"),
+        ]
+    return out
+
+
 def _fragment_pairs(r: random.Random) -> list[tuple[str, str]]:
     """Cut-off responses (no marker): math-verify's search reports a prose fragment."""
     starts = [
@@ -475,7 +531,7 @@ def _fragment_pairs(r: random.Random) -> list[tuple[str, str]]:
 @pytest.mark.timeout(180)
 def test_generated_near_misses_do_not_change(monkeypatch):
     r = random.Random(2026)
-    pairs = _equation_pairs(r) + _union_pairs(r) + _matrix_pairs(r) + _fragment_pairs(r)
+    pairs = _equation_pairs(r) + _union_pairs(r) + _matrix_pairs(r) + _fragment_pairs(r) + _degree_pairs(r)
     items = [(p[4:] if p.startswith("RAW:") else f"The answer is $\\boxed{{{p}}}$.", g) for g, p in pairs]
     on, off, fired = _on_off(items, monkeypatch)
     assert not _diff(items, on, off)
