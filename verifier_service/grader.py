@@ -20,8 +20,12 @@ Pipeline of mode ``math`` (policies and their reasons in docs/verifier.md):
    rejected without sympy (most answers that get this far on an RL stream are wrong, and ANTLR
    plus ``simplify`` cost ~20-50 ms per distinct string): plain arithmetic evaluated by
    ``numeric.py`` that differs far beyond math-verify's rounding, bracketed lists of numbers with an
-   unmatched element, words with no math against a number. These only ever say "no"; every "yes"
-   still comes from math-verify. ``tests/unit/test_grader_numeric.py`` checks them against it.
+   unmatched element, words with no math against a number, assignments ``y = G`` with different
+   right sides, different interval unions, different matrices, cut-off fragments that neither
+   latex2sympy nor math-verify's search can read (``_surely_unequal``; ``FAST_REJECT = False``
+   switches them off). These only ever say "no"; every "yes" still comes from math-verify.
+   ``tests/unit/test_grader_numeric.py`` and ``tests/unit/test_grader_rejections.py`` check them
+   against it.
 
 Mode ``dapo`` is the DAPO recipe's string-normalization verifier (``dapo.py``).
 
