@@ -768,6 +768,11 @@ def _word_soup(gold: str, pred: str) -> bool:
     ``$`` (every LaTeX pattern needs a closing delimiter: ``So the remaining quantity is $``), it
     finds nothing, and no answer is "no" too.
 
+    A gold with variables (``x^3 + 3x - 6``, numeric.py's subset, not complex): every comma item
+    of the soup must hold a letter the gold lacks (not d / e / i / j); then gold minus monomial
+    changes with that letter, so it is not zero (``sympy_numeric_eq``, ``simplify``). A gold that
+    is one letter goes through ``sympy_compare_symbols`` (names concatenated): left to it.
+
     Other golds: a matrix is never a monomial or a set (``sympy_numeric_eq`` and ``simplify`` of
     a matrix minus a scalar raise, caught as False; its ``str`` is no symbol's name); an interval
     or union of intervals with constant ends is not a finite set of monomials (its symmetric
@@ -786,8 +791,16 @@ def _word_soup(gold: str, pred: str) -> bool:
     if g is None:
         return False
     vals = evaluate_numeric(g) if "=" not in g else None
-    if vals is not None:
-        return vals[0] == vals[1]
+    if vals is not None and vals[0] == vals[1]:
+        return True
+    if vals is not None:  # an expression with variables: each item needs a letter the gold lacks
+        gvars = numeric_variables(g)
+        if gvars is None or _mv()["complex_mode"](g) or len(gvars) == len(g.strip()) == 1:
+            return False  # a one-letter gold meets math-verify's name-concatenation rule: left to it
+        return all(
+            any(c not in gvars and c not in "deij" for c in item.lower() if c.isalpha())
+            for item in words.split(",")
+        )
     return _matrix_cells(gold) is not None or _interval_union(gold) is not None
 
 
@@ -1017,6 +1030,12 @@ def _interval_sets_unequal(gold: str, pred: str) -> bool:
 # that swallows braces, no \begin{...}); anything else makes _unparseable_fragment undecided
 _PLAIN_CMDS = frozenset({"\\frac", "\\dfrac", "\\tfrac", "\\sqrt", "\\cdot", "\\times", "\\div", "\\pi"})
 _BACKSLASH_RE = re.compile(r"\\[A-Za-z]*")
+# a command cut at the end of the text (not right after a "d": latex2sympy's differential token
+# "d \\frac" would hold it)
+_CUT_CMD_RE = re.compile(r"\\[A-Za-z]+$")
+_CUT_CMDS = frozenset(c[:k] for c in ("\\frac", "\\dfrac", "\\tfrac", "\\sqrt") for k in range(2, len(c) + 1))
+"""``\\frac`` / ``\\sqrt`` (they need an argument) and their pieces ``\\fr``, ``\\sq``, ``\\d``, ...
+(no lexer token is one of them)."""
 # what math-verify's search needs to find anything: a LaTeX span ($...$, $$...$$, \[...\], \(...\),
 # " [...] "), \boxed, a complete \frac of two numbers (its plain-text fraction pattern), or a digit
 # run where a number may start (checked by _anchored_digits)
@@ -1052,7 +1071,9 @@ def _unparseable_fragment(gold: str, pred: str) -> bool:
       every rule, so nothing can follow it at the end; or it ends with one backslash (cut inside a
       command, ``$\\``): every lexer token that starts with a backslash has more after it, and
       none that could hold it (``\\text{...}``) is closed, so the lexer's error listener raises
-      (for any number of ``=``: math-verify's retry on the last part ends the same way);
+      (for any number of ``=``: math-verify's retry on the last part ends the same way); or it ends
+      with ``\\frac`` / ``\\sqrt`` (the grammar needs their braces) or a piece of one (``\\fr``: no
+      lexer token), not right after a ``d`` (``d\\frac`` is one differential token);
     - the raw text has at most one ``$`` (every LaTeX pattern needs a closing delimiter), no ``[``,
       ``]``, ``\\(``, ``\\boxed`` or complete ``\\frac{1}{2}``, and every digit run follows a
       letter or one of ``{}^_/+`` (``$\\frac{255``, ``c^2``): math-verify's number and expression
@@ -1068,6 +1089,13 @@ def _unparseable_fragment(gold: str, pred: str) -> bool:
         return False
     if norm.endswith("\\") and not norm.endswith("\\\\"):
         return True  # a lone backslash at the end: no lexer token is a bare backslash
+    cut = _CUT_CMD_RE.search(norm)
+    if (
+        cut is not None
+        and cut.group(0) in _CUT_CMDS
+        and not norm[: cut.start()].rstrip().endswith(("d", "D", "\\"))
+    ):
+        return True  # \frac, \sqrt or a piece of one at the very end
     if not norm.isascii() or "<" in norm or ">" in norm:
         return False
     if any(cmd not in _PLAIN_CMDS for cmd in _BACKSLASH_RE.findall(norm)):

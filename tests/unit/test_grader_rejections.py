@@ -150,6 +150,11 @@ def test_matrices_rule(gold, pred, fires):
         ("12", "the pi^2 of", False),  # a lexer word
         ("y = 2x + 3", "Therefore the sum", False),  # equation golds are not handled
         ("\\cot x", "so the value", False),
+        ("x^3+3x-6", "Therefore", True),  # letters the gold lacks: not the gold
+        ("x + t", "the", True),  # h is not in the gold
+        ("x + y", "the x, y", False),  # the item "y" has no letter the gold lacks
+        ("t", "the value", False),  # a one-letter gold: math-verify's symbol rule decides
+        ("x^2 + i", "the value", False),  # complex mode
         ("12", "so the 2 of", False),  # a digit the search could find
     ],
 )
@@ -180,6 +185,11 @@ _FRAGMENTS = [
     ("Let me double-check: $\\", True),  # a lone backslash at the end
     ("so x = y = z \\", True),
     ("so x \\\\", False),  # a row break, not a lone backslash
+    ("Let me double-check: $\\frac", True),  # \\frac needs its braces
+    ("Let me double-check: $\\fr", True),  # a piece of a command: no lexer token
+    ("so \\sqrt", True),
+    ("so d \\frac", False),  # "d \\frac" is one differential token
+    ("so \\in", False),  # a whole command of another kind
 ]
 
 
@@ -194,24 +204,10 @@ def test_unparseable_fragments_generated():
     """Random prose with cut-off LaTeX: whenever the rule fires, the real parse and search give nothing."""
     r = random.Random(7)
     words = ["Let", "me", "so", "the", "case", "where", "x", "n", "check:", "wait,", "Then", "a", "b."]
-    bits = [
-        "\\frac{",
-        "\\sqrt{",
-        "{",
-        "}",
-        " = ",
-        "=",
-        " x",
-        "^{T}",
-        "^2",
-        ",",
-        ":",
-        "(",
-        ")",
-        "$",
-        "\\cdot",
-        "\\pi",
-    ]
+    bits = "\\frac{|\\sqrt{|{|}| = |=| x|^{T}|^2|,|:|(|)|$|\\cdot|\\pi|12| 3|{7|-4|\\frac{1}{2}|.5|x1".split(
+        "|"
+    )
+    bits += ["\\", "\\\\", "\\fr", "\\sqrt", " d \\frac", "d\\sq", "\\t"]
     fired = 0
     for _ in range(300):
         text = " ".join(r.choice(words) for _ in range(r.randint(1, 5)))
@@ -508,6 +504,7 @@ def _fragment_pairs(r: random.Random) -> list[tuple[str, str]]:
         "So the remaining quantity is $",
         "Let me double-check: $\\frac{",
         "Therefore",
+        "So the remaining quantity is $",
         "Hmm, wait. Let me reconsider the case where $n = ",
         "We substitute $x = 3$ into $f(x) = ",
     ]
@@ -519,6 +516,8 @@ def _fragment_pairs(r: random.Random) -> list[tuple[str, str]]:
         _mat("1/5 \\\\ -18"),
         "\\cot x",
         "30^\\circ",
+        "x^3 + 3x - 6",
+        "a^2 + b",
     ]
     out = []
     for _ in range(60):
