@@ -1033,6 +1033,8 @@ _BACKSLASH_RE = re.compile(r"\\[A-Za-z]*")
 # a command cut at the end of the text (not right after a "d": latex2sympy's differential token
 # "d \\frac" would hold it)
 _CUT_CMD_RE = re.compile(r"\\[A-Za-z]+$")
+# an operator that needs something after it, at the very end (not "\\:" / "\\,": skipped spaces)
+_TRAILING_OP_RE = re.compile(r"(?<!\\)([=:^+\-*/_,])\s*$")
 _CUT_CMDS = frozenset(c[:k] for c in ("\\frac", "\\dfrac", "\\tfrac", "\\sqrt") for k in range(2, len(c) + 1))
 """``\\frac`` / ``\\sqrt`` (they need an argument) and their pieces ``\\fr``, ``\\sq``, ``\\d``, ...
 (no lexer token is one of them)."""
@@ -1067,8 +1069,12 @@ def _unparseable_fragment(gold: str, pred: str) -> bool:
       a different number of ``{`` and ``}``: every rule of latex2sympy's grammar (PS.g4) that uses
       ``{`` closes it with ``}``, and the only lexer tokens holding braces without a backslash
       (``^{T}``) hold both, so an unbalanced text has no parse tree and the error listener raises;
-      or it has exactly one ``=`` and ends with it: ``=`` (and ``<=``, ``!=``, ...) is infix in
-      every rule, so nothing can follow it at the end; or it ends with one backslash (cut inside a
+      or it ends with an operator that needs an operand after it: ``=`` (then exactly one ``=``:
+      math-verify retries the part after the last of several), ``:``, ``^``, ``_``, ``+``, ``-``,
+      ``*``, ``/`` or ``,`` (``c^`` in "By the Pythagorean theorem, $c^"); in PS.g4 each is infix or
+      prefix (``^`` and ``_`` need their argument, ``,`` another element), no token ends with one
+      except other infix relations (``<=``, ``!=``), and ``\\:`` / ``\\,`` (skipped spaces) are
+      excluded; for any of these the commands before do not matter; or it ends with one backslash (cut inside a
       command, ``$\\``): every lexer token that starts with a backslash has more after it, and
       none that could hold it (``\\text{...}``) is closed, so the lexer's error listener raises
       (for any number of ``=``: math-verify's retry on the last part ends the same way); or it ends
@@ -1089,6 +1095,9 @@ def _unparseable_fragment(gold: str, pred: str) -> bool:
         return False
     if norm.endswith("\\") and not norm.endswith("\\\\"):
         return True  # a lone backslash at the end: no lexer token is a bare backslash
+    op = _TRAILING_OP_RE.search(norm)
+    if op is not None and (op.group(1) != "=" or norm.count("=") == 1):
+        return True  # an operator at the very end: it needs an operand after it
     cut = _CUT_CMD_RE.search(norm)
     if (
         cut is not None
@@ -1100,10 +1109,7 @@ def _unparseable_fragment(gold: str, pred: str) -> bool:
         return False
     if any(cmd not in _PLAIN_CMDS for cmd in _BACKSLASH_RE.findall(norm)):
         return False
-    eqs = norm.count("=")
-    if eqs == 0:
-        return norm.count("{") != norm.count("}")
-    return eqs == 1 and norm.rstrip().endswith("=")
+    return "=" not in norm and norm.count("{") != norm.count("}")
 
 
 _MATRIX_RE = re.compile(r"^\\begin\{(pmatrix|bmatrix|matrix)\}(.*)\\end\{\1\}$", re.S)

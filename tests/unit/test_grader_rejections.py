@@ -190,6 +190,13 @@ _FRAGMENTS = [
     ("so \\sqrt", True),
     ("so d \\frac", False),  # "d \\frac" is one differential token
     ("so \\in", False),  # a whole command of another kind
+    ("By the Pythagorean theorem, $c^", True),  # ^ needs its exponent
+    ("Let me double-check: $", True),  # ":" divides: it needs a right side
+    ("the value is -", True),
+    ("a, b,", True),
+    ("x_", True),
+    ("so x = y =", False),  # two "=": math-verify retries the (empty) last part
+    ("so 12 +", False),  # " 12": a number the search finds
 ]
 
 
@@ -207,7 +214,23 @@ def test_unparseable_fragments_generated():
     bits = "\\frac{|\\sqrt{|{|}| = |=| x|^{T}|^2|,|:|(|)|$|\\cdot|\\pi|12| 3|{7|-4|\\frac{1}{2}|.5|x1".split(
         "|"
     )
-    bits += ["\\", "\\\\", "\\fr", "\\sqrt", " d \\frac", "d\\sq", "\\t"]
+    bits += [
+        "\\",
+        "\\\\",
+        "\\fr",
+        "\\sqrt",
+        " d \\frac",
+        "d\\sq",
+        "\\t",
+        " +",
+        "^",
+        "_",
+        "-",
+        "*",
+        "/",
+        "\\:",
+        "\\,",
+    ]
     fired = 0
     for _ in range(300):
         text = " ".join(r.choice(words) for _ in range(r.randint(1, 5)))
