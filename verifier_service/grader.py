@@ -1033,6 +1033,8 @@ _BACKSLASH_RE = re.compile(r"\\[A-Za-z]*")
 # a command cut at the end of the text (not right after a "d": latex2sympy's differential token
 # "d \\frac" would hold it)
 _CUT_CMD_RE = re.compile(r"\\[A-Za-z]+$")
+# \frac with its numerator only, at the very end (cut before the denominator)
+_HALF_FRAC_RE = re.compile(r"\\[dt]?frac\s*\{[^{}]*\}\s*$")
 # an operator that needs something after it, at the very end (not "\\:" / "\\,": skipped spaces)
 _TRAILING_OP_RE = re.compile(r"(?<!\\)([=:^+\-*/_,])\s*$")
 _CUT_CMDS = frozenset(c[:k] for c in ("\\frac", "\\dfrac", "\\tfrac", "\\sqrt") for k in range(2, len(c) + 1))
@@ -1079,7 +1081,8 @@ def _unparseable_fragment(gold: str, pred: str) -> bool:
       none that could hold it (``\\text{...}``) is closed, so the lexer's error listener raises
       (for any number of ``=``: math-verify's retry on the last part ends the same way); or it ends
       with ``\\frac`` / ``\\sqrt`` (the grammar needs their braces) or a piece of one (``\\fr``: no
-      lexer token), not right after a ``d`` (``d\\frac`` is one differential token);
+      lexer token), or with ``\\frac{a}`` (the denominator cut off: the ``frac`` rule needs both
+      groups), not right after a ``d`` (``d\\frac`` is one differential token);
     - the raw text has at most one ``$`` (every LaTeX pattern needs a closing delimiter), no ``[``,
       ``]``, ``\\(``, ``\\boxed`` or complete ``\\frac{1}{2}``, and every digit run follows a
       letter or one of ``{}^_/+`` (``$\\frac{255``, ``c^2``): math-verify's number and expression
@@ -1105,6 +1108,9 @@ def _unparseable_fragment(gold: str, pred: str) -> bool:
         and not norm[: cut.start()].rstrip().endswith(("d", "D", "\\"))
     ):
         return True  # \frac, \sqrt or a piece of one at the very end
+    half = _HALF_FRAC_RE.search(norm)
+    if half is not None and not norm[: half.start()].rstrip().endswith(("d", "D", "\\")):
+        return True  # \frac{a} at the very end: the grammar needs the denominator
     if not norm.isascii() or "<" in norm or ">" in norm:
         return False
     if any(cmd not in _PLAIN_CMDS for cmd in _BACKSLASH_RE.findall(norm)):

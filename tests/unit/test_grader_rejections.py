@@ -195,6 +195,11 @@ _FRAGMENTS = [
     ("the value is -", True),
     ("a, b,", True),
     ("x_", True),
+    ("Let me double-check: $\\frac{1270}", True),  # the denominator cut off
+    ("so \\dfrac{x+y}", True),
+    ("so \\dfrac{x + 1}", False),  # " 1": a number the search finds
+    ("so d\\frac{1}", False),  # differential token
+    ("so \\frac{1}{2}", False),  # complete
     ("so x = y =", False),  # two "=": math-verify retries the (empty) last part
     ("so 12 +", False),  # " 12": a number the search finds
 ]
@@ -230,6 +235,8 @@ def test_unparseable_fragments_generated():
         "/",
         "\\:",
         "\\,",
+        "\\frac{12}",
+        "\\frac{x}",
     ]
     fired = 0
     for _ in range(300):
