@@ -942,7 +942,11 @@ def _interval_union(text: str) -> tuple | None:
     latex2sympy reads ``(a, b)`` as an open interval, not a tuple) and ``-\\infty`` / ``\\infty``
     only where they make sense. sympy makes infinite ends open: ``[-\\infty, 3)`` is ``(-oo, 3)``.
     """
-    norm = _sympy_text(text)
+    return _union_of(_sympy_text(text))
+
+
+def _union_of(norm: str | None) -> tuple | None:
+    """``_interval_union`` of an already normalized text."""
     if norm is None or "\\in" in norm.replace("\\infty", "") or _mv()["complex_mode"](norm):
         return None
     out = []
@@ -994,9 +998,30 @@ def _union_pieces(unions: list[tuple]) -> list[tuple[bool, ...]] | None:
     return out
 
 
+_IN_SET_RE = re.compile(r"^\s*([A-Za-z])\s*\\in(?![A-Za-z])(.+)$", re.S)
+
+
+def _in_union(text: str) -> tuple | None:
+    """The union of ``x \\in U`` (latex2sympy: ``Eq(x, U)``, U an ``_interval_union``), else None."""
+    norm = _sympy_text(text)
+    m = _IN_SET_RE.match(norm) if norm is not None and "\\in" in norm else None
+    return _union_of(m.group(2)) if m else None
+
+
+def _numeric_equation(text: str) -> bool:
+    """latex2sympy reads it as an equation (or a chain): every ``=`` side in numeric.py's subset."""
+    norm = _sympy_text(text)
+    if norm is None or "=" not in norm or _mv()["complex_mode"](norm):
+        return False
+    sides = norm.split("=")
+    return all(evaluate_numeric(x) is not None or _FUNC_LHS_RE.match(x) for x in sides) and any(
+        evaluate_numeric(x) is not None for x in sides
+    )
+
+
 def _interval_sets_unequal(gold: str, pred: str) -> bool:
     """Intervals / unions of intervals with constant endpoints that are different sets, or such a set
-    against a single number.
+    against a single number or expression.
 
     math-verify (``sympy_expr_eq`` -> ``sympy_compare_sets``) calls two sets equal when they are the
     same object, when sympy proves their symmetric difference empty, or, for an open interval against
@@ -1005,11 +1030,33 @@ def _interval_sets_unequal(gold: str, pred: str) -> bool:
     two unions that differ as sets of reals (an end moved beyond ``numeric.REL_TOL``, an end open in
     one and closed in the other, a piece more) are unequal in every one of those ways, and a union of
     intervals of positive length is never one number (the 2-element rule needs a finite set of two,
-    which neither side is). The sets are compared exactly on the line cut at every endpoint; two
-    endpoints that are close but not the same text are undecided. Single intervals vs single
+    which neither side is); the same holds for any one expression of numeric.py's subset, with
+    variables or not (``{x^2 - 21x + 10}``: one element). The sets are compared exactly on the
+    line cut at every endpoint; two endpoints that are close but not the same text are undecided.
+    Single intervals vs single
     intervals are included (``(1, 2)`` vs ``[1, 2)``), tuples are not (``(5, 2)``: lo must be < hi).
+
+    A gold ``x \\in U`` is ``Eq(x, U)`` to latex2sympy. Against a prediction that is not an
+    equation math-verify compares U with it (the assignment gold is unwrapped): the rules above
+    apply to U. Against ``y \\in V``: two ``Eq`` are equal only as the same object (so only if U
+    and V are), and its relational comparisons fail (``x - U``: TypeError; ``solve``: TypeError), so
+    different sets are "no". Against an equation of numeric.py's subset (``\\frac{518}{7} = 74``,
+    ``f(x) = x^2 - 21x + 10``): those same relational comparisons fail, "no".
     """
-    gu = _interval_union(gold) if gold.lstrip()[:1] in ("(", "[", "\\") else None
+    gin = _in_union(gold) if "\\in" in gold else None
+    if gin is not None:
+        # gold Eq(x, U): against an equation math-verify subtracts a set (TypeError, caught) and
+        # solve fails; against an ``x \\in`` answer, Eq == Eq needs the same U; against anything
+        # else it compares U itself (``sympy_expr_eq`` unwraps an assignment gold)
+        if _numeric_equation(pred):
+            return True
+        pin = _in_union(pred) if "\\in" in pred else None
+        if pin is not None:
+            pieces = _union_pieces([gin, pin])
+            return pieces is not None and pieces[0] != pieces[1]
+        if "=" in pred or "\\in" in pred:
+            return False
+    gu = gin if gin is not None else _interval_union(gold) if gold.lstrip()[:1] in ("(", "[", "\\") else None
     pu = _interval_union(pred) if pred.lstrip()[:1] in ("(", "[", "\\") else None
     if gu is not None and pu is not None:
         pieces = _union_pieces([gu, pu])
@@ -1022,7 +1069,7 @@ def _interval_sets_unequal(gold: str, pred: str) -> bool:
         norm is not None
         and "=" not in norm
         and not _mv()["complex_mode"](norm)
-        and numeric_constant(norm) is not None
+        and evaluate_numeric(norm) is not None
     )
 
 

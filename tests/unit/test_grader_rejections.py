@@ -90,9 +90,22 @@ def test_equations_rule(gold, pred, fires):
         ("(5, 2) \\cup (7, 9)", "(5, 3) \\cup (7, 9)", False),  # (5, 2) is a tuple to latex2sympy
         ("(1, 2)", "1, 2", False),  # math-verify's open interval = 2-element list rule
         ("(1, x) \\cup (3, 4)", "(1, y) \\cup (3, 4)", False),  # a variable end
-        ("x \\in (1,2) \\cup (3,4)", "x \\in (1,2) \\cup (3,5)", False),
+        ("x \\in (1,2) \\cup (3,4)", "x \\in (1,2) \\cup (3,5)", True),  # Eq(x, U) vs Eq(x, V)
         ("(1,2) \\cup (3,4)", "(1,2) \\cup (3,4i)", False),  # complex mode
         ("\\{1\\} \\cup (2,3)", "\\{1\\} \\cup (2,4)", False),  # a finite set piece: not handled
+        ("x \\in [-2,7]", "x \\in [-6,7]", True),  # Eq(x, U) vs Eq(x, V): the same object or "no"
+        ("x \\in [-2,7]", "x \\in (-2,7]", True),
+        ("x \\in [-2,7]", "[-6,7]", True),  # the gold is unwrapped to U
+        ("x \\in [-2,7]", "5", True),
+        ("x \\in [-2,7]", "x^2 - 21x + 10", True),  # one expression: a one-element set
+        ("x \\in [-2,7]", "\\frac{518}{7} = 74", True),  # relational comparisons of Eq(x, U) fail
+        ("x \\in [-2,7]", "f(x) = x^2 - 21x + 10", True),
+        ("x \\in [-2,7]", "x \\in [-2, 7]", False),
+        ("x \\in [-2,7]", "[-2,7]", False),
+        ("x \\in [-2,7]", "y \\in [-2,7]", False),  # the same set: math-verify decides
+        ("x \\in [-2,7]", "x \\in [-2,3) \\cup [3,7]", False),
+        ("x \\in [-2,7]", "-2 \\le x \\le 7", False),
+        ("x \\in [-2,7]", "x \\in \\{1\\}", False),
     ],
 )
 def test_interval_sets_rule(gold, pred, fires):
@@ -472,6 +485,13 @@ def _union_pairs(r: random.Random) -> list[tuple[str, str]]:
             (f"({a}, {b}) \\cup ({c}, {d})", f"({a}, {b}) \\cup ({c}, \\frac{{{2 * pts[3]}}}{{2}})"),
             (f"({a}, {b})", f"{a}, {b}"),  # math-verify: open interval = 2-element list
             (_interval(r, a, b), str(pts[0])),
+            (f"x \\in {gold}", f"x \\in {p2} \\cup {p1}"),  # an assignment to a set
+            (f"x \\in {gold}", f"x \\in {p1[:-1]}{')' if p1[-1] == ']' else ']'} \\cup {p2}"),
+            (f"x \\in {gold}", gold),
+            (f"x \\in {gold}", f"{p1}"),
+            (f"x \\in {gold}", f"x = {b}"),
+            (f"x \\in {gold}", f"x^2 - {a}x + 1"),
+            (f"x \\in {gold}", f"y \\in {gold}"),
         ]
     return out
 
