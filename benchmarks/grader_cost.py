@@ -2,6 +2,7 @@
 
     python benchmarks/grader_cost.py --before 9cb5ac6            # 4096-item `math` stream, 3 rounds
     python benchmarks/grader_cost.py --before 9cb5ac6 --rounds 5 --items 2048 --style answer_line
+    python benchmarks/grader_cost.py --before 13a7952 --seed 3                 # another stream
 
 Each measurement is a fresh process (``python -c``) that runs the service's warm-up
 (``verifier_service/warmup.py``: ANTLR's prediction tables, regexes) and grades another seed's
@@ -31,14 +32,15 @@ from verifier import machine, unpack_revision  # noqa: E402
 CHILD = r"""
 import json, sys, time
 from stapo.verifier_service import grader
-from stapo.verifier_service.loadgen import build_stream
+from stapo.verifier_service.loadgen import build_stream, load_golds
 import stapo.verifier_service.warmup  # what the service's fork server runs before forking workers
-n, style = int(sys.argv[1]), sys.argv[2]
-for p, g, m in build_stream(1024, seed=7, style=style):
+n, style, seed = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+golds = load_golds(source=sys.argv[4])
+for p, g, m in build_stream(1024, seed=7, style=style, golds=golds):
     grader.grade(p, g)
 grader.cache_clear()
 seen, out = set(), {"no_marker": [0, 0.0], "first": [0, 0.0], "repeat": [0, 0.0]}
-for p, g, m in build_stream(n, seed=0, style=style):
+for p, g, m in build_stream(n, seed=seed, style=style, golds=golds):
     t0 = time.perf_counter()
     r = grader.grade(p, g)
     dt = time.perf_counter() - t0
@@ -53,12 +55,18 @@ print(json.dumps(out))
 """
 
 
-def measure(pythonpath: Path | None, items: int, style: str) -> dict:
+def measure(
+    pythonpath: Path | None, items: int, style: str, seed: int = 0, golds: str = "math500+gsm8k"
+) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(items), style], env=env, check=True, capture_output=True, text=True
+        [sys.executable, "-c", CHILD, str(items), style, str(seed), golds],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -69,14 +77,27 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--style", default="boxed", choices=["boxed", "answer_line"])
+    ap.add_argument(
+        "--seed", type=int, default=0, help="seed of the measured stream (the warm-up stream uses 7)"
+    )
+    ap.add_argument(
+        "--golds",
+        default=None,
+        help="gold set (loadgen.GOLD_SOURCES); default as benchmarks/verifier.py's streams: dapo17k for "
+        "answer_line, math500+gsm8k for boxed",
+    )
     args = ap.parse_args()
+    golds = args.golds or ("dapo17k" if args.style == "answer_line" else "math500+gsm8k")
     tree = unpack_revision(args.before)
     rows: dict[str, list[dict]] = {"before": [], "after": []}
     for _ in range(args.rounds):
         for name, path in (("before", tree), ("after", None)):
-            rows[name].append(measure(path, args.items, args.style))
+            rows[name].append(measure(path, args.items, args.style, args.seed, golds))
     print(f"machine: {machine()}; load average now {os.getloadavg()[0]:.1f}")
-    print(f"stream: build_stream({args.items}, seed=0, style={args.style!r}); before = {args.before}")
+    print(
+        f"stream: build_stream({args.items}, seed={args.seed}, style={args.style!r}, golds={golds}); "
+        f"before = {args.before}"
+    )
     print(
         "| variant | round | no marker s (n) | first sight s (n) | repeat s (n) | total s | items/s/process |"
     )

@@ -11,7 +11,8 @@ latex2sympy's own precedences (checked against it by ``tests/unit/test_grader_nu
 integers and decimals, ``+ - * / \\cdot \\times \\div``, implicit products (which bind tighter
 than ``/``: ``1/2x`` is ``1/(2x)``), ``^{...}`` / ``^d`` / ``^x`` (one level), ``\\frac{a}{b}``
 (also ``\\dfrac``, ``\\tfrac``), ``\\sqrt{a}``, ``\\sqrt[n]{a}``, ``\\pi``, ``( )`` / ``{ }`` groups,
-``\\left`` / ``\\right``, and single-letter variables (lower-cased, as latex2sympy does). ``e`` and
+``\\left`` / ``\\right``, a degree sign ``^\\circ`` / ``^{\\circ}`` (latex2sympy keeps the value: the grader's
+degrees-are-a-unit policy), and single-letter variables (lower-cased, as latex2sympy does). ``e`` and
 ``d`` are refused (latex2sympy may read ``e`` as Euler's number and ``d x`` as a differential);
 ``i`` is a plain variable here, so callers leave strings that math-verify reads in complex mode to
 math-verify. Anything else -- commas, brackets, relations, functions (``f(x)``, ``\\pi(x)``),
@@ -41,7 +42,17 @@ from functools import lru_cache
 
 import mpmath
 
-__all__ = ["MAX_MAGNITUDE", "REL_TOL", "clearly_unequal", "differ", "evaluate", "parse"]
+__all__ = [
+    "MAX_MAGNITUDE",
+    "REL_TOL",
+    "clearly_unequal",
+    "constant",
+    "differ",
+    "evaluate",
+    "parse",
+    "rational_function",
+    "variables",
+]
 
 REL_TOL = 1e-5
 """Reject only when |a - b| > REL_TOL * max(1, |a|, |b|) at some evaluation point."""
@@ -98,7 +109,12 @@ def _tokenize(s: str) -> list[tuple[str, str]]:
                 if nxt is None or nxt.group("op") != ("(" if text == "\\left" else ")"):
                     raise Undecided(f"{text} without a parenthesis")
                 continue
-            if text not in _MUL_CMDS and text not in _FRAC_CMDS and text not in ("\\div", "\\sqrt", "\\pi"):
+            if text == "\\circ":
+                # only latex2sympy's degree tokens ^\circ and ^{\circ}, written without spaces
+                st = m.start("cmd")
+                if not (s[st - 1 : st] == "^" or (s[st - 2 : st] == "^{" and s[pos : pos + 1] == "}")):
+                    raise Undecided("\\circ outside a degree sign")
+            elif text not in _MUL_CMDS and text not in _FRAC_CMDS and text not in ("\\div", "\\sqrt", "\\pi"):
                 raise Undecided(f"command {text}")
         if kind == "letter":
             text = text.lower()
@@ -164,13 +180,30 @@ class _Parser:
         kind, text = tok
         return kind in ("num", "letter") or text in ("(", "{", "\\sqrt", "\\pi") or text in _FRAC_CMDS
 
+    def _degree_ahead(self) -> int:
+        """How many tokens a degree sign (``^\\circ``, ``^{\\circ}``) here takes, else 0."""
+        t, i = self.t, self.i
+        if i + 1 < len(t) and t[i] == ("op", "^"):
+            if t[i + 1] == ("cmd", "\\circ"):
+                return 2
+            if (
+                i + 3 < len(t)
+                and t[i + 1] == ("op", "{")
+                and t[i + 2] == ("cmd", "\\circ")
+                and t[i + 3] == ("op", "}")
+            ):
+                return 4
+        return 0
+
     def postfix(self) -> tuple:
         base = self.comp()
-        if self.peek() == ("op", "^"):
+        if self.peek() == ("op", "^") and not self._degree_ahead():
             self.i += 1
             base = ("pow", base, self.sup())
-            if self.peek() == ("op", "^"):
-                raise Undecided("x^a^b: latex2sympy groups it left to right")
+        while n := self._degree_ahead():
+            self.i += n  # a degree sign: latex2sympy (convert_degrees=False) keeps the value, 30^\\circ = 30
+        if self.peek() == ("op", "^"):
+            raise Undecided("x^a^b: latex2sympy groups it left to right")
         return base
 
     def sup(self) -> tuple:
@@ -343,6 +376,70 @@ def evaluate(s: str) -> tuple | None:
         return tuple(_ev(node, pt) for pt in _POINTS)
     except (Undecided, ZeroDivisionError, ValueError, OverflowError):
         return None
+
+
+def variables(s: str) -> frozenset[str] | None:
+    """The (lower-cased) letters of ``s`` as latex2sympy's variables, or None outside the subset."""
+    node = parse(s)
+    if node is None:
+        return None
+    out: set[str] = set()
+
+    def walk(n: tuple) -> None:
+        if n[0] == "var":
+            out.add(n[1])
+        elif n[0] == "imul":
+            for f in n[1]:
+                walk(f)
+        else:
+            for x in n[1:]:
+                if isinstance(x, tuple):
+                    walk(x)
+
+    walk(node)
+    return frozenset(out)
+
+
+def _rational(n: tuple) -> bool:
+    kind = n[0]
+    if kind in ("num", "var", "pi"):
+        return True
+    if kind == "imul":
+        return all(_rational(f) for f in n[1])
+    if kind == "pow":
+        base, ex = n[1], n[2]
+        if _has_var(ex):
+            return False
+        if not _has_var(base):
+            return True
+        if ex[0] == "neg":
+            ex = ex[1]
+        return ex[0] == "num" and ex[1].denominator == 1 and _rational(base)
+    if kind == "sqrt":
+        return not _has_var(n[1]) and (n[2] is None or not _has_var(n[2]))
+    return all(_rational(x) for x in n[1:] if isinstance(x, tuple))
+
+
+def rational_function(s: str) -> bool:
+    """Is ``s`` (inside the subset) a rational function of its variables?
+
+    Variables appear only under ``+ - * /`` and integer powers (roots and powers of constants are
+    fine: ``\\sqrt{2}x^2``). Two such functions that agree on a curve along which a variable takes
+    a whole interval of values agree everywhere, which is what the grader's equation rule needs.
+    """
+    node = parse(s)
+    return node is not None and _rational(node)
+
+
+def constant(s: str):
+    """The real value of ``s`` when it is a constant of the subset (no variable, not complex), else None."""
+    node = parse(s)
+    if node is None or _has_var(node):
+        return None
+    vals = evaluate(s)
+    if vals is None or abs(vals[0].imag) > 0:
+        return None
+    return vals[0].real
 
 
 def differ(a, b) -> bool:
