@@ -353,12 +353,17 @@ def _count_fired(monkeypatch) -> dict[str, int]:
 
 
 def _on_off(items: list[tuple[str, str]], monkeypatch) -> tuple[list, list, dict[str, int]]:
-    """Grade (prediction, gold) items with the rules on, then off (caches emptied before each)."""
+    """Grade (prediction, gold) items with the rules on, then off (caches emptied before each).
+
+    Sentences are left to the rules too (``PROSE_AS_TEXT`` off in both runs: it would answer them
+    before step 7; tests/unit/test_grader_prose.py checks that shortcut on its own)."""
     with monkeypatch.context() as m:
+        m.setattr(grader, "PROSE_AS_TEXT", False)
         fired = _count_fired(m)
         grader.cache_clear()
         on = [_key(grade(p, g)) for p, g in items]
     with monkeypatch.context() as m:
+        m.setattr(grader, "PROSE_AS_TEXT", False)
         m.setattr(grader, "FAST_REJECT", False)
         grader.cache_clear()
         off = [_key(grade(p, g)) for p, g in items]
