@@ -32,6 +32,7 @@ what STAPO trains on) with the DAPO template's ``Answer:`` line.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import platform
 import re
@@ -84,6 +85,7 @@ def unpack_revision(rev: str) -> Path:
     """``git archive REV`` laid out as an importable ``stapo`` package (pyproject's package-dir)."""
     root = Path(__file__).resolve().parent.parent
     dest = Path(tempfile.mkdtemp(prefix="stapo-before-"))
+    atexit.register(shutil.rmtree, dest, True)  # removed when the harness exits
     src = dest / "src"
     src.mkdir()
     tar = subprocess.run(["git", "-C", str(root), "archive", rev], check=True, capture_output=True).stdout
