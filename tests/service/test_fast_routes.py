@@ -1,0 +1,84 @@
+"""app.FastRoutes: well-formed /v1/verify and /get_reward requests skip FastAPI's machinery; answers unchanged.
+
+A request sent as ``application/json`` takes the fast path; the same bytes sent as
+``application/merge-patch+json`` (a JSON type FastAPI reads, FastRoutes does not) take the FastAPI
+route. Both must answer the same status, body and content type; bad requests (which the fast path
+replays into the app) must keep their usual 4xx with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from tests.service.conftest import MAX_ITEMS
+
+FAST = {"content-type": "application/json"}
+ROUTE = {"content-type": "application/merge-patch+json"}
+
+
+def _both(http: httpx.Client, path: str, body: bytes) -> tuple[httpx.Response, httpx.Response]:
+    return http.post(path, content=body, headers=FAST), http.post(path, content=body, headers=ROUTE)
+
+
+def test_well_formed_requests_answer_the_same_on_both_paths(http):
+    items = [
+        {"prediction": "so \\boxed{\\frac{1}{2}}", "gold": "0.5"},
+        {"prediction": "therefore \\boxed{3}", "gold": "4"},
+        {"prediction": "", "gold": "4"},
+        {"prediction": "x" * 200_000, "gold": "4"},  # too_large
+        {"prediction": "Answer: 12", "gold": "12", "mode": "dapo"},
+        {"prediction": "Answer: \ud800 7", "gold": "7", "mode": "dapo"},  # lone surrogate: U+FFFD back
+    ]
+    body = json.dumps({"items": items}).encode()
+    http.post("/v1/verify", content=body, headers=FAST)  # fill the caches: ms = 0 on both below
+    fast, route = _both(http, "/v1/verify", body)
+    assert fast.status_code == route.status_code == 200
+    assert fast.headers["content-type"] == route.headers["content-type"] == "application/json"
+    assert fast.content == route.content
+    res = fast.json()["results"]
+    assert [r["status"] for r in res] == ["ok", "ok", "no_answer", "too_large", "ok", "ok"]
+    assert [r["correct"] for r in res] == [True, False, False, False, True, False]
+
+    prompt = "<|user|>What is 1+1?<|assistant|>"
+    reward = {
+        "query": [prompt + "It is \\boxed{2}.", prompt + "no idea"],
+        "prompts": [prompt] * 2,
+        "labels": ["2", 2],
+    }
+    body = json.dumps(reward).encode()
+    http.post("/get_reward", content=body, headers=FAST)
+    fast, route = _both(http, "/get_reward", body)
+    assert fast.status_code == route.status_code == 200
+    assert fast.content == route.content
+    assert fast.json()["rewards"] == [1.0, 0.0]
+
+
+def test_bad_requests_keep_their_4xx_through_the_fast_path(http):
+    cases = {
+        b'{"items": [': 422,  # malformed JSON
+        b"": 422,  # no body
+        b"[1, 2]": 422,  # not an object
+        b'{"items": [{"prediction": "1", "gold": 1}]}': 422,  # wrong type
+        b'{"items": [{"prediction": "1", "gold": "1", "mode": "nope"}]}': 422,
+        b'{"items": [], "budget_s": -1}': 422,
+        b'{"items": [{"prediction": "\xff", "gold": "1"}]}': 400,  # not UTF-8
+        b"[" * 100_000: 400,  # nested too deep for json.loads (RecursionError)
+        json.dumps({"items": [{"prediction": "1", "gold": "1"}] * (MAX_ITEMS + 1)}).encode(): 413,
+    }
+    for body, code in cases.items():
+        fast, route = _both(http, "/v1/verify", body)
+        assert fast.status_code == route.status_code == code, (body[:60], fast.text, route.text)
+        assert fast.json() == route.json()
+        assert fast.json()["detail"]
+    r = http.post("/get_reward", content=b'{"query": ["a", "b"], "labels": ["1"]}', headers=FAST)
+    assert r.status_code == 422 and "labels" in r.text
+
+
+def test_charset_parameter_and_other_methods(http):
+    body = json.dumps({"items": [{"prediction": "\\boxed{2}", "gold": "2"}]}).encode()
+    r = http.post("/v1/verify", content=body, headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200 and r.json()["results"][0]["correct"] is True
+    assert http.get("/v1/verify").status_code == 405  # FastAPI's answer, not the fast path's
+    assert http.post("/v1/verify/", content=body, headers=FAST).status_code in (200, 307)
