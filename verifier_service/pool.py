@@ -83,7 +83,7 @@ from collections.abc import Iterable, Sequence
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, NamedTuple
 
-from stapo.verifier_service.grader import GradeResult
+from stapo.verifier_service.grader import GradeResult, dapo_line, marker_answer, quick_verdict
 from stapo.verifier_service.schemas import Mode, VerifyItem
 
 log = logging.getLogger("stapo.verifier_service.pool")
@@ -210,8 +210,6 @@ def verdict_key(item: Item) -> VerdictKey | None:
         return None
     if pred.count("boxed") + pred.count("fbox") > VERDICT_MAX_BOXES:
         return None
-    from stapo.verifier_service.grader import dapo_line, marker_answer
-
     if mode not in ("math", "dapo"):
         return None
     try:
@@ -234,8 +232,6 @@ def inline_grade(gold: str, mode: str, vk: VerdictKey) -> GradeResult | None:
     or an answer equal to the gold up to markup: a worker would take microseconds to grade them,
     after a round trip (pickling, a pipe, two context switches) that costs more than the grading.
     """
-    from stapo.verifier_service.grader import quick_verdict
-
     t0 = time.perf_counter()
     try:
         ok = quick_verdict(gold, vk.answer, mode)

@@ -82,3 +82,50 @@ def test_charset_parameter_and_other_methods(http):
     assert r.status_code == 200 and r.json()["results"][0]["correct"] is True
     assert http.get("/v1/verify").status_code == 405  # FastAPI's answer, not the fast path's
     assert http.post("/v1/verify/", content=body, headers=FAST).status_code in (200, 307)
+
+
+def _pydantic_args(data):
+    from stapo.verifier_service.schemas import VerifyRequest
+
+    req = VerifyRequest.model_validate(data)
+    return [(it.prediction, it.gold, it.mode) for it in req.items], req.budget_s
+
+
+def test_hand_check_of_verify_bodies_agrees_with_pydantic():
+    """parse_verify_request's hand-checked shape: same values as VerifyRequest, and it never accepts
+    what pydantic rejects (random bodies with wrong types, odd keys, bad modes and budgets)."""
+    import random
+
+    from stapo.verifier_service.app import parse_verify_request
+
+    rng = random.Random(5)
+    values = ["x", "", "\\boxed{2}", 2, 2.5, None, True, [], {}, "math", "dapo", "nope", "Math"]
+    budgets = [None, 1, 0, -1, 0.5, 86_400, 86_400.5, 10**400, float("nan"), float("inf"), True, "1", [], 3]
+    checked = rejected = 0
+    for _ in range(4000):
+        items = []
+        for _ in range(rng.randint(0, 3)):
+            it = {k: rng.choice(values) for k in ("prediction", "gold", "mode") if rng.random() < 0.85}
+            if rng.random() < 0.6:
+                it["prediction"], it["gold"] = f"p{rng.random()}", f"g{rng.random()}"
+            if rng.random() < 0.1:
+                it["extra"] = 1
+            items.append(it if rng.random() < 0.95 else rng.choice(values))
+        data = {"items": items} if rng.random() < 0.9 else {"things": items}
+        if rng.random() < 0.4:
+            data["budget_s"] = rng.choice(budgets)
+        if rng.random() < 0.05:
+            data["other"] = 1
+        try:
+            want = _pydantic_args(data)
+        except Exception:
+            want = None
+        try:
+            got = parse_verify_request(data)
+            got = (got.items, got.budget_s)
+        except Exception:
+            got = None
+        assert got == want, data
+        checked += want is not None
+        rejected += want is None
+    assert checked > 500 and rejected > 500  # both sides of the contract were exercised
