@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
 from tests.service.conftest import MAX_ITEMS
 
@@ -129,3 +130,82 @@ def test_hand_check_of_verify_bodies_agrees_with_pydantic():
         checked += want is not None
         rejected += want is None
     assert checked > 500 and rejected > 500  # both sides of the contract were exercised
+
+
+def _old_render(results) -> bytes:
+    """The response body as of commit 13a7952: a dict per result (extracted cleaned), json.dumps."""
+
+    def clean(s):
+        try:
+            s.encode("utf-8")
+            return s
+        except UnicodeEncodeError:
+            return s.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+    content = {
+        "results": [
+            {
+                "correct": r.correct,
+                "score": r.score,
+                "status": r.status,
+                "extracted": clean(r.extracted) if r.extracted is not None else None,
+                "ms": r.ms,
+            }
+            for r in results
+        ]
+    }
+    text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return clean(text).encode("utf-8")
+
+
+def test_results_json_is_byte_identical_to_the_dict_rendering():
+    import random
+    import sys
+
+    from stapo.verifier_service.app import results_json, results_response
+    from stapo.verifier_service.grader import GradeResult
+
+    rng = random.Random(9)
+    pieces = [
+        "x",
+        '"',
+        "\\",
+        "\n",
+        "\x00",
+        "\x1f",
+        "\u2028",
+        "é",
+        "\ud800",
+        "\udc00",
+        "\ud83d\ude00",
+        "😀",
+        "\ufffd",
+    ]
+    for _ in range(3000):
+        results = []
+        for _ in range(rng.randint(0, 5)):
+            ext = (
+                None
+                if rng.random() < 0.2
+                else "".join(
+                    rng.choice(pieces) if rng.random() < 0.7 else chr(rng.randint(0, sys.maxunicode))
+                    for _ in range(rng.randint(0, 8))
+                )
+            )
+            ms = rng.choice([0.0, 1e-7, 0.123456789, 2000.0, 1e22, rng.random() * 100])
+            results.append(
+                GradeResult(
+                    rng.random() < 0.5, rng.choice([0.0, 1.0]), rng.choice(["ok", "timeout"]), ext, ms
+                )
+            )
+        want = _old_render(results)
+        assert results_json(results) == want
+        assert results_response(results).body == want
+    # unusual values: the dict path, which answers as before (a non-finite number cannot be JSON)
+    odd = [GradeResult(True, 1, "ok", "1", 0.0), GradeResult(1, 1.0, "ok", "1", 0.0)]
+    assert results_json(odd) is None and results_response(odd).body == _old_render(odd)
+    with pytest.raises(ValueError):
+        results_response([GradeResult(True, 1.0, "ok", "1", float("nan"))])
