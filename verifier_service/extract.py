@@ -86,6 +86,39 @@ _I18N_ANSWER_RE = re.compile(
 _HOPE_RE = re.compile(r"(?i)\.?\s*I hope it is correct\.?\s*$")
 
 
+def _answer_matches(regex: re.Pattern[str], text: str, back: tuple[int, ...] = (0,)) -> list[re.Match[str]]:
+    """``list(regex.finditer(text))`` for a case-insensitive ``regex`` whose every match contains the
+    word "answer" ``back[k]`` characters after its start, found without the regex scanning every position.
+
+    Why: ``_ANSWER_LINE_RE`` starts with a look-behind, which defeats the regex engine's prefix scan;
+    it tried a match at each of a 2,000-character response's positions (~4 us per response in
+    the server process, on every item). Here ``str.lower`` + ``str.find`` list the places where
+    "answer" can occur and the regex is tried only there, so the matches are exactly finditer's:
+    each match of ``(?i)answer`` lowers to "answer" (an exhaustive check over every code point is in
+    tests/service/test_extract_speed.py) except with the long s ``\u017f``, which IGNORECASE folds to
+    "s" but ``lower`` keeps; a text with it, or whose length ``lower`` changes (positions would
+    shift), takes ``finditer`` itself.
+    """
+    low = text.lower()
+    if len(low) != len(text) or "\u017f" in text:
+        return list(regex.finditer(text))
+    out: list[re.Match[str]] = []
+    pos = 0  # finditer's next search position (matches are never empty)
+    q = low.find("answer")
+    while q >= 0:
+        # Candidate starts in increasing order (occurrences of "answer" are >= 6 apart and
+        # ``back`` is decreasing): the leftmost match wins, as in finditer's search.
+        for b in back:
+            start = q - b
+            if start >= pos:
+                m = regex.match(text, start)
+                if m is not None:
+                    out.append(m)
+                    pos = m.end()
+        q = low.find("answer", max(q + 1, pos))
+    return out
+
+
 def strip_special_tokens(text: str, extra_special_tokens: tuple[str, ...] = ()) -> str:
     """``text`` with chat-template special tokens (``SPECIAL_TOKENS``, the generic ``<|...|>`` shape and
     ``extra_special_tokens``) replaced by a newline, so a marker's line ends where the turn ended.
@@ -221,7 +254,7 @@ def extract_answer(text: str, *, think: str = "optional") -> str | None:
     box = last_boxed(body)
     if box is not None:
         candidates.append(box)
-    line_matches = [m for m in _ANSWER_LINE_RE.finditer(body) if m.group(1).strip()]
+    line_matches = [m for m in _answer_matches(_ANSWER_LINE_RE, body) if m.group(1).strip()]
     if line_matches:
         m = line_matches[-1]
         candidates.append((m.start(), m.group(1)))
@@ -236,7 +269,7 @@ def extract_answer(text: str, *, think: str = "optional") -> str | None:
             # a box that sits inside the chosen marker's text was handled by _from_marker_text
             ans = _from_marker_text(raw)
         return ans or None
-    weak = list(_ANSWER_IS_RE.finditer(body))
+    weak = _answer_matches(_ANSWER_IS_RE, body, (6, 4, 0))  # final answer | the answer | answer
     weak = [m for m in weak if re.match(r"(?i)final answer|the answer", m.group(0))]
     if weak:
         ans = _from_marker_text(weak[-1].group(1))

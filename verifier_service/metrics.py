@@ -127,11 +127,18 @@ class ServiceMetrics:
             registry=self.registry,
         )
         self.registry.register(_PoolCollector(get_pool))
+        self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
 
     def observe_request(self, path: str, code: int, seconds: float) -> None:
         route = path if path in ROUTES else "other"
-        self.requests.labels(route, str(code)).inc()
-        self.latency.labels(route).observe(seconds)
+        children = self._children.get((route, code))
+        if children is None:  # labels() locks and builds a key on every call: once per (route, code)
+            children = self._children[(route, code)] = (
+                self.requests.labels(route, str(code)),
+                self.latency.labels(route),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
 
     def observe_statuses(self, statuses: list[str]) -> None:
         counts: dict[str, int] = {}

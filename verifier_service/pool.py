@@ -76,18 +76,20 @@ import sys
 import threading
 import time
 import types
+import typing
 import weakref
 import zlib
 from collections.abc import Iterable, Sequence
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, NamedTuple
 
-from stapo.verifier_service.grader import GradeResult
-from stapo.verifier_service.schemas import VerifyItem
+from stapo.verifier_service.grader import GradeResult, dapo_line, marker_answer, quick_verdict
+from stapo.verifier_service.schemas import Mode, VerifyItem
 
 log = logging.getLogger("stapo.verifier_service.pool")
 
 Item = tuple[str, str, str]
+_MODES = frozenset(typing.get_args(Mode))
 """(prediction, gold, mode): what travels to a worker."""
 
 _CACHEABLE = frozenset({"ok", "no_answer"})
@@ -146,6 +148,10 @@ def status_result(status: str) -> GradeResult:
 
 def as_item(x: VerifyItem | dict[str, Any] | Sequence[str], where: str = "item") -> Item:
     """Accept a VerifyItem, a dict with prediction/gold(/mode), or a (prediction, gold[, mode]) tuple."""
+    if type(x) is tuple and len(x) == 3:  # what the service sends: validated already, skip pydantic
+        pred, gold, mode = x
+        if type(pred) is str and type(gold) is str and type(mode) is str and mode in _MODES:
+            return x
     if isinstance(x, VerifyItem):
         return (x.prediction, x.gold, x.mode)
     if isinstance(x, dict):
@@ -161,17 +167,17 @@ def as_item(x: VerifyItem | dict[str, Any] | Sequence[str], where: str = "item")
 
 
 def _digest(*parts: str) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    for p in parts:
-        h.update(p.encode("utf-8", "surrogatepass"))
-        h.update(b"\x00")
-    return h.digest()
+    """blake2b-128 of the parts, each followed by NUL (one encode and one hash call: per item, hot)."""
+    text = "\x00".join(parts) + "\x00"
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def cache_key(item: Item) -> bytes:
     """16-byte digest of the whole item: long predictions stay out of the cache's memory."""
     pred, gold, mode = item
-    return _digest(mode, gold, pred)
+    return hashlib.blake2b(
+        f"{mode}\x00{gold}\x00{pred}\x00".encode("utf-8", "surrogatepass"), digest_size=16
+    ).digest()
 
 
 class VerdictKey(NamedTuple):
@@ -204,8 +210,6 @@ def verdict_key(item: Item) -> VerdictKey | None:
         return None
     if pred.count("boxed") + pred.count("fbox") > VERDICT_MAX_BOXES:
         return None
-    from stapo.verifier_service.grader import dapo_line, marker_answer
-
     if mode not in ("math", "dapo"):
         return None
     try:
@@ -228,8 +232,6 @@ def inline_grade(gold: str, mode: str, vk: VerdictKey) -> GradeResult | None:
     or an answer equal to the gold up to markup: a worker would take microseconds to grade them,
     after a round trip (pickling, a pipe, two context switches) that costs more than the grading.
     """
-    from stapo.verifier_service.grader import quick_verdict
-
     t0 = time.perf_counter()
     try:
         ok = quick_verdict(gold, vk.answer, mode)
@@ -313,6 +315,9 @@ def _set_parent_death_signal() -> None:
     except (OSError, AttributeError):
         pass
 
+
+RSS_CHECK_ITEMS = 64
+"""A worker's resident memory is read (``worker_max_rss_mb``) after its first task, then every this many items."""
 
 FLUSH_S = 0.002
 """A worker sends its finished results at least this often (and at the end of each task)."""
@@ -493,7 +498,9 @@ class _Task:
 
 
 class _Worker:
-    __slots__ = ("slot", "proc", "conn", "state", "task", "task_id", "started_at", "pid", "progress", "done")
+    __slots__ = (
+        "slot", "proc", "conn", "state", "task", "task_id", "started_at", "pid", "progress", "done", "rss_check_at",
+    )  # fmt: skip
 
     def __init__(self, slot: int, proc: Any, conn: Any, progress: Any) -> None:
         self.slot, self.proc, self.conn, self.progress = slot, proc, conn, progress
@@ -503,6 +510,7 @@ class _Worker:
         self.started_at = time.monotonic()
         self.pid: int | None = proc.pid if proc is not None else None
         self.done = 0  # items graded by this process (recycling)
+        self.rss_check_at = 0  # its resident memory is read when ``done`` reaches this (after its first task)
 
 
 class GraderPool:
@@ -612,6 +620,7 @@ class GraderPool:
         self._job_seq = 0
         self._start_failures = 0
         self._ready_event = threading.Event()
+        self._want_work = False  # the dispatcher sleeps with an idle worker: new work must wake it
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -774,7 +783,7 @@ class GraderPool:
             for i in leaders.values():
                 self._pending_by_mode[norm[i][2]] += 1
         job.future.add_done_callback(lambda f, j=weakref.ref(job): self._on_future_done(f, j))
-        self._wake()
+        self._wake_for_work()
         return job.future
 
     def grade_many(self, items: Iterable[VerifyItem | dict[str, Any] | Sequence[str]]) -> list[GradeResult]:
@@ -992,6 +1001,19 @@ class GraderPool:
         with contextlib.suppress(BlockingIOError, OSError):
             self._wake_w.send(b"x")
 
+    def _wake_for_work(self) -> None:
+        """New work was queued: wake the dispatcher only if it sleeps with a worker idle.
+
+        Otherwise it is awake (it dispatches before it sleeps again) or every worker is busy (it
+        wakes on their results and dispatches then): a wake-up byte would cost a syscall here and a
+        dispatcher wake-up contending for the GIL with the event loop, for nothing. No wake-up is
+        lost: the dispatcher sets ``_want_work`` and then looks at ``_active`` before it sleeps;
+        this thread queued the job before it reads the flag.
+        """
+        if self._want_work:
+            self._want_work = False
+            self._wake()
+
     # ----------------------------------------------------------------- dispatcher thread
 
     def _spawn(self, slot: int) -> _Worker:
@@ -1035,7 +1057,14 @@ class GraderPool:
                         waitables += [w.conn, w.proc.sentinel]
                         owner[w.conn] = w
                         owner[w.proc.sentinel] = w
-                for obj in mp_wait(waitables, self._wait_timeout()):
+                # wakes from submit() only when a worker is idle (_wake_for_work); re-check after the flag
+                self._want_work = any(w.state == "idle" for w in self._workers)
+                if self._want_work and self._active:
+                    self._want_work = False
+                    continue
+                ready = mp_wait(waitables, self._wait_timeout())
+                self._want_work = False
+                for obj in ready:
                     if obj is self._wake_r:
                         with contextlib.suppress(BlockingIOError, OSError):
                             while self._wake_r.recv(4096):
@@ -1187,12 +1216,10 @@ class GraderPool:
         why = None
         if self.worker_max_items and w.done >= self.worker_max_items:
             why = "items"
-        elif (
-            self.worker_max_rss_mb
-            and w.done % 64 < self.batch_size
-            and _rss_mb(w.pid) > self.worker_max_rss_mb
-        ):
-            why = "rss"
+        elif self.worker_max_rss_mb and w.done >= w.rss_check_at:
+            w.rss_check_at = w.done + RSS_CHECK_ITEMS  # a /proc read per task was a hot spot
+            if _rss_mb(w.pid) > self.worker_max_rss_mb:
+                why = "rss"
         if why is None:
             return
         w.state = "dead"
