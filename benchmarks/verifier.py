@@ -275,7 +275,7 @@ def main() -> None:
         return f"{min(xs):.1f}x to {max(xs):.1f}x" if xs else "n/a"
 
     workers = runs[0]["workers"]
-    before = f" `--before {args.before}`" if args.before else ""
+    before = f" --before {args.before}" if args.before else ""
     write_section(
         f"""{SECTION}
 
