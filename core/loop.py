@@ -562,6 +562,20 @@ class UpdateRecord:
         self.cells[epoch, rows] = phase_cells(ctx, tau_p=tau_p, tau_h=tau_h)[:k].cpu()  # [k, L]
 
 
+def loss_sums() -> dict[str, float]:
+    """Empty running sums of one update's loss terms (``add_loss_sums`` fills, ``update_metrics`` reads)."""
+    return {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "tokens": 0.0, "ratio_sum": 0.0}
+
+
+def add_loss_sums(sums: dict[str, float], loss: torch.Tensor, m: dict[str, Any]) -> None:
+    """Add one micro-batch's loss and its policy loss's counts to ``sums`` (both update paths)."""
+    sums["loss"] += float(loss.detach())
+    sums["clip_low"] += float(m["clip_low_count"])
+    sums["clip_high"] += float(m["clip_high_count"])
+    sums["tokens"] += float(m["token_count"])
+    sums["ratio_sum"] += float(m["ratio_sum"])
+
+
 def update_metrics(diag: dict[str, float], taus: Sequence[float], p05: float, sums: dict[str, float],
                    step_out: Sequence[dict[str, float]], epochs: int) -> dict[str, float]:
     """The update's logged metrics: token diagnostics counted from its own weightings (``diag``,
@@ -638,7 +652,7 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
         params = {**params, "tau_h": tau_step, "tau_h_quantile": None}
     diag: dict[str, float] = {}
     taus: list[float] = []
-    sums: dict[str, float] = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "tokens": 0.0, "ratio_sum": 0.0}
+    sums = loss_sums()
     fused = (
         cfg.trainer.fused_loss
         and a.policy_loss in ("ppo_clip", "maspo")  # elementwise in each token's log-prob
@@ -719,11 +733,7 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
                     if a.entropy_coef:  # entropy bonus (needs trainer.entropy_grad: checked by the config)
                         loss = loss + entropy_bonus(ent, tw.select(rows), agg, norm, coef=a.entropy_coef)
                 backend.backward(loss)
-                sums["loss"] += float(loss.detach())
-                sums["clip_low"] += float(m["clip_low_count"])
-                sums["clip_high"] += float(m["clip_high_count"])
-                sums["tokens"] += float(m["token_count"])
-                sums["ratio_sum"] += float(m["ratio_sum"])
+                add_loss_sums(sums, loss, m)
             if before_step is not None:  # DEEP-GRPO: lambda * local branch loss joins this update
                 before_step(len(step_out), fresh)
             step_out.append(backend.step())

@@ -243,7 +243,14 @@ def onpolicy_update(run: Any, batch: Any, step: int, *, record: Any = None) -> t
     optimizer step), for the step's token metrics and token dumps.
     """
     from stapo.core.algos import TokenContext
-    from stapo.core.loop import step_entropy_thresholds, update_diagnostics, update_metrics, update_parts
+    from stapo.core.loop import (
+        add_loss_sums,
+        loss_sums,
+        step_entropy_thresholds,
+        update_diagnostics,
+        update_metrics,
+        update_parts,
+    )
 
     cfg, backend = run.cfg, run.backend
     a = cfg.algorithm
@@ -276,7 +283,7 @@ def onpolicy_update(run: Any, batch: Any, step: int, *, record: Any = None) -> t
         norm = agg.normalizer(tw, mb.response_mask)
         return tw, (reduce(norm) if reduce is not None else norm)
 
-    sums = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "tokens": 0.0, "ratio_sum": 0.0}
+    sums = loss_sums()
 
     def backward_rows(rows: slice, lp: torch.Tensor, tw: Any, norm: Any) -> None:
         old = lp.detach()
@@ -284,11 +291,7 @@ def onpolicy_update(run: Any, batch: Any, step: int, *, record: Any = None) -> t
         per_tok, m = loss_fn(lp, old, adv_rows, mask_rows, **loss_kw)  # (KL terms: onpolicy_blockers)
         loss = agg.aggregate(per_tok, tw.select(rows), normalizer=norm)
         backend.backward(loss)
-        sums["loss"] += float(loss.detach())
-        sums["clip_low"] += float(m["clip_low_count"])
-        sums["clip_high"] += float(m["clip_high_count"])
-        sums["tokens"] += float(m["token_count"])
-        sums["ratio_sum"] += float(m["ratio_sum"])
+        add_loss_sums(sums, loss, m)
 
     slices = [slice(s, s + micro) for s in range(0, n, micro)]
     lps: list[torch.Tensor] = []

@@ -44,7 +44,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, NamedTuple, get_args
+from typing import Any, NamedTuple
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exception_handlers import http_exception_handler
@@ -59,7 +59,7 @@ from stapo.verifier_service.grader import GradeResult
 from stapo.verifier_service.metrics import ServiceMetrics
 from stapo.verifier_service.pool import GraderPool, PoolBroken, PoolBusy, PoolClosed
 from stapo.verifier_service.schemas import (
-    Mode,
+    MODES,
     RewardRequest,
     RewardResponse,
     VerifyRequest,
@@ -296,7 +296,6 @@ class VerifyArgs(NamedTuple):
     budget_s: float | None
 
 
-_MODES = frozenset(get_args(Mode))
 _BUDGET_MAX_S = 86_400  # VerifyRequest.budget_s: gt=0, le=86_400
 
 
@@ -322,7 +321,7 @@ def parse_verify_request(data: Any) -> VerifyArgs:
                     type(pred) is not str
                     or type(gold) is not str
                     or type(mode) is not str
-                    or mode not in _MODES
+                    or mode not in MODES
                     or not it.keys() <= {"prediction", "gold", "mode"}
                 ):
                     break

@@ -1432,9 +1432,15 @@ def _extract_math(prediction: str, think: str) -> tuple[Status, str | None]:
     return "ok", extracted
 
 
+def _math_gold(gold: str) -> str:
+    """Mode ``math``'s gold as compared (``gold_answer`` + ``latexify``): one definition for ``grade``
+    in the workers and ``quick_verdict`` in the server process, so the two cannot drift apart."""
+    return latexify(gold_answer(gold))
+
+
 @register_mode("math")
 def _grade_math(prediction: str, gold: str, think: str) -> tuple[bool, Status, str | None]:
-    gold_ans = latexify(gold_answer(gold))
+    gold_ans = _math_gold(gold)
     if not strip_delims(gold_ans):
         raise ValueError("gold: empty answer")
     status, extracted = _extract_math(prediction, think)
@@ -1524,7 +1530,7 @@ def quick_verdict(gold: str, answer: str, mode: str = "math") -> bool | None:
         return dapo_normalize(answer) == dapo_normalize(strip_special_tokens(gold))
     if mode != "math" or len(answer) > QUICK_MAX_CHARS or len(gold) > QUICK_MAX_CHARS:
         return None
-    gold_ans = latexify(gold_answer(strip_special_tokens(gold)))
+    gold_ans = _math_gold(strip_special_tokens(gold))  # grade strips the gold's tokens before the mode
     if not strip_delims(gold_ans):
         return None  # grade says "error" (empty gold): the worker reports it
     return _equiv_cheap(gold_ans, answer)

@@ -76,7 +76,6 @@ import sys
 import threading
 import time
 import types
-import typing
 import weakref
 import zlib
 from collections.abc import Iterable, Sequence
@@ -84,12 +83,11 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Any, NamedTuple
 
 from stapo.verifier_service.grader import GradeResult, dapo_line, marker_answer, quick_verdict
-from stapo.verifier_service.schemas import Mode, VerifyItem
+from stapo.verifier_service.schemas import MODES, VerifyItem
 
 log = logging.getLogger("stapo.verifier_service.pool")
 
 Item = tuple[str, str, str]
-_MODES = frozenset(typing.get_args(Mode))
 """(prediction, gold, mode): what travels to a worker."""
 
 _CACHEABLE = frozenset({"ok", "no_answer"})
@@ -150,7 +148,7 @@ def as_item(x: VerifyItem | dict[str, Any] | Sequence[str], where: str = "item")
     """Accept a VerifyItem, a dict with prediction/gold(/mode), or a (prediction, gold[, mode]) tuple."""
     if type(x) is tuple and len(x) == 3:  # what the service sends: validated already, skip pydantic
         pred, gold, mode = x
-        if type(pred) is str and type(gold) is str and type(mode) is str and mode in _MODES:
+        if type(pred) is str and type(gold) is str and type(mode) is str and mode in MODES:
             return x
     if isinstance(x, VerifyItem):
         return (x.prediction, x.gold, x.mode)

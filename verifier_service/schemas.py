@@ -15,7 +15,7 @@ not a silently stringified gold.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -29,6 +29,8 @@ from pydantic import (
 )
 
 Mode = Literal["math", "dapo"]
+MODES: frozenset[str] = frozenset(get_args(Mode))
+"""The modes as a set, for hand checks on hot paths (app.parse_verify_request, pool.as_item)."""
 Status = Literal["ok", "no_answer", "timeout", "error", "too_large"]
 STATUSES: tuple[str, ...] = ("ok", "no_answer", "timeout", "error", "too_large")
 
