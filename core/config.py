@@ -293,7 +293,9 @@ class LpRegOptions(_Section):
         0.02, gt=0, lt=1, description="Relative floor of the proxy: keep tokens with p >= min_p * max p (`minp_p_threshold`)."
     )
     coef: float = Field(1.0, ge=0, description="Weight of the KL term (`ppo_kl_coef`).")
-    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator (`kl_type=low_var_kl` is k3).")
+    estimator: Literal["k1", "k2", "k3", "k3_unclamped"] = Field(
+        "k3", description="Per-token KL estimator (`kl_type=low_var_kl` is k3, clamped to [-10, 10] as verl does)."
+    )
 
 
 class OverlongOptions(_Section):
@@ -321,8 +323,12 @@ class KLOptions(_Section):
             "reference model; the KL is taken to the policy that sampled the batch (a trust-region penalty)."
         ),
     )
-    estimator: Literal["k1", "k2", "k3"] = Field(
-        "k3", description="Per-token estimator (Schulman 2020): k1 = log(pi/ref), k2 = k1^2 / 2, k3 = ref/pi - 1 - log(ref/pi)."
+    estimator: Literal["k1", "k2", "k3", "k3_unclamped"] = Field(
+        "k3",
+        description=(
+            "Per-token estimator (Schulman 2020): k1 = log(pi/ref), k2 = k1^2 / 2, k3 = ref/pi - 1 - log(ref/pi) "
+            "clamped to [-10, 10] as verl's `low_var_kl` (past it: no gradient); `k3_unclamped` as TRL's GRPOTrainer."
+        ),
     )
     in_reward: bool = Field(
         False,
