@@ -444,8 +444,16 @@ class TrainerConfig(_Section):
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    warmup_steps: int = Field(0, ge=0, description="Linear LR warmup, in optimizer steps.")
+    warmup_steps: int = Field(0, ge=0, description="Linear LR warmup, in `lr_schedule_unit`s.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR after warmup.")
+    lr_schedule_unit: Literal["optimizer_step", "rollout_step"] = Field(
+        "optimizer_step",
+        description=(
+            "What the warmup and decay count: `optimizer_step` (every update; a rollout step makes "
+            "ppo_epochs x mini_batches of them) or `rollout_step` (one LR per rollout step, as verl steps its "
+            "scheduler once per `update_actor`: a verl recipe's `lr_warmup_steps=10` is 10 rollout steps)."
+        ),
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
     micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward (gradient accumulation).")
     logits_chunk_size: int = Field(1024, gt=0, description="Tokens per chunk when computing log-probs and entropy.")
