@@ -376,6 +376,20 @@ class DeepGRPOOptions(_Section):
         10, ge=1, description="Fit the logistic regression once the window holds more than this (authors' code: 10)."
     )
     window: int = Field(10000, gt=0, description="Sliding window of (t/T, success) samples (authors' code: 10000).")
+    outcome: Literal["any_of_k", "per_branch"] = Field(
+        "any_of_k",
+        description=(
+            "What the recoverability model learns from: `any_of_k` (authors' code) one (t/T, any of the pivot's K "
+            "branches succeeded) sample per pivot; `per_branch` (ours, the earlier variant) one sample per branch."
+        ),
+    )
+    local_advantage: Literal["mean_baseline", "grpo"] = Field(
+        "mean_baseline",
+        description=(
+            "Advantage of a branch in the local loss: `mean_baseline` (authors' code) reward - mean of its pivot's "
+            "K branch rewards; `grpo` (ours, the earlier variant) the run's `algorithm.advantage` within the pivot's group."
+        ),
+    )
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, populate_by_name=True)
 
@@ -424,8 +438,29 @@ class AlgorithmConfig(_Section):
             "or `reward` (the shaped reward, overlong penalty included)."
         ),
     )
-    max_sampling_rounds: int = Field(
-        3, ge=1, description="With dynamic sampling: rounds of extra sampling to refill the batch."
+    gen_batch_multiplier: float = Field(
+        1.0,
+        ge=1.0,
+        description=(
+            "With dynamic sampling: each generation round samples ceil(multiplier x rollout.prompts_per_step) "
+            "prompts (verl `data.gen_batch_size` / `data.train_batch_size`; the DAPO scripts use 3), kept groups "
+            "accumulate over rounds and the first prompts_per_step of them train."
+        ),
+    )
+    max_gen_rounds: int = Field(
+        3,
+        ge=0,
+        description=(
+            "With dynamic sampling: generation rounds per step, the first included (verl "
+            "`filter_groups.max_num_gen_batches`; 0 = no limit, as in verl)."
+        ),
+    )
+    gen_rounds_exhausted: Literal["error", "train"] = Field(
+        "train",
+        description=(
+            "With dynamic sampling, when `max_gen_rounds` rounds kept fewer than prompts_per_step groups: `error` "
+            "stops the run (verl raises) and `train` trains on the under-filled batch (logged as dapo/underfilled)."
+        ),
     )
     overlong: OverlongOptions = Field(default_factory=OverlongOptions, description="DAPO overlong shaping.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each step's rollouts.")
