@@ -35,6 +35,7 @@ import pytest
 import torch
 
 pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.long  # torchrun runs, each bounded at TIMEOUT_S
 
 TIMEOUT_S = 300
 
