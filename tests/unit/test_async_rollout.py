@@ -12,7 +12,13 @@ import time
 
 import pytest
 
-from stapo.core.async_rollout import AsyncRollouts, FaultInjection, ProducerDied, generating_version, staleness
+from stapo.core.async_rollout import (
+    AsyncRollouts,
+    FaultInjection,
+    ProducerDied,
+    generating_version,
+    staleness,
+)
 from stapo.core.config import load_config
 from stapo.core.models import load_policy
 
@@ -43,8 +49,8 @@ def test_versions_are_fixed_by_the_step() -> None:
         generating_version(3, 1, start=3)
 
 
-def test_slow_trainer_fast_producer_runs_ahead_within_the_bound() -> None:
-    cfg = tiny_cfg(1, 4)
+def test_slow_trainer_fast_producer_runs_ahead_within_the_bound_then_a_kill_is_reported() -> None:
+    cfg = tiny_cfg(1, 6)
     _, named = params(cfg)
     published: dict[int, float] = {}
     with AsyncRollouts(cfg, named()) as ar:
@@ -58,18 +64,24 @@ def test_slow_trainer_fast_producer_runs_ahead_within_the_bound() -> None:
                 assert len(s.behaviour_logprobs) == len(s.response_ids)
                 assert all(math.isfinite(x) and x <= 0 for x in s.behaviour_logprobs)
             time.sleep(1.5)  # a slow learner
-            ar.publish(step, named())
-            published[step] = time.time()
-    # the producer sampled step t+1 (from version t-1) before the learner had finished step t
-    for step in (2, 3):
-        assert batches[step].started_at < published[step]
+            if step < 4:
+                ar.publish(step, named())
+                published[step] = time.time()
+        # the producer sampled step t+1 (from version t-1) before the learner had finished step t
+        for step in (2, 3):
+            assert batches[step].started_at < published[step]
+        # step 6 needs version 4, never published: the producer waits; killing it is reported
+        assert ar.next_batch(5, timeout=120).version == 3
+        os.kill(ar.pid, signal.SIGKILL)
+        with pytest.raises(ProducerDied, match="exited with code -9 before delivering step 6"):
+            ar.next_batch(6, timeout=60)  # a hang would end in TimeoutError, failing the test
 
 
-def test_slow_producer_fast_trainer_waits_and_keeps_the_bound() -> None:
+def test_slow_producer_fast_trainer_waits_then_a_death_mid_step_is_reported() -> None:
     cfg = tiny_cfg(2, 4)
     _, named = params(cfg)
-    with AsyncRollouts(cfg, named(), fault=FaultInjection(delay_s=1.0)) as ar:
-        for step in range(1, 5):
+    with AsyncRollouts(cfg, named(), fault=FaultInjection(delay_s=1.0, die_at_step=4)) as ar:
+        for step in range(1, 4):
             t0 = time.time()
             b = ar.next_batch(step, timeout=120)
             waited = time.time() - t0
@@ -77,29 +89,14 @@ def test_slow_producer_fast_trainer_waits_and_keeps_the_bound() -> None:
             if step > 1:
                 assert waited > 0.3  # the learner, not the producer, was the one waiting
             ar.publish(step, named())
+        with pytest.raises(ProducerDied, match="exited with code 3 before delivering step 4"):
+            ar.next_batch(4, timeout=120)
 
 
-def test_producer_death_mid_step_is_reported_not_waited_on() -> None:
-    cfg = tiny_cfg(0, 3)
-    _, named = params(cfg)
-    with AsyncRollouts(cfg, named(), fault=FaultInjection(die_at_step=2)) as ar:
-        ar.next_batch(1, timeout=120)
-        ar.publish(1, named())
-        t0 = time.time()
-        with pytest.raises(ProducerDied, match="exited with code 3 before delivering step 2"):
-            ar.next_batch(2, timeout=120)  # a hang would end in TimeoutError, failing the test
-        assert time.time() - t0 < 110
-
-
-def test_producer_exception_and_external_kill_are_reported() -> None:
+@pytest.mark.slow
+def test_producer_exception_is_reported_with_its_traceback() -> None:
     cfg = tiny_cfg(1, 3)
     _, named = params(cfg)
     with AsyncRollouts(cfg, named(), fault=FaultInjection(raise_at_step=1)) as ar:
         with pytest.raises(ProducerDied, match="(?s)failed at step 1.*fault injected at step 1"):
             ar.next_batch(1, timeout=120)
-    with AsyncRollouts(cfg, named()) as ar:
-        ar.next_batch(1, timeout=120)
-        ar.next_batch(2, timeout=120)  # k = 1: both from version 0; now it waits for version 1
-        os.kill(ar.pid, signal.SIGKILL)
-        with pytest.raises(ProducerDied, match="exited with code -9"):
-            ar.next_batch(3, timeout=60)
