@@ -94,6 +94,7 @@ def test_slow_producer_fast_trainer_waits_then_a_death_mid_step_is_reported() ->
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("STAPO_SLOW") != "1", reason="slow: set STAPO_SLOW=1")
 def test_producer_exception_is_reported_with_its_traceback() -> None:
     cfg = tiny_cfg(1, 3)
     _, named = params(cfg)
