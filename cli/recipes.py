@@ -62,8 +62,8 @@ def resolved_diff(a: Path, b: Path, overrides_b: list[str] | None = None) -> lis
     """(field, value in a, value in b) for every field whose validated values differ, sorted by field."""
     from stapo.core.config import load_config
 
-    fa = flatten(load_config(a).model_dump(mode="json"))
-    fb = flatten(load_config(b, overrides_b or []).model_dump(mode="json"))
+    fa = flatten(load_config(a).model_dump(mode="json", by_alias=True))
+    fb = flatten(load_config(b, overrides_b or []).model_dump(mode="json", by_alias=True))
     return [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
 
 

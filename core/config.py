@@ -191,8 +191,28 @@ class VLLMOptions(_Section):
     max_model_len: int | None = Field(None, gt=0, description="Context length for vLLM (default: prompt + response).")
 
 
+# --- asynchronous rollouts (docs/async.md) ---------------------------------------------------
+
+
+class AsyncOptions(_Section):
+    """A producer process samples and grades the next batches while the learner updates."""
+
+    enabled: bool = Field(False, description="Overlap rollouts + grading with the update (docs/async.md).")
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description=(
+            "Most policy versions a trained batch may lag behind the learner (1: verl's one-step-off-policy; "
+            "0: no overlap, the synchronous updates exactly)."
+        ),
+    )
+
+
 class RolloutConfig(_Section):
     """How responses are sampled from the policy."""
+
+    # `async` is a Python keyword: the attribute is `async_`, the config key `async`.
+    model_config = ConfigDict(populate_by_name=True)
 
     engine: Literal["hf", "vllm"] = Field(
         "hf", description="`hf` (transformers generate, portable) or `vllm` (production, GPU)."
@@ -210,6 +230,9 @@ class RolloutConfig(_Section):
         False, description="Generate exactly max_new_tokens (EOS does not stop a response): benchmarks only."
     )
     vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="vLLM engine options.")
+    async_: AsyncOptions = Field(
+        default_factory=AsyncOptions, alias="async", description="Asynchronous rollouts with bounded staleness."
+    )
 
 
 # ----------------------------------------------------------------------------- algorithm
@@ -394,6 +417,27 @@ class DeepGRPOOptions(_Section):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, populate_by_name=True)
 
 
+class OffPolicyOptions(_Section):
+    """VCPO's variance controls for stale rollouts (arXiv 2602.17616; docs/async.md). Active only
+    where a batch is off-policy (asynchronous rollouts); a no-op on on-policy batches."""
+
+    ess_lr_scaling: bool = Field(
+        False, description="Scale the LR by min(1, ESS/N / ess_base_ratio)^(1/2) (sequence-level ESS, VCPO)."
+    )
+    ess_rule: Literal["sqrt", "linear"] = Field("sqrt", description="ESS LR rule (VCPO authors' default: sqrt).")
+    ess_base_ratio: float = Field(1.0, gt=0, le=1, description="ESS/N at which the full LR is used (VCPO: 1).")
+    min_variance_baseline: bool = Field(
+        False,
+        description=(
+            "Replace the group-mean baseline by VCPO's b = sum w^2 |g|^2 R / sum w^2 |g|^2 (one extra backward "
+            "per sequence for |g|^2; trainer.backend=torch)."
+        ),
+    )
+    behaviour_weight_cap: float | None = Field(
+        None, gt=1, description="AReaL's cap: tokens with pi_prox/mu above it get no gradient (None: no cap)."
+    )
+
+
 class AlgorithmConfig(_Section):
     """The RL objective: advantages, token weighting, per-token loss and aggregation."""
 
@@ -464,6 +508,9 @@ class AlgorithmConfig(_Section):
     )
     overlong: OverlongOptions = Field(default_factory=OverlongOptions, description="DAPO overlong shaping.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each step's rollouts.")
+    off_policy: OffPolicyOptions = Field(
+        default_factory=OffPolicyOptions, description="VCPO variance controls for stale (asynchronous) rollouts."
+    )
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass (the batch split into mini-batches).")
 
 
@@ -657,7 +704,28 @@ class Config(_Section):
                 "algorithm.kl.reference=initial is not supported with trainer.zero_stage=3 yet (the frozen copy "
                 "would need its own ZeRO-3 inference engine); use zero_stage 0-2 or kl.reference=none"
             )
+        self._async_checks()
         return self
+
+    def _async_checks(self) -> None:
+        """Config-level limits of asynchronous rollouts (docs/async.md); what depends on the machine
+        (engine, backend, ranks) is checked when the run starts (stapo.core.async_rollout)."""
+        r, a, op = self.rollout, self.algorithm, self.algorithm.off_policy
+        if (op.ess_lr_scaling or op.min_variance_baseline or op.behaviour_weight_cap is not None) and not r.async_.enabled:
+            raise ValueError(
+                "algorithm.off_policy.* acts on stale rollouts only: set rollout.async.enabled=true, or leave "
+                "ess_lr_scaling / min_variance_baseline false and behaviour_weight_cap null"
+            )
+        if op.min_variance_baseline and a.advantage == "rloo":
+            raise ValueError("algorithm.off_policy.min_variance_baseline replaces a group-mean baseline: use "
+                             "algorithm.advantage=grpo or dr_grpo, not rloo")
+        if not r.async_.enabled:
+            return
+        if self.data.sampler != "uniform":
+            raise ValueError("rollout.async.enabled needs data.sampler=uniform: the producer picks prompts ahead of "
+                             "the learner, before a teacher could learn from the current step")
+        if a.deep_grpo.enabled:
+            raise ValueError("rollout.async.enabled does not combine with algorithm.deep_grpo.enabled yet")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -761,7 +829,7 @@ def field_docs(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[
     for name, f in model.model_fields.items():
         ann = f.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows.extend(field_docs(ann, f"{prefix}{name}."))
+            rows.extend(field_docs(ann, f"{prefix}{f.alias or name}."))
         else:
             default = f.get_default(call_default_factory=True)
             rows.append((f"{prefix}{f.alias or name}", repr(default), f.description or ""))

@@ -34,6 +34,7 @@ LAYER_KEYS: dict[str, tuple[str, ...]] = {
     "goldilocks": ("data.sampler", "data.goldilocks."),
     "maspo": ("algorithm.policy_loss", "algorithm.maspo.", "algorithm.dual_clip_c"),  # its gate replaces every clip
     "deep": ("algorithm.deep_grpo.",),
+    "async": ("rollout.async.", "algorithm.off_policy."),  # VCPO's layer: stale rollouts and their controls
 }
 #: Which layers each shipped layer recipe stacks on ``stapo``.
 LAYER_RECIPES: dict[str, tuple[str, ...]] = {
@@ -41,6 +42,7 @@ LAYER_RECIPES: dict[str, tuple[str, ...]] = {
     "stapo-maspo": ("maspo",),
     "stapo-deep": ("deep",),
     "stapo-stack": ("goldilocks", "deep", "maspo"),
+    "stapo-async": ("async",),
 }
 
 #: (group, key prefixes), first match wins: the specific rules come before the broad ones.
@@ -61,7 +63,7 @@ KEY_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "trainer.skip_nonfinite", "model.gradient_checkpointing", "model.cache_dir", "rollout.engine",
         "rollout.batch_size", "rollout.share_prefix", "rollout.vllm.", "algorithm.kl.offload",
     )),
-    ("method", ("algorithm.", "data.sampler", "data.goldilocks.", "trainer.entropy_grad")),
+    ("method", ("algorithm.", "rollout.async.", "data.sampler", "data.goldilocks.", "trainer.entropy_grad")),
     ("model", ("model.",)),
     ("data", ("data.",)),
     ("eval", ("eval.",)),
