@@ -2,7 +2,9 @@
 
     stapo compare runs/grpo_eval runs/stapo_eval runs/grpo runs/stapo --out reports/cmp
 
-The first dir is the baseline; every other run's numbers carry a delta against it. Writes
+The first dir is the baseline; every other run's numbers carry a delta against it. Runs whose
+``config.yaml`` differ in more than the method (batch, length, grader, reward scale, sampler,
+schedule, seed, ...) get a warning in the tables and the report. Writes
 ``compare.json``, ``curves/*.png`` and a self-contained ``report.html`` under ``--out`` and
 prints the accuracy and training tables. See :mod:`stapo.evals.compare`.
 """
@@ -43,3 +45,5 @@ def command(
     for table in terminal_tables(report):
         console.print(table)
     console.print(f"report: {out / 'report.html'}  ({len(report['curves'])} curve plots)")
+    if report["config_check"]["warning"]:  # last, so it is the line a reader sees
+        console.print(report["config_check"]["warning"], style="bold red", markup=False, soft_wrap=True)

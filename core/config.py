@@ -316,7 +316,9 @@ class LpRegOptions(_Section):
         0.02, gt=0, lt=1, description="Relative floor of the proxy: keep tokens with p >= min_p * max p (`minp_p_threshold`)."
     )
     coef: float = Field(1.0, ge=0, description="Weight of the KL term (`ppo_kl_coef`).")
-    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator (`kl_type=low_var_kl` is k3).")
+    estimator: Literal["k1", "k2", "k3", "k3_unclamped"] = Field(
+        "k3", description="Per-token KL estimator (`kl_type=low_var_kl` is k3, clamped to [-10, 10] as verl does)."
+    )
 
 
 class OverlongOptions(_Section):
@@ -344,8 +346,12 @@ class KLOptions(_Section):
             "reference model; the KL is taken to the policy that sampled the batch (a trust-region penalty)."
         ),
     )
-    estimator: Literal["k1", "k2", "k3"] = Field(
-        "k3", description="Per-token estimator (Schulman 2020): k1 = log(pi/ref), k2 = k1^2 / 2, k3 = ref/pi - 1 - log(ref/pi)."
+    estimator: Literal["k1", "k2", "k3", "k3_unclamped"] = Field(
+        "k3",
+        description=(
+            "Per-token estimator (Schulman 2020): k1 = log(pi/ref), k2 = k1^2 / 2, k3 = ref/pi - 1 - log(ref/pi) "
+            "clamped to [-10, 10] as verl's `low_var_kl` (past it: no gradient); `k3_unclamped` as TRL's GRPOTrainer."
+        ),
     )
     in_reward: bool = Field(
         False,
@@ -485,8 +491,16 @@ class TrainerConfig(_Section):
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    warmup_steps: int = Field(0, ge=0, description="Linear LR warmup, in optimizer steps.")
+    warmup_steps: int = Field(0, ge=0, description="Linear LR warmup, in `lr_schedule_unit`s.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR after warmup.")
+    lr_schedule_unit: Literal["optimizer_step", "rollout_step"] = Field(
+        "optimizer_step",
+        description=(
+            "What the warmup and decay count: `optimizer_step` (every update; a rollout step makes "
+            "ppo_epochs x mini_batches of them) or `rollout_step` (one LR per rollout step, as verl steps its "
+            "scheduler once per `update_actor`: a verl recipe's `lr_warmup_steps=10` is 10 rollout steps)."
+        ),
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
     micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward (gradient accumulation).")
     logits_chunk_size: int = Field(1024, gt=0, description="Tokens per chunk when computing log-probs and entropy.")

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from stapo.core.config import Config, save_config
+from stapo.core.trainer.base import begin_rollout_step
 
 __all__ = ["train", "TrainResult", "derive_seed"]
 
@@ -927,6 +928,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
         for step in range(start + 1, cfg.trainer.max_steps + 1):
             t_step = time.time()
             seed_everything(derive_seed(cfg.trainer.seed, step))
+            begin_rollout_step(run.backend, step)  # LR of this step when the schedule counts rollout steps (verl)
 
             # --- rollouts + rewards (+ DAPO dynamic sampling: resample until the GLOBAL batch is full)
             seqs, metrics = asyn.rollouts(step) if asyn is not None else rollout_and_grade(run, step, 0)

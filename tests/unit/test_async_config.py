@@ -44,6 +44,7 @@ def test_bad_async_configs_are_refused_naming_the_field(overrides, needle) -> No
 
 def test_stapo_async_is_stapo_plus_async_and_vcpo_keys_only() -> None:
     diff = {k: (a, b) for k, a, b in resolved_diff(preset_path("stapo"), preset_path("stapo-async"))}
+    assert diff.pop("algorithm.name") == ("stapo", "stapo-async")
     assert set(diff) == {
         "rollout.async.enabled",
         "algorithm.off_policy.ess_lr_scaling",
