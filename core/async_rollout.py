@@ -35,6 +35,7 @@ Scope: one learner rank (``trainer.backend=torch`` or a single-rank DeepSpeed ru
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import time
@@ -163,8 +164,10 @@ class AsyncRollouts:
             daemon=False,  # it starts grader worker processes of its own (a daemon may not)
         )
         self.publish(start, named_params)
-        self._proc.start()
         self._closed = False
+        self._proc.start()
+        # before multiprocessing's own exit hook joins (waits for) its non-daemon children
+        atexit.register(self.close)
 
     @property
     def pid(self) -> int | None:
@@ -220,6 +223,7 @@ class AsyncRollouts:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
         if self._proc.is_alive():
             self._weights.put(_STOP)
             self._proc.join(timeout=2)
@@ -297,9 +301,17 @@ class _RecordingEngine:
 
 
 def _next_weights(q: Any, want: int) -> _Weights | None:
-    """Read published versions in order up to ``want`` (None: asked to stop)."""
+    """Read published versions in order up to ``want`` (None: asked to stop, or the learner is gone)."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
     while True:
-        item = q.get()
+        try:
+            item = q.get(timeout=_POLL_S)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return None  # the learner died: nobody will ever publish again
+            continue
         if item == _STOP:
             return None
         if item.version > want:
@@ -358,3 +370,184 @@ def producer_main(cfg_data: dict[str, Any], start: int, end: int, weights_q: Any
     finally:
         if run is not None:
             run.rewards.close()
+
+
+# ----------------------------------------------------------------------------- the learner side
+
+
+class AsyncLearner:
+    """The loop's hook: where step t's round-0 rollouts come from, and where weights go after it.
+
+    ``rollouts(step)`` replaces the loop's own sampling of round 0 (DAPO's refill rounds, if any,
+    are sampled by the learner's engine with the current weights: on-policy, staleness 0);
+    ``publish(step)`` sends the weights after step t (version t) to the producer.
+    """
+
+    def __init__(self, run: Any, start: int) -> None:
+        check_supported(run.cfg, int(getattr(run, "world_size", 1)))
+        self.run = run
+        self.rollouts_ = AsyncRollouts(run.cfg, run.backend.named_parameters_for_sync(), start=start)
+
+    def rollouts(self, step: int) -> tuple[list[Any], dict[str, float]]:
+        t0 = time.time()
+        b = self.rollouts_.next_batch(step)
+        from stapo.core.loop import record_groups
+
+        # the learner's prompt sampler learns from the groups as if it had sampled them (its metrics)
+        idx = self.run.sampler.select(step, 0, self.run.cfg.rollout.prompts_per_step)
+        record_groups(self.run, idx, b.seqs)
+        metrics = dict(b.metrics)
+        metrics["async/wait_s"] = time.time() - t0  # learner idle, waiting for the producer
+        metrics["async/staleness"] = float(staleness(step, b.version))
+        metrics["async/version"] = float(b.version)
+        return b.seqs, metrics
+
+    def publish(self, step: int) -> None:
+        self.rollouts_.publish(step, self.run.backend.named_parameters_for_sync())
+
+    def close(self) -> None:
+        self.rollouts_.close()
+
+
+@dataclass
+class OffPolicyStep:
+    """What one update needs to correct for stale rows: each token's behaviour weight (1 on rows the
+    current weights sampled) and VCPO's LR multiplier for every optimizer step of this update."""
+
+    token_weights: torch.Tensor  # [N, L] sg[pi_prox / mu], 0 outside responses and above the cap
+    lr_scale: float
+    metrics: dict[str, float]
+
+    def weigh(self, tw: Any, rows: torch.Tensor) -> Any:
+        """The token weighting's output on mini-batch ``rows``, times the rows' behaviour weights."""
+        from stapo.core.algos.offpolicy import with_behaviour_weights
+
+        w = self.token_weights[rows.to(self.token_weights.device)]  # [b, L]
+        if w.shape[0] < tw.weights.shape[0]:  # zero-weight padding rows of a data-parallel plan
+            w = torch.cat([w, torch.zeros_like(tw.weights[w.shape[0]:], dtype=w.dtype)])
+        return with_behaviour_weights(tw, w.to(tw.weights.device))
+
+    def step(self, backend: Any) -> dict[str, float]:
+        """``backend.step()`` at lr x ``lr_scale`` (VCPO). The LR schedule sets the next step's LR
+        from its own base, so nothing is restored after an applied step; a skipped step (non-finite
+        gradient) leaves the schedule where it was and the LR is put back."""
+        if self.lr_scale == 1.0:
+            return backend.step()
+        groups = backend.optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        scaled = [lr * self.lr_scale for lr in saved]
+        for g, lr in zip(groups, scaled, strict=True):
+            g["lr"] = lr
+        out = backend.step()
+        for g, lr0, lr1 in zip(groups, saved, scaled, strict=True):
+            if g["lr"] == lr1:  # the schedule did not move it (skipped step, or no scheduler)
+                g["lr"] = lr0
+        out = dict(out)
+        out["lr"] = out.get("lr", saved[0]) * self.lr_scale
+        return out
+
+
+def behaviour_logprobs(seqs: list[Any], batch: Any, proximal: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N, L] behaviour log-probs aligned with the batch, [N] bool stale rows).
+
+    A row sampled by an older version than the weights this step starts from (``step - 1``) gets
+    the log-probs recorded at generation; a row the current weights sampled gets the proximal
+    log-probs themselves: its behaviour policy *is* the proximal policy, and the recorded values
+    would only add the sampler's float noise (an exact 1 is what makes ``max_staleness=0`` the
+    synchronous update).
+    """
+    beh = proximal.detach().clone()  # [N, L]
+    stale = torch.zeros(proximal.shape[0], dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        v = getattr(s, "version", None)
+        if v is None or v >= step - 1:
+            continue
+        pos = batch.response_mask[i].nonzero().squeeze(1)  # [r] response positions, in order
+        lp = torch.tensor(s.behaviour_logprobs, dtype=beh.dtype, device=beh.device)
+        if lp.shape[0] != pos.shape[0]:
+            raise ValueError(f"row {i}: {lp.shape[0]} behaviour log-probs for {pos.shape[0]} response tokens")
+        beh[i, pos] = lp
+        stale[i] = True
+    return beh, stale
+
+
+def sequence_grad_sq_norms(backend: Any, batch: Any, rows: list[int], temperature: float) -> torch.Tensor:
+    """||grad_theta sum_t log pi(o_t)||^2 of each row's sampled response, at the current weights -> [len(rows)].
+
+    One forward + backward per sequence (VCPO's per-trajectory gradient norms); gradients are
+    taken with ``torch.autograd.grad``, so the optimizer's accumulated gradients are untouched.
+    """
+    params = [p for p in backend.model.parameters() if p.requires_grad]
+    out = torch.zeros(len(rows), dtype=torch.float64)
+    for j, i in enumerate(rows):
+        sl = slice(i, i + 1)
+        lp, _ = backend.token_stats(batch.input_ids[sl], batch.attention_mask[sl], batch.response_mask[sl],
+                                    grad=True, temperature=temperature)
+        score = lp[batch.response_mask[sl]].sum()
+        grads = torch.autograd.grad(score, params, allow_unused=True)
+        out[j] = sum(float(g.double().square().sum()) for g in grads if g is not None)
+    return out
+
+
+def off_policy_step(run: Any, seqs: list[Any], batch: Any, proximal: torch.Tensor, step: int,
+                    temperature: float) -> OffPolicyStep | None:
+    """The off-policy corrections of this step's update (None when every row is on-policy and no
+    baseline is configured: the update is then exactly the synchronous one).
+
+    Rows are ``seqs`` (the batch's real rows, in order). With ``min_variance_baseline`` the rows'
+    advantages are recomputed in place (``seqs[i].advantage`` and ``batch.advantages``) with VCPO's
+    baseline over each group's rows in the batch.
+    """
+    from stapo.core.algos.offpolicy import (
+        behaviour_weights,
+        effective_sample_size,
+        ess_lr_scale,
+        min_variance_advantages,
+        ratio_stats,
+        sequence_importance_weights,
+    )
+
+    op = run.cfg.algorithm.off_policy
+    n = len(seqs)
+    mask = batch.response_mask[:n]
+    beh, stale = behaviour_logprobs(seqs, batch, proximal, step)
+    if not bool(stale.any()) and not op.min_variance_baseline:
+        return None
+    prox = proximal[:n]
+    beh = beh[:n]
+    w_seq = sequence_importance_weights(prox, beh, mask)  # [n]
+    ess, ess_ratio = effective_sample_size(w_seq)
+    scale = ess_lr_scale(ess_ratio, rule=op.ess_rule, base_ratio=op.ess_base_ratio) if op.ess_lr_scaling else 1.0
+    rs = ratio_stats(prox, beh, mask)
+    metrics = {
+        "offpolicy/stale_frac": float(stale.float().mean()) if n else 0.0,
+        "offpolicy/ess": ess,
+        "offpolicy/ess_ratio": ess_ratio,
+        "offpolicy/lr_scale": scale,
+        "offpolicy/ratio_mean": rs["sum"] / max(rs["count"], 1.0),
+        "offpolicy/ratio_max": rs["max"],
+        "offpolicy/ratio_min": rs["min"],
+        "offpolicy/kl_behaviour": rs["k3_sum"] / max(rs["count"], 1.0),
+        "offpolicy/seq_weight_max": float(w_seq.max()) if n else float("nan"),
+    }
+    if op.min_variance_baseline:
+        t0 = time.time()
+        g2 = sequence_grad_sq_norms(run.backend, batch, list(range(n)), temperature)  # [n]
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(seqs):
+            groups.setdefault(s.group, []).append(i)
+        moved = 0.0
+        for idx in groups.values():
+            r = torch.tensor([[seqs[i].reward for i in idx]], dtype=torch.float64)  # [1, G]
+            adv = min_variance_advantages(r, w_seq[idx].unsqueeze(0), g2[idx].unsqueeze(0),
+                                          scale_by_std=run.cfg.algorithm.advantage == "grpo",
+                                          eps=run.cfg.algorithm.adv_eps)[0]
+            for i, a in zip(idx, adv.tolist(), strict=True):
+                moved += abs(a - seqs[i].advantage)
+                seqs[i].advantage = a
+                batch.advantages[i][batch.response_mask[i]] = a
+        metrics["offpolicy/baseline_shift"] = moved / max(n, 1)  # mean |A_vcpo - A_group_mean|
+        metrics["time/baseline_s"] = time.time() - t0
+    token_w = torch.zeros_like(proximal)
+    token_w[:n] = behaviour_weights(prox, beh, mask, cap=op.behaviour_weight_cap)
+    return OffPolicyStep(token_w, scale, metrics)

@@ -99,6 +99,10 @@ class Sequence_:
     correct: bool = False
     valid: bool = True
     advantage: float = 0.0
+    # asynchronous rollouts (stapo.core.async_rollout): the policy version that sampled it (None: the
+    # weights this step starts from) and the log-probs its sampler recorded
+    version: int | None = None
+    behaviour_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -606,11 +610,15 @@ def update_metrics(diag: dict[str, float], taus: Sequence[float], p05: float, su
 
 def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.Tensor, step: int, *,
                   counts: Sequence[int] | None = None, record: UpdateRecord | None = None,
-                  before_step: Callable[[int, bool], None] | None = None) -> dict[str, float]:
+                  before_step: Callable[[int, bool], None] | None = None,
+                  off_policy: Any = None) -> dict[str, float]:
     """K mini-batch updates with the configured token weighting, loss and aggregation.
 
     ``before_step(update_index, fresh)``, when given, runs right before each optimizer step and may
     add gradient of its own (DEEP-GRPO's local branch loss, ``stapo.core.deep_grpo``; one rank only).
+    ``off_policy`` (``stapo.core.async_rollout.OffPolicyStep``), for stale asynchronous rows: each
+    token's weight is multiplied by its behaviour weight pi_prox / mu after the weighting (whose p, H
+    are the proximal / current policy's), and every optimizer step runs at VCPO's ESS-scaled LR.
 
     Data parallel (``counts``: every rank's number of real rows; this rank's batch then ends with
     one zero-weight padding row when it has more rows than ``counts[rank]``): mini-batches come from
@@ -710,6 +718,8 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
             taus.append(tau_mb)
             if record is not None:
                 record.put(epoch, mb_idx[:mb_real], ctx, tw, tau_mb, a.s2t.tau_p)
+            if off_policy is not None:  # AReaL's decoupled loss: clip on pi/pi_prox, times sg[pi_prox/mu]
+                tw = off_policy.weigh(tw, mb_idx)
             norm = agg.normalizer(tw, mb.response_mask)
             reduce = getattr(backend, "all_reduce_sum", None)
             norm = reduce(norm) if reduce is not None else norm
@@ -738,7 +748,7 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
                 add_loss_sums(sums, loss, m)
             if before_step is not None:  # DEEP-GRPO: lambda * local branch loss joins this update
                 before_step(len(step_out), fresh)
-            step_out.append(backend.step())
+            step_out.append(off_policy.step(backend) if off_policy is not None else backend.step())
             fresh = False
     # Global, like every logged metric: each rank's loss is its share of the global objective (the
     # normalizer is all-reduced), so the ranks' losses and clip counts add up (one gather, every rank).
@@ -903,7 +913,6 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
         truncate_jsonl(run_dir / name, max_step=start if ckpt is not None else -1)
     if cfg.rollout.engine != "hf" or getattr(run.engine, "model", None) is not run.backend.model:
         run.engine.load_weights(run.backend.named_parameters_for_sync())
-
     if start == 0 and run.val_prompts:
         v = validate(run)
         val_before = v["accuracy"]
@@ -912,6 +921,10 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
 
     view = LiveView(cfg.trainer.max_steps, start, enabled=main and cfg.logging.live and sys.stderr.isatty(), log=log)
     last_val: float | None = val_before
+    # asynchronous rollouts: a producer process samples + grades round 0 of the coming steps (docs/async.md)
+    from stapo.core.async_rollout import AsyncLearner, off_policy_step
+
+    asyn = AsyncLearner(run, start) if cfg.rollout.async_.enabled else None
     try:
         for step in range(start + 1, cfg.trainer.max_steps + 1):
             t_step = time.time()
@@ -919,7 +932,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             begin_rollout_step(run.backend, step)  # LR of this step when the schedule counts rollout steps (verl)
 
             # --- rollouts + rewards (+ DAPO dynamic sampling: resample until the GLOBAL batch is full)
-            seqs, metrics = rollout_and_grade(run, step, 0)
+            seqs, metrics = asyn.rollouts(step) if asyn is not None else rollout_and_grade(run, step, 0)
             all_seqs = list(seqs)
             kept = shape_and_advantage(cfg, seqs)
             if cfg.algorithm.dynamic_sampling:  # verl's generation rounds, decided globally (stapo.core.sampler)
@@ -949,7 +962,9 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                 #    (onpolicy_blockers lists them); elsewhere the two-pass path below.
                 from stapo.core.onpolicy import onpolicy_applies, onpolicy_update
 
-                if not dp.multi and onpolicy_applies(cfg, run.backend, len(kept)):
+                stale = asyn is not None and any(s.version is not None and s.version < step - 1 for s in kept)
+                mvb = asyn is not None and cfg.algorithm.off_policy.min_variance_baseline
+                if not dp.multi and not (stale or mvb) and onpolicy_applies(cfg, run.backend, len(kept)):
                     upd, old_lp, old_ent = onpolicy_update(run, batch, step, record=record)
                     metrics["time/stats_s"] = upd.pop("time/weights_s")
                     metrics.update(upd)
@@ -958,13 +973,17 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                         run.backend, batch, micro, stats_temperature(cfg), calls=calls, pad_row=pad_row,
                     )
                     metrics["time/stats_s"] = time.time() - t0
+                    # stale rows (async): behaviour weights, VCPO's ESS-scaled LR and baseline
+                    off = off_policy_step(run, kept, batch, old_lp, step, stats_temperature(cfg)) if asyn else None
+                    metrics.update(off.metrics if off is not None else {})
                     # issue 9: reference / Lp-Reg proxy log-probs, STARE schedule, KL in the reward (every rank)
                     metrics.update(run.extras.prepare(batch, old_lp, old_ent, micro_batch=micro,
                                                       temperature=stats_temperature(cfg), calls=calls, pad_row=pad_row))
                     metrics.update(run.extras.apply_kl_in_reward(kept, batch, old_lp))
                     local = run.deep.local_loss_hook(run, branches, step) if run.deep else None
                     hook = {"before_step": local} if local is not None else {}  # DEEP-GRPO's local loss, if any
-                    metrics.update(update_policy(run, batch, old_lp, old_ent, step, counts=counts, record=record, **hook))
+                    metrics.update(update_policy(run, batch, old_lp, old_ent, step, counts=counts, record=record,
+                                                 off_policy=off, **hook))
                     metrics.update(run.deep.local_metrics() if run.deep else {})
                 if dumping:
                     dump_tokens(run, step, kept, batch, dump_rows, dump_dist, record, dp)
@@ -976,6 +995,8 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             # --- weight sync (the hf engine shares the trained model: nothing to copy)
             if cfg.rollout.engine != "hf" or getattr(run.engine, "model", None) is not run.backend.model:
                 run.engine.load_weights(run.backend.named_parameters_for_sync())
+            if asyn is not None:
+                asyn.publish(step)  # version `step` to the producer
 
             # --- validation, metrics, checkpoint
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.trainer.max_steps:
@@ -1006,6 +1027,8 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
         if cfg.checkpoint.export_hf:
             run.backend.export_hf(run_dir / "final", run.tokenizer)
     finally:
+        if asyn is not None:
+            asyn.close()
         view.close()
         tracker.close()
         run.close()

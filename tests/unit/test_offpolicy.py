@@ -131,3 +131,49 @@ def test_decoupled_loss_hand_value() -> None:
     agg = get_aggregation("token-mean")
     loss = agg.aggregate(per_tok, tw, normalizer=agg.normalizer(tw, mask))
     assert loss.item() == pytest.approx((-2.5 - 1.28) / 2, rel=1e-6)
+
+
+def test_lr_scaled_step_uses_scaled_lr_and_leaves_the_schedule_alone() -> None:
+    from stapo.core.async_rollout import OffPolicyStep
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    seen = []
+
+    class Backend:
+        optimizer = opt
+
+        def __init__(self, skip: bool) -> None:
+            self.skip = skip
+
+        def step(self) -> dict:
+            seen.append(opt.param_groups[0]["lr"])
+            if not self.skip:
+                opt.param_groups[0]["lr"] = 0.05  # the schedule's next LR
+            return {"lr": 0.1, "skipped": float(self.skip)}
+
+    off = OffPolicyStep(torch.ones(1, 1), 0.25, {})
+    out = off.step(Backend(skip=False))
+    assert seen[-1] == pytest.approx(0.025) and out["lr"] == pytest.approx(0.025)
+    assert opt.param_groups[0]["lr"] == 0.05  # the schedule's value stands
+    opt.param_groups[0]["lr"] = 0.1
+    off.step(Backend(skip=True))
+    assert seen[-1] == pytest.approx(0.025) and opt.param_groups[0]["lr"] == 0.1  # skipped: restored
+
+
+def test_behaviour_logprobs_go_to_the_response_positions_of_stale_rows_only() -> None:
+
+
+    from stapo.core import loop
+    from stapo.core.async_rollout import behaviour_logprobs
+
+    seqs = [loop.Sequence_([5, 6], [7, 8, 9], "stop", "", "0", group=0, version=0, behaviour_logprobs=[-1.0, -2.0, -3.0]),
+            loop.Sequence_([5], [7], "stop", "", "0", group=0, version=2, behaviour_logprobs=[-9.0]),
+            loop.Sequence_([5], [7, 8], "stop", "", "0", group=0)]
+    batch = loop.collate(seqs, pad_id=0)  # prompt width 2, response width 3
+    prox = torch.full(batch.input_ids.shape, -0.5)
+    beh, stale = behaviour_logprobs(seqs, batch, prox, step=3)  # weights of version 2 start step 3
+    assert stale.tolist() == [True, False, False]
+    assert beh[0, 2:].tolist() == [-1.0, -2.0, -3.0]
+    assert torch.equal(beh[1:], prox[1:])  # sampled by the current weights: behaviour = proximal, exactly
+
