@@ -809,9 +809,13 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise ConfigError(f"{p}: not a text file; a config is YAML (see configs/tiny.yaml)") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"{p}: not valid YAML: {err}") from None
+        if loaded is None:  # an empty file is a mistake, not a wish for the defaults (the 135M demo)
+            raise ConfigError(f"{p}: the config file is empty; fill it in (see configs/tiny.yaml) or leave --config out")
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(loaded).__name__}")
         data = loaded
