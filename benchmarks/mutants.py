@@ -68,7 +68,7 @@ UPDATE = ("tests/unit/test_s2t_spread.py",)
 METRICS = ("tests/unit/test_eval_metrics.py",)
 EXTRACT = ("tests/unit/test_grader.py",)
 POOL = ("tests/service/test_pool_deadline_contract.py",)
-NUMERIC = ("tests/unit/test_grader_tolerances.py", "tests/unit/test_grader_numeric.py")
+NUMERIC = ("tests/unit/test_grader_tolerances.py",)
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ core/algos: S2T
@@ -153,6 +153,28 @@ MUTANTS: list[Mutant] = [
     Mutant("numeric-rel-tol-10x", "verifier_service/numeric.py",
            "\nREL_TOL = 1e-5\n", "\nREL_TOL = 1e-4\n", NUMERIC,
            "the numeric rejection's tolerance loosened 10x"),
+    Mutant("numeric-rel-tol-tightened-10x", "verifier_service/numeric.py",
+           "\nREL_TOL = 1e-5\n", "\nREL_TOL = 1e-6\n", NUMERIC,
+           "the numeric rejection stricter than math-verify's rounding: rejects accepted answers"),
+    Mutant("numeric-max-magnitude-10x", "verifier_service/numeric.py",
+           "MAX_MAGNITUDE = mpmath.mpf(10) ** 30", "MAX_MAGNITUDE = mpmath.mpf(10) ** 31", NUMERIC,
+           "values past the trusted magnitude evaluated"),
+    Mutant("numeric-max-len-off-by-one", "verifier_service/numeric.py",
+           "    if len(s) > MAX_LEN:", "    if len(s) >= MAX_LEN:", NUMERIC, "length bound off by one"),
+    Mutant("numeric-exponent-bound-10x", "verifier_service/numeric.py",
+           "if abs(ex) > 1000:", "if abs(ex) > 10000:", NUMERIC, "huge exponents evaluated"),
+    Mutant("numeric-zero-denominator-10x", "verifier_service/numeric.py",
+           "if abs(den) < 1e-20:", "if abs(den) < 1e-21:", NUMERIC, "division by ~0 evaluated"),
+    Mutant("exact-constants-different-loosened-10x", "verifier_service/grader.py",
+           'if diff > sympy.Float("1e-30", 60):', 'if diff > sympy.Float("1e-29", 60):', NUMERIC,
+           "two exact constants 1e-30 apart no longer told apart"),
+    Mutant("rounded-gold-half-unit-10x", "verifier_service/grader.py",
+           "return abs(pred_value - g.num.value) <= Fraction(1, 2 * 10**d)",
+           "return abs(pred_value - g.num.value) <= Fraction(1, 2 * 10 ** (d - 1))", NUMERIC,
+           "a rounded gold matches answers 10x too far away"),
+    Mutant("rounded-gold-float-slack-dropped", "verifier_service/grader.py",
+           "<= 0.5 * 10**-d * (1 + 1e-9)", "<= 0.5 * 10**-d", NUMERIC,
+           "an exact answer at the rounding boundary rejected by float noise"),
 ]
 
 
