@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 EXTRAS ?= dev,train,demo
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo demo-model clean bench integrations
+.PHONY: setup test lint demo demo-model clean bench integrations mutants
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,12 @@ bench: setup
 INTEGRATIONS ?=
 integrations: setup
 	$(BIN)/python integrations/run.py $(INTEGRATIONS)
+
+# Opt-in curated mutation check (docs/testing.md): plants critical bugs one at a time in a temp copy
+# and runs the tests mapped to each; about 15 min on 2 cores. MUTANTS_ARGS="-k s2t" picks some.
+MUTANTS_ARGS ?=
+mutants: setup
+	$(BIN)/python benchmarks/mutants.py $(MUTANTS_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
