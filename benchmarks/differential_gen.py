@@ -208,7 +208,8 @@ def fam_fracdec(key: Key, rng: random.Random) -> list[tuple[str, bool, str]]:
         out += [
             (boxed(key.gold + "0"), True, "trailing-zero"),
             (boxed(fmt_frac(v)), True, "as-fraction"),
-            # one more digit that changes the value: the gold is an exact decimal as written
+            # one more digit that changes the value: the gold may be exact as written, and nothing in
+            # the answer shows it was rounded (1.5 vs 1.54)
             (boxed(key.gold + str(rng.randint(1, 4))), False, "extra-digit"),
             (boxed(exact_decimal(v + Fraction(1, 10**places)) or ""), False, "last-digit+1"),
         ]
@@ -423,9 +424,9 @@ def fam_units(key: Key, rng: random.Random) -> list[tuple[str, bool, str]]:
             (boxed(f"{v}\\text{{ square units}}"), True, "text-square-units"),
             (boxed(f"{v} square units"), True, "bare-square-units"),
             (boxed(f"{v} \\mathrm{{~m}}^2"), True, "mathrm-area"),
-            (boxed(f"{v}\\pi \\text{{ square units}}"), False, "pi-text-units"),
-            (boxed(f"{v}\\pi square units"), False, "pi-bare-units"),
-            (boxed(f"{v}\\sqrt{{2}} \\text{{ cm}}"), False, "sqrt-units"),
+            (boxed(f"{v}\\pi \\text{{ square units}}"), v == 0, "pi-text-units"),
+            (boxed(f"{v}\\pi square units"), v == 0, "pi-bare-units"),
+            (boxed(f"{v}\\sqrt{{2}} \\text{{ cm}}"), v == 0, "sqrt-units"),
             (boxed(f"{v + 1} \\text{{ cm}}"), False, "off-by-one-units"),
         ]
     if symbolic(key) and "\\pi" in key.gold and not re.search(r"[a-z](?![a-z])", key.gold.replace("\\pi", "")):
