@@ -3,10 +3,14 @@
     stapo recipes                      # name, what it is, the paper / code it follows
     stapo recipes diff dapo stapo      # every resolved field that differs (defaults included)
     stapo recipes diff grpo configs/my.yaml --set algorithm.kl_coef=0.04
+    stapo recipes matched justrl stapo --out runs/matched   # same budget, grader, schedule, seed
 
 A recipe's description and source are the ``# Recipe:`` and ``# Source:`` lines at the top of its
 YAML (configs/<name>.yaml), so the file stays the one place that says what it is. The diff compares
 the *validated* configs, so a value a file leaves at its default still shows when the other sets it.
+``matched`` writes two configs that differ in their method keys only (:mod:`stapo.core.fairness`):
+the shipped recipes keep their sources' own budgets, and a comparison that should isolate the
+method runs the matched pair instead.
 """
 
 from __future__ import annotations

@@ -399,6 +399,20 @@ class DeepGRPOOptions(_Section):
         10, ge=1, description="Fit the logistic regression once the window holds more than this (authors' code: 10)."
     )
     window: int = Field(10000, gt=0, description="Sliding window of (t/T, success) samples (authors' code: 10000).")
+    outcome: Literal["any_of_k", "per_branch"] = Field(
+        "any_of_k",
+        description=(
+            "What the recoverability model learns from: `any_of_k` (authors' code) one (t/T, any of the pivot's K "
+            "branches succeeded) sample per pivot; `per_branch` (ours, the earlier variant) one sample per branch."
+        ),
+    )
+    local_advantage: Literal["mean_baseline", "grpo"] = Field(
+        "mean_baseline",
+        description=(
+            "Advantage of a branch in the local loss: `mean_baseline` (authors' code) reward - mean of its pivot's "
+            "K branch rewards; `grpo` (ours, the earlier variant) the run's `algorithm.advantage` within the pivot's group."
+        ),
+    )
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, populate_by_name=True)
 
@@ -468,8 +482,29 @@ class AlgorithmConfig(_Section):
             "or `reward` (the shaped reward, overlong penalty included)."
         ),
     )
-    max_sampling_rounds: int = Field(
-        3, ge=1, description="With dynamic sampling: rounds of extra sampling to refill the batch."
+    gen_batch_multiplier: float = Field(
+        1.0,
+        ge=1.0,
+        description=(
+            "With dynamic sampling: each generation round samples ceil(multiplier x rollout.prompts_per_step) "
+            "prompts (verl `data.gen_batch_size` / `data.train_batch_size`; the DAPO scripts use 3), kept groups "
+            "accumulate over rounds and the first prompts_per_step of them train."
+        ),
+    )
+    max_gen_rounds: int = Field(
+        3,
+        ge=0,
+        description=(
+            "With dynamic sampling: generation rounds per step, the first included (verl "
+            "`filter_groups.max_num_gen_batches`; 0 = no limit, as in verl)."
+        ),
+    )
+    gen_rounds_exhausted: Literal["error", "train"] = Field(
+        "train",
+        description=(
+            "With dynamic sampling, when `max_gen_rounds` rounds kept fewer than prompts_per_step groups: `error` "
+            "stops the run (verl raises) and `train` trains on the under-filled batch (logged as dapo/underfilled)."
+        ),
     )
     overlong: OverlongOptions = Field(default_factory=OverlongOptions, description="DAPO overlong shaping.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each step's rollouts.")
@@ -774,9 +809,13 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise ConfigError(f"{p}: not a text file; a config is YAML (see configs/tiny.yaml)") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"{p}: not valid YAML: {err}") from None
+        if loaded is None:  # an empty file is a mistake, not a wish for the defaults (the 135M demo)
+            raise ConfigError(f"{p}: the config file is empty; fill it in (see configs/tiny.yaml) or leave --config out")
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(loaded).__name__}")
         data = loaded

@@ -11,7 +11,11 @@ failures are ours); for each, a pivot t is drawn with probability Q(t) ∝ P(suc
 (``stapo.core.algos.deep_grpo``), and K branches are generated from prompt + response[:t] through the
 rollout engine's ``generate_from_prefix`` with the remaining token budget. Branches are graded on
 prefix + continuation, shaped and given advantages within their pivot's group exactly as root
-groups are (``shape_and_advantage``), and their outcomes (t/T, success) feed the online logistic model.
+groups are (``shape_and_advantage``), then take their local advantage: by default the authors'
+reward - mean of the pivot's K branch rewards (``deep_grpo.local_advantage: mean_baseline``; ``grpo``
+keeps the run's own estimator, our earlier variant). The recoverability model gets one sample per
+pivot, (t/T, any of its K branches succeeded), as the authors' ``BranchingFeedback`` does
+(``deep_grpo.outcome: any_of_k``; ``per_branch``, one sample per branch, is our earlier variant).
 
 ``local_loss_hook``: returns a callable that ``update_policy`` runs right before each optimizer step;
 it adds lambda * L_local to the accumulated gradient, where L_local is the configured policy loss
@@ -36,9 +40,33 @@ from typing import Any
 import numpy as np
 import torch
 
-from stapo.core.algos.deep_grpo import OnlineLogistic, branch_ratio, sample_pivot, suffix_mask
+from stapo.core.algos.deep_grpo import (
+    OnlineLogistic,
+    branch_ratio,
+    local_advantages,
+    pivot_outcomes,
+    sample_pivot,
+    suffix_mask,
+)
 
-__all__ = ["DeepGRPO", "BranchRollouts"]
+__all__ = ["DeepGRPO", "BranchRollouts", "set_local_advantages"]
+
+
+def set_local_advantages(cfg: Any, kept: list[Any]) -> list[Any]:
+    """Give each kept branch its local advantage within its pivot's K branches
+    (``algorithm.deep_grpo.local_advantage``; the shaped rewards, as the global advantages use)."""
+    if not kept:
+        return kept
+    from stapo.core.loop import group_sequences
+
+    groups = list(group_sequences(kept).values())
+    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [P, K]
+    adv = local_advantages(rewards, cfg.algorithm.deep_grpo.local_advantage, cfg.algorithm.advantage,
+                           eps=cfg.algorithm.adv_eps)  # [P, K]
+    for g, row in zip(groups, adv.tolist(), strict=True):
+        for s, a in zip(g, row, strict=True):
+            s.advantage = a
+    return [s for g in groups for s in g]
 
 
 @dataclass
@@ -112,14 +140,17 @@ class DeepGRPO:
         for b, r, v, c in zip(branch_seqs, graded.rewards, graded.valid, graded.correct, strict=True):
             b.reward, b.valid, b.correct = r, v, c
         ok = [b for b in branch_seqs if b.valid]
-        self.model.update([b.ratio for b in ok], [b.correct for b in ok])
-        kept = shape_and_advantage(cfg, branch_seqs)
+        r, y = pivot_outcomes([b.ratio for b in branch_seqs], [b.group for b in branch_seqs],
+                              [b.valid for b in branch_seqs], [b.correct for b in branch_seqs], o.outcome)
+        self.model.update(r, y)
+        kept = set_local_advantages(cfg, shape_and_advantage(cfg, branch_seqs))
         main_tokens = sum(len(s.response_ids) for s in seqs)
         new_tokens = sum(len(b.response_ids) - b.prefix_len for b in branch_seqs)
         metrics = {
             "deep/pivots": float(len(chosen)),
             "deep/branches": float(len(branch_seqs)),
             "deep/branch_success": float(np.mean([b.correct for b in ok])) if ok else float("nan"),
+            "deep/model_samples": float(len(y)),  # outcomes the recoverability model got this step
             "deep/pivot_ratio_mean": float(np.mean([b.ratio for b in branch_seqs])),
             "deep/extra_token_frac": new_tokens / max(main_tokens, 1),
             "deep/logit_w": self.model.w,

@@ -53,7 +53,7 @@ KEY_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward scale", ("reward.scale.",)),
     ("grader", ("reward.mode", "reward.think", "reward.deadline_s")),
     ("sampler", ("rollout.temperature", "rollout.top_p", "rollout.ignore_eos")),
-    ("schedule", ("trainer.max_steps", "trainer.lr", "trainer.warmup_steps", "trainer.warmup_unit", "trainer.lr_schedule_unit",
+    ("schedule", ("trainer.max_steps", "trainer.lr", "trainer.warmup_steps", "trainer.lr_schedule_unit",
                   "trainer.lr_schedule", "trainer.weight_decay", "trainer.betas", "trainer.max_grad_norm")),
     ("execution", (
         "logging.", "checkpoint.", "eval.every", "reward.urls", "reward.token", "reward.workers", "reward.retries",

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from stapo.core.config import Config, save_config
+from stapo.core.sampler import dynamic_sampling_refill, prompts_per_round
 from stapo.core.trainer.base import begin_rollout_step
 
 __all__ = ["train", "TrainResult", "derive_seed"]
@@ -335,7 +336,7 @@ def rollout_and_grade(run: _Run, step: int, round_: int) -> tuple[list[Sequence_
     from stapo.core.rollout import SamplingParams
 
     cfg = run.cfg
-    idx = run.sampler.select(step, round_, cfg.rollout.prompts_per_step)  # uniform: prompts_for_step
+    idx = run.sampler.select(step, round_, prompts_per_round(cfg))  # uniform: prompts_for_step
     recs = [run.train_prompts[i] for i in idx[run.rank :: run.world_size]]  # this rank's share
     sampling = SamplingParams(
         n=cfg.rollout.n,
@@ -934,21 +935,8 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             seqs, metrics = asyn.rollouts(step) if asyn is not None else rollout_and_grade(run, step, 0)
             all_seqs = list(seqs)
             kept = shape_and_advantage(cfg, seqs)
-            if cfg.algorithm.dynamic_sampling:
-                kept = mixed_groups(kept, cfg.algorithm.dynamic_sampling_metric)
-                want = cfg.rollout.prompts_per_step * cfg.rollout.n
-                for round_ in range(1, cfg.algorithm.max_sampling_rounds):
-                    if dp.total(len(kept)) >= want:  # a global decision: every rank runs the same rounds
-                        break
-                    more, m2 = rollout_and_grade(run, step, round_)
-                    for key in ("time/rollout_s", "time/reward_s", "reward/failed", "reward/retried"):
-                        metrics[key] += m2[key]
-                    for s in more:
-                        s.group += 10_000 * round_
-                    all_seqs += more
-                    kept += mixed_groups(shape_and_advantage(cfg, more), cfg.algorithm.dynamic_sampling_metric)
-                kept = trim_kept(kept, want, cfg.rollout.n, dp)
-                metrics["dapo/kept_groups"] = dp.total(len(kept)) / cfg.rollout.n
+            if cfg.algorithm.dynamic_sampling:  # verl's generation rounds, decided globally (stapo.core.sampler)
+                kept = dynamic_sampling_refill(run, step, kept, all_seqs, metrics, dp)
             metrics.update(run.sampler.end_step(step))  # goldilocks: teacher update + its metrics (every rank)
             branches, deep_m = run.deep.rollout_branches(run, step, all_seqs) if run.deep else (None, {})
             metrics.update(deep_m)
