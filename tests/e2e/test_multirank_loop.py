@@ -86,7 +86,7 @@ UPDATE_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {test_dir!r})
     from test_multirank_loop import fixed_update
     rank = int(os.environ.get("RANK", "0"))
-    results = [fixed_update({backend!r}, split=split) for split in {splits!r}]
+    results = [fixed_update({backend!r}, split=split, tokens=tokens) for split, tokens in {splits!r}]
     if rank == 0:
         torch.save([{{"metrics": m, "params": p}} for m, p in results], {out!r})
     if {backend!r} == "deepspeed":
@@ -185,8 +185,9 @@ def test_two_rank_loop_completes_resumes_and_logs_global_metrics(tmp_path):
 # ----------------------------------------------------------------------------- a fixed batch
 
 
-def fixed_update(backend_name: str, split: list[int]) -> tuple[dict, dict]:
+def fixed_update(backend_name: str, split: list[int], tokens: int | None = None) -> tuple[dict, dict]:
     """``loop.update_policy`` on one fixed 6-sequence batch; this rank holds rows ``split[rank]``.
+    ``tokens``: packed micro-batches of that token budget (else rows of 2, padded).
 
     2 mini-batches x micro-batches of 2, S2T with per-mini-batch tau_h (every collective of the
     weighting runs), fused loss. Returns (metrics, full parameters). lr 1e-3: Adam's first step is
@@ -207,7 +208,7 @@ def fixed_update(backend_name: str, split: list[int]) -> tuple[dict, dict]:
     cfg = config_from_dict({
         "trainer": {"backend": backend_name, "device": "cpu" if backend_name == "torch" else "auto",
                     "zero_stage": 3, "zero3_param_persistence_threshold": 0, "lr": 1e-3,
-                    "micro_batch_size": 2, "logits_chunk_size": 7},
+                    "micro_batch_size": 2, "micro_batch_tokens": tokens, "logits_chunk_size": 7},
         "rollout": {"prompts_per_step": 2, "n": 3},
         "algorithm": {"token_weighting": "s2t", "mini_batches": 2,
                       "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.6, "tau_h_scope": "minibatch"}},
@@ -226,8 +227,12 @@ def fixed_update(backend_name: str, split: list[int]) -> tuple[dict, dict]:
     mine = seqs[start : start + split[rank]]
     batch = loop.collate_with_pad_row(mine, 0, pad=world > 1)
     pad_row = len(mine) if world > 1 else None
-    old_lp, old_ent = loop.token_stats_batched(backend, batch, 2, 1.0, calls=max(1, -(-max(split) // 2)),
-                                               pad_row=pad_row)
+    from stapo.core import update
+    from stapo.core.distributed import DataParallel
+
+    spec = update.micro_spec(cfg)
+    calls = update.old_pass_calls(DataParallel(backend), batch, spec, len(mine))
+    old_lp, old_ent = loop.token_stats_batched(backend, batch, spec, 1.0, calls=calls, pad_row=pad_row)
     run = SimpleNamespace(cfg=cfg, backend=backend)
     m = loop.update_policy(run, batch, old_lp, old_ent, step=1, counts=split)
     params = {n: t.detach().cpu().clone() for n, t in backend.named_parameters_for_sync()}
@@ -235,9 +240,12 @@ def fixed_update(backend_name: str, split: list[int]) -> tuple[dict, dict]:
 
 
 def test_two_rank_update_equals_one_process_update(tmp_path, one_thread):  # reference reduces like the ranks
-    """Splits [2, 4] (both ranks hold rows, unevenly) and [6, 0] (rank 1 holds none)."""
+    """Splits [2, 4] (both ranks hold rows, unevenly) and [6, 0] (rank 1 holds none), each with
+    padded row micro-batches and with packed token-budget ones (uneven lengths: the ranks make
+    different numbers of packed forwards and pad to the busiest), against one padded process."""
     out2 = tmp_path / "two.pt"
-    two = UPDATE_SCRIPT.format(test_dir=os.path.dirname(__file__), backend="deepspeed", splits=[[2, 4], [6, 0]],
+    runs = [([2, 4], None), ([6, 0], None), ([2, 4], 12), ([6, 0], 12)]
+    two = UPDATE_SCRIPT.format(test_dir=os.path.dirname(__file__), backend="deepspeed", splits=runs,
                                out=str(out2))
     (tmp_path / "two.py").write_text(two)
     torchrun([str(tmp_path / "two.py")], tmp_path)
