@@ -398,11 +398,15 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
                                            torch.cat([g[1].detach() for g in graphs]))
                 tw_loss = off_policy.weigh(tw, mb_rows) if off_policy is not None else tw
                 terms = extras.terms(ctx, mb_rows, old_lp)
+                losses = []
                 for sl, (lp, ent) in zip(slices, graphs, strict=True):
                     loss, mets = mb.loss(sl, lp, ent, tw_loss, norm, terms)
-                    backend.backward(loss)
+                    losses.append(loss)
                     add_loss_sums(sums, loss, mets)
-                del graphs
+                # ONE backward through every kept graph: a backend pairs each backward with the forwards
+                # before it (DeepSpeed's micro-step bookkeeping; ZeRO-3 re-gathers parameters for it)
+                backend.backward(torch.stack(losses).sum())
+                del graphs, losses
             else:  # weights from the mask alone: each micro-batch forward + backward at once
                 zeros = torch.zeros(mb.mask.shape, dtype=torch.float32, device=dev)
                 ctx0, tw, norm = mb.weights(zeros, zeros)
