@@ -126,8 +126,7 @@ def _grads_after(cfg: Any, fused: bool) -> dict[str, torch.Tensor]:
     from stapo.core.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
-    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"fused_loss": fused,
-                                                                         "onpolicy_fast_path": "never"})})
+    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"fused_loss": fused})})
     model, _ = load_policy(cfg.model, device="cpu")
     b = TorchBackend(cfg, model, total_optimizer_steps=2)
     batch = _rl_batch(model.config.vocab_size).to(b.device)

@@ -55,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 SIDES = ("stapo", "trl", "stapo-baseline", "stapo-none")
 
 # stapo settings that turn issue 12's speed-ups off (what "stapo-baseline" runs).
-BASELINE_OVERRIDES = ["trainer.onpolicy_fast_path=never", "trainer.share_prompt_prefix=false",
+BASELINE_OVERRIDES = ["trainer.share_prompt_prefix=false",
                       "rollout.share_prefix=false"]
 
 

@@ -537,7 +537,18 @@ class TrainerConfig(_Section):
         ),
     )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
-    micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward (gradient accumulation).")
+    micro_batch_size: int = Field(
+        8, gt=0, description="Sequences per forward/backward (gradient accumulation) when `micro_batch_tokens` is null."
+    )
+    micro_batch_tokens: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Token budget per forward: rows are packed without padding (longest first, first fit; a "
+            "longer row alone), attention kept within each sequence. Null: `micro_batch_size` rows, "
+            "padded to the longest. See docs/performance.md."
+        ),
+    )
     logits_chunk_size: int = Field(1024, gt=0, description="Tokens per chunk when computing log-probs and entropy.")
     entropy_grad: bool = Field(False, description="Let gradient flow through entropies (needed by entropy bonuses).")
     fused_loss: bool = Field(
@@ -547,24 +558,13 @@ class TrainerConfig(_Section):
             "recompute in backward; per-token losses only: ppo_clip; gspo falls back)."
         ),
     )
-    onpolicy_fast_path: Literal["auto", "always", "never"] = Field(
-        "auto",
-        description=(
-            "Exactly on-policy updates (ppo_epochs = 1, mini_batches = 1): skip the separate no-grad "
-            "old-log-prob pass; p and H for the token weighting come from the gradient forward itself "
-            "(docs/performance.md). `auto`: on, except that a weighting needing the mini-batch's "
-            "statistics (s2t, top_entropy, ...) over several micro-batches on a GPU keeps the old pass "
-            "(the fast path would hold every micro-batch's activations until the thresholds are known); "
-            "`always`: also that case; `never`: always the separate pass."
-        ),
-    )
     share_prompt_prefix: bool = Field(
         True,
         description=(
             "Training forwards run each group's prompt once (batch = distinct prompts) and the G "
             "responses on top of its KV cache, instead of G copies of prompt + response: same "
             "log-probs and gradients, (P + G R) / (G (P + R)) of the tokens (torch backend, hidden-"
-            "state path; others fall back to full rows)."
+            "state path, row micro-batches; packed ones and other backends run full rows)."
         ),
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")

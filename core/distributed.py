@@ -9,8 +9,8 @@ issued by every rank the same number of times, or the run hangs or silently mixe
 * decisions about the batch are global (:meth:`DataParallel.total` of the kept counts decides
   whether another dynamic-sampling round runs; :func:`balanced_quota` trims the global surplus);
 * the optimizer mini-batches are drawn from ONE global permutation of the global batch
-  (:func:`plan_update`), and each rank runs, per mini-batch, as many micro-batches as the busiest
-  rank needs; a rank short of rows pads with zero-weight rows (no response token: no loss, no
+  (:func:`minibatch_rows`), and each rank runs, per mini-batch, as many micro-batches as the busiest
+  rank needs (``stapo.core.update``); a rank short of rows pads with zero-weight rows (no response token: no loss, no
   gradient), so a rank with nothing kept still joins every collective;
 * logged metrics are global sums / maxima (:meth:`DataParallel.gather_rows`).
 
@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["DataParallel", "UpdatePlan", "balanced_quota", "plan_update", "even_shard"]
+from stapo.core.trainer.base import TrainerBackend
+
+__all__ = ["DataParallel", "balanced_quota", "minibatch_rows", "even_shard"]
 
 
 class DataParallel:
@@ -37,12 +38,10 @@ class DataParallel:
     ``torch.distributed.all_gather_object`` for small Python objects (token-dump records).
     """
 
-    def __init__(self, backend: Any) -> None:
-        self.rank = int(getattr(backend, "rank", 0))
-        self.world_size = int(getattr(backend, "world_size", 1))
-        self._gather = getattr(backend, "all_gather_1d", None)
-        if self.world_size > 1 and self._gather is None:
-            raise ValueError(f"{type(backend).__name__} runs {self.world_size} ranks but has no all_gather_1d")
+    def __init__(self, backend: TrainerBackend) -> None:
+        self.rank = int(backend.rank)
+        self.world_size = int(backend.world_size)
+        self._gather = backend.all_gather_1d
 
     @property
     def multi(self) -> bool:
@@ -79,23 +78,6 @@ class DataParallel:
         return out
 
 
-def micro_row_sets(n_rows: int, micro: int, *, calls: int | None = None, pad_row: int | None = None,
-                   what: str = "a no-grad pass") -> list[torch.Tensor]:
-    """Row indices of each forward of a no-grad pass over a rank's batch, micro-batch by micro-batch.
-
-    ``pad_row`` (the batch's last, zero-weight row) is left out of the real rows; with ``calls`` (the
-    number of forwards EVERY rank makes, so ZeRO-3's per-forward gathers stay in lockstep) the calls
-    past this rank's real rows run on the padding row alone.
-    """
-    real = n_rows if pad_row is None else pad_row
-    row_sets = [torch.arange(s, min(s + micro, real)) for s in range(0, real, micro)]
-    if calls is not None and calls > len(row_sets):
-        if pad_row is None:
-            raise ValueError(f"{what}: more calls than micro-batches needs a pad_row")
-        row_sets += [torch.tensor([pad_row])] * (calls - len(row_sets))
-    return row_sets
-
-
 def even_shard(items: Sequence[Any], rank: int, world_size: int) -> tuple[list[Any], int]:
     """(this rank's strided share padded to the largest share's length, number of real items).
 
@@ -125,45 +107,17 @@ def balanced_quota(counts: Sequence[int], want: int) -> list[int]:
     return quota
 
 
-@dataclass(frozen=True)
-class UpdatePlan:
-    """One PPO epoch's mini-batches on this rank.
+def minibatch_rows(counts: Sequence[int], rank: int, mini_batches: int,
+                   generator: torch.Generator) -> list[torch.Tensor]:
+    """This rank's real local rows of each global optimizer mini-batch.
 
-    ``rows[m]`` are this rank's local row indices of global mini-batch m (padded with ``pad_row``
-    so that there are exactly ``micro_counts[m]`` non-empty micro-batches of ``micro`` rows), and
-    ``real[m]`` how many of them are real.
-    """
-
-    rows: list[torch.Tensor]
-    real: list[int]
-    micro_counts: list[int]
-
-
-def plan_update(counts: Sequence[int], rank: int, *, mini_batches: int, micro: int, generator: torch.Generator,
-                pad_row: int | None) -> UpdatePlan:
-    """Split the GLOBAL batch into mini-batches with one seeded permutation, then take this rank's part.
-
-    Global row g belongs to rank r when ``offset_r <= g < offset_r + counts[r]`` (rows in rank
-    order). Mini-batch m is ``perm.chunk(mini_batches)[m]``: the same sets of sequences whatever
-    the number of ranks, and with one rank exactly the single-process split. Every rank gets
-    ``max_r ceil(rows_r(m) / micro)`` (at least 1) micro-batches in mini-batch m; ``pad_row`` (a
-    zero-weight row of the local batch) fills a rank's missing rows. ``pad_row=None`` is allowed only
-    when no padding is needed (one rank).
+    ONE seeded permutation of the global batch (rows in rank order: global row g belongs to rank r
+    when ``offset_r <= g < offset_r + counts[r]``), chunked into ``mini_batches``: the same sets of
+    sequences whatever the number of ranks, and with one rank exactly the single-process split.
+    How many forwards each rank then runs per mini-batch (the busiest rank's count, padding-row
+    forwards elsewhere) is ``stapo.core.update``'s business.
     """
     n = int(sum(counts))
     offset = sum(counts[:rank])
     perm = torch.randperm(n, generator=generator)  # [n]
-    rows, real, micro_counts = [], [], []
-    for chunk in perm.chunk(mini_batches):
-        per_rank = [int(((chunk >= sum(counts[:r])) & (chunk < sum(counts[: r + 1]))).sum()) for r in range(len(counts))]
-        k = max(1, max(math.ceil(c / micro) for c in per_rank))
-        mine = chunk[(chunk >= offset) & (chunk < offset + counts[rank])] - offset  # [n_r(m)]
-        need = (k - 1) * micro + 1  # fewest rows that make k non-empty micro-batches
-        if mine.numel() < need:
-            if pad_row is None:
-                raise ValueError("plan_update: padding needed but no pad_row given")
-            mine = torch.cat([mine, torch.full((need - mine.numel(),), pad_row, dtype=mine.dtype)])
-        rows.append(mine)
-        real.append(per_rank[rank])
-        micro_counts.append(k)
-    return UpdatePlan(rows, real, micro_counts)
+    return [c[(c >= offset) & (c < offset + counts[rank])] - offset for c in perm.chunk(mini_batches)]

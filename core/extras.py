@@ -32,6 +32,7 @@ from stapo.core.algos.regularizers import (
 )
 from stapo.core.algos.stare import StareSchedule
 from stapo.core.config import Config
+from stapo.core.update import MicroSpec
 
 __all__ = ["StepExtras", "extras_of"]
 
@@ -59,6 +60,21 @@ class StepExtras:
         self.ref_lp: torch.Tensor | None = None  # [N, L] this step's KL target (reference or sampler)
         self.proxy_lp: torch.Tensor | None = None  # [N, L] Lp-Reg proxy log-probs of the sampled tokens
 
+    # ------------------------------------------------------------------ what the update must provide
+
+    @property
+    def needs_old_stats(self) -> bool:
+        """The step's extras read the sampling policy's statistics before the update (the KL
+        penalty and its metric, Lp-Reg's proxy, STARE's controller): the step runs the no-grad pass."""
+        a = self.cfg.algorithm
+        return a.kl_coef > 0 or a.lp_reg.enabled or self.stare is not None
+
+    @property
+    def terms_read_stats(self) -> bool:
+        """The additive terms read the current policy's p (Lp-Reg's selection): the update takes
+        every micro-batch's statistics before the mini-batch's backward, as for such weightings."""
+        return self.cfg.algorithm.lp_reg.enabled
+
     # ------------------------------------------------------------------ per step
 
     def loss_rows(self, seqs: Sequence[Any]) -> torch.Tensor:
@@ -67,13 +83,13 @@ class StepExtras:
             return torch.ones(len(seqs), dtype=torch.bool)
         return overlong_filter_keep([s.finish_reason for s in seqs])
 
-    def prepare(self, batch: Any, old_lp: torch.Tensor, old_ent: torch.Tensor, *, micro_batch: int,
+    def prepare(self, batch: Any, old_lp: torch.Tensor, old_ent: torch.Tensor, *, micro_batch: int | MicroSpec,
                 temperature: float, calls: int | None = None, pad_row: int | None = None) -> dict[str, float]:
         """Compute this step's constants (reference / proxy log-probs, STARE state); return metrics.
 
         Data parallel: every rank must call this (the metrics are all-reduced, Lp-Reg's selection
         all-gathered, in a fixed order that depends on the config only). ``pad_row`` / ``calls`` are
-        those of the step's old-log-prob pass (``loop.token_stats_batched``): the Lp-Reg proxy pass
+        those of the step's old-log-prob pass (``update.token_stats_batched``, same micro-batches): the Lp-Reg proxy pass
         over the policy makes exactly ``calls`` forwards on every rank (ZeRO-3 gathers parameters in
         each); the frozen reference is a plain local module (never ZeRO-3: the config refuses it), so
         its forwards issue no collective and it runs on the real rows only.

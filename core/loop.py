@@ -50,8 +50,24 @@ from stapo.core.config import Config, save_config
 from stapo.core.rewards import rule_shares
 from stapo.core.sampler import dynamic_sampling_refill, prompts_per_round
 from stapo.core.trainer.base import begin_rollout_step
+from stapo.core.update import (
+    micro_spec,
+    needs_old_pass,
+    old_pass_calls,
+    policy_loss_params,
+    stats_temperature,
+    token_stats_batched,
+    update_parts,
+    update_policy,
+    weighting_params,
+)
 
-__all__ = ["train", "TrainResult", "derive_seed"]
+__all__ = [
+    "train", "TrainResult", "derive_seed",
+    # the update lives in stapo.core.update; re-exported for the loop's callers
+    "policy_loss_params", "stats_temperature", "token_stats_batched", "update_parts", "update_policy",
+    "weighting_params",
+]
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -162,80 +178,6 @@ def collate_with_pad_row(seqs: Sequence[Sequence_], pad_id: int, *, pad: bool) -
     )
 
 
-def stats_temperature(cfg: Config) -> float:
-    """Log-probs and entropies are those of the sampling policy: logits / T (T=0 means greedy: 1)."""
-    return cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-
-
-def token_stats_batched(backend: Any, batch: Batch, micro: int, temperature: float, *,
-                        calls: int | None = None, pad_row: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """No-grad log-probs and entropies of a whole batch, micro-batch by micro-batch.
-
-    Data parallel: ``pad_row`` is the batch's zero-weight padding row (the last one) and ``calls``
-    the number of forwards every rank makes (ZeRO-3 gathers parameters in each); calls past this
-    rank's real rows run on the padding row. Stats of the padding row are 0 (it has no response).
-    """
-    from stapo.core.distributed import micro_row_sets
-
-    row_sets = micro_row_sets(batch.input_ids.shape[0], micro, calls=calls, pad_row=pad_row,
-                              what="token_stats_batched")
-    lp_all = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)  # [N, L]
-    ent_all = torch.zeros_like(lp_all)  # [N, L]
-    for rows in row_sets:
-        rows = rows.to(batch.input_ids.device)
-        lp, ent = backend.token_stats(
-            batch.input_ids[rows], batch.attention_mask[rows], batch.response_mask[rows],
-            grad=False, temperature=temperature,
-        )
-        lp_all[rows] = lp.detach().float().to(lp_all.device)
-        ent_all[rows] = ent.detach().float().to(ent_all.device)
-    return lp_all, ent_all  # [N, L], [N, L]
-
-
-def weighting_params(cfg: Config) -> dict[str, Any]:
-    """Keyword arguments of the configured token weighting: its config section, field for field."""
-    a = cfg.algorithm
-    section = getattr(a, a.token_weighting, None)
-    # tau_h_scope is the loop's choice of population, not an argument of the weighting
-    return section.model_dump(exclude={"tau_h_scope"}) if section is not None else {}
-
-
-def policy_loss_params(cfg: Config) -> dict[str, Any]:
-    """Extra keyword arguments of the configured policy loss: its config section (``maspo``), if any."""
-    a = cfg.algorithm
-    section = getattr(a, a.policy_loss, None)
-    return section.model_dump() if section is not None else {}
-
-
-@dataclass(frozen=True)
-class UpdateParts:
-    """The configured pieces of an update, resolved once from the registries (update_policy and the
-    on-policy fast path, stapo.core.onpolicy, share them)."""
-
-    weigh: Any  # TOKEN_WEIGHTS entry
-    loss_fn: Any  # POLICY_LOSSES entry
-    agg: Any  # AGGREGATIONS entry
-    params: dict[str, Any]  # the weighting's keywords
-    loss_kw: dict[str, Any]  # the policy loss's keywords
-    micro: int
-    temperature: float
-
-
-def update_parts(cfg: Config, extra_params: dict[str, Any] | None = None) -> UpdateParts:
-    from stapo.core.algos import get_aggregation, get_policy_loss, get_token_weighting
-
-    a = cfg.algorithm
-    return UpdateParts(
-        weigh=get_token_weighting(a.token_weighting),
-        loss_fn=get_policy_loss(a.policy_loss),
-        agg=get_aggregation(a.aggregation),
-        params={**weighting_params(cfg), **(extra_params or {})},
-        loss_kw={"eps_low": a.eps_low, "eps_high": a.eps_high, "dual_clip_c": a.dual_clip_c, **policy_loss_params(cfg)},
-        micro=cfg.trainer.micro_batch_size,
-        temperature=stats_temperature(cfg),
-    )
-
-
 def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else float("nan")
 
@@ -277,8 +219,8 @@ class _Run:
         self.extras = StepExtras(cfg, self.backend)
         # Data parallel (deepspeed launcher): each rank samples its share of the step's prompts; the
         # token-mean normalizer and the S2T thresholds are reduced across ranks; rank 0 writes files.
-        self.rank = int(getattr(self.backend, "rank", 0))
-        self.world_size = int(getattr(self.backend, "world_size", 1))
+        self.rank = int(self.backend.rank)
+        self.world_size = int(self.backend.world_size)
         if cfg.rollout.prompts_per_step % self.world_size:
             raise ValueError(
                 f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be divisible by the "
@@ -610,157 +552,6 @@ def update_metrics(diag: dict[str, float], taus: Sequence[float], p05: float, su
     }
 
 
-def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.Tensor, step: int, *,
-                  counts: Sequence[int] | None = None, record: UpdateRecord | None = None,
-                  before_step: Callable[[int, bool], None] | None = None,
-                  off_policy: Any = None) -> dict[str, float]:
-    """K mini-batch updates with the configured token weighting, loss and aggregation.
-
-    ``before_step(update_index, fresh)``, when given, runs right before each optimizer step and may
-    add gradient of its own (DEEP-GRPO's local branch loss, ``stapo.core.deep_grpo``; one rank only).
-    ``off_policy`` (``stapo.core.async_rollout.OffPolicyStep``), for stale asynchronous rows: each
-    token's weight is multiplied by its behaviour weight pi_prox / mu after the weighting (whose p, H
-    are the proximal / current policy's), and every optimizer step runs at VCPO's ESS-scaled LR.
-
-    Data parallel (``counts``: every rank's number of real rows; this rank's batch then ends with
-    one zero-weight padding row when it has more rows than ``counts[rank]``): mini-batches come from
-    one global permutation and every rank runs the same number of micro-batches in each
-    (:func:`stapo.core.distributed.plan_update`), so collectives stay in lockstep.
-
-    Diagnostics are the update's own: at every mini-batch the weighting's output is counted
-    (:func:`stapo.core.algos.token_counts`, global) and, with ``record``, stored per row for the
-    token dump. ``stapo/silenced_count`` and the phase cells sum over every mini-batch of every PPO
-    epoch; ``stapo/tau_h`` is the mean of the thresholds used. ``algorithm.s2t.tau_h_scope=step``
-    fixes tau_h once from the step's global batch under the pre-update policy (``old_ent``).
-
-    Fused path (``trainer.fused_loss``, the default): for a per-token policy loss (``ppo_clip``, ``maspo``;
-    ``gspo`` couples the tokens of a sequence and keeps the unfused path) without entropy gradient,
-    each micro-batch is one ``backend.token_loss`` call: the loss is sum_i coef_i * l_i(logp_i)
-    (+ kl_coef * k3_i), where coef_i = d(aggregate)/d(l_i) is taken once per micro-batch by autograd
-    on a ones tensor (every aggregation is linear in the per-token losses), so the LM head's gradient
-    is computed inside the chunked forward and no logits are recomputed in backward. Same update as
-    the unfused ``token_stats(grad=True) -> loss_fn -> aggregate`` sequence, up to float rounding.
-    """
-    from stapo.core.algos import (
-        TokenContext,
-    )
-    from stapo.core.algos.regularizers import add_terms, entropy_bonus
-    from stapo.core.distributed import plan_update
-    from stapo.core.extras import extras_of
-
-    cfg, backend = run.cfg, run.backend
-    a = cfg.algorithm
-    extras = extras_of(run)
-    parts = update_parts(cfg, extras.weighting_params())  # STARE: the scheduled W, M
-    weigh, loss_fn, agg, params = parts.weigh, parts.loss_fn, parts.agg, parts.params
-    micro, temp, loss_kw = parts.micro, parts.temperature, parts.loss_kw
-    n = batch.input_ids.shape[0]
-    rank = int(getattr(backend, "rank", 0))
-    counts = [n] if counts is None else [int(c) for c in counts]
-    pad_row = counts[rank] if n > counts[rank] else None
-    gather = getattr(backend, "all_gather_1d", None)
-    p05, tau_step = step_entropy_thresholds(cfg, old_ent, batch.response_mask, gather)
-    if tau_step is not None and a.token_weighting == "s2t":
-        params = {**params, "tau_h": tau_step, "tau_h_quantile": None}
-    diag: dict[str, float] = {}
-    taus: list[float] = []
-    sums = loss_sums()
-    fused = (
-        cfg.trainer.fused_loss
-        and a.policy_loss in ("ppo_clip", "maspo")  # elementwise in each token's log-prob
-        and not cfg.trainer.entropy_grad
-        and hasattr(backend, "token_loss")
-    )
-
-    def agg_coefficients(tw_rows: Any, like: torch.Tensor, norm: Any) -> torch.Tensor:
-        """d(aggregate)/d(per_token_loss) [b, L]: exact, since every aggregation is linear in it."""
-        x = torch.ones_like(like, dtype=torch.float32, requires_grad=True)  # [b, L]
-        with torch.enable_grad():
-            (coef,) = torch.autograd.grad(agg.aggregate(x, tw_rows, normalizer=norm), x, allow_unused=True)
-        return torch.zeros_like(x) if coef is None else coef.detach()
-
-    def make_token_loss(old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, coef: torch.Tensor,
-                        terms: list[Any]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """coef * (policy loss + additive terms: KL, Lp-Reg) at flat positions ``idx`` into the micro-batch's [b, L]."""
-        old_f, adv_f, mask_f, coef_f = old.reshape(-1), adv.reshape(-1), mask.reshape(-1), coef.reshape(-1)
-
-        def token_loss_fn(lp: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-            lp2 = lp.unsqueeze(0)  # [1, n]: the registered loss works on [B, T] tensors
-            per_tok, _ = loss_fn(lp2, old_f[idx].unsqueeze(0).to(lp.dtype), adv_f[idx].unsqueeze(0),
-                                 mask_f[idx].unsqueeze(0), **loss_kw)
-            per_tok1 = add_terms(per_tok[0], lp, [t.flat(idx) for t in terms])  # [n]
-            c = coef_f[idx].to(per_tok1.dtype)  # [n]
-            return torch.where(c != 0, c * per_tok1, torch.zeros_like(c))  # as aggregate: 0 where w == 0
-
-        return token_loss_fn
-
-    step_out: list[dict[str, float]] = []
-    fresh = True  # params unchanged since old_lp was computed: its stats are the current policy's
-    for epoch in range(a.ppo_epochs):
-        gen = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch))
-        plan = plan_update(counts, rank, mini_batches=a.mini_batches, micro=micro, generator=gen, pad_row=pad_row)
-        for mb_idx, mb_real in zip(plan.rows, plan.real, strict=True):
-            mb_idx = mb_idx.to(batch.input_ids.device)
-            mb = batch.rows(mb_idx)
-            if fresh:
-                cur_lp, cur_ent = old_lp[mb_idx], old_ent[mb_idx]
-            else:
-                cur_lp, cur_ent = token_stats_batched(backend, mb, micro, temp)
-            ctx = TokenContext(
-                logprobs=cur_lp,
-                entropy=cur_ent,
-                advantages=mb.advantages,
-                mask=mb.response_mask,
-                gather=getattr(backend, "all_gather_1d", None),
-                all_reduce_sum=getattr(backend, "all_reduce_sum", None),
-            )
-            tw = weigh(ctx, **params)
-            terms = extras.terms(ctx, mb_idx, old_lp)  # KL to the reference, Lp-Reg (issue 9)
-            tau_mb = update_diagnostics(cfg, ctx, tw, tau_step, diag)
-            taus.append(tau_mb)
-            if record is not None:
-                record.put(epoch, mb_idx[:mb_real], ctx, tw, tau_mb, a.s2t.tau_p)
-            if off_policy is not None:  # AReaL's decoupled loss: clip on pi/pi_prox, times sg[pi_prox/mu]
-                tw = off_policy.weigh(tw, mb_idx)
-            norm = agg.normalizer(tw, mb.response_mask)
-            reduce = getattr(backend, "all_reduce_sum", None)
-            norm = reduce(norm) if reduce is not None else norm
-            for s in range(0, mb.input_ids.shape[0], micro):
-                rows = slice(s, s + micro)
-                old_rows, adv_rows, mask_rows = old_lp[mb_idx][rows], mb.advantages[rows], mb.response_mask[rows]
-                terms_rows = [t.rows(rows) for t in terms]
-                if fused:
-                    coef = agg_coefficients(tw.select(rows), old_rows, norm)  # [b, L]
-                    loss, lp, _ = backend.token_loss(
-                        mb.input_ids[rows], mb.attention_mask[rows], mask_rows,
-                        make_token_loss(old_rows, adv_rows, mask_rows, coef, terms_rows), temperature=temp,
-                    )
-                    with torch.no_grad():  # the clip metrics, from the pass's own (detached) log-probs
-                        _, m = loss_fn(lp, old_rows, adv_rows, mask_rows, **loss_kw)
-                else:
-                    lp, ent = backend.token_stats(
-                        mb.input_ids[rows], mb.attention_mask[rows], mask_rows, grad=True, temperature=temp
-                    )
-                    per_tok, m = loss_fn(lp, old_rows, adv_rows, mask_rows, **loss_kw)
-                    per_tok = add_terms(per_tok, lp, terms_rows)
-                    loss = agg.aggregate(per_tok, tw.select(rows), normalizer=norm)
-                    if a.entropy_coef:  # entropy bonus (needs trainer.entropy_grad: checked by the config)
-                        loss = loss + entropy_bonus(ent, tw.select(rows), agg, norm, coef=a.entropy_coef)
-                backend.backward(loss)
-                add_loss_sums(sums, loss, m)
-            if before_step is not None:  # DEEP-GRPO: lambda * local branch loss joins this update
-                before_step(len(step_out), fresh)
-            step_out.append(off_policy.step(backend) if off_policy is not None else backend.step())
-            fresh = False
-    # Global, like every logged metric: each rank's loss is its share of the global objective (the
-    # normalizer is all-reduced), so the ranks' losses and clip counts add up (one gather, every rank).
-    from stapo.core.distributed import DataParallel
-
-    keys = ("loss", "clip_low", "clip_high", "tokens", "ratio_sum")
-    sums = dict(zip(keys, DataParallel(backend).sum([sums[k] for k in keys]), strict=True))
-    return update_metrics(diag, taus, p05, sums, step_out, a.ppo_epochs)
-
-
 def validate(run: _Run) -> dict[str, float]:
     """Accuracy on held-out prompts (greedy by default), global over data-parallel ranks.
 
@@ -805,26 +596,34 @@ def dump_candidates(cfg: Config, seqs: Sequence[Sequence_]) -> list[int]:
     return order[: cfg.logging.dump_max_sequences]
 
 
-def dump_forward(run: _Run, batch: Batch, rows: list[int], counts: Sequence[int]) -> dict[str, torch.Tensor]:
+def dump_forward(run: _Run, batch: Batch, rows: list[int], dp: Any) -> dict[str, torch.Tensor]:
     """Theorem 3.1 data of the dump rows from one forward of the PRE-update (sampled) policy at the
-    sampling temperature: p, H, sum q^2 and top-k describe the same distribution. Every rank calls
-    it the same number of times (ZeRO-3); short ranks run their padding row."""
+    sampling temperature: p, H, sum q^2 and top-k describe the same distribution. Micro-batches as
+    the update's (packed with ``trainer.micro_batch_tokens``); every rank makes the same number of
+    forwards (ZeRO-3), short ranks run their padding row."""
+    from stapo.core.update import build_micro, lockstep, micro_spec, split_rows, with_padding
+
     cfg = run.cfg
-    micro = cfg.trainer.micro_batch_size
-    calls = max(1, math.ceil(min(cfg.logging.dump_max_sequences, max(counts)) / micro))
-    pad_row = batch.input_ids.shape[0] - 1
-    sets = [rows[s : s + micro] for s in range(0, len(rows), micro)]
-    sets += [[pad_row]] * (calls - len(sets))
-    parts: dict[str, list[torch.Tensor]] = {}
+    spec = micro_spec(cfg)
+    sets = split_rows(torch.tensor(rows, dtype=torch.long), batch.attention_mask.sum(1).cpu(), spec)
+    calls = max(1, lockstep(dp, [len(sets)])[0])
+    sets = with_padding(sets, calls, batch.input_ids.shape[0] - 1 if dp.multi else None, "dump_forward")
+    where = {r: i for i, r in enumerate(rows)}
+    out: dict[str, torch.Tensor] = {}
     for r in sets:
-        idx = torch.tensor(r, device=batch.input_ids.device)
-        out = run.backend.token_distribution(
-            batch.input_ids[idx], batch.attention_mask[idx], batch.response_mask[idx],
-            temperature=stats_temperature(cfg), top_k=cfg.logging.dump_top_k,
+        m = build_micro(batch, r, spec.packed)
+        dist = run.backend.token_distribution(
+            m.input_ids, m.attention_mask, m.response_mask,
+            temperature=stats_temperature(cfg), top_k=cfg.logging.dump_top_k, position_ids=m.position_ids,
         )
-        for k, v in out.items():
-            parts.setdefault(k, []).append(v.detach().cpu())
-    return {k: torch.cat(v)[: len(rows)] for k, v in parts.items()}
+        for k, v in dist.items():
+            v = m.to_rows(v.detach()).cpu()  # [b, L, ...]
+            if k not in out:
+                out[k] = torch.zeros((len(rows), *v.shape[1:]), dtype=v.dtype)
+            for j, row in enumerate(m.rows.tolist()):
+                if row in where:  # (padding-row forwards carry nothing)
+                    out[k][where[row]] = v[j]
+    return out
 
 
 def dump_tokens(run: _Run, step: int, seqs: list[Sequence_], batch: Batch, rows: list[int],
@@ -947,46 +746,38 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             metrics.update(rollout_metrics(dp, all_seqs, metrics))
             metrics["batch/sequences"] = float(sum(counts))
 
-            # --- old log-probs, updates (every rank, in lockstep), token dump
+            # --- old log-probs (only where needed), updates (every rank, in lockstep), token dump
             t0 = time.time()
             if sum(counts):
-                micro = cfg.trainer.micro_batch_size
                 batch = collate_with_pad_row(kept, run.pad_id, pad=dp.multi).to(run.backend.device)
                 pad_row = len(kept) if dp.multi else None
-                calls = max(1, math.ceil(max(counts) / micro))  # forwards per rank in each no-grad pass
                 dumping = bool(cfg.logging.dump_tokens_every and step % cfg.logging.dump_tokens_every == 0)
                 record = UpdateRecord.empty(cfg.algorithm.ppo_epochs, batch) if dumping else None
                 if dumping:
                     dump_rows = dump_candidates(cfg, kept)
-                    dump_dist = dump_forward(run, batch, dump_rows, counts)  # the pre-update (sampled) policy
-                # -- issue 12: an exactly on-policy update takes p and H from its gradient forward (no
-                #    separate old-log-prob pass; stapo.core.onpolicy). One rank and no per-step extras
-                #    (onpolicy_blockers lists them); elsewhere the two-pass path below.
-                from stapo.core.onpolicy import onpolicy_applies, onpolicy_update
-
+                    dump_dist = dump_forward(run, batch, dump_rows, dp)  # the pre-update (sampled) policy
+                # async: stale rows (or VCPO's baseline) need the proximal policy's log-probs: the old pass
                 stale = asyn is not None and any(s.version is not None and s.version < step - 1 for s in kept)
                 mvb = asyn is not None and cfg.algorithm.off_policy.min_variance_baseline
-                if not dp.multi and not (stale or mvb) and onpolicy_applies(cfg, run.backend, len(kept)):
-                    upd, old_lp, old_ent = onpolicy_update(run, batch, step, record=record)
-                    metrics["time/stats_s"] = upd.pop("time/weights_s")
-                    metrics.update(upd)
-                else:
-                    old_lp, old_ent = token_stats_batched(
-                        run.backend, batch, micro, stats_temperature(cfg), calls=calls, pad_row=pad_row,
-                    )
-                    metrics["time/stats_s"] = time.time() - t0
+                old_lp = old_ent = off = None
+                if stale or mvb or needs_old_pass(cfg, run.extras.needs_old_stats):
+                    spec = micro_spec(cfg)
+                    calls = old_pass_calls(dp, batch, spec, len(kept))
+                    old_lp, old_ent = token_stats_batched(run.backend, batch, spec, stats_temperature(cfg),
+                                                          calls=calls, pad_row=pad_row)
                     # stale rows (async): behaviour weights, VCPO's ESS-scaled LR and baseline
                     off = off_policy_step(run, kept, batch, old_lp, step, stats_temperature(cfg)) if asyn else None
                     metrics.update(off.metrics if off is not None else {})
-                    # issue 9: reference / Lp-Reg proxy log-probs, STARE schedule, KL in the reward (every rank)
-                    metrics.update(run.extras.prepare(batch, old_lp, old_ent, micro_batch=micro,
+                    # reference / Lp-Reg proxy log-probs, STARE schedule, KL in the reward (every rank)
+                    metrics.update(run.extras.prepare(batch, old_lp, old_ent, micro_batch=spec,
                                                       temperature=stats_temperature(cfg), calls=calls, pad_row=pad_row))
                     metrics.update(run.extras.apply_kl_in_reward(kept, batch, old_lp))
-                    local = run.deep.local_loss_hook(run, branches, step) if run.deep else None
-                    hook = {"before_step": local} if local is not None else {}  # DEEP-GRPO's local loss, if any
-                    metrics.update(update_policy(run, batch, old_lp, old_ent, step, counts=counts, record=record,
-                                                 off_policy=off, **hook))
-                    metrics.update(run.deep.local_metrics() if run.deep else {})
+                metrics["time/stats_s"] = time.time() - t0
+                local = run.deep.local_loss_hook(run, branches, step) if run.deep else None
+                hook = {"before_step": local} if local is not None else {}  # DEEP-GRPO's local loss, if any
+                metrics.update(update_policy(run, batch, old_lp, old_ent, step, counts=counts, record=record,
+                                             off_policy=off, **hook))
+                metrics.update(run.deep.local_metrics() if run.deep else {})
                 if dumping:
                     dump_tokens(run, step, kept, batch, dump_rows, dump_dist, record, dp)
             else:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from stapo.core.algos.lpreg import minp_stats_from_logits
+from stapo.core.update import MicroSpec, build_micro, split_rows, with_padding
 
 __all__ = ["ReferencePolicy", "minp_stats_batched"]
 
@@ -54,22 +55,25 @@ class ReferencePolicy:
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                 *, micro_batch: int, temperature: float) -> torch.Tensor:
-        """log ref(o_t | context) at every response position of the batch, 0 elsewhere: [B, L]."""
+                 *, micro_batch: int | MicroSpec, temperature: float) -> torch.Tensor:
+        """log ref(o_t | context) at every response position of the batch, 0 elsewhere: [B, L].
+        Micro-batches as the update's (``MicroSpec``: packed by tokens, or rows)."""
         from stapo.core.trainer.base import compute_token_stats
 
         if self.offload:
             self.model.to(self.device)
         try:
-            out = []
-            for s in range(0, input_ids.shape[0], micro_batch):
-                rows = slice(s, s + micro_batch)
+            batch = _rows_batch(input_ids.to(self.device), attention_mask.to(self.device), response_mask.to(self.device))
+            spec = micro_batch if isinstance(micro_batch, MicroSpec) else MicroSpec(int(micro_batch))
+            out = torch.zeros(input_ids.shape, dtype=torch.float32, device=self.device)  # [B, L]
+            for rows in split_rows(torch.arange(input_ids.shape[0]), attention_mask.sum(1).cpu(), spec):
+                m = build_micro(batch, rows, spec.packed)
                 lp, _ = compute_token_stats(
-                    self.model, input_ids[rows].to(self.device), attention_mask[rows].to(self.device),
-                    response_mask[rows].to(self.device), chunk_size=self.chunk_size, temperature=temperature,
+                    self.model, m.input_ids, m.attention_mask, m.response_mask, chunk_size=self.chunk_size,
+                    temperature=temperature, position_ids=m.position_ids,
                 )
-                out.append(lp.float())
-            return torch.cat(out)
+                out[m.rows] = m.to_rows(lp.float())
+            return out
         finally:
             if self.offload:
                 self.model.to("cpu")
@@ -77,30 +81,34 @@ class ReferencePolicy:
 
 @torch.no_grad()
 def minp_stats_batched(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       response_mask: torch.Tensor, *, min_p: float, micro_batch: int, temperature: float,
+                       response_mask: torch.Tensor, *, min_p: float, micro_batch: int | MicroSpec, temperature: float,
                        chunk_size: int = 1024, calls: int | None = None,
                        pad_row: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log kept mass [B, L], log max prob [B, L]) at the response positions (0 elsewhere).
 
-    Data parallel, as ``loop.token_stats_batched``: ``pad_row`` is the batch's zero-weight padding
+    Micro-batches as the update's (``MicroSpec``: packed by tokens, or rows). Data parallel, as
+    ``update.token_stats_batched``: ``pad_row`` is the batch's zero-weight padding
     row (the last one) and ``calls`` the number of forwards every rank makes; calls past this rank's
     real rows run on the padding row (no response position: nothing is written). Each micro-batch
     runs as the model's own forward (``forward_as``), so the root module's hooks fire as in any
     forward (ZeRO-3: the start-of-forward step reset, then each submodule's parameter gather): under
     ZeRO-3 every rank must make the same number of calls, which ``calls`` guarantees.
     """
-    from stapo.core.distributed import micro_row_sets
     from stapo.core.trainer.base import (
         _final_hidden,
         forward_as,
         head_logit_transform,
-        position_ids_from_mask,
+        model_inputs,
         stat_targets,
     )
 
     B, L = input_ids.shape
     device = input_ids.device
-    row_sets = micro_row_sets(B, micro_batch, calls=calls, pad_row=pad_row, what="minp_stats_batched")
+    spec = micro_batch if isinstance(micro_batch, MicroSpec) else MicroSpec(int(micro_batch))
+    real = B if pad_row is None else pad_row
+    row_sets = split_rows(torch.arange(real), attention_mask.sum(1).cpu(), spec)
+    row_sets = with_padding(row_sets, calls or 0, pad_row, "minp_stats_batched")
+    batch = _rows_batch(input_ids, attention_mask, response_mask)
     kept = torch.zeros(B, L, dtype=torch.float32, device=device)
     pmax = torch.zeros(B, L, dtype=torch.float32, device=device)
     scale, needs_logits = head_logit_transform(model)
@@ -114,15 +122,16 @@ def minp_stats_batched(model: torch.nn.Module, input_ids: torch.Tensor, attentio
 
         return _stats_in_chunks(proj, h_, min_p, temperature, chunk_size)
 
-    def micro_stats(ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_stats(ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor,
+                    pos_in: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(log kept mass [n], log max prob [n]) at the micro-batch's target positions, in order."""
-        pos = position_ids_from_mask(attn)
+        mask_in, pos = model_inputs(attn, pos_in)  # packed rows: no 2-D mask (position ids)
         tgt = stat_targets(attn, resp)[:, 1:]  # [b, L-1]
         if needs_logits:  # soft-capped heads: the model's own logits, row chunk by row chunk
-            logits = type(model).forward(model, input_ids=ids, attention_mask=attn, position_ids=pos,
+            logits = type(model).forward(model, input_ids=ids, attention_mask=mask_in, position_ids=pos,
                                          use_cache=False).logits[:, :-1][tgt]  # [n, V]
             return _stats_in_chunks(lambda x: x, logits, min_p, temperature, chunk_size)
-        h = _final_hidden(model, ids, attn, pos)[:, :-1][tgt]  # [n, D]
+        h = _final_hidden(model, ids, mask_in, pos)[:, :-1][tgt]  # [n, D]
         with forward_as(head, _run):
             return head(h)
 
@@ -130,18 +139,25 @@ def minp_stats_batched(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     model.eval()
     try:
         for rows in row_sets:
-            rows = rows.to(device)
-            ids, attn, resp = input_ids[rows], attention_mask[rows], response_mask[rows]
+            m = build_micro(batch, rows, spec.packed)
+            ids, attn, resp = m.input_ids, m.attention_mask, m.response_mask
             with forward_as(model, micro_stats):  # the root module's forward (and its hooks)
-                lk, lm = model(ids, attn, resp)
+                lk, lm = model(ids, attn, resp, m.position_ids)
             where = stat_targets(attn, resp).nonzero(as_tuple=True)
-            block_k = torch.zeros(ids.shape, dtype=torch.float32, device=device)  # [b, L]
+            block_k = torch.zeros(ids.shape, dtype=torch.float32, device=device)  # forward layout
             block_m = torch.zeros_like(block_k)
             block_k[where], block_m[where] = lk.float(), lm.float()
-            kept[rows], pmax[rows] = block_k, block_m
+            kept[m.rows], pmax[m.rows] = m.to_rows(block_k), m.to_rows(block_m)
     finally:
         model.train(was_training)
     return kept, pmax
+
+
+def _rows_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor) -> Any:
+    """The three tensors as a ``loop.Batch`` (what ``build_micro`` reads; no advantages needed)."""
+    from stapo.core.loop import Batch
+
+    return Batch(input_ids, attention_mask, response_mask, torch.zeros(input_ids.shape, device=input_ids.device))
 
 
 def _stats_in_chunks(proj: Any, x: torch.Tensor, min_p: float, temperature: float,

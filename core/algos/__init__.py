@@ -19,7 +19,16 @@ piece follows: docs/algorithms.md.
 from .advantages import ADVANTAGES, AdvantageFn, get_advantage
 from .aggregation import AGGREGATIONS, Aggregation, get_aggregation
 from .dapo import dynamic_sampling_filter, dynamic_sampling_values, overlong_filter_keep, overlong_penalty
-from .losses import KL_ESTIMATORS, POLICY_LOSSES, PolicyLossFn, get_kl_estimator, get_policy_loss, kl_k3
+from .losses import (
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    PolicyLossFn,
+    declare_elementwise,
+    get_kl_estimator,
+    get_policy_loss,
+    is_elementwise,
+    kl_k3,
+)
 from .maspo import maspo_loss  # registers "maspo"
 from .metrics import COUNT_KEYS, PHASE_KEYS, fractions_from_counts, phase_cells, token_counts, token_metrics
 from .objective import compute_policy_objective
@@ -31,8 +40,10 @@ from .weights import (
     TokenWeightingFn,
     TokenWeights,
     broadcast_advantages,
+    declare_reads_stats,
     get_token_weighting,
     quantile,
+    reads_stats,
     resolve_tau_h,
     s2t_mask,
     top_fraction_threshold,
@@ -55,6 +66,10 @@ __all__ = [
     "TokenWeights",
     "broadcast_advantages",
     "compute_policy_objective",
+    "declare_elementwise",
+    "declare_reads_stats",
+    "is_elementwise",
+    "reads_stats",
     "dynamic_sampling_filter",
     "dynamic_sampling_values",
     "fractions_from_counts",

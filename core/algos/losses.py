@@ -54,6 +54,18 @@ class PolicyLossFn(Protocol):
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
 
+def declare_elementwise(fn: PolicyLossFn, value: bool) -> PolicyLossFn:
+    """Record on a registered loss whether token t's loss depends on its own log-prob only
+    (``fn.elementwise``): such a loss can run fused inside the chunked LM-head pass."""
+    fn.elementwise = value  # type: ignore[attr-defined]
+    return fn
+
+
+def is_elementwise(fn: PolicyLossFn) -> bool:
+    """Whether a loss is elementwise; undeclared (plug-in) losses are assumed not (the safe side)."""
+    return bool(getattr(fn, "elementwise", False))
+
+
 def _check_inputs(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, eps_low: float, eps_high: float
 ) -> tuple[Tensor, Tensor]:
@@ -161,6 +173,10 @@ def gspo_loss(
     metrics = _ratio_metrics(s, log_ratio_tok, adv, mask, eps_low, eps_high)
     metrics["dual_clip_count"] = torch.zeros((), dtype=s.dtype, device=s.device)
     return loss, metrics
+
+
+declare_elementwise(ppo_clip_loss, True)
+declare_elementwise(gspo_loss, False)  # the sequence ratio couples a sequence's tokens
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:

@@ -32,7 +32,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .losses import _LOG_RATIO_CLAMP, POLICY_LOSSES, Metrics, _check_inputs, _ratio_metrics
+from .losses import (
+    _LOG_RATIO_CLAMP,
+    POLICY_LOSSES,
+    Metrics,
+    _check_inputs,
+    _ratio_metrics,
+    declare_elementwise,
+)
 
 
 def mass_adaptive_sigma(old_prob: Tensor, *, sigma_base: float, alpha: float, sigma_high: float) -> Tensor:
@@ -107,3 +114,6 @@ def maspo_loss(
         metrics["gate_sum"] = (gate * gm.to(gate.dtype)).sum()
         metrics["gated_count"] = gm.sum().to(ratio.dtype)
     return loss, metrics
+
+
+declare_elementwise(maspo_loss, True)  # each token's soft trust region reads its own log-prob only

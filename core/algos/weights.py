@@ -112,9 +112,22 @@ class TokenWeights:
 
 
 class TokenWeightingFn(Protocol):
-    """Contract of a token weighting."""
+    """Contract of a token weighting. ``reads_stats`` (declared at registration, see
+    :func:`reads_stats`) says whether the weights depend on the log-probs / entropies: the update
+    gets a weighting that reads none its weights before any forward."""
 
     def __call__(self, ctx: TokenContext, **params: float | str | None) -> TokenWeights: ...
+
+
+def declare_reads_stats(fn: TokenWeightingFn, value: bool) -> TokenWeightingFn:
+    """Record on a registered weighting whether it reads p / H (``fn.reads_stats``)."""
+    fn.reads_stats = value  # type: ignore[attr-defined]
+    return fn
+
+
+def reads_stats(fn: TokenWeightingFn) -> bool:
+    """Whether a weighting reads p / H; undeclared (plug-in) weightings are assumed to (the safe side)."""
+    return bool(getattr(fn, "reads_stats", True))
 
 
 TOKEN_WEIGHTS: Registry[TokenWeightingFn] = Registry("token weighting")
@@ -342,6 +355,11 @@ def stare_weighting(
             weights = torch.where(l_minus, torch.full_like(weights, m), weights)
         info["reweighted_count"] = float((l_plus | l_minus).sum()) if gate_on else 0.0
         return TokenWeights(weights=weights.to(dtype), denom_mask=ctx.mask.clone(), info=info)
+
+
+declare_reads_stats(no_weighting, False)  # the mask only
+for _fn in (s2t_weighting, top_entropy_weighting, stare_weighting):
+    declare_reads_stats(_fn, True)  # thresholds / gates over the batch's p or H
 
 
 def get_token_weighting(name: str) -> TokenWeightingFn:

@@ -249,7 +249,7 @@ class HFRolloutEngine:
         if self.share_prefix and width > 1:
             cache = self._shared_prompt_cache(input_ids.to(dev), attention_mask.to(dev))
             if cache is not None:
-                extra["past_key_values"] = cache
+                extra["cache"] = cache  # transformers 5's name (past_key_values is deprecated)
         out = self.model.generate(
             input_ids=input_ids.to(dev),
             attention_mask=attention_mask.to(dev),
@@ -273,7 +273,7 @@ class HFRolloutEngine:
         """
         from transformers import DynamicCache
 
-        from stapo.core.onpolicy import prompt_groups
+        from stapo.core.trainer.prefix import prompt_groups
 
         first, group = prompt_groups(input_ids, attention_mask, input_ids.shape[1])  # [U], [B]
         if first.numel() == input_ids.shape[0]:
@@ -281,7 +281,7 @@ class HFRolloutEngine:
         ids, att = input_ids[first, :-1], attention_mask[first, :-1]  # [U, P-1]
         positions = (att.long().cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        self.model(input_ids=ids, attention_mask=att, position_ids=positions, past_key_values=cache,
+        self.model(input_ids=ids, attention_mask=att, position_ids=positions, cache=cache,
                    use_cache=True, logits_to_keep=1)
         cache.batch_select_indices(group)  # [U, ...] -> [B, ...]
         return cache

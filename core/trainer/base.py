@@ -54,6 +54,7 @@ __all__ = [
     "planned_optimizer_steps",
     "adamw_param_groups",
     "position_ids_from_mask",
+    "model_inputs",
     "compute_token_stats",
     "compute_token_loss",
     "compute_token_distribution",
@@ -83,6 +84,7 @@ class TrainerBackend(Protocol):
         *,
         grad: bool,
         temperature: float = 1.0,
+        position_ids: torch.Tensor | None = None,  # [B, L] packed rows (see compute_token_stats)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs [B, L], entropy [B, L]): position t holds log p(ids[t] | ids[<t]); position 0 is 0."""
         ...
@@ -95,6 +97,7 @@ class TrainerBackend(Protocol):
         token_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
         temperature: float = 1.0,
+        position_ids: torch.Tensor | None = None,  # [B, L] packed rows
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fused training pass -> (loss, logprobs [B, L], entropy [B, L]), the last two detached.
 
@@ -113,6 +116,7 @@ class TrainerBackend(Protocol):
         *,
         temperature: float = 1.0,
         top_k: int = 0,
+        position_ids: torch.Tensor | None = None,  # [B, L] packed rows
     ) -> dict[str, torch.Tensor]:
         """No-grad Theorem 3.1 data (p, H, sum q^2, top-k) from one forward; every rank must call it
         under ZeRO-3 (it gathers parameters). See ``compute_token_distribution``."""
@@ -290,6 +294,25 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
 
 
+def model_inputs(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(attention mask, position ids) to hand the model.
+
+    Padded rows: the 0/1 mask and positions counted over real tokens (:func:`position_ids_from_mask`).
+    Packed rows (``position_ids`` given: several sequences concatenated in one row, positions
+    restarting at 0 at each sequence's first token, no padding): NO 2-D mask, so transformers derives
+    the sequence boundaries from the position ids (``masking_utils.find_packed_sequence_indices``,
+    used when the mask is None and no KV cache is passed) and keeps attention within each sequence:
+    a block-diagonal causal mask on the sdpa / eager paths (CPU and GPU), variable-length kernels
+    (``cu_seqlens`` from the position ids) with flash-attention on GPU.
+    """
+    if position_ids is None:
+        return attention_mask, position_ids_from_mask(attention_mask)
+    if position_ids.shape != attention_mask.shape:
+        raise ValueError(f"position_ids shape {tuple(position_ids.shape)} != attention_mask shape "
+                         f"{tuple(attention_mask.shape)}")
+    return None, position_ids.to(attention_mask.device)
+
+
 def head_logit_transform(model: torch.nn.Module) -> tuple[float, bool]:
     """How the model turns ``lm_head(h)`` into logits: (extra logit scale, needs full-logits path).
 
@@ -360,7 +383,7 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
 
 
 def _final_hidden(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
 ) -> torch.Tensor:
     """Final (post-norm) hidden states [B, L, D] without running the LM head.
 
@@ -405,6 +428,7 @@ def compute_token_stats(
     chunk_size: int,
     entropy_grad: bool = False,
     temperature: float = 1.0,
+    position_ids: torch.Tensor | None = None,  # [B, L] packed rows (see model_inputs)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-prob and entropy of a causal LM, memory-bounded. Returns ([B, L], [B, L]) fp32.
 
@@ -415,13 +439,17 @@ def compute_token_stats(
 
     Gradient reaches the log-probs (and the entropies only with ``entropy_grad``) when called with
     grad enabled; the caller chooses ``torch.no_grad()``.
+
+    Packed rows (``position_ids`` given, :func:`model_inputs`): each row holds several sequences
+    back to back with ``attention_mask`` all 1; a position gets a statistic where ``response_mask``
+    says so (a response never starts a sequence, so t - 1 is always the same sequence's token).
     """
     check_token_batch(input_ids, attention_mask, response_mask)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     B, L = input_ids.shape
     attention_mask = attention_mask.to(input_ids.device)
-    position_ids = position_ids_from_mask(attention_mask)  # [B, L]
+    model_mask, position_ids = model_inputs(attention_mask, position_ids)  # [B, L] (mask None: packed)
     target = stat_targets(attention_mask, response_mask)  # [B, L]
     scale, needs_logits = head_logit_transform(model)
     eff_temperature = temperature / scale
@@ -437,7 +465,7 @@ def compute_token_stats(
         out = type(model).forward(
             model,
             input_ids=input_ids,
-            attention_mask=attention_mask,
+            attention_mask=model_mask,
             position_ids=position_ids,
             use_cache=False,
         )
@@ -446,7 +474,7 @@ def compute_token_stats(
             logits, labels, chunk_size=chunk_size, entropy_grad=entropy_grad, temperature=temperature
         )
     else:
-        hidden = _final_hidden(model, input_ids, attention_mask, position_ids)  # [B, L, D]
+        hidden = _final_hidden(model, input_ids, model_mask, position_ids)  # [B, L, D]
         h = hidden[:, :-1][tgt]  # [N, D]
         head = model.get_output_embeddings()
         if head is None:
@@ -483,6 +511,7 @@ def compute_token_loss(
     *,
     chunk_size: int,
     temperature: float = 1.0,
+    position_ids: torch.Tensor | None = None,  # [B, L] packed rows (see model_inputs)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused training loss: (loss scalar, logprobs [B, L] detached, entropy [B, L] detached).
 
@@ -513,7 +542,8 @@ def compute_token_loss(
 
     if needs_logits:
         lp_bl, ent_bl = compute_token_stats(
-            model, input_ids, attention_mask, response_mask, chunk_size=chunk_size, temperature=temperature
+            model, input_ids, attention_mask, response_mask, chunk_size=chunk_size, temperature=temperature,
+            position_ids=position_ids,
         )
         lp = lp_bl[where]  # [N] with grad
         per_tok = token_loss_fn(lp, flat)  # [N]
@@ -521,8 +551,8 @@ def compute_token_loss(
             raise ValueError(f"token_loss_fn must return shape {tuple(lp.shape)}, got {tuple(per_tok.shape)}")
         return per_tok.sum(), lp_bl.detach(), ent_bl.detach()
 
-    position_ids = position_ids_from_mask(attention_mask)  # [B, L]
-    hidden = _final_hidden(model, input_ids, attention_mask, position_ids)  # [B, L, D]
+    model_mask, position_ids = model_inputs(attention_mask, position_ids)  # [B, L] (mask None: packed)
+    hidden = _final_hidden(model, input_ids, model_mask, position_ids)  # [B, L, D]
     tgt = target[:, 1:]  # [B, L-1] target t+1 predicted from position t
     h = hidden[:, :-1][tgt]  # [N, D]
     labels = input_ids[:, 1:][tgt]  # [N]
@@ -563,6 +593,7 @@ def compute_token_distribution(
     chunk_size: int,
     temperature: float = 1.0,
     top_k: int = 0,
+    position_ids: torch.Tensor | None = None,  # [B, L] packed rows (see model_inputs)
 ) -> dict[str, torch.Tensor]:
     """Theorem 3.1 data of each stat position from ONE forward, no grad, at ``temperature``.
 
@@ -580,7 +611,7 @@ def compute_token_distribution(
         raise ValueError(f"top_k must be >= 0, got {top_k}")
     B, L = input_ids.shape
     attention_mask = attention_mask.to(input_ids.device)
-    position_ids = position_ids_from_mask(attention_mask)  # [B, L]
+    model_mask, position_ids = model_inputs(attention_mask, position_ids)  # [B, L] (mask None: packed)
     target = stat_targets(attention_mask, response_mask)  # [B, L]
     tgt = target[:, 1:]  # [B, L-1]
     labels = input_ids[:, 1:][tgt]  # [N]
@@ -612,12 +643,12 @@ def compute_token_distribution(
     n = int(labels.shape[0])
     if needs_logits:
         out = type(model).forward(
-            model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            model, input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids, use_cache=False
         )
         logits = out.logits[:, :-1][tgt]  # [N, V]
         lp, ent, q2, tv, ti = from_logits(lambda s, e: logits[s:e], n, temperature)
     else:
-        hidden = _final_hidden(model, input_ids, attention_mask, position_ids)  # [B, L, D]
+        hidden = _final_hidden(model, input_ids, model_mask, position_ids)  # [B, L, D]
         h = hidden[:, :-1][tgt]  # [N, D]
         head = model.get_output_embeddings()
         if head is None:

@@ -256,11 +256,12 @@ class DeepSpeedBackend:
         *,
         grad: bool,
         temperature: float = 1.0,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs [B, L], entropy [B, L]) fp32; see ``compute_token_stats``."""
         self.engine.train(grad)
 
-        def stats(ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor | None) -> Any:
+        def stats(ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor | None, pos: torch.Tensor | None) -> Any:
             return compute_token_stats(
                 self.model,
                 ids,
@@ -269,9 +270,10 @@ class DeepSpeedBackend:
                 chunk_size=self.tcfg.logits_chunk_size,
                 entropy_grad=self.tcfg.entropy_grad,
                 temperature=temperature,
+                position_ids=pos,
             )
 
-        return self._engine_forward(stats, input_ids, attention_mask, response_mask, grad=grad)
+        return self._engine_forward(stats, input_ids, attention_mask, response_mask, position_ids, grad=grad)
 
     def token_distribution(
         self,
@@ -281,17 +283,18 @@ class DeepSpeedBackend:
         *,
         temperature: float = 1.0,
         top_k: int = 0,
+        position_ids: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """No-grad p, H, sum q^2 and top-k as the engine's forward (ZeRO-3 gathers: every rank calls)."""
         self.engine.train(False)
 
-        def dist_fn(ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor | None) -> Any:
+        def dist_fn(ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor | None, pos: torch.Tensor | None) -> Any:
             return compute_token_distribution(
                 self.model, ids, attn, resp,
-                chunk_size=self.tcfg.logits_chunk_size, temperature=temperature, top_k=top_k,
+                chunk_size=self.tcfg.logits_chunk_size, temperature=temperature, top_k=top_k, position_ids=pos,
             )
 
-        return self._engine_forward(dist_fn, input_ids, attention_mask, response_mask, grad=False)
+        return self._engine_forward(dist_fn, input_ids, attention_mask, response_mask, position_ids, grad=False)
 
     def token_loss(
         self,
@@ -301,6 +304,7 @@ class DeepSpeedBackend:
         token_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
         temperature: float = 1.0,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fused training pass -> (loss, logprobs [B, L], entropy [B, L]); see ``compute_token_loss``.
 
@@ -310,7 +314,7 @@ class DeepSpeedBackend:
         """
         self.engine.train(True)
 
-        def fused(ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor | None) -> Any:
+        def fused(ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor | None, pos: torch.Tensor | None) -> Any:
             return compute_token_loss(
                 self.model,
                 ids,
@@ -319,15 +323,16 @@ class DeepSpeedBackend:
                 token_loss_fn,
                 chunk_size=self.tcfg.logits_chunk_size,
                 temperature=temperature,
+                position_ids=pos,
             )
 
-        return self._engine_forward(fused, input_ids, attention_mask, response_mask, grad=True)
+        return self._engine_forward(fused, input_ids, attention_mask, response_mask, position_ids, grad=True)
 
     def _engine_forward(
         self, fn: Callable[..., Any], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-        response_mask: torch.Tensor | None, *, grad: bool,
+        response_mask: torch.Tensor | None, position_ids: torch.Tensor | None, *, grad: bool,
     ) -> Any:
-        """Run ``fn(ids, attn, resp)`` as the engine's forward.
+        """Run ``fn(ids, attn, resp, pos)`` as the engine's forward.
 
         DeepSpeed's per-forward bookkeeping (ZeRO micro-step counters that decide copy vs accumulate,
         backward hooks on the outputs, ZeRO-3 parameter tracing) must see the computation, or ZeRO-3
@@ -335,8 +340,9 @@ class DeepSpeedBackend:
         """
         ctx = torch.enable_grad() if grad else torch.no_grad()
         resp = None if response_mask is None else response_mask.to(self.device)
+        pos = None if position_ids is None else position_ids.to(self.device)
         with ctx, forward_as(self.model, fn):
-            return self.engine(input_ids.to(self.device), attention_mask.to(self.device), resp)
+            return self.engine(input_ids.to(self.device), attention_mask.to(self.device), resp, pos)
 
     # ------------------------------------------------------------------ update
 

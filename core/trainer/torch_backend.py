@@ -31,13 +31,16 @@ import torch
 
 from stapo.core.trainer.base import (
     adamw_param_groups,
+    check_token_batch,
     compute_token_distribution,
     compute_token_loss,
     compute_token_stats,
     enable_activation_checkpointing,
     make_lr_scheduler,
     resolve_device,
+    stat_targets,
 )
+from stapo.core.trainer.prefix import can_share_prefix, prefix_shared_token_stats
 
 __all__ = ["TorchBackend"]
 
@@ -94,22 +97,41 @@ class TorchBackend:
         *,
         grad: bool,
         temperature: float = 1.0,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprobs [B, L], entropy [B, L]) fp32 on ``self.device``; see ``compute_token_stats``."""
+        """(logprobs [B, L], entropy [B, L]) fp32 on ``self.device``; see ``compute_token_stats``.
+
+        Padded rows whose responses follow a shared prompt run each distinct prompt once
+        (``trainer.share_prompt_prefix``, :mod:`stapo.core.trainer.prefix`): same values.
+        """
         # train() for grad passes (gradient checkpointing only acts in training mode); eval() for the
         # no-grad passes. RL policies run with dropout 0, so both modes compute the same function.
         self.model.train(grad)
         ctx = torch.enable_grad() if grad else torch.no_grad()
+        check_token_batch(input_ids, attention_mask, response_mask)
+        ids, attn = input_ids.to(self.device), attention_mask.to(self.device)
+        resp = None if response_mask is None else response_mask.to(self.device)
         with ctx, self._autocast():
+            if self._shares_prefix(resp, position_ids):
+                return prefix_shared_token_stats(
+                    self.model, ids, attn, resp, chunk_size=self.tcfg.logits_chunk_size,
+                    entropy_grad=self.tcfg.entropy_grad, temperature=temperature,
+                )
             return compute_token_stats(
-                self.model,
-                input_ids.to(self.device),
-                attention_mask.to(self.device),
-                None if response_mask is None else response_mask.to(self.device),
+                self.model, ids, attn, resp,
                 chunk_size=self.tcfg.logits_chunk_size,
                 entropy_grad=self.tcfg.entropy_grad,
                 temperature=temperature,
+                position_ids=None if position_ids is None else position_ids.to(self.device),
             )
+
+    def _shares_prefix(self, response_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> bool:
+        """Prefix sharing applies: switched on, padded rows (not packed), KV cache usable (HF turns it
+        off under activation checkpointing), a prompt before the responses."""
+        return (
+            self.tcfg.share_prompt_prefix and position_ids is None and response_mask is not None
+            and not self.cfg.model.gradient_checkpointing and can_share_prefix(self.model, response_mask)
+        )
 
     def token_distribution(
         self,
@@ -119,6 +141,7 @@ class TorchBackend:
         *,
         temperature: float = 1.0,
         top_k: int = 0,
+        position_ids: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """No-grad p, H, sum q^2 and top-k of one forward; see ``compute_token_distribution``."""
         self.model.train(False)
@@ -131,6 +154,7 @@ class TorchBackend:
                 chunk_size=self.tcfg.logits_chunk_size,
                 temperature=temperature,
                 top_k=top_k,
+                position_ids=None if position_ids is None else position_ids.to(self.device),
             )
 
     def token_loss(
@@ -141,9 +165,24 @@ class TorchBackend:
         token_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
         temperature: float = 1.0,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fused training pass -> (loss, logprobs [B, L], entropy [B, L]); see ``compute_token_loss``."""
+        """Fused training pass -> (loss, logprobs [B, L], entropy [B, L]); see ``compute_token_loss``.
+
+        Where prefix sharing applies (:meth:`token_stats`), the shared forward's log-probs go through
+        ``token_loss_fn`` instead (same loss; the head's gradient then comes from autograd)."""
         self.model.train(True)
+        check_token_batch(input_ids, attention_mask, response_mask)
+        resp = response_mask.to(self.device)
+        if self._shares_prefix(resp, position_ids):
+            with torch.enable_grad(), self._autocast():
+                lp, ent = prefix_shared_token_stats(
+                    self.model, input_ids.to(self.device), attention_mask.to(self.device), resp,
+                    chunk_size=self.tcfg.logits_chunk_size, temperature=temperature,
+                )
+            where = stat_targets(attention_mask.to(self.device), resp).nonzero(as_tuple=True)
+            flat = where[0] * lp.shape[1] + where[1]  # [N] flat positions, as compute_token_loss gives them
+            return token_loss_fn(lp[where], flat).sum(), lp.detach(), ent.detach()
         with torch.enable_grad(), self._autocast():
             return compute_token_loss(
                 self.model,
@@ -153,6 +192,7 @@ class TorchBackend:
                 token_loss_fn,
                 chunk_size=self.tcfg.logits_chunk_size,
                 temperature=temperature,
+                position_ids=None if position_ids is None else position_ids.to(self.device),
             )
 
     # ------------------------------------------------------------------ update

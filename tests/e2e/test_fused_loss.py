@@ -214,11 +214,14 @@ def test_softcap_models_fall_back_to_the_logits_path():
         {"aggregation": "token-mean"},
         {"aggregation": "seq-mean-token-mean"},
         {"aggregation": "seq-mean-token-sum", "kl_coef": 0.1, "dual_clip_c": 1.5},
-        {"aggregation": "token-mean", "token_weighting": "none", "kl_coef": 0.2},
+        {"aggregation": "token-mean", "kl_coef": 0.2},
     ],
     ids=["token-mean", "seq-mean-token-mean", "seq-sum+kl+dual", "none+kl"],
 )
 def test_update_policy_fused_equals_unfused(algorithm):
+    # The fused pass needs the weights before its forward: a weighting that reads no statistics
+    # (`none`); weightings that read p / H take them from an unfused gradient forward (next test).
+    algorithm = {**algorithm, "token_weighting": "none"}
     m_f, p_f, calls_f, g_f = run_update(make_cfg(trainer={"fused_loss": True}, algorithm=algorithm))
     m_u, p_u, calls_u, g_u = run_update(make_cfg(trainer={"fused_loss": False}, algorithm=algorithm))
     # 2 epochs x 2 mini-batches of 3 sequences, micro-batches of 2 + 1: 8 passes with gradient
@@ -238,8 +241,10 @@ def test_update_policy_fused_equals_unfused(algorithm):
 
 @pytest.mark.parametrize(
     "trainer,algorithm",
-    [({"entropy_grad": True}, {}), ({}, {"policy_loss": "gspo", "aggregation": "seq-mean-token-mean"})],
-    ids=["entropy_grad", "gspo"],
+    [({"entropy_grad": True}, {"token_weighting": "none"}),
+     ({}, {"token_weighting": "none", "policy_loss": "gspo", "aggregation": "seq-mean-token-mean"}),
+     ({}, {})],
+    ids=["entropy_grad", "gspo", "s2t-reads-stats"],
 )
 def test_unfused_path_kept_where_fused_does_not_apply(trainer, algorithm):
     _, _, calls, _ = run_update(make_cfg(trainer={"fused_loss": True, **trainer}, algorithm=algorithm))
@@ -295,7 +300,7 @@ def test_train_tiny_fused_equals_unfused(aggregation, tmp_path, shared_first_rol
     for fused in ("true", "false"):
         cfg = tiny_train_cfg(
             "trainer.max_steps=1", "data.val_size=0", "checkpoint.export_hf=false", "logging.dump_tokens_every=0",
-            "algorithm.ppo_epochs=2", "algorithm.mini_batches=2",
+            "algorithm.ppo_epochs=2", "algorithm.mini_batches=2", "algorithm.token_weighting=none",
             f"algorithm.aggregation={aggregation}", f"trainer.fused_loss={fused}",
         )
         loop._Run.__init__ = spy
@@ -338,7 +343,7 @@ def ds_env(tmp_path_factory):
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_deepspeed_fused_equals_torch_unfused(stage, ds_env):
-    algorithm = {"aggregation": "seq-mean-token-mean", "kl_coef": 0.1}
+    algorithm = {"aggregation": "seq-mean-token-mean", "kl_coef": 0.1, "token_weighting": "none"}
     m_ref, p_ref, _, _ = run_update(make_cfg(trainer={"fused_loss": False}, algorithm=algorithm))
     cfg = make_cfg(
         trainer={"fused_loss": True, "backend": "deepspeed", "device": "auto", "zero_stage": stage},

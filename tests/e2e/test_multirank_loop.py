@@ -90,7 +90,7 @@ UPDATE_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {test_dir!r})
     from test_multirank_loop import fixed_update
     rank = int(os.environ.get("RANK", "0"))
-    results = [fixed_update({backend!r}, split=split, scope=scope) for split, scope in {runs!r}]
+    results = [fixed_update({backend!r}, split=split, scope=scope, tokens=tokens) for split, scope, tokens in {runs!r}]
     if rank == 0:
         torch.save([{{"metrics": m, "params": p}} for m, p in results], {out!r})
     if {backend!r} == "deepspeed":
@@ -189,8 +189,11 @@ def test_two_rank_loop_completes_resumes_and_logs_global_metrics(tmp_path):
 # ----------------------------------------------------------------------------- a fixed batch
 
 
-def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch") -> tuple[dict, dict]:
+def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch",
+                 tokens: int | None = None) -> tuple[dict, dict]:
     """``loop.update_policy`` on one fixed 6-sequence batch; this rank holds rows ``split[rank]``.
+    ``tokens``: packed micro-batches of that token budget (else rows of 2, padded).
+    ``tokens``: packed micro-batches of that token budget (else rows of 2, padded).
 
     2 mini-batches x micro-batches of 2, S2T with tau_h resolved at ``scope`` (``minibatch``: every
     collective of the weighting runs; ``step``, the default: one threshold from the step's global
@@ -212,7 +215,7 @@ def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch") 
     cfg = config_from_dict({
         "trainer": {"backend": backend_name, "device": "cpu" if backend_name == "torch" else "auto",
                     "zero_stage": 3, "zero3_param_persistence_threshold": 0, "lr": 1e-3,
-                    "micro_batch_size": 2, "logits_chunk_size": 7},
+                    "micro_batch_size": 2, "micro_batch_tokens": tokens, "logits_chunk_size": 7},
         "rollout": {"prompts_per_step": 2, "n": 3},
         "algorithm": {"token_weighting": "s2t", "mini_batches": 2,
                       "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.6, "tau_h_scope": scope}},
@@ -231,17 +234,22 @@ def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch") 
     mine = seqs[start : start + split[rank]]
     batch = loop.collate_with_pad_row(mine, 0, pad=world > 1)
     pad_row = len(mine) if world > 1 else None
-    old_lp, old_ent = loop.token_stats_batched(backend, batch, 2, 1.0, calls=max(1, -(-max(split) // 2)),
-                                               pad_row=pad_row)
+    from stapo.core import update
+    from stapo.core.distributed import DataParallel
+
+    spec = update.micro_spec(cfg)
+    calls = update.old_pass_calls(DataParallel(backend), batch, spec, len(mine))
+    old_lp, old_ent = loop.token_stats_batched(backend, batch, spec, 1.0, calls=calls, pad_row=pad_row)
     run = SimpleNamespace(cfg=cfg, backend=backend)
     m = loop.update_policy(run, batch, old_lp, old_ent, step=1, counts=split)
     params = {n: t.detach().cpu().clone() for n, t in backend.named_parameters_for_sync()}
     return m, params
 
 
-# (split, tau_h_scope): both ranks hold rows, unevenly / rank 1 holds none; the default scope on the
+# (split, tau_h_scope, packed token budget): both ranks hold rows, unevenly / rank 1 holds none; the default scope on the
 # uneven split, where a rank-local quantile differs most from the global one. One torchrun for all.
-UPDATE_RUNS = [([2, 4], "minibatch"), ([6, 0], "minibatch"), ([2, 4], "step")]
+UPDATE_RUNS = [([2, 4], "minibatch", None), ([6, 0], "minibatch", None), ([2, 4], "step", None),
+               ([2, 4], "minibatch", 12), ([6, 0], "minibatch", 12)]  # tokens 12: packed token-budget micro-batches
 
 
 def test_two_rank_update_equals_one_process_update(tmp_path, one_thread):  # reference reduces like the ranks
@@ -252,12 +260,12 @@ def test_two_rank_update_equals_one_process_update(tmp_path, one_thread):  # ref
     (tmp_path / "two.py").write_text(two)
     torchrun([str(tmp_path / "two.py")], tmp_path)
     ref = {}
-    for scope in dict.fromkeys(s for _, s in UPDATE_RUNS):  # the one-process references, in this process
+    for scope in dict.fromkeys(s for _, s, _ in UPDATE_RUNS):  # the one-process references, in this process
         m1, p1 = fixed_update("torch", split=[6], scope=scope)
         ref[scope] = {"metrics": m1, "params": p1}
     assert ref["step"]["metrics"]["stapo/tau_h"] != ref["minibatch"]["metrics"]["stapo/tau_h"]
-    for (split, scope), r2 in zip(UPDATE_RUNS, torch.load(out2), strict=True):
-        _assert_same_update(ref[scope], r2, f"split {split}, tau_h_scope {scope}")
+    for (split, scope, tokens), r2 in zip(UPDATE_RUNS, torch.load(out2), strict=True):
+        _assert_same_update(ref[scope], r2, f"split {split}, tau_h_scope {scope}, tokens {tokens}")
 
 
 def _assert_same_update(r1: dict, r2: dict, case: str = "") -> None:

@@ -133,22 +133,10 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, monkeypatch):
         calls["n"] += 1
         return real(run, batch, old_lp, old_ent, step, **kw)
 
-    from stapo.core import onpolicy  # the on-policy fast path (issue 12) updates through its own function
-
-    real_fast = onpolicy.onpolicy_update
-
-    def crash_fast_at_step_3(run, batch, step, **kw):
-        if step == 3:
-            raise KeyboardInterrupt("killed")
-        calls["n"] += 1
-        return real_fast(run, batch, step, **kw)
-
     monkeypatch.setattr(loop, "update_policy", crash_at_step_3)
-    monkeypatch.setattr(onpolicy, "onpolicy_update", crash_fast_at_step_3)
     with pytest.raises(KeyboardInterrupt):
         loop.train(tiny(*over), tmp_path / "b", log=lambda m: None)
     monkeypatch.setattr(loop, "update_policy", real)
-    monkeypatch.setattr(onpolicy, "onpolicy_update", real_fast)
     loop.train(tiny(*over), tmp_path / "b", resume=True, log=lambda m: None)
     a, b = _deterministic_rows(tmp_path / "a"), _deterministic_rows(tmp_path / "b")
     assert [r["step"] for r in b] == [1, 2, 3, 4]

@@ -25,9 +25,10 @@ import torch
 from stapo.configs import preset_path
 from stapo.core import loop
 from stapo.core.config import load_config
-from stapo.core.distributed import balanced_quota, even_shard, plan_update
+from stapo.core.distributed import balanced_quota, even_shard, minibatch_rows
 from stapo.core.tracking import read_jsonl
 from stapo.core.trainer.torch_backend import TorchBackend
+from stapo.core.update import MicroSpec, split_rows, with_padding
 
 BASE = ["logging.live=false", "logging.tensorboard=false", "algorithm.overlong.enabled=true",
         "rollout.max_new_tokens=32", "algorithm.overlong.buffer=31", "trainer.max_steps=1",
@@ -51,20 +52,25 @@ def test_balanced_quota_trims_the_global_surplus_evenly():
 
 
 @pytest.mark.parametrize("counts", [[5, 0], [1, 4], [3, 3], [7, 2, 0]])
-def test_update_plan_same_micro_batches_on_every_rank_and_one_process_split(counts):
-    n, micro, mbs = sum(counts), 2, 2
-    one = plan_update([n], 0, mini_batches=mbs, micro=micro, generator=torch.Generator().manual_seed(1), pad_row=None)
-    plans = [plan_update(counts, r, mini_batches=mbs, micro=micro, generator=torch.Generator().manual_seed(1),
-                         pad_row=counts[r]) for r in range(len(counts))]
-    assert all(p.micro_counts == plans[0].micro_counts for p in plans)  # lockstep
-    for m, global_rows in enumerate(one.rows):  # the same sequences in each mini-batch as one process
+@pytest.mark.parametrize("spec", [MicroSpec(2), MicroSpec(2, tokens=9)], ids=["rows", "packed"])
+def test_update_plan_same_micro_batches_on_every_rank_and_one_process_split(counts, spec):
+    n, mbs = sum(counts), 2
+    lengths = torch.tensor([3, 8, 5, 2, 6, 4, 7, 1, 9])[:n]  # uneven real-token counts, global row order
+    one = minibatch_rows([n], 0, mbs, torch.Generator().manual_seed(1))
+    plans = [minibatch_rows(counts, r, mbs, torch.Generator().manual_seed(1)) for r in range(len(counts))]
+    for m, global_rows in enumerate(one):  # the same sequences in each mini-batch as one process
         got = []
         for r, p in enumerate(plans):
-            real = p.rows[m][: p.real[m]]
-            assert (p.rows[m][p.real[m]:] == counts[r]).all()  # the rest is the padding row
-            assert len(p.rows[m]) > (p.micro_counts[m] - 1) * micro  # every micro-batch non-empty
-            got += (real + sum(counts[:r])).tolist()
+            off = sum(counts[:r])
+            micros = split_rows(p[m], lengths[off : off + counts[r]], spec)
+            assert sorted(torch.cat(micros).tolist() if micros else []) == sorted(p[m].tolist())  # each row once
+            if spec.tokens:  # within budget, except a longer row alone
+                assert all(int(lengths[off + x].sum()) <= spec.tokens or len(x) == 1 for x in micros)
+            got += (p[m] + off).tolist()
         assert sorted(got) == sorted(global_rows.tolist())
+    with pytest.raises(ValueError, match="padding row"):  # a rank short of forwards needs its padding row
+        with_padding([], 2, None, "test")
+    assert [x.tolist() for x in with_padding([torch.tensor([0])], 3, 4, "test")] == [[0], [4], [4]]
 
 
 def test_even_shard_pads_every_rank_to_the_same_count():
@@ -112,32 +118,33 @@ def test_dump_runs_no_forward_outside_the_backend(tmp_path, monkeypatch):
 @pytest.mark.parametrize("scope", ["step", "minibatch"])
 def test_dumped_silenced_tokens_are_exactly_the_zero_gradient_tokens(tmp_path, monkeypatch, scope):
     seen = []  # (full row token ids, response mask, d loss / d logp) per micro-batch row
-    orig = TorchBackend.token_loss
+    orig = TorchBackend.token_stats
 
-    def spy(self, ids, attn, resp, fn, **kw):
-        grads = torch.zeros(ids.shape, dtype=torch.float64)  # [b, L]
+    def spy(self, ids, attn, resp, *, grad, **kw):
+        """S2T reads p and H, so its gradient forwards are ``token_stats(grad=True)``; the hook on
+        their log-probs catches d loss / d logp when the mini-batch's backward reaches them."""
+        lp, ent = orig(self, ids, attn, resp, grad=grad, **kw)
+        if grad:
+            grads = torch.zeros(ids.shape, dtype=torch.float64)  # [b, L], filled in backward
+            def keep_grad(g: torch.Tensor, out: torch.Tensor = grads) -> None:
+                out.copy_(g.detach().double().cpu())
 
-        def wrapped(lp, idx):
-            out = fn(lp, idx)
-            (g,) = torch.autograd.grad(out.sum(), lp, retain_graph=True, allow_unused=True)
-            grads.view(-1)[idx.cpu()] = 0.0 if g is None else g.detach().double().cpu()
-            return out
+            lp.register_hook(keep_grad)
+            for b in range(ids.shape[0]):
+                keep = attn[b].bool().cpu()
+                seen.append((ids[b].cpu()[keep].tolist(), resp[b].cpu()[keep], grads[b], keep))
+        return lp, ent
 
-        res = orig(self, ids, attn, resp, wrapped, **kw)
-        for b in range(ids.shape[0]):
-            seen.append((ids[b][attn[b].bool()].tolist(), resp[b][attn[b].bool()].cpu(), grads[b][attn[b].bool()]))
-        return res
-
-    monkeypatch.setattr(TorchBackend, "token_loss", spy)
+    monkeypatch.setattr(TorchBackend, "token_stats", spy)
     scope_set = [] if scope == "step" else [f"algorithm.s2t.tau_h_scope={scope}"]  # step: the default
     cfg = tiny("algorithm.mini_batches=2", "trainer.micro_batch_size=2", *scope_set)
     run_dir = tmp_path / "run"
     loop.train(cfg, run_dir, log=lambda m: None)
     dump = json.loads((run_dir / "dumps" / "step_000001.json").read_text())
     by_response: dict[tuple, list[list[bool]]] = {}
-    for ids, resp, g in seen:
+    for ids, resp, g, keep in seen:
         r = tuple(t for t, m in zip(ids, resp.tolist(), strict=True) if m)
-        by_response.setdefault(r, []).append((g[resp] == 0).tolist())
+        by_response.setdefault(r, []).append((g[keep][resp] == 0).tolist())
     checked = silenced = 0
     for s in dump["sequences"]:
         if s["advantage"] == 0:

@@ -1,0 +1,523 @@
+"""The policy update: one implementation, padding-free micro-batches, statistics from the gradient forward.
+
+One step's update, for every weighting x policy loss x aggregation::
+
+    old pass     (no grad, only where needed: see needs_old_pass) -> pi_old log-probs, step entropies
+    for each PPO epoch, for each optimizer mini-batch (one global permutation, all ranks in lockstep):
+        micro-batches   rows packed into token-budget forwards (trainer.micro_batch_tokens) or
+                        fixed row counts (trainer.micro_batch_size), same count on every rank
+        weights first?  a weighting that reads no statistics (registry: reads_stats=False, e.g. `none`)
+                        gets its weights and the GLOBAL normalizer from the mask before any forward:
+                        each micro-batch runs forward+backward at once (fused LM-head loss where the
+                        policy loss is elementwise);
+        stats first?    a weighting that reads p / H (s2t, top_entropy, stare) or an additive term
+                        that does (Lp-Reg's selection) needs the whole mini-batch's statistics for its
+                        thresholds and normalizer: every micro-batch's gradient forward runs first and
+                        its graph is KEPT until the weights are known, then each is backpropagated.
+                        p and H come from that forward itself: no separate no-grad pass.
+        optimizer step  (after the ``before_step`` hook: DEEP-GRPO's local loss)
+
+**When a no-grad pass runs** (:func:`needs_old_pass`): the ratio pi_theta / pi_old needs pi_old on
+every mini-batch after the first, so an off-policy update (``ppo_epochs * mini_batches > 1``) runs
+ONE no-grad pass over the step batch before any gradient forward. So does a step whose extras read
+the sampling policy's statistics before the update (the KL penalty and its metric, Lp-Reg's proxy,
+STARE's controller) and ``tau_h_scope: step`` on more than one mini-batch (the step's threshold).
+Nothing else runs a no-grad policy forward in the update: an on-policy update (1 epoch, 1 mini-batch)
+runs none, its ratio is exp(lp - sg(lp)) = 1 with gradient d lp (tests/unit/test_update.py counts).
+
+**Packing** (``trainer.micro_batch_tokens``): a mini-batch's rows (each: its prompt + response
+tokens, no padding) go into forwards of at most that many tokens, longest first, each into the first
+forward with room (first-fit decreasing; a row longer than the budget gets a forward of its own).
+A packed forward is ONE row of concatenated sequences whose position ids restart at 0 at each
+sequence (:func:`stapo.core.trainer.base.model_inputs`: no 2-D mask, transformers builds the
+block-diagonal causal mask from the position ids on sdpa/eager, varlen kernels on flash-attention).
+Per-token results go back to the batch's [rows, L] layout (``Micro.to_rows``, an index_put that
+keeps the graph), so weightings, losses and aggregations see exactly the tensors of the padded
+path, and every aggregation's global normalizer stays exact under any packing and rank count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from stapo.core.config import Config
+
+if TYPE_CHECKING:
+    from stapo.core.extras import StepExtras
+    from stapo.core.loop import Batch, UpdateRecord
+    from stapo.core.trainer.base import TrainerBackend
+
+__all__ = [
+    "MicroSpec",
+    "Micro",
+    "UpdateParts",
+    "UpdateRun",
+    "micro_spec",
+    "needs_old_pass",
+    "pack_rows",
+    "split_rows",
+    "build_micro",
+    "token_stats_batched",
+    "update_parts",
+    "update_policy",
+]
+
+
+class UpdateRun(Protocol):
+    """What the update reads from a run (``loop._Run``; tests pass a namespace)."""
+
+    cfg: Config
+    backend: TrainerBackend
+
+
+# ----------------------------------------------------------------------------- micro-batches
+
+
+@dataclass(frozen=True)
+class MicroSpec:
+    """How rows become forwards: ``tokens`` set = packed, at most that many tokens per forward (a
+    longer row alone); else ``rows`` sequences per forward, padded to the longest."""
+
+    rows: int
+    tokens: int | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.tokens is not None
+
+
+def micro_spec(cfg: Config) -> MicroSpec:
+    return MicroSpec(cfg.trainer.micro_batch_size, cfg.trainer.micro_batch_tokens)
+
+
+def pack_rows(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """First-fit decreasing: indices into ``lengths`` grouped so each group's total is <= budget
+    (a single longer item gets its own group). Deterministic: ties keep index order."""
+    if budget < 1:
+        raise ValueError(f"trainer.micro_batch_tokens must be >= 1, got {budget}")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        n = int(lengths[i])
+        for b, r in enumerate(room):
+            if n <= r:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(budget - n)
+    return bins
+
+
+def split_rows(rows: torch.Tensor, lengths: torch.Tensor, spec: MicroSpec) -> list[torch.Tensor]:
+    """This rank's real ``rows`` (batch indices) as micro-batches: packed by tokens, or consecutive
+    chunks of ``spec.rows`` (the mini-batch's order)."""
+    if not rows.numel():
+        return []
+    if spec.tokens is None:
+        return list(rows.split(spec.rows))
+    lens = lengths[rows].tolist()
+    return [rows[torch.tensor(b, dtype=torch.long)] for b in pack_rows(lens, spec.tokens)]
+
+
+@dataclass(frozen=True)
+class Micro:
+    """One forward's inputs and the map from its layout back to the batch's rows.
+
+    ``rows`` are batch row indices [b]; the forward sees ``input_ids`` etc. in its own layout: [b, W]
+    (padded rows, W the rows' real column span) or [1, T] (packed: rows' real tokens back to back,
+    ``position_ids`` restarting per row). ``src`` (packed) holds, per packed token, (row in this
+    micro-batch, column in the batch); ``cols`` (padded) the batch columns kept.
+    """
+
+    rows: torch.Tensor  # [b]
+    input_ids: torch.Tensor  # [b, W] or [1, T]
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    position_ids: torch.Tensor | None
+    width: int  # L of the batch
+    cols: slice | None = None
+    src: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the forward computes (padding included): the cost of this micro-batch."""
+        return int(self.input_ids.numel())
+
+    def to_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, L, ...] in batch layout -> the forward's layout."""
+        if self.src is None:
+            return x[:, self.cols]
+        r, c = self.src
+        return x[r, c].unsqueeze(0)
+
+    def to_rows(self, y: torch.Tensor) -> torch.Tensor:
+        """The forward's layout -> [b, L, ...] batch layout, zeros elsewhere; keeps the graph."""
+        b = self.rows.numel()
+        if self.src is None:
+            pad = [0, 0] * (y.dim() - 2) + [self.cols.start, self.width - self.cols.stop]
+            return torch.nn.functional.pad(y, pad)
+        out = y.new_zeros((b, self.width, *y.shape[2:]))
+        return out.index_put(self.src, y[0])
+
+
+def build_micro(batch: Batch, rows: torch.Tensor, packed: bool) -> Micro:
+    rows = rows.to(batch.input_ids.device)
+    ids, attn, resp = batch.input_ids[rows], batch.attention_mask[rows], batch.response_mask[rows]
+    L = ids.shape[1]
+    if not packed:
+        cols = attn.bool().any(0).nonzero()
+        span = slice(int(cols[0]), int(cols[-1]) + 1) if cols.numel() else slice(0, L)
+        return Micro(rows, ids[:, span], attn[:, span], resp[:, span], None, L, cols=span)
+    where = attn.bool().nonzero(as_tuple=True)  # row-major: each row's real tokens in order
+    r, c = where
+    starts = torch.zeros_like(r)
+    first = torch.ones_like(r, dtype=torch.bool)
+    first[1:] = r[1:] != r[:-1]
+    starts[first] = torch.arange(r.numel(), device=r.device)[first]
+    starts = torch.cummax(starts, 0).values
+    pos = (torch.arange(r.numel(), device=r.device) - starts).unsqueeze(0)  # [1, T]: 0.. per row
+    return Micro(rows, ids[r, c].unsqueeze(0), torch.ones_like(attn[r, c]).unsqueeze(0), resp[r, c].unsqueeze(0),
+                 pos, L, src=(r, c))
+
+
+def lockstep(dp: Any, local: list[int]) -> list[int]:
+    """Per entry, the largest count over ranks (one all_gather; identity on one rank)."""
+    if not dp.multi:
+        return local
+    rows = dp.gather_rows([float(x) for x in local])
+    return [int(max(col)) for col in zip(*rows, strict=True)] if local else []
+
+
+def with_padding(sets: list[torch.Tensor], calls: int, pad_row: int | None, what: str) -> list[torch.Tensor]:
+    """``sets`` plus micro-batches of the zero-weight padding row up to ``calls`` (data parallel)."""
+    if calls > len(sets):
+        if pad_row is None:
+            raise ValueError(f"{what}: more forwards than micro-batches needs a padding row (pad_row)")
+        sets = sets + [torch.tensor([pad_row])] * (calls - len(sets))
+    return sets
+
+
+def token_stats_batched(backend: TrainerBackend, batch: Batch, micro: int | MicroSpec, temperature: float, *,
+                        calls: int | None = None, pad_row: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """No-grad log-probs and entropies of a whole batch [N, L] each, micro-batch by micro-batch.
+
+    Data parallel: ``pad_row`` is the batch's zero-weight padding row (the last one) and ``calls``
+    the number of forwards every rank makes (ZeRO-3 gathers parameters in each; :func:`lockstep`
+    gives it); forwards past this rank's real rows run on the padding row.
+    """
+    spec = micro if isinstance(micro, MicroSpec) else MicroSpec(int(micro))
+    n = batch.input_ids.shape[0]
+    real = n if pad_row is None else pad_row
+    lengths = batch.attention_mask.sum(1)
+    sets = split_rows(torch.arange(real), lengths.cpu(), spec)
+    sets = with_padding(sets, calls or 0, pad_row, "token_stats_batched")
+    lp_all = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)  # [N, L]
+    ent_all = torch.zeros_like(lp_all)  # [N, L]
+    for rows in sets:
+        m = build_micro(batch, rows, spec.packed)
+        lp, ent = backend.token_stats(m.input_ids, m.attention_mask, m.response_mask, grad=False,
+                                      temperature=temperature, position_ids=m.position_ids)
+        lp_all[m.rows] = m.to_rows(lp.detach().float().to(lp_all.device))
+        ent_all[m.rows] = m.to_rows(ent.detach().float().to(ent_all.device))
+    return lp_all, ent_all
+
+
+def old_pass_calls(dp: Any, batch: Batch, spec: MicroSpec, real: int) -> int:
+    """Forwards every rank makes in a no-grad pass over its ``real`` rows (the busiest rank's count)."""
+    local = len(split_rows(torch.arange(real), batch.attention_mask.sum(1).cpu(), spec))
+    return max(1, lockstep(dp, [local])[0])
+
+
+# ----------------------------------------------------------------------------- the configured parts
+
+
+def weighting_params(cfg: Config) -> dict[str, Any]:
+    """Keyword arguments of the configured token weighting: its config section, field for field."""
+    a = cfg.algorithm
+    section = getattr(a, a.token_weighting, None)  # a config section named like the weighting, if any
+    # tau_h_scope is the update's choice of population, not an argument of the weighting
+    return section.model_dump(exclude={"tau_h_scope"}) if section is not None else {}
+
+
+def policy_loss_params(cfg: Config) -> dict[str, Any]:
+    """Extra keyword arguments of the configured policy loss: its config section (``maspo``), if any."""
+    a = cfg.algorithm
+    section = getattr(a, a.policy_loss, None)
+    return section.model_dump() if section is not None else {}
+
+
+def stats_temperature(cfg: Config) -> float:
+    """Log-probs and entropies are those of the sampling policy: logits / T (T=0 means greedy: 1)."""
+    return cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class UpdateParts:
+    """The configured pieces of an update, resolved once from the registries, with what they read."""
+
+    weigh: Any  # TOKEN_WEIGHTS entry
+    loss_fn: Any  # POLICY_LOSSES entry
+    agg: Any  # AGGREGATIONS entry
+    params: dict[str, Any]  # the weighting's keywords
+    loss_kw: dict[str, Any]  # the policy loss's keywords
+    spec: MicroSpec
+    temperature: float
+    reads_stats: bool  # the weighting reads p / H (registry declaration)
+    fused: bool  # fused LM-head loss possible (elementwise loss, no entropy gradient, switched on)
+
+    @property
+    def micro(self) -> int:
+        return self.spec.rows
+
+
+def update_parts(cfg: Config, extra_params: dict[str, Any] | None = None) -> UpdateParts:
+    from stapo.core.algos import (
+        get_aggregation,
+        get_policy_loss,
+        get_token_weighting,
+        is_elementwise,
+        reads_stats,
+    )
+
+    a = cfg.algorithm
+    weigh, loss_fn = get_token_weighting(a.token_weighting), get_policy_loss(a.policy_loss)
+    return UpdateParts(
+        weigh=weigh,
+        loss_fn=loss_fn,
+        agg=get_aggregation(a.aggregation),
+        params={**weighting_params(cfg), **(extra_params or {})},
+        loss_kw={"eps_low": a.eps_low, "eps_high": a.eps_high, "dual_clip_c": a.dual_clip_c, **policy_loss_params(cfg)},
+        spec=micro_spec(cfg),
+        temperature=stats_temperature(cfg),
+        reads_stats=reads_stats(weigh),
+        fused=cfg.trainer.fused_loss and is_elementwise(loss_fn) and not cfg.trainer.entropy_grad,
+    )
+
+
+def needs_old_pass(cfg: Config, extras_need_stats: bool = False) -> bool:
+    """Whether a step runs the no-grad pass over its batch before the update (module docstring)."""
+    a = cfg.algorithm
+    step_tau = a.token_weighting == "s2t" and a.s2t.tau_h is None and a.s2t.tau_h_scope == "step"
+    return a.ppo_epochs * a.mini_batches > 1 or extras_need_stats or (step_tau and a.mini_batches > 1)
+
+
+# ----------------------------------------------------------------------------- the update
+
+
+def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old_ent: torch.Tensor | None,
+                  step: int, *, counts: Sequence[int] | None = None, record: UpdateRecord | None = None,
+                  before_step: Callable[[int, bool], None] | None = None,
+                  off_policy: Any = None) -> dict[str, float]:
+    """K mini-batch updates with the configured token weighting, loss and aggregation -> metrics.
+
+    ``old_lp`` / ``old_ent`` [N, L]: the no-grad pass's statistics (the sampling policy), or None
+    for an on-policy update without one (:func:`needs_old_pass`). ``before_step(update_index,
+    fresh)`` runs right before each optimizer step (DEEP-GRPO's local branch loss).
+    ``off_policy`` (``stapo.core.async_rollout.OffPolicyStep``), for stale asynchronous rows: the
+    loss sees each token's weight times its behaviour weight sg[pi_prox / mu] (AReaL's decoupled
+    objective, with ``old_lp`` the proximal policy), the diagnostics the weighting's own output, and
+    every optimizer step runs at VCPO's ESS-scaled LR.
+
+    Data parallel (``counts``: every rank's number of real rows; this rank's batch then ends with
+    one zero-weight padding row when it has more rows than ``counts[rank]``): mini-batches come from
+    one global permutation and every rank runs, per mini-batch, the busiest rank's number of
+    micro-batches (extra ones on the padding row), so collectives stay in lockstep.
+
+    Diagnostics are the update's own: at every mini-batch the weighting's output is counted
+    (global) and, with ``record``, stored per row for the token dump. ``stapo/silenced_count`` and
+    the phase cells sum over every mini-batch of every PPO epoch; ``stapo/tau_h`` is the mean of the
+    thresholds used; ``tau_h_scope=step`` fixes tau_h once from the step's pre-update entropies.
+    """
+    from stapo.core.distributed import DataParallel, minibatch_rows
+    from stapo.core.extras import extras_of
+    from stapo.core.loop import (
+        add_loss_sums,
+        derive_seed,
+        loss_sums,
+        step_entropy_thresholds,
+        update_diagnostics,
+    )
+    from stapo.core.loop import update_metrics as make_metrics
+
+    cfg, backend = run.cfg, run.backend
+    a = cfg.algorithm
+    extras: StepExtras = extras_of(run)
+    parts = update_parts(cfg, extras.weighting_params())  # STARE: the scheduled W, M
+    loss_fn, loss_kw, params, temp = parts.loss_fn, parts.loss_kw, parts.params, parts.temperature
+    if old_lp is None and a.ppo_epochs * a.mini_batches > 1:
+        raise ValueError("update_policy: an off-policy update (ppo_epochs * mini_batches > 1) needs old_lp")
+    dp = DataParallel(backend)
+    n = batch.input_ids.shape[0]
+    counts = [n] if counts is None else [int(c) for c in counts]
+    pad_row = counts[dp.rank] if n > counts[dp.rank] else None
+    gather, reduce = backend.all_gather_1d, backend.all_reduce_sum
+    lengths = batch.attention_mask.sum(1).cpu()  # [N] real tokens per row
+    p05, tau_step = (step_entropy_thresholds(cfg, old_ent, batch.response_mask, gather) if old_ent is not None
+                     else (None, None))
+    if tau_step is not None and a.token_weighting == "s2t":
+        params = {**params, "tau_h": tau_step, "tau_h_quantile": None}
+    keep_graphs = parts.reads_stats or extras.terms_read_stats
+    fused = parts.fused and not keep_graphs
+    diag: dict[str, float] = {}
+    taus: list[float] = []
+    sums = loss_sums()
+    step_out: list[dict[str, float]] = []
+    dev = batch.input_ids.device
+    ctx: Any = None
+
+    def forward(m: Micro) -> tuple[torch.Tensor, torch.Tensor]:
+        lp, ent = backend.token_stats(m.input_ids, m.attention_mask, m.response_mask, grad=True,
+                                      temperature=temp, position_ids=m.position_ids)
+        return m.to_rows(lp), m.to_rows(ent)  # [b, L] each, graph kept
+
+    fresh = True  # parameters unchanged since the step's statistics were taken
+    for epoch in range(a.ppo_epochs):
+        gen = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch))
+        plan = [split_rows(r, lengths, parts.spec) for r in minibatch_rows(counts, dp.rank, a.mini_batches, gen)]
+        calls = lockstep(dp, [max(1, len(p)) for p in plan])
+        for sets, k in zip(plan, calls, strict=True):
+            n_real = sum(int(s.numel()) for s in sets)
+            micros = [build_micro(batch, s, parts.spec.packed)
+                      for s in with_padding(sets, k, pad_row, "update_policy")]
+            mb_rows = torch.cat([m.rows for m in micros]).to(dev)  # [n_mb] batch rows, real ones first
+            bounds = [0]
+            for m in micros:
+                bounds.append(bounds[-1] + m.rows.numel())
+            slices = [slice(s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+            mb = MiniBatch(parts, params, batch.advantages[mb_rows], batch.response_mask[mb_rows],
+                           old_lp[mb_rows] if old_lp is not None else None, gather, reduce, a.entropy_coef)
+            if keep_graphs:  # statistics first: every forward's graph kept until the weights are known
+                graphs = [forward(m) for m in micros]
+                ctx, tw, norm = mb.weights(torch.cat([g[0].detach() for g in graphs]),
+                                           torch.cat([g[1].detach() for g in graphs]))
+                tw_loss = off_policy.weigh(tw, mb_rows) if off_policy is not None else tw
+                terms = extras.terms(ctx, mb_rows, old_lp)
+                losses = []
+                for sl, (lp, ent) in zip(slices, graphs, strict=True):
+                    loss, mets = mb.loss(sl, lp, ent, tw_loss, norm, terms)
+                    losses.append(loss)
+                    add_loss_sums(sums, loss, mets)
+                # ONE backward through every kept graph: a backend pairs each backward with the forwards
+                # before it (DeepSpeed's micro-step bookkeeping; ZeRO-3 re-gathers parameters for it)
+                backend.backward(torch.stack(losses).sum())
+                del graphs, losses
+            else:  # weights from the mask alone: each micro-batch forward + backward at once
+                zeros = torch.zeros(mb.mask.shape, dtype=torch.float32, device=dev)
+                ctx0, tw, norm = mb.weights(zeros, zeros)
+                tw_loss = off_policy.weigh(tw, mb_rows) if off_policy is not None else tw
+                terms = extras.terms(ctx0, mb_rows, old_lp)
+                lps: list[torch.Tensor] = []
+                ents: list[torch.Tensor] = []
+                for m, sl in zip(micros, slices, strict=True):
+                    if fused:
+                        loss, lp, ent = mb.fused(backend, m, sl, tw_loss, norm, terms)
+                        with torch.no_grad():  # the clip metrics, from the pass's own (detached) log-probs
+                            old = mb.old[sl] if mb.old is not None else lp
+                            _, mets = loss_fn(lp, old, mb.adv[sl], mb.mask[sl], **loss_kw)
+                    else:
+                        lp, ent = forward(m)
+                        loss, mets = mb.loss(sl, lp, ent, tw_loss, norm, terms)
+                    backend.backward(loss)
+                    add_loss_sums(sums, loss, mets)
+                    lps.append(lp.detach().float())
+                    ents.append(ent.detach().float())
+                ctx = mb.context(torch.cat(lps), torch.cat(ents))
+            if p05 is None:  # no old pass: this (only) mini-batch's forward saw the sampling policy
+                p05, _ = step_entropy_thresholds(cfg, ctx.entropy, ctx.mask, gather)
+            tau_mb = update_diagnostics(cfg, ctx, tw, tau_step, diag)
+            taus.append(tau_mb)
+            if record is not None:
+                record.put(epoch, mb_rows[:n_real], ctx, tw, tau_mb, a.s2t.tau_p)
+            if before_step is not None:  # DEEP-GRPO: lambda * local branch loss joins this update
+                before_step(len(step_out), fresh)
+            step_out.append(off_policy.step(backend) if off_policy is not None else backend.step())
+            fresh = False
+    # Global, like every logged metric: each rank's loss is its share of the global objective (the
+    # normalizer is all-reduced), so the ranks' losses and clip counts add up (one gather, every rank).
+    keys = ("loss", "clip_low", "clip_high", "tokens", "ratio_sum")
+    sums = dict(zip(keys, dp.sum([sums[k] for k in keys]), strict=True))
+    return make_metrics(diag, taus, float("nan") if p05 is None else p05, sums, step_out, a.ppo_epochs)
+
+
+@dataclass(frozen=True)
+class MiniBatch:
+    """One optimizer mini-batch's constants [n_mb, L] (rows in micro-batch order) and its loss."""
+
+    parts: UpdateParts
+    params: dict[str, Any]  # the weighting's keywords for this update
+    adv: torch.Tensor  # [n_mb, L]
+    mask: torch.Tensor  # [n_mb, L] bool
+    old: torch.Tensor | None  # [n_mb, L] pi_old log-probs, None: on-policy (old = sg(lp))
+    gather: Callable[[torch.Tensor], torch.Tensor]
+    reduce: Callable[[torch.Tensor], torch.Tensor]
+    entropy_coef: float = 0.0
+
+    def context(self, lp: torch.Tensor, ent: torch.Tensor) -> Any:
+        from stapo.core.algos import TokenContext
+
+        return TokenContext(logprobs=lp, entropy=ent, advantages=self.adv, mask=self.mask, gather=self.gather,
+                            all_reduce_sum=self.reduce)
+
+    def weights(self, lp: torch.Tensor, ent: torch.Tensor) -> tuple[Any, Any, Any]:
+        """(TokenContext, TokenWeights, GLOBAL normalizer) of the mini-batch at (lp, ent)."""
+        ctx = self.context(lp, ent)
+        tw = self.parts.weigh(ctx, **self.params)
+        return ctx, tw, self.reduce(self.parts.agg.normalizer(tw, self.mask))
+
+    def loss(self, sl: slice, lp: torch.Tensor, ent: torch.Tensor, tw: Any, norm: Any,
+             terms: list[Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Micro-batch ``sl``'s share of the mini-batch loss from its log-probs with graph [b, L]."""
+        from stapo.core.algos.regularizers import add_terms, entropy_bonus
+
+        p = self.parts
+        old = self.old[sl] if self.old is not None else lp.detach()
+        per_tok, mets = p.loss_fn(lp, old, self.adv[sl], self.mask[sl], **p.loss_kw)
+        per_tok = add_terms(per_tok, lp, [t.rows(sl) for t in terms])
+        loss = p.agg.aggregate(per_tok, tw.select(sl), normalizer=norm)
+        if self.entropy_coef:  # entropy bonus (needs trainer.entropy_grad: checked by the config)
+            loss = loss + entropy_bonus(ent, tw.select(sl), p.agg, norm, coef=self.entropy_coef)
+        return loss, mets
+
+    def fused(self, backend: TrainerBackend, m: Micro, sl: slice, tw: Any, norm: Any,
+              terms: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One ``backend.token_loss`` call: loss = sum_i coef_i * (l_i(logp_i) + terms_i), where
+        coef_i = d(aggregate)/d(l_i) is taken once by autograd on a ones tensor (every aggregation
+        is linear in the per-token losses), so the LM head's gradient is formed inside the chunked
+        forward. Returns (loss, logprobs [b, L], entropy [b, L]), the last two detached."""
+        from stapo.core.algos.regularizers import add_terms
+
+        p = self.parts
+        x = torch.ones(self.mask[sl].shape, dtype=torch.float32, device=self.mask.device, requires_grad=True)
+        with torch.enable_grad():
+            (coef,) = torch.autograd.grad(p.agg.aggregate(x, tw.select(sl), normalizer=norm), x, allow_unused=True)
+        coef = torch.zeros_like(x) if coef is None else coef.detach()  # [b, L]
+        fwd = m.to_forward
+        old_f = fwd(self.old[sl]).reshape(-1) if self.old is not None else None
+        adv_f, mask_f, coef_f = fwd(self.adv[sl]).reshape(-1), fwd(self.mask[sl]).reshape(-1), fwd(coef).reshape(-1)
+        terms_f = [replace(t, target=fwd(t.target[sl]), coef=fwd(t.coef[sl])) for t in terms]
+        loss_fn, loss_kw = p.loss_fn, p.loss_kw
+
+        def token_loss_fn(lp: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+            lp2 = lp.unsqueeze(0)  # [1, n]: the registered loss works on [B, T] tensors
+            old = old_f[idx].unsqueeze(0).to(lp.dtype) if old_f is not None else lp2.detach()
+            per_tok, _ = loss_fn(lp2, old, adv_f[idx].unsqueeze(0), mask_f[idx].unsqueeze(0), **loss_kw)
+            per_tok1 = add_terms(per_tok[0], lp, [t.flat(idx) for t in terms_f])  # [n]
+            c = coef_f[idx].to(per_tok1.dtype)  # [n]
+            return torch.where(c != 0, c * per_tok1, torch.zeros_like(c))  # as aggregate: 0 where w == 0
+
+        loss, lp, ent = backend.token_loss(m.input_ids, m.attention_mask, m.response_mask, token_loss_fn,
+                                           temperature=p.temperature, position_ids=m.position_ids)
+        return loss, m.to_rows(lp.detach().float()), m.to_rows(ent.detach().float())
+
+
+def useful_fraction(micros: Sequence[Micro], batch: Batch) -> float:
+    """Real tokens / computed tokens over ``micros`` (1.0 when packed: no padding)."""
+    real = sum(int(batch.attention_mask[m.rows].sum()) for m in micros)
+    return real / max(sum(m.tokens for m in micros), 1)
+

@@ -1,0 +1,280 @@
+"""The one update path (stapo.core.update) against independent computations.
+
+* Packed vs padded vs one-row-at-a-time micro-batches: the same per-token log-probs / entropies
+  (1e-5) and the same parameter update (1e-5, with SGD so that an update is lr x the accumulated
+  gradient) for every registered weighting x policy loss x aggregation, with mini_batches 1 and 4,
+  ppo_epochs 1 and 2, on uneven lengths. The one-row-at-a-time run is the independent reference:
+  no padding and no packing, one sequence per forward.
+* On-policy (1 epoch, 1 mini-batch): the update without the no-grad pass (p, H and pi_old from the
+  gradient forward) equals the update fed the no-grad pass's statistics.
+* Forward counts: no no-grad policy forward runs inside the update (weighting `none` and `s2t`,
+  4 mini-batches); the loop's only no-grad pass is the old-log-prob pass where needs_old_pass says.
+* Prefix sharing vs full rows: values and gradients. Packing: first-fit decreasing.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from stapo.core import loop, update
+from stapo.core.algos import AGGREGATIONS, POLICY_LOSSES, TOKEN_WEIGHTS
+from stapo.core.config import config_from_dict
+from stapo.core.models import load_policy
+from stapo.core.trainer import prefix
+from stapo.core.trainer.base import compute_token_stats
+from stapo.core.trainer.torch_backend import TorchBackend
+
+TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64, "seed": 0}
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def make_cfg(weighting="s2t", micro=3, algorithm=None, **trainer):
+    t = {"device": "cpu", "lr": 1e-2, "logits_chunk_size": 7, "micro_batch_size": micro, "max_grad_norm": 1e3}
+    t.update(trainer)
+    al = {"token_weighting": weighting, "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.5},
+          "top_entropy": {"rho": 0.5}, "stare": {"target_entropy": 100.0, "top_ratio": 0.3}}
+    al.update(algorithm or {})
+    return config_from_dict({"model": {"name_or_path": "tiny-random", "tiny": TINY}, "trainer": t, "algorithm": al})
+
+
+def grouped_batch(vocab: int, seed: int = 0) -> loop.Batch:
+    """2 groups x 4 responses; prompts of 5 and 3 tokens (left-padded), responses of 1-6 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for grp, p_len in enumerate((5, 3)):
+        prompt = torch.randint(3, vocab, (p_len,), generator=g).tolist()
+        for _ in range(4):
+            r = int(torch.randint(1, 7, (1,), generator=g))
+            seqs.append(loop.Sequence_(prompt, torch.randint(3, vocab, (r,), generator=g).tolist(), "stop", "",
+                                       "0", group=grp))
+    for s, a in zip(seqs, [1.1, -0.4, 0.7, -1.4, 0.9, 0.9, -0.9, -0.9], strict=True):
+        s.advantage = a
+    return loop.collate(seqs, pad_id=0)
+
+
+def sgd_backend(cfg, model):
+    """A torch backend whose optimizer is plain SGD: the parameter update is lr x the accumulated
+    gradient, so equal gradients give equal updates to rounding (AdamW's g / sqrt(v) would turn a
+    1e-9 difference on a near-zero gradient into +-lr)."""
+    b = TorchBackend(cfg, copy.deepcopy(model), total_optimizer_steps=8)
+    b.optimizer = torch.optim.SGD(b.model.parameters(), lr=0.05)
+    b.scheduler = torch.optim.lr_scheduler.LambdaLR(b.optimizer, lambda s: 1.0)
+    return b
+
+
+def count_nograd(b):
+    calls = {"nograd": 0, "grad": 0}
+    real_stats = b.token_stats
+
+    def token_stats(*a, grad, **k):
+        calls["grad" if grad else "nograd"] += 1
+        return real_stats(*a, grad=grad, **k)
+
+    b.token_stats = token_stats
+    return calls
+
+
+SPECS = {"padded": {"micro_batch_size": 3}, "packed": {"micro_batch_size": 3, "micro_batch_tokens": 20},
+         "one_row": {"micro_batch_size": 1}}
+
+
+def run_update(weighting, loss, agg, mini_batches, epochs, spec, model, batch):
+    algorithm = {"policy_loss": loss, "aggregation": agg, "mini_batches": mini_batches, "ppo_epochs": epochs}
+    if loss == "gspo":
+        algorithm.update(eps_low=3e-4, eps_high=4e-4)
+    cfg = make_cfg(weighting, algorithm=algorithm, share_prompt_prefix=False, **SPECS[spec])
+    b = sgd_backend(cfg, model)
+    old_lp, old_ent = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)
+    m = update.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, old_lp, old_ent, step=1)
+    return m, {n: p.detach().clone() for n, p in b.model.named_parameters()}, old_lp, old_ent
+
+
+# every weighting x loss x aggregation once; the (mini_batches, epochs) settings cycle so that each
+# weighting meets all four
+COMBOS = [(w, lo, ag, *mbe) for (w, lo, ag), mbe in zip(
+    itertools.product(sorted(TOKEN_WEIGHTS.names()), sorted(POLICY_LOSSES.names()), sorted(AGGREGATIONS.names())),
+    itertools.cycle([(1, 1), (4, 2), (4, 1), (1, 2), (4, 2)]), strict=False)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = make_cfg()
+    model, _ = load_policy(cfg.model, device="cpu")
+    return model, grouped_batch(model.config.vocab_size)
+
+
+@pytest.mark.parametrize(("weighting", "loss", "agg", "mini_batches", "epochs"), COMBOS,
+                         ids=["-".join(map(str, c)) for c in COMBOS])
+def test_packed_padded_and_one_row_give_the_same_update(tiny, weighting, loss, agg, mini_batches, epochs):
+    model, batch = tiny
+    runs = {s: run_update(weighting, loss, agg, mini_batches, epochs, s, model, batch) for s in SPECS}
+    m_ref, p_ref, lp_ref, ent_ref = runs["one_row"]
+    start = {n: p.detach() for n, p in model.named_parameters()}
+    assert max(float((p_ref[n] - start[n]).abs().max()) for n in p_ref) > 1e-3  # the update moved weights
+    for s in ("padded", "packed"):
+        m, p, lp, ent = runs[s]
+        torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent, ent_ref, atol=1e-5, rtol=0)
+        for n in p_ref:
+            torch.testing.assert_close(p[n], p_ref[n], atol=1e-5, rtol=0, msg=f"{s}: {n}")
+        for k in ("stapo/silenced_count", "tokens/valid", "actor/clip_frac_low", "actor/clip_frac_high"):
+            assert m[k] == pytest.approx(m_ref[k], abs=1e-6), (s, k)
+
+
+def test_token_stats_packed_matches_padded_and_single_rows(tiny):
+    model, batch = tiny
+    cfg = make_cfg()
+    b = TorchBackend(cfg, copy.deepcopy(model), total_optimizer_steps=1)
+    ref = [compute_token_stats(model, batch.input_ids[i : i + 1, batch.attention_mask[i].bool()],
+                               torch.ones_like(batch.input_ids[i : i + 1, batch.attention_mask[i].bool()]),
+                               batch.response_mask[i : i + 1, batch.attention_mask[i].bool()], chunk_size=7)
+           for i in range(batch.input_ids.shape[0])]  # each sequence alone, no padding at all
+    for spec in (update.MicroSpec(3), update.MicroSpec(3, tokens=20), update.MicroSpec(3, tokens=1)):
+        lp, ent = update.token_stats_batched(b, batch, spec, 1.0)
+        for i, (lp_i, ent_i) in enumerate(ref):
+            keep = batch.attention_mask[i].bool()
+            torch.testing.assert_close(lp[i, keep], lp_i[0].detach(), atol=1e-5, rtol=0)
+            torch.testing.assert_close(ent[i, keep], ent_i[0].detach(), atol=1e-5, rtol=0)
+
+
+def test_pack_rows_first_fit_decreasing():
+    assert update.pack_rows([5, 9, 3, 7, 2], 10) == [[1], [3, 2], [0, 4]]
+    assert update.pack_rows([12, 1], 10) == [[0], [1]]  # a longer row alone
+    lengths = torch.tensor([5, 9, 3, 7, 2])
+    micros = update.split_rows(torch.arange(5), lengths, update.MicroSpec(2, tokens=10))
+    assert [m.tolist() for m in micros] == [[1], [3, 2], [0, 4]]
+    assert [m.tolist() for m in update.split_rows(torch.arange(5), lengths, update.MicroSpec(2))] == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        update.pack_rows([1], 0)
+
+
+@pytest.mark.parametrize(("weighting", "spec"), [("s2t", "padded"), ("none", "packed"), ("s2t", "packed"),
+                                                 ("none", "padded")])
+def test_onpolicy_update_without_the_nograd_pass(tiny, weighting, spec):
+    """1 epoch, 1 mini-batch: p, H and pi_old from the gradient forward == fed the no-grad pass."""
+    model, batch = tiny
+    cfg = make_cfg(weighting, share_prompt_prefix=True, **SPECS[spec])
+    ref_b = sgd_backend(cfg, model)
+    old_lp, old_ent = update.token_stats_batched(ref_b, batch, update.micro_spec(cfg), 1.0)
+    ref_m = update.update_policy(SimpleNamespace(cfg=cfg, backend=ref_b), batch, old_lp, old_ent, step=1)
+    b = sgd_backend(cfg, model)
+    calls = count_nograd(b)
+    m = update.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, None, None, step=1)
+    assert calls["nograd"] == 0
+    if weighting == "s2t":  # the test must exercise silencing: some, not all, positive-A tokens
+        assert 0 < m["stapo/silenced_count"] < batch.response_mask.sum()
+    for k in ("stapo/silenced_count", "stapo/tau_h", "tokens/valid", "entropy/p05", "actor/loss",
+              "actor/clip_frac_low", "actor/ratio_mean"):
+        assert m[k] == pytest.approx(ref_m[k], abs=1e-6), k
+    for (n, p), (_, q) in zip(b.model.named_parameters(), ref_b.model.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=n)
+
+
+@pytest.mark.parametrize("weighting", ["none", "s2t"])
+def test_no_nograd_forward_inside_the_update(tiny, weighting):
+    """4 mini-batches: the update's statistics come from its gradient forwards; the one no-grad
+    pass is the step's old-log-prob pass (docs/performance.md)."""
+    model, batch = tiny
+    cfg = make_cfg(weighting, algorithm={"mini_batches": 4}, fused_loss=False)
+    b = sgd_backend(cfg, model)
+    old_lp, old_ent = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)
+    calls = count_nograd(b)
+    update.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, old_lp, old_ent, step=1)
+    assert calls["nograd"] == 0
+    assert calls["grad"] == 4  # 8 rows in 4 mini-batches of 2: one micro-batch each
+    assert update.needs_old_pass(cfg)  # pi_old for mini-batches 2-4
+    assert not update.needs_old_pass(make_cfg(weighting))  # on-policy: none at all
+
+
+def test_prefix_sharing_matches_full_rows_values_and_gradients():
+    cfg = make_cfg()
+    model, _ = load_policy(cfg.model, device="cpu")
+    batch = grouped_batch(model.config.vocab_size, seed=3)
+    first, group = prefix.prompt_groups(batch.input_ids, batch.attention_mask, 5)
+    assert first.tolist() == [0, 4] and group.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    shuffled = torch.tensor([5, 0, 6, 1, 2, 7, 3, 4])  # groups need not be adjacent
+    first, group = prefix.prompt_groups(batch.input_ids[shuffled], batch.attention_mask[shuffled], 5)
+    assert first.tolist() == [0, 1] and group.tolist() == [0, 1, 0, 1, 1, 0, 1, 0]
+    probe = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(0))
+
+    def run(fn):
+        model.zero_grad()
+        lp, ent = fn(model, batch.input_ids, batch.attention_mask, batch.response_mask, chunk_size=7)
+        (lp * probe).sum().backward()
+        return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    lp_a, ent_a, g_a = run(compute_token_stats)
+    lp_b, ent_b, g_b = run(prefix.prefix_shared_token_stats)
+    assert (lp_a != 0).sum() == batch.response_mask.sum()  # every response token has a log-prob
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent_b, ent_a, atol=1e-5, rtol=0)
+    for n in g_a:
+        torch.testing.assert_close(g_b[n], g_a[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_loop_runs_no_separate_statistics_pass_on_policy(tmp_path, monkeypatch):
+    from stapo.configs import preset_path
+    from stapo.core.config import load_config
+
+    cfg = load_config(preset_path("tiny"), ["trainer.max_steps=1", "checkpoint.every=0", "data.val_size=0",
+                                            "logging.dump_tokens_every=1", "logging.live=false"])
+    passes, stats = [], []
+    real_batched, real_shared = loop.token_stats_batched, prefix.prefix_shared_token_stats
+    monkeypatch.setattr(loop, "token_stats_batched", lambda *a, **k: passes.append(1) or real_batched(*a, **k))
+
+    def shared(*a, **k):
+        stats.append(torch.is_grad_enabled())
+        return real_shared(*a, **k)
+
+    monkeypatch.setattr("stapo.core.trainer.torch_backend.prefix_shared_token_stats", shared)
+    loop.train(cfg, tmp_path, log=lambda m: None)
+    assert not passes  # on-policy: no no-grad statistics pass
+    assert stats and all(stats)  # the statistics came from gradient forwards (prompt prefix shared)
+    assert (tmp_path / "dumps" / "step_000001.json").is_file()  # token dumps still get p and H
+
+
+def test_waves_are_graded_while_the_next_wave_generates(tmp_path, monkeypatch):
+    """rollout.batch_size < prompts x n: wave 0 is graded in a thread while wave 1 generates."""
+    import threading
+    import time
+
+    from stapo.configs import preset_path
+    from stapo.core.config import load_config
+    from stapo.core.rewards import RewardFunction
+    from stapo.core.rollout.hf import HFRolloutEngine
+
+    cfg = load_config(preset_path("tiny"), ["trainer.max_steps=1", "checkpoint.every=0", "data.val_size=0",
+                                            "logging.dump_tokens_every=0", "logging.live=false",
+                                            "rollout.batch_size=4"])  # 2 prompts x 4 samples: 2 waves
+    events = []
+    real_gen, real_grade = HFRolloutEngine.generate, RewardFunction.__call__
+
+    def generate(self, prompts, sampling):
+        events.append(("gen_start", len(prompts), sampling.seed))
+        out = real_gen(self, prompts, sampling)
+        events.append(("gen_end",))
+        return out
+
+    def grade(self, responses, golds):
+        events.append(("grade_start", threading.current_thread().name.startswith("grade")))
+        time.sleep(0.3)  # a slow grader: the second wave must start generating meanwhile
+        out = real_grade(self, responses, golds)
+        events.append(("grade_end", len(responses)))
+        return out
+
+    monkeypatch.setattr(HFRolloutEngine, "generate", generate)
+    monkeypatch.setattr(RewardFunction, "__call__", grade)
+    loop.train(cfg, tmp_path, log=lambda m: None)
+    kinds = [e[0] for e in events]
+    assert kinds.count("gen_start") == 2 and [e[1] for e in events if e[0] == "gen_start"] == [1, 1]
+    assert events[0][2] != events[kinds.index("gen_start", 1)][2]  # each wave its own seed
+    assert kinds.index("grade_start") < kinds.index("gen_start", 1) < kinds.index("grade_end")
+    assert all(e[1] for e in events if e[0] == "grade_start")  # graded off the main thread
+    rows = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert '"time/reward_total_s"' in rows[0]
