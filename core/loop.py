@@ -297,8 +297,6 @@ class _Run:
 
         self.sampler = build_sampler(cfg, self.train_prompts, encode=self.encode, model=self.backend.model)
         self.deep = DeepGRPO(cfg) if cfg.algorithm.deep_grpo.enabled else None
-        if self.deep is not None and self.world_size > 1:
-            raise ValueError("algorithm.deep_grpo.enabled supports one data-parallel rank for now (docs/stability.md)")
 
     def layer_state(self) -> dict[str, Any]:
         """The stability layers' state for the checkpoint's ``extra`` (JSON-safe)."""
@@ -610,7 +608,7 @@ def update_policy(run: _Run, batch: Batch, old_lp: torch.Tensor, old_ent: torch.
     """K mini-batch updates with the configured token weighting, loss and aggregation.
 
     ``before_step(update_index, fresh)``, when given, runs right before each optimizer step and may
-    add gradient of its own (DEEP-GRPO's local branch loss, ``stapo.core.deep_grpo``; one rank only).
+    add gradient of its own (DEEP-GRPO's local branch loss, ``stapo.core.deep_grpo``).
 
     Data parallel (``counts``: every rank's number of real rows; this rank's batch then ends with
     one zero-weight padding row when it has more rows than ``counts[rank]``): mini-batches come from
@@ -965,7 +963,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                     local = run.deep.local_loss_hook(run, branches, step) if run.deep else None
                     hook = {"before_step": local} if local is not None else {}  # DEEP-GRPO's local loss, if any
                     metrics.update(update_policy(run, batch, old_lp, old_ent, step, counts=counts, record=record, **hook))
-                    metrics.update(run.deep.local_metrics() if run.deep else {})
+                    metrics.update(run.deep.local_metrics(run.backend) if run.deep else {})
                 if dumping:
                     dump_tokens(run, step, kept, batch, dump_rows, dump_dist, record, dp)
             else:
