@@ -244,8 +244,6 @@ class _Run:
 
         self.sampler = build_sampler(cfg, self.train_prompts, encode=self.encode, model=self.backend.model)
         self.deep = DeepGRPO(cfg) if cfg.algorithm.deep_grpo.enabled else None
-        if self.deep is not None and self.world_size > 1:
-            raise ValueError("algorithm.deep_grpo.enabled supports one data-parallel rank for now (docs/stability.md)")
 
     def layer_state(self) -> dict[str, Any]:
         """The stability layers' state for the checkpoint's ``extra`` (JSON-safe)."""
@@ -777,7 +775,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                 hook = {"before_step": local} if local is not None else {}  # DEEP-GRPO's local loss, if any
                 metrics.update(update_policy(run, batch, old_lp, old_ent, step, counts=counts, record=record,
                                              off_policy=off, **hook))
-                metrics.update(run.deep.local_metrics() if run.deep else {})
+                metrics.update(run.deep.local_metrics(run.backend) if run.deep else {})
                 if dumping:
                     dump_tokens(run, step, kept, batch, dump_rows, dump_dist, record, dp)
             else:
