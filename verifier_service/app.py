@@ -44,15 +44,17 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from fastapi.security import HTTPBearer
+from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stapo import __version__
@@ -69,6 +71,7 @@ from stapo.verifier_service.schemas import (
 from stapo.verifier_service.settings import Settings
 
 log = logging.getLogger("stapo.verifier_service.app")
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -266,6 +269,41 @@ def results_body(results: list[GradeResult], *, explain: bool = False) -> dict[s
     ]}  # fmt: skip
 
 
+def read_model(body: bytes, content_type: str | None, model: type[ModelT]) -> ModelT:
+    """The request body validated as ``model`` straight from its bytes (pydantic's JSON parser,
+    which skips the dict that ``json.loads`` + validation would build first).
+
+    Content types as FastAPI reads them: none, ``application/json`` or ``application/*+json`` are
+    JSON; anything else is validated as it is, and fails with the reason. Errors are FastAPI's 422,
+    with ``body`` leading each location.
+    """
+    try:
+        if content_type:
+            main, _, sub = content_type.split(";", 1)[0].strip().lower().partition("/")
+            if main != "application" or not (sub == "json" or sub.endswith("+json")):
+                return model.model_validate(body)
+        return model.model_validate_json(body)
+    except ValidationError as err:
+        errors = [
+            {"type": "json_invalid", "loc": ("body",), "msg": f"JSON decode error: {e['msg']}"}
+            if e["type"] == "json_invalid"
+            else {**e, "loc": ("body", *e["loc"])}
+            for e in err.errors(include_url=False, include_input=False)
+        ]
+        raise RequestValidationError(errors) from None
+
+
+def json_body(model: type[ModelT]) -> tuple[Callable[[Request], Any], dict[str, Any]]:
+    """A dependency that reads the body as ``model`` (``read_model``), and the OpenAPI entry that
+    documents it (the model itself is added to the schema's components by ``create_app``)."""
+
+    async def dep(request: Request) -> ModelT:
+        return read_model(await request.body(), request.headers.get("content-type"), model)
+
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return dep, {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
 def _validation_detail(errors: Any) -> list[dict[str, Any]]:
     """pydantic's errors without the offending input (it may be huge, or not encodable)."""
     out = []
@@ -358,9 +396,7 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
         try:
             # A client that sends no budget (OpenRLHF's /get_reward, curl) gets the default one, so a
             # request of pathological items answers in bounded time whoever sends it.
-            fut = pool.submit(
-                items, budget_s=budget_s if budget_s is not None else settings.request_budget_s()
-            )
+            fut = pool.submit(items, budget_s=budget_s, default_budget_s=settings.request_budget_s())
         except PoolBusy as err:
             retry = str(max(1, math.ceil(err.retry_after_s)))
             raise HTTPException(429, str(err), headers={"Retry-After": retry}) from err
@@ -419,8 +455,17 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
         }
         return SafeJSONResponse(body)
 
-    @app.post("/v1/verify", response_model=VerifyResponse, dependencies=Auth, tags=["verify"])
-    async def verify(req: VerifyRequest, request: Request) -> Response:
+    verify_body, verify_doc = json_body(VerifyRequest)
+    reward_body, reward_doc = json_body(RewardRequest)
+
+    @app.post(
+        "/v1/verify",
+        response_model=VerifyResponse,
+        dependencies=Auth,
+        tags=["verify"],
+        openapi_extra=verify_doc,
+    )
+    async def verify(request: Request, req: VerifyRequest = Depends(verify_body)) -> Response:
         """Grade a batch: one result per item, in order. A failed item is a status, not an HTTP error.
 
         With ``explain: true`` each result also names the grader's rule that decided it."""
@@ -428,8 +473,14 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
         results = await grade(request, items, req.budget_s)
         return SafeJSONResponse(results_body(results, explain=req.explain))
 
-    @app.post("/get_reward", response_model=RewardResponse, dependencies=Auth, tags=["verify"])
-    async def get_reward(req: RewardRequest, request: Request) -> Response:
+    @app.post(
+        "/get_reward",
+        response_model=RewardResponse,
+        dependencies=Auth,
+        tags=["verify"],
+        openapi_extra=reward_doc,
+    )
+    async def get_reward(request: Request, req: RewardRequest = Depends(reward_body)) -> Response:
         """OpenRLHF ``--remote_rm_url``: reward = score; per-sample statuses are in ``extra_logs``.
 
         OpenRLHF needs a number for every sample, so an item that timed out or errored gets reward
@@ -478,4 +529,17 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
         """Prometheus text format."""
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema plus the request models that the routes read themselves (``json_body``)."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (VerifyRequest, RewardRequest):
+                spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(spec.pop("$defs", {}))
+                components[model.__name__] = spec
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -577,11 +577,15 @@ class GraderPool:
         items: Iterable[VerifyItem | dict[str, Any] | Sequence[str]],
         *,
         budget_s: float | None = None,
+        default_budget_s: float | None = None,
     ) -> concurrent.futures.Future:
         """Queue items; the future resolves to ``list[GradeResult]`` in input order.
 
-        ``budget_s``: items still queued this many seconds from now answer 'timeout' without being
-        graded (the caller will have given up). Cancelling the future drops the queued items.
+        ``budget_s``: items not graded this many seconds from now answer 'timeout' (the caller will
+        have given up); nothing of the request runs past it. Without it, ``default_budget_s`` plus
+        the request's own typical grading time (spread over the workers) applies, so a large batch
+        of ordinary items is not cut by a budget meant to bound pathological ones.
+        Cancelling the future drops the queued items.
         Raises :class:`PoolBusy` (too much queued work), :class:`PoolBroken`, :class:`PoolClosed`.
         """
         self._ensure_owner()
@@ -672,6 +676,9 @@ class GraderPool:
             for i in [*(i for i in leaders.values() if i not in job.single), *costly]:
                 job.queue[job.shard[i]].append(i)
                 self._pending_by_mode[norm[i][2]] += 1
+            if budget_s is None and default_budget_s is not None:
+                typical = sum(self._typical_s(norm[i][2]) for i in leaders.values()) / self.size
+                budget_s = default_budget_s + typical
             if budget_s is not None:
                 job.expires = time.monotonic() + budget_s
             self._outstanding.add(job)
