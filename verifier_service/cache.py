@@ -30,12 +30,11 @@ to a worker."""
 
 def digest(*fields: str) -> bytes:
     """blake2b-128 of the fields, each preceded by its UTF-8 length: distinct tuples, distinct digests."""
-    h = hashlib.blake2b(digest_size=16)
+    parts = []
     for f in fields:
         b = f.encode("utf-8", "surrogatepass")
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
-    return h.digest()
+        parts += (len(b).to_bytes(8, "little"), b)
+    return hashlib.blake2b(b"".join(parts), digest_size=16).digest()
 
 
 def cache_key(item: Item) -> bytes:

@@ -623,7 +623,7 @@ _NUM_TOKEN_RE = re.compile(r"\d+(?:\.\d+)?")
 
 
 def _compound_quantity(pred: str) -> bool:
-    """"3 hours and 20 minutes", "2 feet 5 inches": two numbers joined by words, not by an operator.
+    """ "3 hours and 20 minutes", "2 feet 5 inches": two numbers joined by words, not by an operator.
 
     Against a single-number gold such an answer is not that number, yet math-verify's search
     (units stripped, first number) would read it as ``3``.

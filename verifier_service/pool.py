@@ -75,6 +75,7 @@ import multiprocessing as mp
 import multiprocessing.util
 import operator
 import os
+import re
 import signal
 import socket
 import threading
@@ -114,6 +115,20 @@ INITIAL_ITEM_S = 0.005
 MAX_RESTART_BACKOFF_S = 60.0
 WATCH_TICK_S = 0.05
 """The watchdog looks at running items at least this often (a deadline holds to within this)."""
+
+COSTLY = re.compile(r"\^\s*\{[^{}]*\^|\^\s*\w+\s*\^|[\d})]\s*!|(?:[{(\[][^{}()\[\]]*){12}")
+"""Shapes that can hold a worker for a whole deadline: a power tower (``5^{5^{5^5}}``), a factorial,
+brackets nested 12 deep. Only the order of work depends on it (see ``looks_costly``)."""
+
+
+def looks_costly(prediction: str) -> bool:
+    """Whether the end of a response (where the answer is) has a shape that can take a deadline.
+
+    Such items go after the rest of their request, one per task: a request that mixes ordinary
+    items with pathological ones gets its ordinary items graded first, within its budget, and the
+    pathological ones overrun in parallel. Verdicts do not depend on it."""
+    return COSTLY.search(prediction, max(0, len(prediction) - 2000)) is not None
+
 
 FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(GradeResult)))
 """A result travels from a worker as a plain tuple of its fields (cheaper to pickle than the object)."""
@@ -562,11 +577,15 @@ class GraderPool:
         items: Iterable[VerifyItem | dict[str, Any] | Sequence[str]],
         *,
         budget_s: float | None = None,
+        default_budget_s: float | None = None,
     ) -> concurrent.futures.Future:
         """Queue items; the future resolves to ``list[GradeResult]`` in input order.
 
-        ``budget_s``: items still queued this many seconds from now answer 'timeout' without being
-        graded (the caller will have given up). Cancelling the future drops the queued items.
+        ``budget_s``: items not graded this many seconds from now answer 'timeout' (the caller will
+        have given up); nothing of the request runs past it. Without it, ``default_budget_s`` plus
+        the request's own typical grading time (spread over the workers) applies, so a large batch
+        of ordinary items is not cut by a budget meant to bound pathological ones.
+        Cancelling the future drops the queued items.
         Raises :class:`PoolBusy` (too much queued work), :class:`PoolBroken`, :class:`PoolClosed`.
         """
         self._ensure_owner()
@@ -652,9 +671,14 @@ class GraderPool:
             job.remaining = len(leaders)
             job.spread = max(1, math.ceil(len(leaders) / self.size))
             job.queue = [collections.deque() for _ in range(self.size)]
-            for i in leaders.values():
+            costly = [i for i in leaders.values() if looks_costly(norm[i][0])]
+            job.single.update(costly)
+            for i in [*(i for i in leaders.values() if i not in job.single), *costly]:
                 job.queue[job.shard[i]].append(i)
                 self._pending_by_mode[norm[i][2]] += 1
+            if budget_s is None and default_budget_s is not None:
+                typical = sum(self._typical_s(norm[i][2]) for i in leaders.values()) / self.size
+                budget_s = default_budget_s + typical
             if budget_s is not None:
                 job.expires = time.monotonic() + budget_s
             self._outstanding.add(job)
@@ -901,6 +925,8 @@ class GraderPool:
         if not any(job.queue):
             self._active.pop(job, None)
         job.served += len(idx) * self._est_item_s(mode)
+        if job.expires is not None:  # nothing runs past the request's budget
+            deadline = min(deadline, max(0.05, job.expires - time.monotonic()))
         return idx, deadline
 
     def _dispatch(self) -> None:
