@@ -61,6 +61,12 @@ class Mutant:
     tests: tuple[str, ...]  # pytest node ids / paths, relative to the repository
     why: str
     timeout_s: int = 240
+    # the same bug in a rewritten version of the code: (file, old, new), tried in order when the
+    # main snippet no longer applies, so a rewrite in flight does not leave the rule unchecked
+    alts: tuple[tuple[str, str, str], ...] = ()
+
+    def patches(self) -> tuple[tuple[str, str, str], ...]:
+        return ((self.file, self.old, self.new), *self.alts)
 
 
 S2T = ("tests/unit/test_s2t_spread.py", "tests/unit/test_algos.py")
@@ -96,7 +102,7 @@ MUTANTS: list[Mutant] = [
            ("tests/unit/test_algos.py",), "20-Entropy keeps one token too many"),
     Mutant("top-entropy-gather-dropped", "core/algos/weights.py",
            "thr = top_fraction_threshold(ctx.gathered(local), rho, largest=True)",
-           "thr = top_fraction_threshold(local, rho, largest=True)", ("tests/unit/test_algos.py",),
+           "thr = top_fraction_threshold(local, rho, largest=True)", S2T,
            "20-Entropy ranks one rank's tokens only"),
     # ------------------------------------------------------------------ core/algos: losses, aggregation, advantages
     Mutant("token-mean-local-normalizer", "core/algos/aggregation.py",
@@ -123,7 +129,9 @@ MUTANTS: list[Mutant] = [
            "tau_h resolved at the wrong scope"),
     Mutant("normalizer-not-summed-over-ranks", "core/loop.py",
            "            norm = reduce(norm) if reduce is not None else norm\n", "            norm = norm\n", UPDATE,
-           "each rank normalizes by its own token count"),
+           "each rank normalizes by its own token count",
+           alts=(("core/update.py", "        return ctx, tw, self.reduce(self.parts.agg.normalizer(tw, self.mask))\n",
+                  "        return ctx, tw, self.parts.agg.normalizer(tw, self.mask)\n"),)),
     Mutant("threshold-per-micro-batch", "core/loop.py",
            "                    coef = agg_coefficients(tw.select(rows), old_rows, norm)  # [b, L]\n",
            "                    coef = agg_coefficients(weigh(TokenContext(cur_lp[rows], cur_ent[rows], adv_rows, "
@@ -144,11 +152,16 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ grader pool
     Mutant("deadline-kill-skipped", "verifier_service/pool.py",
            '                    self._lost(w, "timeout")\n', "                    pass\n", POOL,
-           "a runaway worker is never killed: the item hangs"),
+           "a runaway worker is never killed: the item hangs",
+           alts=(("verifier_service/pool.py",
+                  "                task.future.cancel()  # pebble stops the worker and starts another\n",
+                  "                pass\n"),)),
     Mutant("timeouts-cached", "verifier_service/pool.py",
            '        if r.status in ("ok", "no_answer"):\n            if key is not None:',
            '        if r.status in ("ok", "no_answer", "timeout"):\n            if key is not None:', POOL,
-           "a retry of a timed-out item is answered from the cache"),
+           "a retry of a timed-out item is answered from the cache",
+           alts=(("verifier_service/pool.py", '        if r.status in ("ok", "no_answer"):  # never',
+                  '        if r.status in ("ok", "no_answer", "timeout"):  # never'),)),
     # ------------------------------------------------------------------ numeric tolerances
     Mutant("numeric-rel-tol-10x", "verifier_service/numeric.py",
            "\nREL_TOL = 1e-5\n", "\nREL_TOL = 1e-4\n", NUMERIC,
@@ -213,16 +226,27 @@ def make_shim(tree: Path) -> None:
             link.symlink_to(tree / folder)
 
 
+def applicable(m: Mutant, tree: Path) -> tuple[tuple[str, str, str] | None, str]:
+    """The first of the mutant's patches whose snippet occurs exactly once in ``tree`` (None if no
+    patch does), and a note: which file it patches, or why none applies."""
+    why = []
+    for f, old, new in m.patches():
+        path = tree / f
+        n = path.read_text().count(old) if path.is_file() else -1
+        if n == 1:
+            return (f, old, new), f
+        why.append(f"{f}: " + ("no such file" if n < 0 else f"snippet found {n} times (expected once)"))
+    return None, "; ".join(why)
+
+
 def apply(m: Mutant, tree: Path) -> str | None:
     """Patch ``tree`` in place; None, or why the patch no longer applies."""
-    path = tree / m.file
-    if not path.is_file():
-        return f"{m.file} no longer exists"
-    text = path.read_text()
-    n = text.count(m.old)
-    if n != 1:
-        return f"snippet found {n} times in {m.file} (expected once)"
-    path.write_text(text.replace(m.old, m.new))
+    patch, why = applicable(m, tree)
+    if patch is None:
+        return why
+    f, old, new = patch
+    path = tree / f
+    path.write_text(path.read_text().replace(old, new))
     return None
 
 
@@ -272,9 +296,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.list:
         for m in chosen:
-            text = (ROOT / m.file).read_text() if (ROOT / m.file).is_file() else ""
-            ok = "applies" if text.count(m.old) == 1 else "STALE (patch no longer applies)"
-            print(f"{m.name:38s} {m.file:30s} {ok:12s} {m.why}")
+            patch, why = applicable(m, ROOT)
+            ok = f"applies to {why}" if patch is not None else f"STALE (patch no longer applies: {why})"
+            print(f"{m.name:38s} {ok:45s} {m.why}")
         return 0
 
     results: list[tuple[Mutant, str, float, str]] = []

@@ -79,15 +79,21 @@ def g(pred: str, gold: str) -> bool:
         # exact constants: 7e-32 relative is math-verify's call (equal at 6 decimals), 1.4e-30 is "different"
         ("\\sqrt{2}+10^{-31}", "\\sqrt{2}", True),
         ("\\sqrt{2}+2\\cdot10^{-30}", "\\sqrt{2}", False),
-        # rounded gold 0.6667 (4 decimals): half a unit is 5e-5, inclusive
-        ("0.66665", "0.6667", True), ("0.666649", "0.6667", False),
-        ("\\frac{13333}{20000}", "0.6667", True), ("\\frac{133329}{200000}", "0.6667", False),
-        # the float path (an expression, evaluated): sqrt(0.207025) is 0.455 exactly, on gold 0.45's boundary,
-        # where float rounding overshoots by 4e-18: kept by the 1e-9 slack
-        ("\\sqrt{0.207025}", "0.45", True), ("\\sqrt{0.2071}", "0.45", False),
+        # rounded gold 0.6667 (4 decimals): half a unit (5e-5) away, missed by 1e-9 to 6e-7 either side;
+        # none is a short decimal (whether those match is a policy question, not a tolerance)
+        ("\\frac{19999501}{30000000}", "0.6667", True), ("\\frac{19999499}{30000000}", "0.6667", False),  # Fraction
+        ("0.666650001", "0.6667", True), ("0.666649999", "0.6667", False),  # a longer decimal
+        ("\\frac{\\sqrt{444423}}{1000}", "0.6667", True), ("\\frac{\\sqrt{444422}}{1000}", "0.6667", False),  # float
         # math-verify rounds to 6 decimals; the numeric rejection must not be stricter than that
         ("1.0000004", "1", True), ("1.000002", "1", False),
     ],
 )
 def test_grader_tolerance_boundary(pred, gold, correct):
     assert g(pred, gold) is correct
+
+
+def test_rounded_gold_float_slack_at_the_exact_boundary():
+    """The float path's 1e-9 slack: sqrt(0.207025) is 0.455 exactly, on gold 0.45's half-unit boundary,
+    where float rounding overshoots by 4e-18. Inclusive, as the Fraction path is."""
+    assert g("\\sqrt{0.207025}", "0.45") is True
+    assert g("\\sqrt{0.2071}", "0.45") is False

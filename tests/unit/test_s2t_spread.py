@@ -168,6 +168,19 @@ def test_tau_h_is_taken_over_every_rank(spread):
     assert tw.info["tau_h"] == pytest.approx(want, abs=1e-5)
 
 
+def test_top_entropy_ranks_tokens_over_every_rank(spread):
+    """20-Entropy's top-rho threshold is taken over the gathered batch (catches the gather dropped)."""
+    r0, r1 = spread.rows([0, 1]), spread.rows([2, 3])
+    h = sorted(spread.valid_h(), reverse=True)
+    thr = h[math.ceil(0.2 * len(h)) - 1]  # the ceil(rho * n)-th largest entropy of the whole batch
+    tw = get_token_weighting("top_entropy")(r0.ctx(gather=mirror_gather(r1)), rho=0.2)
+    assert tw.info["entropy_threshold"] == pytest.approx(thr, abs=1e-5)
+    want = [(b, t) for b in range(2) for t in range(T) if r0.mask[b, t] and r0.h[b][t] >= thr - 1e-6]
+    assert sorted(map(tuple, tw.weights.nonzero().tolist())) == want
+    local = get_token_weighting("top_entropy")(r0.ctx(), rho=0.2)
+    assert not torch.equal(local.weights, tw.weights)  # a rank-local ranking keeps other tokens
+
+
 @pytest.mark.parametrize("scope", ["step", "minibatch"])
 def test_step_thresholds_are_global(spread, scope):
     """``step_entropy_thresholds`` (the default scope=step resolves tau_h once for the step):
