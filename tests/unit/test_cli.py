@@ -231,3 +231,72 @@ def test_ctrl_c_without_checkpoint_then_fresh(monkeypatch, capsys, tmp_path):
     assert code == 0, err
     assert out.splitlines()[0] == f"{run} has no checkpoint: starting over from step 0 (--fresh)"
     assert calls == [True]
+
+
+# ----------------------------------------------------------------------------- recipes at tiny scale
+
+
+def test_recipe_method_keys_apply_to_tiny():
+    """Every shipped recipe's method keys load onto the tiny config; scale keys stay tiny's."""
+    from stapo.cli.train import method_overrides
+    from stapo.configs import preset_names
+    from stapo.core.config import load_config
+
+    tiny = load_config(preset_path("tiny"))
+    for name in preset_names():
+        recipe = load_config(preset_path(name))
+        cfg = load_config(preset_path("tiny"), method_overrides(preset_path(name)))
+        assert cfg.algorithm.name == recipe.algorithm.name, name
+        assert cfg.algorithm.token_weighting == recipe.algorithm.token_weighting, name
+        assert cfg.data.sampler == recipe.data.sampler, name
+        # not the method: model, backend, batch, length, reward scale, schedule stay the tiny config's
+        assert cfg.model == tiny.model and cfg.trainer.backend == tiny.trainer.backend == "torch", name
+        assert (cfg.rollout.n, cfg.rollout.max_new_tokens) == (tiny.rollout.n, tiny.rollout.max_new_tokens), name
+        assert cfg.algorithm.mini_batches == tiny.algorithm.mini_batches, name
+        assert cfg.reward.scale == tiny.reward.scale and cfg.trainer.lr == tiny.trainer.lr, name
+    grpo = load_config(preset_path("tiny"), method_overrides(preset_path("grpo")))
+    assert (grpo.algorithm.eps_low, grpo.algorithm.eps_high, grpo.algorithm.aggregation) == (
+        0.2, 0.2, "seq-mean-token-mean")
+
+
+def _stub_train(monkeypatch) -> list:
+    from stapo.core import loop
+
+    seen = []
+
+    def finishes(cfg, run_dir, *, resume=False, log=print):
+        seen.append(cfg)
+        return loop.TrainResult(run_dir, cfg.trainer.max_steps, None, None, 0.0)
+
+    monkeypatch.setattr(loop, "train", finishes)
+    return seen
+
+
+def test_train_recipe_flag_and_set_order(monkeypatch, capsys, tmp_path):
+    seen = _stub_train(monkeypatch)
+    code, _o, err = _main(monkeypatch, capsys, "train", "--config", "tiny", "--recipe", "grpo",
+                          "--set", "algorithm.eps_high=0.3", "--run-dir", str(tmp_path / "r"))
+    assert code == 0, err
+    assert "warning" not in err
+    cfg = seen[0]
+    assert (cfg.algorithm.name, cfg.algorithm.token_weighting, cfg.model.name_or_path) == ("grpo", "none", "tiny-random")
+    assert cfg.algorithm.eps_high == 0.3  # --set wins over the recipe
+
+
+def test_label_only_name_warns(monkeypatch, capsys, tmp_path):
+    _stub_train(monkeypatch)
+    code, _o, err = _main(monkeypatch, capsys, "train", "--config", "tiny", "--set", "algorithm.name=grpo",
+                          "--run-dir", str(tmp_path / "r"))
+    assert code == 0
+    assert _first(err) == (
+        "warning: algorithm.name=grpo, but algorithm.token_weighting='s2t' (the grpo recipe: 'none'): the name "
+        "is only a label. `--recipe grpo` takes the grpo recipe's method keys.")
+    code, _o, err = _main(monkeypatch, capsys, "train", "--config", "tiny", "--run-dir", str(tmp_path / "r2"))
+    assert code == 0 and "warning" not in err  # tiny is labelled stapo and is STAPO's method
+
+
+def test_unknown_recipe(monkeypatch, capsys, tmp_path):
+    code, _o, err = _main(monkeypatch, capsys, "train", "--config", "tiny", "--recipe", "grp0",
+                          "--run-dir", str(tmp_path / "r"))
+    assert code == 2 and _first(err).startswith("error: config 'grp0' is neither a file nor a preset; presets:")
+    assert not (tmp_path / "r").exists()
