@@ -22,30 +22,18 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from stapo.cli.common import CLIError, ConfigOpt, SetOpt, check_inputs, resolve_config_path
+from stapo.cli.common import CLIError, ConfigOpt, SetOpt, check_inputs, quiet_known_noise, resolve_config_path
 
 if TYPE_CHECKING:
     from stapo.core.config import Config
 
-EXAMPLES = """
-
-Examples:
-
-  stapo train --config tiny                            # a tiny random model, seconds on a CPU
-
-  stapo train --config tiny --recipe grpo              # GRPO's algorithm on the tiny model
-
-  stapo train --config stapo --set model.name_or_path=Qwen/Qwen3-1.7B-Base --run-dir runs/stapo
-
-  stapo train --run-dir runs/stapo --resume            # continue from the last checkpoint
-"""
 
 
 def command(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     run_dir: Annotated[
-        Path | None, typer.Option("--run-dir", "-o", help="Run folder (default: runs/<algorithm>-<time>).")
+        Path | None, typer.Option("--run-dir", "-o", metavar="DIR", help="Run folder (default: runs/<algorithm>-<time>).")
     ] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue the run in --run-dir from its last checkpoint.")
@@ -55,6 +43,7 @@ def command(
         typer.Option(
             "--recipe",
             "-r",
+            metavar="NAME",
             help="Run this recipe's method (its algorithm.* keys and layers: the `method` keys of "
             "stapo.core.fairness) on --config's model, data, batch, lengths, reward scale, schedule and "
             "backend. E.g. --config tiny --recipe grpo. --set still wins.",
@@ -77,6 +66,14 @@ def command(
     With no arguments it runs the CPU demo: SmolLM2-135M-Instruct learning single-digit addition
     (needs `make demo-model` once). Writes config.yaml, metrics.jsonl, TensorBoard events, token
     dumps, checkpoints and the final HF-format policy into the run dir.
+
+    Examples:
+
+    \b
+      stapo train --config tiny                      # a tiny random model, seconds on a CPU
+      stapo train --config tiny --recipe grpo        # GRPO's method on the tiny model
+      stapo train --config stapo --set model.name_or_path=Qwen/Qwen3-1.7B-Base --run-dir runs/stapo
+      stapo train --run-dir runs/stapo --resume      # continue from the last checkpoint
     """
     from stapo.core.config import ConfigError, load_config
 
@@ -107,6 +104,7 @@ def command(
     if resume:
         _check_resumable(run_dir, fresh)
     check_inputs(cfg)
+    quiet_known_noise(cfg.trainer.backend)
 
     from stapo.core.loop import train
     from stapo.core.rewards import RewardError
@@ -245,5 +243,3 @@ def _remove_if_empty_run(run_dir: Path) -> None:
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
-
-command.__doc__ = (command.__doc__ or "") + EXAMPLES
