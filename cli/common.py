@@ -30,13 +30,14 @@ class CLIError(Exception):
 
 ConfigOpt = Annotated[
     Path | None,
-    typer.Option("--config", "-c", help="YAML config file (see configs/). Defaults to the command's preset."),
+    typer.Option("--config", "-c", metavar="NAME|FILE", help="A preset name (tiny, stapo, grpo, ...: `stapo recipes`) or a YAML config file. Default: the command's preset."),
 ]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--set",
         "-s",
+        metavar="KEY=VALUE",
         help="Override one config field, repeatable: --set trainer.max_steps=10 --set algorithm.s2t.tau_p=0.02 (all fields: docs/config.md)",
     ),
 ]
@@ -104,3 +105,32 @@ def check_inputs(cfg: Config) -> None:
         check_source(cfg.data)
     except DataError as err:
         raise CLIError(str(err)) from None
+
+
+class _DropMessages:
+    """A ``logging`` filter that drops records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        self.prefixes = prefixes
+
+    def filter(self, record: object) -> bool:
+        return not record.getMessage().startswith(self.prefixes)  # type: ignore[attr-defined]
+
+
+# Library messages that say nothing to a stapo user, by logger name (not ours to fix, so filtered):
+# on the torch backend DeepSpeed is imported only for its helpers (checkpoint/export code paths ask
+# whether ZeRO-3 is on), and its accelerator probe warns that it "falls back" to the CPU it was
+# never asked to use.
+KNOWN_NOISE: dict[str, dict[str, tuple[str, ...]]] = {
+    "torch": {"DeepSpeed": ("Setting accelerator to CPU",)},
+}
+
+
+def quiet_known_noise(backend: str) -> None:
+    """Install the filters of :data:`KNOWN_NOISE` for this trainer backend (idempotent)."""
+    import logging
+
+    for name, prefixes in KNOWN_NOISE.get(backend, {}).items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(prefixes))  # type: ignore[arg-type]

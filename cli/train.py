@@ -22,34 +22,33 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from stapo.cli.common import CLIError, ConfigOpt, SetOpt, check_inputs, resolve_config_path
+from stapo.cli.common import CLIError, ConfigOpt, SetOpt, check_inputs, quiet_known_noise, resolve_config_path
 
 if TYPE_CHECKING:
     from stapo.core.config import Config
 
-EXAMPLES = """
-
-Examples:
-
-  stapo train --config tiny                            # a tiny random model, seconds on a CPU
-
-  stapo train --config tiny --recipe grpo              # GRPO's algorithm on the tiny model
-
-  stapo train --config stapo --set model.name_or_path=Qwen/Qwen3-1.7B-Base --run-dir runs/stapo
-
-  stapo train --run-dir runs/stapo --resume            # continue from the last checkpoint
-"""
 
 
 def command(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     run_dir: Annotated[
-        Path | None, typer.Option("--run-dir", "-o", help="Run folder (default: runs/<algorithm>-<time>).")
+        Path | None, typer.Option("--run-dir", "-o", metavar="DIR", help="Run folder (default: runs/<algorithm>-<time>).")
     ] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue the run in --run-dir from its last checkpoint.")
     ] = False,
+    recipe: Annotated[
+        str | None,
+        typer.Option(
+            "--recipe",
+            "-r",
+            metavar="NAME",
+            help="Run this recipe's method (its algorithm.* keys and layers: the `method` keys of "
+            "stapo.core.fairness) on --config's model, data, batch, lengths, reward scale, schedule and "
+            "backend. E.g. --config tiny --recipe grpo. --set still wins.",
+        ),
+    ] = None,
     fresh: Annotated[
         bool,
         typer.Option(
@@ -67,6 +66,14 @@ def command(
     With no arguments it runs the CPU demo: SmolLM2-135M-Instruct learning single-digit addition
     (needs `make demo-model` once). Writes config.yaml, metrics.jsonl, TensorBoard events, token
     dumps, checkpoints and the final HF-format policy into the run dir.
+
+    Examples:
+
+    \b
+      stapo train --config tiny                      # a tiny random model, seconds on a CPU
+      stapo train --config tiny --recipe grpo        # GRPO's method on the tiny model
+      stapo train --config stapo --set model.name_or_path=Qwen/Qwen3-1.7B-Base --run-dir runs/stapo
+      stapo train --run-dir runs/stapo --resume      # continue from the last checkpoint
     """
     from stapo.core.config import ConfigError, load_config
 
@@ -83,9 +90,13 @@ def command(
             path = resolve_config_path(config) if config is not None else saved
         else:
             path = resolve_config_path(config)
+        if recipe is not None:
+            overrides = method_overrides(resolve_config_path(Path(recipe))) + overrides
         cfg = load_config(path, overrides)
     except ConfigError as err:
-        raise CLIError(str(err)) from None
+        raise CLIError(f"--recipe {recipe}: {err}" if recipe and "invalid config" in str(err) else str(err)) from None
+    for warning in name_mismatch(cfg):
+        typer.echo(f"warning: {warning}", err=True)
     if run_dir is None:
         run_dir = Path("runs") / f"{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if not resume and (run_dir / "metrics.jsonl").exists():
@@ -93,6 +104,7 @@ def command(
     if resume:
         _check_resumable(run_dir, fresh)
     check_inputs(cfg)
+    quiet_known_noise(cfg.trainer.backend)
 
     from stapo.core.loop import train
     from stapo.core.rewards import RewardError
@@ -116,6 +128,58 @@ def command(
         f"done: {result.steps} steps in {result.wall_s:.0f}s; validation accuracy "
         f"{_fmt(result.val_before)} -> {_fmt(result.val_after)}; run dir {result.run_dir}"
     )
+
+
+# The keys that tell the shipped methods apart (our choice: each recipe differs from the others
+# in at least one of them). A config labelled with a recipe's name must agree with that recipe here.
+SIGNATURE_KEYS = (
+    "algorithm.token_weighting", "algorithm.policy_loss", "algorithm.advantage", "algorithm.lp_reg.enabled",
+    "algorithm.deep_grpo.enabled", "data.sampler", "rollout.async.enabled",
+)
+
+
+def method_overrides(recipe: Path) -> list[str]:
+    """``--set`` overrides that give a config the recipe's values of every method key.
+
+    Method keys are those :func:`stapo.core.fairness.classify` puts in the ``method`` group (the
+    objective and its layers), so the recipe's batch, lengths, reward scale, schedule, model and
+    backend are left out: ``--config tiny --recipe grpo`` is GRPO at the tiny config's scale.
+    """
+    from stapo.core.config import load_config
+    from stapo.core.fairness import classify, flatten
+
+    data = flatten(load_config(recipe).model_dump(mode="json", by_alias=True))
+    return [f"{key}={_flow(value)}" for key, value in data.items() if classify(key) == "method"]
+
+
+def _flow(value: object) -> str:
+    import yaml
+
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
+
+
+def name_mismatch(cfg: Config) -> list[str]:
+    """Warnings when ``algorithm.name`` is a recipe's name but the method keys say otherwise.
+
+    ``--set algorithm.name=grpo`` on a STAPO config only changes the label: reports would call a
+    STAPO run GRPO. Checked on :data:`SIGNATURE_KEYS` against the shipped recipe of that name.
+    """
+    from stapo.configs import preset_path
+    from stapo.core.config import load_config
+    from stapo.core.fairness import flatten
+
+    name = cfg.algorithm.name
+    path = preset_path(name)
+    if path is None:
+        return []
+    ours = flatten(cfg.model_dump(mode="json", by_alias=True))
+    theirs = flatten(load_config(path).model_dump(mode="json", by_alias=True))
+    diffs = [f"{k}={ours.get(k)!r} (the {name} recipe: {theirs.get(k)!r})" for k in SIGNATURE_KEYS
+             if ours.get(k) != theirs.get(k)]
+    if not diffs:
+        return []
+    return [f"algorithm.name={name}, but {'; '.join(diffs)}: the name is only a label. "
+            f"`--recipe {name}` takes the {name} recipe's method keys."]
 
 
 def _check_resumable(run_dir: Path, fresh: bool) -> None:
@@ -179,5 +243,3 @@ def _remove_if_empty_run(run_dir: Path) -> None:
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
-
-command.__doc__ = (command.__doc__ or "") + EXAMPLES

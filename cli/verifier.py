@@ -24,7 +24,13 @@ import typer
 
 from stapo.cli.common import CLIError
 
-app = typer.Typer(help="The math-verification service: serve it, or load-test it.", no_args_is_help=True)
+app = typer.Typer(
+    help="The math-verification service: serve it, or load-test it.\n\nExamples:\n\n\b\n"
+    "  stapo verifier serve --workers 2 --deadline 5       # 127.0.0.1:8000\n"
+    "  STAPO_VERIFIER_TOKEN=s3cret stapo verifier serve --host 0.0.0.0\n"
+    "  stapo verifier bench http://127.0.0.1:8000 --requests 40 --batch 64",
+    no_args_is_help=True,
+)
 
 
 def build_settings(**overrides: object):  # -> Settings (imported lazily: keeps `stapo --help` fast)

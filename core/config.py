@@ -58,6 +58,15 @@ class TinyModel(_Section):
     num_heads: int = Field(4, gt=0, description="Attention heads (must divide hidden_size).")
     intermediate_size: int = Field(128, gt=0, description="MLP width.")
     seed: int = Field(0, description="Seed of the random initialization.")
+    vocab: Literal["chars", "digits"] = Field(
+        "chars",
+        description=(
+            "Tokenizer of the tiny model: `chars` (digits, letters, operators, punctuation: ~100 tokens) or "
+            "`digits` (the ten digits and the special tokens only; other characters read as <unk>), where a "
+            "random model's one-token answer is the right digit about 1 time in 15: rewards vary from the "
+            "first step, so a tiny run exercises the update (configs/tiny.yaml)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModel:
@@ -106,6 +115,13 @@ class ArithmeticData(_Section):
     num_ops: int = Field(1, ge=1, le=4, description="Operations per problem (1: `a + b`).")
     ops: list[Literal["+", "-", "*"]] = Field(["+"], min_length=1, description="Operators to draw from.")
     word_problems: bool = Field(False, description="Phrase problems as short word problems instead of bare `a + b`.")
+    answer_range: tuple[int, int] | None = Field(
+        None,
+        description=(
+            "Keep only bare problems whose answer lies in [lo, hi] (e.g. [0, 9]: one-digit answers, which a "
+            "one-token response can name; configs/tiny.yaml). None: every answer."
+        ),
+    )
 
 
 class GoldilocksOptions(_Section):

@@ -327,6 +327,9 @@ def generate_arithmetic(cfg: ArithmeticData, *, seed: int) -> list[_Raw]:
             )
         )
         rng.shuffle(combos)
+        if cfg.answer_range is not None:
+            lo, hi = cfg.answer_range
+            combos = [(n, o) for n, o in combos if lo <= _eval_precedence(list(n), list(o)) <= hi]
         for nums, ops in combos[: cfg.num_problems]:
             out.append(_bare_problem(len(out), list(nums), list(ops)))
         return out
@@ -341,6 +344,8 @@ def generate_arithmetic(cfg: ArithmeticData, *, seed: int) -> list[_Raw]:
             raw = _Raw(id=f"arithmetic-{len(out)}", problem=problem, answer=str(value), source="arithmetic")
         else:
             raw = _bare_problem(len(out), nums, ops)
+            if cfg.answer_range is not None and not cfg.answer_range[0] <= int(raw.answer) <= cfg.answer_range[1]:
+                continue
         if raw.problem in seen:
             continue
         seen.add(raw.problem)

@@ -474,7 +474,8 @@ def terminal_tables(report: dict[str, Any]) -> list[Any]:
     base = report["baseline"]
     t = report["tables"]["avg"]
     if t["columns"]:
-        table = Table(title=f"avg@k (%) — deltas vs {base}")
+        deltas = f"deltas vs {base}" if base in t["columns"] else f"no deltas: the baseline {base} has no eval results"
+        table = Table(title=f"avg@k (%) — {deltas}")
         table.add_column("benchmark")
         for lab in t["columns"]:
             table.add_column(lab, justify="right")

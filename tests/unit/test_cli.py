@@ -231,3 +231,138 @@ def test_ctrl_c_without_checkpoint_then_fresh(monkeypatch, capsys, tmp_path):
     assert code == 0, err
     assert out.splitlines()[0] == f"{run} has no checkpoint: starting over from step 0 (--fresh)"
     assert calls == [True]
+
+
+# ----------------------------------------------------------------------------- recipes at tiny scale
+
+
+def test_recipe_method_keys_apply_to_tiny():
+    """Every shipped recipe's method keys load onto the tiny config; scale keys stay tiny's."""
+    from stapo.cli.train import method_overrides
+    from stapo.configs import preset_names
+    from stapo.core.config import load_config
+
+    tiny = load_config(preset_path("tiny"))
+    for name in preset_names():
+        recipe = load_config(preset_path(name))
+        cfg = load_config(preset_path("tiny"), method_overrides(preset_path(name)))
+        assert cfg.algorithm.name == recipe.algorithm.name, name
+        assert cfg.algorithm.token_weighting == recipe.algorithm.token_weighting, name
+        assert cfg.data.sampler == recipe.data.sampler, name
+        # not the method: model, backend, batch, length, reward scale, schedule stay the tiny config's
+        assert cfg.model == tiny.model and cfg.trainer.backend == tiny.trainer.backend == "torch", name
+        assert (cfg.rollout.n, cfg.rollout.max_new_tokens) == (tiny.rollout.n, tiny.rollout.max_new_tokens), name
+        assert cfg.algorithm.mini_batches == tiny.algorithm.mini_batches, name
+        assert cfg.reward.scale == tiny.reward.scale and cfg.trainer.lr == tiny.trainer.lr, name
+    grpo = load_config(preset_path("tiny"), method_overrides(preset_path("grpo")))
+    assert (grpo.algorithm.eps_low, grpo.algorithm.eps_high, grpo.algorithm.aggregation) == (
+        0.2, 0.2, "seq-mean-token-mean")
+
+
+def _stub_train(monkeypatch) -> list:
+    from stapo.core import loop
+
+    seen = []
+
+    def finishes(cfg, run_dir, *, resume=False, log=print):
+        seen.append(cfg)
+        return loop.TrainResult(run_dir, cfg.trainer.max_steps, None, None, 0.0)
+
+    monkeypatch.setattr(loop, "train", finishes)
+    return seen
+
+
+def test_train_recipe_flag_and_set_order(monkeypatch, capsys, tmp_path):
+    seen = _stub_train(monkeypatch)
+    code, _o, err = _main(monkeypatch, capsys, "train", "--config", "tiny", "--recipe", "grpo",
+                          "--set", "algorithm.eps_high=0.3", "--run-dir", str(tmp_path / "r"))
+    assert code == 0, err
+    assert "warning" not in err
+    cfg = seen[0]
+    assert (cfg.algorithm.name, cfg.algorithm.token_weighting, cfg.model.name_or_path) == ("grpo", "none", "tiny-random")
+    assert cfg.algorithm.eps_high == 0.3  # --set wins over the recipe
+
+
+def test_label_only_name_warns(monkeypatch, capsys, tmp_path):
+    _stub_train(monkeypatch)
+    code, _o, err = _main(monkeypatch, capsys, "train", "--config", "tiny", "--set", "algorithm.name=grpo",
+                          "--run-dir", str(tmp_path / "r"))
+    assert code == 0
+    assert _first(err) == (
+        "warning: algorithm.name=grpo, but algorithm.token_weighting='s2t' (the grpo recipe: 'none'): the name "
+        "is only a label. `--recipe grpo` takes the grpo recipe's method keys.")
+    code, _o, err = _main(monkeypatch, capsys, "train", "--config", "tiny", "--run-dir", str(tmp_path / "r2"))
+    assert code == 0 and "warning" not in err  # tiny is labelled stapo and is STAPO's method
+
+
+def test_unknown_recipe(monkeypatch, capsys, tmp_path):
+    code, _o, err = _main(monkeypatch, capsys, "train", "--config", "tiny", "--recipe", "grp0",
+                          "--run-dir", str(tmp_path / "r"))
+    assert code == 2 and _first(err).startswith("error: config 'grp0' is neither a file nor a preset; presets:")
+    assert not (tmp_path / "r").exists()
+
+
+# ----------------------------------------------------------------------------- the tiny run itself
+
+TOLERATED = ("past_key_values",)
+"""Warnings tolerated until the fix lands: transformers' `past_key_values` deprecation (the
+update path moves to `cache`); remove once main has it."""
+
+
+@pytest.fixture(scope="module")
+def tiny_cli_run(tmp_path_factory):
+    """`stapo train --config tiny` as a user runs it (a subprocess: every line it prints, warnings of
+    libraries and of grader processes included), a few steps."""
+    run = tmp_path_factory.mktemp("tiny") / "run"
+    res = subprocess.run(
+        [sys.executable, "-m", "stapo.cli.main", "train", "--config", "tiny", "--run-dir", str(run),
+         "--set", "trainer.max_steps=5"],
+        capture_output=True, text=True, timeout=600,
+    )
+    return res, run
+
+
+def test_tiny_run_prints_no_warning(tiny_cli_run):
+    res, _run = tiny_cli_run
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = (res.stdout + res.stderr).splitlines()
+    warnings = [ln for ln in lines if "warn" in ln.lower() and not any(t in ln for t in TOLERATED)]
+    assert warnings == []
+    assert not [ln for ln in lines if "Traceback" in ln or "error" in ln.lower()]
+
+
+def test_tiny_run_updates_in_most_steps(tiny_cli_run):
+    """The tiny task gives mixed rewards, so most steps have non-zero advantages and a gradient."""
+    from stapo.core.tracking import read_jsonl
+
+    res, run = tiny_cli_run
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert len(rows) == 5
+    moved = [r["actor/grad_norm"] > 0 for r in rows]
+    assert sum(moved) >= 4, [r["actor/grad_norm"] for r in rows]  # measured: 5 of 5 (seeded)
+    assert all(0 < r["reward/mean"] < 1 for r in rows if r["actor/grad_norm"] > 0)
+
+
+def test_compare_without_baseline_numbers_says_no_deltas(monkeypatch, capsys, tmp_path):
+    """A training run first and an eval dir second: there is nothing to take deltas against."""
+    from test_compare import write_eval_dir, write_train_run  # (tests/unit is on sys.path)
+
+    a = write_train_run(tmp_path, "a", steps=6, reward_slope=0.01, entropy0=1.0, val=[0.1, 0.2], algorithm="grpo")
+    b = write_eval_dir(tmp_path, "b", {"math500": (4, 0.5, 0.7, 0.6)})
+    code, out, err = _main(monkeypatch, capsys, "compare", str(a), str(b), "--out", str(tmp_path / "cmp"))
+    assert code == 0, err
+    flat = " ".join(out.split())  # a table title wraps to the table's width
+    assert "avg@k (%) — no deltas: the baseline a has no eval results" in flat and "deltas vs a" not in flat
+
+
+def test_help_placeholders_and_examples():
+    for cmd in (["train"], ["eval"], ["compare"], ["inspect"], ["prepare"], ["verifier"]):
+        text = runner.invoke(app, [*cmd, "--help"], env={"COLUMNS": "200"}).output
+        assert "Examples:" in text, cmd
+        for odd in ("<bool>", "{runs}", "[[SOURCE]]", "<list[str]>"):
+            assert odd not in text, (cmd, odd)
+    assert "default 127.0.0.1" in runner.invoke(app, ["verifier", "serve", "--help"], env={"COLUMNS": "200"}).output
+    listing = runner.invoke(app, ["recipes"], env={"COLUMNS": "200"}).output
+    demo = next(line for line in listing.splitlines() if line.startswith("demo "))
+    assert demo.rstrip().endswith("single-digit addition (`stapo train` runs it)")
