@@ -64,10 +64,9 @@ def rewards(remote_rm_url: str) -> list:
 
 
 def capture_openrlhf_log():
-    """OpenRLHF's own loggers (``init_logger``) print to stdout; also keep their lines here."""
+    """OpenRLHF's reward-path logger (``init_logger``: stdout, no propagation); also keep its lines here."""
     buf = io.StringIO()
-    handler = logging.StreamHandler(buf)
-    logging.getLogger("openrlhf").addHandler(handler)
+    logging.getLogger("openrlhf.utils.agent").addHandler(logging.StreamHandler(buf))
     return buf
 
 
@@ -89,18 +88,24 @@ if __name__ == "__main__":
     emit("adapters file, in-process pool", rewards(path), expected())
 
     env_for(url, "wrong-token")
+    before = log.tell()
     emit("adapters file, wrong token", rewards(path), none, "OpenRLHF logs the error at INFO, reward None")
+    emit(
+        "adapters file: token appears in OpenRLHF's log",
+        "yes" if "wrong-token" in log.getvalue()[before:] else "no",
+        "no",
+        "the adapters send the token in a header",
+    )
     env_for(dead, token)
     emit("adapters file, service down", rewards(path), none, "OpenRLHF logs the error at INFO, reward None")
     env_for(None, None)
 
     before = log.tell()
     emit("HTTP /get_reward, wrong token", rewards(f"{url}/get_reward?token=wrong-token"), none)
-    leaked = "token=wrong-token" in log.getvalue()[before:]
     emit(
-        "HTTP ?token= appears in OpenRLHF's log",
-        "yes" if leaked else "no",
+        "HTTP: ?token= appears in OpenRLHF's log",
+        "yes" if "token=wrong-token" in log.getvalue()[before:] else "no",
         "yes",
-        "its retry log prints the URL; the adapters file sends the token in a header instead",
+        "its retry log prints the full URL",
     )
     emit("HTTP /get_reward, service down", rewards(f"{dead}/get_reward"), none)
