@@ -48,7 +48,7 @@ integrations: setup
 	$(BIN)/python integrations/run.py $(INTEGRATIONS)
 
 # Opt-in curated mutation check (docs/testing.md): plants critical bugs one at a time in a temp copy
-# and runs the tests mapped to each; about 15 min on 2 cores. MUTANTS_ARGS="-k s2t" picks some.
+# and runs the tests mapped to each; about 20 min on 2 busy cores. MUTANTS_ARGS="-k s2t" picks some.
 MUTANTS_ARGS ?=
 mutants: setup
 	$(BIN)/python benchmarks/mutants.py $(MUTANTS_ARGS)

@@ -22,7 +22,7 @@ The copy is imported as ``stapo`` through a shim on PYTHONPATH (a ``stapo`` pack
 built from pyproject's package-dir map), which wins over the editable install's finder, so every
 subprocess the tests start (servers, grader workers, torchrun ranks) sees the mutant too.
 
-    python benchmarks/mutants.py                 # every mutant (about 15 min on 2 busy cores)
+    python benchmarks/mutants.py                 # every mutant (about 20 min on 2 busy cores)
     python benchmarks/mutants.py -k s2t -k pool  # mutants whose name contains any of these
     python benchmarks/mutants.py --list          # the list, and whether each patch still applies
 
