@@ -272,7 +272,8 @@ def fam_equations(key: Key, rng: random.Random) -> list[tuple[str, bool, str]]:
             (boxed(f"x = {v + 1}"), False, "x-equals-miss"),
             (boxed(f"2x = {v}"), v == 0, "coefficient-equation"),
         ]
-    if g.count("=") != 1 or "\\frac{d" in g or "'" in g or "prime" in g or len(g) > 40:
+    g = g.strip("$ ")
+    if "$" in g or g.count("=") != 1 or "\\frac{d" in g or "'" in g or "prime" in g or len(g) > 40:
         return []
     lhs, rhs = (s.strip() for s in g.split("="))
     out = [(boxed(f"{rhs} = {lhs}"), True, "sides-swapped"), (boxed(g.replace(" ", "")), True, "no-spaces")]
@@ -330,6 +331,8 @@ def fam_intervals(key: Key, rng: random.Random):
     g = key.gold.strip("$ ")
     derived = None
     m = _INTERVAL.match(g)
+    if m is not None and "\\infty" not in g and int(m.group(2)) >= int(m.group(3)):
+        m = None  # (6, 5) is a point, not an interval
     if m is None:
         v = int_value(key)
         if v is None or rng.random() > 0.1:
@@ -451,8 +454,8 @@ def fam_clock_base(key: Key, rng: random.Random) -> list[tuple[str, bool, str]]:
         ]
     v = int_value(key)
     bm = _BASE_WORD.search(key.problem)
-    if v is not None and v >= 0 and bm and int(bm.group(1)) not in (10,):
-        base = bm.group(1)
+    if v is not None and v >= 0 and bm and 2 <= int(bm.group(1)) < 10 and max(str(v)) < bm.group(1):
+        base = bm.group(1)  # digits valid in the base the question names
         bumped = bump_digit(str(v), rng) or str(v)
         return [
             (boxed(f"{v}_{{{base}}}"), True, "digits-with-base"),
