@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from stapo.core.config import Config, save_config
+from stapo.core.rewards import rule_shares
 
 __all__ = ["train", "TrainResult", "derive_seed"]
 
@@ -386,7 +387,8 @@ def rollout_and_grade(run: _Run, step: int, round_: int) -> tuple[list[Sequence_
             no_answer += graded.statuses.get("no_answer", 0)
     record_groups(run, idx[run.rank :: run.world_size], seqs)  # the sampler learns from observed accuracies
     times = {"time/rollout_s": t_roll, "time/reward_s": time.time() - t_wait, "time/reward_total_s": sum(t_grade),
-             "reward/failed": failed, "reward/retried": retried, "reward/no_answer_frac": no_answer / max(len(seqs), 1)}
+             "reward/failed": failed, "reward/retried": retried, "reward/no_answer_frac": no_answer / max(len(seqs), 1),
+             **rule_shares([fut.result() for _, fut in futures])}
     return seqs, times
 
 
