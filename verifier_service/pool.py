@@ -209,7 +209,8 @@ def worker_init(progress: Any, ready: Any, memory_mb: int, warmup: bool, max_cha
     if warmup:  # a no-op when the fork server already imported (and so ran) it
         import stapo.verifier_service.warmup  # noqa: F401
     WORKER.update(progress=progress, max_chars=max_chars)
-    ready.send(os.getpid())
+    with contextlib.suppress(OSError):  # the pool closed while this worker started: nothing to tell
+        ready.send(os.getpid())
 
 
 def grade_task(slot: int, seq: int, items: list[Item]) -> tuple[int, float, list[tuple]]:
