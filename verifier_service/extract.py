@@ -232,7 +232,9 @@ def last_boxed(text: str) -> tuple[int, str] | None:
 _LINE_PREFIX_WORDS_RE = re.compile(r"(?i)\b(?:final|the|my|our|correct)\b")
 _HEADING_RE = re.compile(r"^[A-Za-z]{2,}")
 # a contrast after the answer: "5, not 4", "5 rather than 4", "5 (not 4)"
-_CONTRAST_RE = re.compile(r"(?i)(?:,\s*|\s+|\s*\()(?:and\s+|but\s+)?(?:not|rather than|instead of)\s+.*$", re.S)
+_CONTRAST_RE = re.compile(
+    r"(?i)(?:,\s*|\s+|\s*\()(?:and\s+|but\s+)?(?:not|rather than|instead of)\s+.*$", re.S
+)
 _HAS_MATH_RE = re.compile(r"[0-9$\\]")
 
 
@@ -248,7 +250,7 @@ def _is_gsm8k_marker(m: re.Match[str]) -> bool:
 
 
 def _drop_contrast(s: str) -> str:
-    """"5, not 4" -> "5": the answer phrase's value without the alternative it rules out."""
+    """ "5, not 4" -> "5": the answer phrase's value without the alternative it rules out."""
     cut = _CONTRAST_RE.sub("", s)
     return cut if cut.strip() else s
 

@@ -385,7 +385,11 @@ def _base_equal(gb: re.Match | None, pb: re.Match | None, g: _Info, p: _Info) ->
     if g.num is not None and pb is not None:
         # a bare gold is either the digits the question asked for in its base ("616" for 616_9)
         # or the value itself
-        if not g.num.decimal and g.canon.lstrip("0") == pb.group(1).lstrip("0") and _base_value(pb) is not None:
+        if (
+            not g.num.decimal
+            and g.canon.lstrip("0") == pb.group(1).lstrip("0")
+            and _base_value(pb) is not None
+        ):
             return True
         v = _base_value(pb)
         return v is not None and g.num.value == v
@@ -446,7 +450,9 @@ def _rule_exact_number(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
 def _rounded_number(gold: str, pred: str, g: _Info, p: _Info) -> bool:
     nums = _numbers(gold, pred, g, p)
     return (
-        nums is not None and not nums[1].percent and not nums[1].degree
+        nums is not None
+        and not nums[1].percent
+        and not nums[1].degree
         and _rounded_gold_match(g, pred, nums[1].value)
     )
 
@@ -504,7 +510,13 @@ def _rule_equation_sides(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
             return False  # "2x=2" is an equation to solve, not the value 2
         if _equiv(gold, p.eq_parts[-1]):
             return True
-    elif g_eq and not p_eq and len(g.eq_parts) == 2 and _ASSIGN_LHS_RE.match(g.eq_parts[0]) and len(g.items) == 1:
+    elif (
+        g_eq
+        and not p_eq
+        and len(g.eq_parts) == 2
+        and _ASSIGN_LHS_RE.match(g.eq_parts[0])
+        and len(g.items) == 1
+    ):
         return _equiv(g.eq_parts[-1], pred)
     return None
 
@@ -857,7 +869,12 @@ def _ray(piece: str) -> tuple[str, tuple] | None:
     m = _TWO_SIDED_RE.match(piece)
     lows = ("<", "\\le", "\\leq", "\\lt")
     if m and m.group(2) in lows and m.group(4) in lows:
-        return m.group(3), (m.group(1), m.group(2).startswith("\\le"), m.group(5), m.group(4).startswith("\\le"))
+        return m.group(3), (
+            m.group(1),
+            m.group(2).startswith("\\le"),
+            m.group(5),
+            m.group(4).startswith("\\le"),
+        )
     m = _ONE_SIDED_RE.match(piece)
     if m is None or _INEQ_IN_RE.search(m.group(3)):
         return None
@@ -875,11 +892,17 @@ def _intersection(rays: list[tuple]) -> tuple | None:
         for end in (a, b):
             if end is not None and numeric_constant(end) is None:
                 return None
-        if a is not None and (lo is None or numeric_constant(a) > numeric_constant(lo)
-                              or (numeric_constant(a) == numeric_constant(lo) and not a_c)):
+        if a is not None and (
+            lo is None
+            or numeric_constant(a) > numeric_constant(lo)
+            or (numeric_constant(a) == numeric_constant(lo) and not a_c)
+        ):
             lo, lo_c = a, a_c
-        if b is not None and (hi is None or numeric_constant(b) < numeric_constant(hi)
-                              or (numeric_constant(b) == numeric_constant(hi) and not b_c)):
+        if b is not None and (
+            hi is None
+            or numeric_constant(b) < numeric_constant(hi)
+            or (numeric_constant(b) == numeric_constant(hi) and not b_c)
+        ):
             hi, hi_c = b, b_c
     if lo is not None and hi is not None:
         lv, hv = numeric_constant(lo), numeric_constant(hi)
@@ -891,8 +914,11 @@ def _intersection(rays: list[tuple]) -> tuple | None:
 def _interval_text(r: tuple) -> str:
     lo, lo_c, hi, hi_c = r
     return (
-        ("[" if lo_c else "(") + ("-\\infty" if lo is None else lo) + ","
-        + ("\\infty" if hi is None else hi) + ("]" if hi_c else ")")
+        ("[" if lo_c else "(")
+        + ("-\\infty" if lo is None else lo)
+        + ","
+        + ("\\infty" if hi is None else hi)
+        + ("]" if hi_c else ")")
     )
 
 
@@ -1636,6 +1662,7 @@ def _grade_math(prediction: str, gold: str, think: str) -> tuple[bool, Status, s
 
 # three words in a row (not command names): a sentence, not a product of variables ("RCs + LCs^2")
 _SENTENCE_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}\s+[A-Za-z]{2,}\s+[A-Za-z]{2,}")
+
 
 @register_mode("dapo")
 def _grade_dapo(prediction: str, gold: str, think: str) -> tuple[bool, Status, str | None]:

@@ -49,7 +49,12 @@ def load() -> dict[str, Any]:
 
         def norm(units: bool) -> Any:
             return NormalizationConfig(
-                basic_latex=True, units=units, malformed_operators=True, nits=True, boxed="all", equations=False
+                basic_latex=True,
+                units=units,
+                malformed_operators=True,
+                nits=True,
+                boxed="all",
+                equations=False,
             )
 
         _MV = {
@@ -73,7 +78,9 @@ def search(body: str, *, oracle: bool, surely_parses: Callable[[str], bool]) -> 
     _STATE.active = oracle
     _STATE.surely_parses = surely_parses
     try:
-        return mv["parse"](body, extraction_config=mv["search_cfg"], fallback_mode="first_match", parsing_timeout=None)
+        return mv["parse"](
+            body, extraction_config=mv["search_cfg"], fallback_mode="first_match", parsing_timeout=None
+        )
     finally:
         _STATE.active = False
         _STATE.single = False
@@ -94,7 +101,9 @@ def _parse_oracle(real: Callable) -> Callable:
     """Wrap ``parse_latex_cached`` (a module global of ``math_verify.parser``, looked up at call time)."""
 
     def parse_latex_cached(latex: str):
-        if getattr(_STATE, "active", False) and (getattr(_STATE, "single", False) or _STATE.surely_parses(latex)):
+        if getattr(_STATE, "active", False) and (
+            getattr(_STATE, "single", False) or _STATE.surely_parses(latex)
+        ):
             return stand_in()
         return real(latex)
 

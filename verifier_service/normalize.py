@@ -104,7 +104,7 @@ _INEQUALITY_RE = re.compile(r"<|>|\\[lg]eq?\b|\\[lg]t\b")
 
 
 def join_and_or(s: str) -> str:
-    """"3 and 5", "2 \\text{ or } 3" -> "3, 5", "2, 3": words joining math items make a list, so the
+    """ "3 and 5", "2 \\text{ or } 3" -> "3, 5", "2, 3": words joining math items make a list, so the
     answer is read as the list it is (never searched for its last number)."""
     if ("and" not in s and "or" not in s) or _INEQUALITY_RE.search(s):
         return s  # "x > 1 and x < 5": the connective decides the set (grader._inequalities_as_intervals)
@@ -320,7 +320,9 @@ def numbers_equal(gold: Num, pred: Num) -> bool:
                 return True
             # relative agreement only between two decimals: an integer gold is exact, and
             # "1.0 \\times 10^{12}" is not 999999999999
-            exact_int = (not gold.decimal and g.denominator == 1) or (not pred.decimal and pred.value.denominator == 1)
+            exact_int = (not gold.decimal and g.denominator == 1) or (
+                not pred.decimal and pred.value.denominator == 1
+            )
             if g != 0 and not exact_int and abs(g - pred.value) <= abs(g) * Fraction(1, 10**9):
                 return True
     return False

@@ -209,7 +209,8 @@ def worker_init(progress: Any, ready: Any, memory_mb: int, warmup: bool, max_cha
     if warmup:  # a no-op when the fork server already imported (and so ran) it
         import stapo.verifier_service.warmup  # noqa: F401
     WORKER.update(progress=progress, max_chars=max_chars)
-    ready.send(os.getpid())
+    with contextlib.suppress(OSError):  # the pool closed while this worker started: nothing to tell
+        ready.send(os.getpid())
 
 
 def grade_task(slot: int, seq: int, items: list[Item]) -> tuple[int, float, list[tuple]]:
@@ -578,6 +579,7 @@ class GraderPool:
         *,
         budget_s: float | None = None,
         default_budget_s: float | None = None,
+        explain: bool = False,
     ) -> concurrent.futures.Future:
         """Queue items; the future resolves to ``list[GradeResult]`` in input order.
 
@@ -585,6 +587,8 @@ class GraderPool:
         have given up); nothing of the request runs past it. Without it, ``default_budget_s`` plus
         the request's own typical grading time (spread over the workers) applies, so a large batch
         of ordinary items is not cut by a budget meant to bound pathological ones.
+        ``explain``: every result names the rule that decided it; results without one (decided in
+        this process by ``quick_verdict``, which gives only the verdict) are graded by a worker.
         Cancelling the future drops the queued items.
         Raises :class:`PoolBusy` (too much queued work), :class:`PoolBroken`, :class:`PoolClosed`.
         """
@@ -607,14 +611,14 @@ class GraderPool:
                 hits += 1
                 continue
             cached = self.cache.get(key)
-            if cached is not None:
+            if cached is not None and not (explain and cached.rule is None):
                 job.results[i] = cached
                 hits += 1
                 continue
             shard = zlib.crc32(gold.encode("utf-8", "surrogatepass")) % self.size
             if self.verdict_cache and (vk := verdict_key(item)) is not None:
                 v = self.verdicts.get(vk.digest)
-                if v is not None:
+                if v is not None and not (explain and v.rule is None):
                     job.results[i] = v
                     self.cache.put(key, v)  # the same item again skips the extraction too
                     vhits += 1
@@ -625,7 +629,7 @@ class GraderPool:
                     job.keys[i], job.shard[i] = key, shard
                     vhits += 1
                     continue
-                if self.inline_verdicts and (r := inline_grade(gold, mode, vk)) is not None:
+                if self.inline_verdicts and not explain and (r := inline_grade(gold, mode, vk)) is not None:
                     job.results[i] = r  # decided here: no worker round trip
                     self.verdicts.put(vk.digest, untimed(r))
                     self.cache.put(key, untimed(r))
