@@ -25,7 +25,7 @@ import tempfile
 import numpy as np
 import torch
 import verl
-from cases import CASES, FAILURE, PROMPT, args, emit, env_for, expected, tiny_tokenizer
+from cases import CASES, FAILURE, PROMPT, Case, args, emit, env_for, expected, tiny_tokenizer
 from verl import DataProto
 
 A = args()
@@ -205,7 +205,23 @@ def run_new_loop() -> None:
 # ----------------------------------------------------------------------------------- verl 0.6.x
 
 
-def legacy(overrides: list[str], steps: int = 1) -> list[float] | str:
+def slow_cases(n: int, start: int) -> list[Case]:
+    """Distinct right answers that only a real sympy comparison decides (tens of ms each at the
+    service): the prime manager's workers then have requests in flight at the same time."""
+    return [
+        Case(
+            f"slow {k}",
+            f"so \\boxed{{\\frac{{{k}\\sqrt{{2}}}}{{{k + 1}}}}}",
+            f"\\frac{{\\sqrt{{{2 * k * k}}}}}{{{k + 1}}}",
+            True,
+        )
+        for k in range(start, start + n)
+    ]
+
+
+def legacy(
+    overrides: list[str], steps: int = 1, before_step=None, repeat: int = 1, cases=None
+) -> list[float] | str:
     """``load_reward_manager`` + ``compute_reward`` as main_ppo / RayPPOTrainer call them (one call per step)."""
     from verl.trainer.ppo.reward import compute_reward, load_reward_manager
 
@@ -216,7 +232,9 @@ def legacy(overrides: list[str], steps: int = 1) -> list[float] | str:
         )
         out: list[float] = []
         for _ in range(steps):
-            reward_tensor, _ = compute_reward(batch(), reward_fn)
+            if before_step is not None:
+                before_step()
+            reward_tensor, _ = compute_reward(batch(cases or CASES * repeat), reward_fn)
             out += per_item(reward_tensor)
         return out
     except Exception as err:  # noqa: BLE001 - the row shows it
@@ -261,10 +279,27 @@ def run_legacy() -> None:
         ),
         want,
     )
-    # The parent holds the service connection from the calls above; the prime manager forks 64
-    # workers that grade concurrently: three steps (three pools), as three training steps would.
+    # The trainer process itself calls the service just before each step (a validation or logging
+    # call), so it holds an idle keep-alive connection when the prime manager forks its 64 workers,
+    # which then grade concurrently: three steps (three pools), as three training steps would, of
+    # 64 items each (with 8, the first worker forked grades them all before the next one is up).
+    # (uvicorn drops an idle connection after 5 s: a call long before the fork would test nothing.)
+    from stapo.verifier_service import adapters
+
+    def parent_call():
+        assert adapters.compute_score("x", "\\boxed{1}", "1")["score"] == 1.0
+
     prime = [*path, "custom_reward_function.name=compute_score_prime", "reward_model.reward_manager=prime"]
-    emit("prime, service, after fork (3 steps)", legacy(prime, steps=3), want * 3)
+    emit(
+        "prime, service, after fork (3 steps x 64 items)",
+        legacy(prime, steps=3, before_step=parent_call, repeat=8),
+        want * 24,
+    )
+    emit(
+        "prime, service, after fork (64 sympy items)",
+        legacy(prime, before_step=parent_call, cases=slow_cases(64, 3)),
+        [1.0] * 64,
+    )
     emit("naive, wrong token", _wrong_token(path), "raises VerifierRequestError")
     env_for(A["dead_url"], A["token"])
     emit(

@@ -1,25 +1,25 @@
 """Reward functions for verl, TRL and OpenRLHF, grading in-process or through the service.
 
 One file, one function per call shape (each framework loads a function by name from a file or an
-import). verl routes (legacy ``verl.workers.reward_manager`` and the new reward loop
-``verl.experimental.reward.reward_loop``; call shapes read from verl's source):
+import). verl routes (call shapes read from verl's source; ``make integrations`` runs each one):
 
-==========================  ===========================================  ==============================
-verl reward manager         how verl calls the function                  ``custom_reward_function.name``
-==========================  ===========================================  ==============================
-naive, dapo (legacy)        ``fn(data_source=, solution_str=,            ``compute_score``
-                            ground_truth=, extra_info=, **reward_kwargs)``
-naive, dapo, prime          same keywords plus ``reward_model=`` /         ``compute_score``
-(new reward loop)           ``reward_router_address=``,
-                            ``reward_model_tokenizer=``; a dict result
-                            is split into score + extra info
-batch (legacy only)         ``fn(data_sources=, solution_strs=,           ``compute_score_batch``
-                            ground_truths=, extra_infos=, **kwargs)``
-prime (legacy)              ``fn(task, completion, reference,             ``compute_score_prime``
-                            extra_info)`` in a ``ProcessPoolExecutor``,
-                            then ``float(result[0])``: a dict breaks it
-                            ("Setting all as 0")
-==========================  ===========================================  ==============================
+=====================  ==========================  ===========================================  ========================
+verl                   reward manager              how verl calls the function                  function name
+=====================  ==========================  ===========================================  ========================
+0.7-0.9 (reward loop)  naive, dapo                 ``fn(data_source=, solution_str=,            ``compute_score``
+                                                   ground_truth=, extra_info=, **kwargs)``;
+                                                   a dict result is split into score + extras
+0.6.x (legacy)         naive, dapo                 same keyword call                            ``compute_score``
+0.6.x (legacy)         batch                       ``fn(data_sources=, solution_strs=,          ``compute_score_batch``
+                                                   ground_truths=, extra_infos=, **kwargs)``
+0.6.x (legacy)         prime                       ``fn(task, completion, reference,            ``compute_score_prime``
+                                                   extra_info)`` in a forked
+                                                   ``ProcessPoolExecutor``, then
+                                                   ``float(result[0])``: a dict breaks it
+=====================  ==========================  ===========================================  ========================
+
+verl 0.9 reads ``reward.custom_reward_function.path/name`` and ``reward.reward_manager.name`` only;
+``pkg://stapo.verifier_service.adapters`` loads this module by import (docs/integrations.md).
 
 ``compute_score`` returns ``{"score", "acc", "pred", "status", "verifier_failed"}``; an item that could
 not be graded (``timeout``, ``error``, ``too_large``) gets ``score`` = the failure value
@@ -33,7 +33,8 @@ not be graded (``timeout``, ``error``, ``too_large``) gets ``score`` = the failu
 * OpenRLHF ``--remote_rm_url <this file>``: ``reward_func(queries, prompts, labels)`` -> ``{"rewards",
   "scores", "extra_logs"}`` (torch tensors when torch is importable, as OpenRLHF expects). Queries are
   ``prompt + response`` decoded with ``skip_special_tokens=False`` (padding, end-of-turn tokens: the
-  grader strips them). Or point ``--remote_rm_url`` at the service's ``http://host:port/get_reward``.
+  grader strips them); the token goes in a header. Or point ``--remote_rm_url`` at the service's
+  ``http://host:port/get_reward`` (a token must then be in the URL, which OpenRLHF's retry log prints).
 
 A missing gold (``None``, NaN) raises ``ValueError`` naming the item: it is never graded against the
 text "None".
@@ -202,7 +203,7 @@ def compute_score(
     failure_score: float | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
-    """verl's custom reward (naive / dapo managers, legacy and new reward loop; new loop's prime).
+    """verl's custom reward: naive / dapo managers, in the reward loop (0.7+) and the legacy managers (0.6.x).
 
     Returns ``{"score", "acc", "pred", "status", "verifier_failed"}``; extra keyword arguments verl
     passes (``reward_model``, ``reward_router_address``, ``reward_model_tokenizer``, ...) are ignored.
