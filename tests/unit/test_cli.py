@@ -366,3 +366,21 @@ def test_help_placeholders_and_examples():
     listing = runner.invoke(app, ["recipes"], env={"COLUMNS": "200"}).output
     demo = next(line for line in listing.splitlines() if line.startswith("demo "))
     assert demo.rstrip().endswith("single-digit addition (`stapo train` runs it)")
+
+
+def test_tiny_task_answers_fit_one_digit_token():
+    """The tiny preset's task and vocabulary: every answer is one digit, and one token of the tiny
+    digits vocabulary (so a one-token response can be right); letters read as <unk>."""
+    from stapo.core.config import load_config
+    from stapo.core.data import load_prompts
+    from stapo.core.models import load_tokenizer
+
+    cfg = load_config(preset_path("tiny"))
+    tok = load_tokenizer(cfg.model)
+    assert len(tok) == 15  # 5 special tokens + 10 digits
+    train, val = load_prompts(cfg.data, tok)
+    assert len(train) + len(val) == 55  # every a + b <= 9 with one-digit a, b
+    for rec in train + val:
+        assert 0 <= int(rec.answer) <= 9
+        assert tok.decode(tok(rec.answer)["input_ids"]) == rec.answer
+    assert tok.decode(tok("What is 3 + 4?")["input_ids"]) == "<unk>" * 8 + "3" + "<unk>" * 3 + "4<unk>"
