@@ -130,8 +130,10 @@ def command(
     )
 
 
-# The keys that tell the shipped methods apart (our choice: each recipe differs from the others
-# in at least one of them). A config labelled with a recipe's name must agree with that recipe here.
+# The keys that decide which objective runs: token weighting, per-token loss, advantage, and the
+# layers (our choice). A config labelled with a recipe's name must agree with that recipe on them.
+# Recipes that share all of them (grpo, dapo, justrl) differ in values (clip range, aggregation,
+# dynamic sampling) that this check does not police: `stapo recipes diff` shows those.
 SIGNATURE_KEYS = (
     "algorithm.token_weighting", "algorithm.policy_loss", "algorithm.advantage", "algorithm.lp_reg.enabled",
     "algorithm.deep_grpo.enabled", "data.sampler", "rollout.async.enabled",
