@@ -245,7 +245,8 @@ def test_recipe_method_keys_apply_to_tiny():
     tiny = load_config(preset_path("tiny"))
     for name in preset_names():
         recipe = load_config(preset_path(name))
-        cfg = load_config(preset_path("tiny"), method_overrides(preset_path(name)))
+        cfg = load_config(preset_path("tiny"), method_overrides(preset_path(name), tiny.rollout.max_new_tokens))
+        assert 0 < cfg.algorithm.overlong.buffer <= cfg.rollout.max_new_tokens, name  # a length: rescaled
         assert cfg.algorithm.name == recipe.algorithm.name, name
         assert cfg.algorithm.token_weighting == recipe.algorithm.token_weighting, name
         assert cfg.data.sampler == recipe.data.sampler, name
