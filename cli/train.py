@@ -91,7 +91,8 @@ def command(
         else:
             path = resolve_config_path(config)
         if recipe is not None:
-            overrides = method_overrides(resolve_config_path(Path(recipe))) + overrides
+            base = load_config(path).rollout.max_new_tokens
+            overrides = method_overrides(resolve_config_path(Path(recipe)), base) + overrides
         cfg = load_config(path, overrides)
     except ConfigError as err:
         raise CLIError(f"--recipe {recipe}: {err}" if recipe and "invalid config" in str(err) else str(err)) from None
@@ -130,25 +131,33 @@ def command(
     )
 
 
-# The keys that tell the shipped methods apart (our choice: each recipe differs from the others
-# in at least one of them). A config labelled with a recipe's name must agree with that recipe here.
+# The keys that decide which objective runs: token weighting, per-token loss, advantage, and the
+# layers (our choice). A config labelled with a recipe's name must agree with that recipe on them.
+# Recipes that share all of them (grpo, dapo, justrl) differ in values (clip range, aggregation,
+# dynamic sampling) that this check does not police: `stapo recipes diff` shows those.
 SIGNATURE_KEYS = (
     "algorithm.token_weighting", "algorithm.policy_loss", "algorithm.advantage", "algorithm.lp_reg.enabled",
     "algorithm.deep_grpo.enabled", "data.sampler", "rollout.async.enabled",
 )
 
 
-def method_overrides(recipe: Path) -> list[str]:
+def method_overrides(recipe: Path, max_new_tokens: int | None = None) -> list[str]:
     """``--set`` overrides that give a config the recipe's values of every method key.
 
     Method keys are those :func:`stapo.core.fairness.classify` puts in the ``method`` group (the
     objective and its layers), so the recipe's batch, lengths, reward scale, schedule, model and
     backend are left out: ``--config tiny --recipe grpo`` is GRPO at the tiny config's scale.
+    One method key is a length: DAPO's overlong buffer (in tokens) keeps its share of the response
+    budget on a config whose ``rollout.max_new_tokens`` is ``max_new_tokens`` (at least 1 token).
     """
     from stapo.core.config import load_config
     from stapo.core.fairness import classify, flatten
 
-    data = flatten(load_config(recipe).model_dump(mode="json", by_alias=True))
+    cfg = load_config(recipe)
+    data = flatten(cfg.model_dump(mode="json", by_alias=True))
+    if max_new_tokens is not None:
+        share = cfg.algorithm.overlong.buffer / cfg.rollout.max_new_tokens
+        data["algorithm.overlong.buffer"] = min(max_new_tokens, max(1, round(share * max_new_tokens)))
     return [f"{key}={_flow(value)}" for key, value in data.items() if classify(key) == "method"]
 
 

@@ -245,7 +245,8 @@ def test_recipe_method_keys_apply_to_tiny():
     tiny = load_config(preset_path("tiny"))
     for name in preset_names():
         recipe = load_config(preset_path(name))
-        cfg = load_config(preset_path("tiny"), method_overrides(preset_path(name)))
+        cfg = load_config(preset_path("tiny"), method_overrides(preset_path(name), tiny.rollout.max_new_tokens))
+        assert 0 < cfg.algorithm.overlong.buffer <= cfg.rollout.max_new_tokens, name  # a length: rescaled
         assert cfg.algorithm.name == recipe.algorithm.name, name
         assert cfg.algorithm.token_weighting == recipe.algorithm.token_weighting, name
         assert cfg.data.sampler == recipe.data.sampler, name
@@ -366,3 +367,21 @@ def test_help_placeholders_and_examples():
     listing = runner.invoke(app, ["recipes"], env={"COLUMNS": "200"}).output
     demo = next(line for line in listing.splitlines() if line.startswith("demo "))
     assert demo.rstrip().endswith("single-digit addition (`stapo train` runs it)")
+
+
+def test_tiny_task_answers_fit_one_digit_token():
+    """The tiny preset's task and vocabulary: every answer is one digit, and one token of the tiny
+    digits vocabulary (so a one-token response can be right); letters read as <unk>."""
+    from stapo.core.config import load_config
+    from stapo.core.data import load_prompts
+    from stapo.core.models import load_tokenizer
+
+    cfg = load_config(preset_path("tiny"))
+    tok = load_tokenizer(cfg.model)
+    assert len(tok) == 15  # 5 special tokens + 10 digits
+    train, val = load_prompts(cfg.data, tok)
+    assert len(train) + len(val) == 55  # every a + b <= 9 with one-digit a, b
+    for rec in train + val:
+        assert 0 <= int(rec.answer) <= 9
+        assert tok.decode(tok(rec.answer)["input_ids"]) == rec.answer
+    assert tok.decode(tok("What is 3 + 4?")["input_ids"]) == "<unk>" * 8 + "3" + "<unk>" * 3 + "4<unk>"
