@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 EXTRAS ?= dev,train,demo
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo demo-model clean bench
+.PHONY: setup test lint demo demo-model clean bench integrations mutants
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,19 @@ bench: setup
 	$(BIN)/python benchmarks/tokenstats.py
 	$(BIN)/python benchmarks/verifier.py
 	$(BIN)/python benchmarks/grader_accuracy.py
+
+# Opt-in, slow, never part of `make test`: verl / OpenRLHF / TRL's own reward code against the service,
+# one virtualenv per framework version under .integrations/ (built from PyPI once, then reused).
+# Pick some with `make integrations INTEGRATIONS="trl-1.16.0 verl-0.6.1"`. See docs/integrations.md.
+INTEGRATIONS ?=
+integrations: setup
+	$(BIN)/python integrations/run.py $(INTEGRATIONS)
+
+# Opt-in curated mutation check (docs/testing.md): plants critical bugs one at a time in a temp copy
+# and runs the tests mapped to each; about 15 min on 2 cores. MUTANTS_ARGS="-k s2t" picks some.
+MUTANTS_ARGS ?=
+mutants: setup
+	$(BIN)/python benchmarks/mutants.py $(MUTANTS_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,17 +1,27 @@
-"""Shared pieces of the command line: the one user-facing error type and typed option aliases.
+"""Shared pieces of the command line: the one user-facing error type, typed option aliases, and
+the checks that run before a command writes anything.
 
 Every command module raises :class:`CLIError` for mistakes a user can fix (a bad path, a bad
 ``--set``); :func:`stapo.cli.main.main` prints it in one line and exits with status 2, without a
 traceback. Library errors that are user mistakes (``stapo.core.config.ConfigError``) are turned
-into a ``CLIError`` by the command that called the library.
+into a ``CLIError`` by the command that called the library; ``main`` turns the rest into a short
+message too (the traceback is behind ``--debug``).
+
+:func:`check_inputs` looks at the model path and the data source of a config without loading
+either, so that ``stapo train`` fails on a typo before it makes a run dir, loads a model or starts
+a grader pool.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from stapo.core.config import Config
 
 
 class CLIError(Exception):
@@ -20,13 +30,14 @@ class CLIError(Exception):
 
 ConfigOpt = Annotated[
     Path | None,
-    typer.Option("--config", "-c", help="YAML config file (see configs/). Defaults to the command's preset."),
+    typer.Option("--config", "-c", metavar="NAME|FILE", help="A preset name (tiny, stapo, grpo, ...: `stapo recipes`) or a YAML config file. Default: the command's preset."),
 ]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--set",
         "-s",
+        metavar="KEY=VALUE",
         help="Override one config field, repeatable: --set trainer.max_steps=10 --set algorithm.s2t.tau_p=0.02 (all fields: docs/config.md)",
     ),
 ]
@@ -48,3 +59,78 @@ def resolve_config_path(config: Path | None, default: str = "demo") -> Path:
     if preset is None:
         raise CLIError(f"config {name!r} is neither a file nor a preset; presets: {', '.join(preset_names())}")
     return preset
+
+
+# A Hugging Face hub id: "name" or "org/name" (letters, digits, ".", "_", "-").
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+_MODEL_FIX = "give a model folder (with config.json, e.g. RUN/final), a Hugging Face id, or tiny-random"
+
+
+def check_model_path(field: str, name: str, *, gguf_file: str | None = None, tokenizer: bool = False) -> None:
+    """A local model (or tokenizer) path must exist and look like one; a hub id is left to the loader.
+
+    Special names (``tiny-random``, ``demo:...``) are the loader's business too. Without a hub the
+    loader's own error for an id is caught at the command line boundary like any other.
+    """
+    if name == "tiny-random" or name.startswith("demo:"):
+        return
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if gguf_file is not None:
+            if not (path / gguf_file).is_file():
+                raise CLIError(f"model.gguf_file: {path / gguf_file} does not exist")
+            return
+        wanted = ("tokenizer_config.json", "tokenizer.json") if tokenizer else ("config.json",)
+        if not any((path / f).is_file() for f in wanted):
+            what = "tokenizer (no tokenizer_config.json)" if tokenizer else "model (no config.json)"
+            raise CLIError(f"{field}: {path} is a folder but not a {what}; {_MODEL_FIX}")
+        return
+    if path.exists():
+        raise CLIError(
+            f"{field}: {path} is a file; give the model's folder (a GGUF file: model.name_or_path=FOLDER "
+            "model.gguf_file=NAME)"
+        )
+    if not _HUB_ID.match(name):  # an absolute/relative path, ~, or a/b/c: not a hub id, so a missing path
+        raise CLIError(f"{field}: {path} does not exist; {_MODEL_FIX}")
+
+
+def check_inputs(cfg: Config) -> None:
+    """The model, tokenizer and data source of ``cfg`` exist and are readable (nothing is loaded)."""
+    from stapo.core.data import DataError, check_source
+
+    check_model_path("model.name_or_path", cfg.model.name_or_path, gguf_file=cfg.model.gguf_file)
+    if cfg.model.tokenizer and cfg.model.tokenizer != cfg.model.name_or_path:
+        check_model_path("model.tokenizer", cfg.model.tokenizer, tokenizer=True)
+    try:
+        check_source(cfg.data)
+    except DataError as err:
+        raise CLIError(str(err)) from None
+
+
+class _DropMessages:
+    """A ``logging`` filter that drops records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        self.prefixes = prefixes
+
+    def filter(self, record: object) -> bool:
+        return not record.getMessage().startswith(self.prefixes)  # type: ignore[attr-defined]
+
+
+# Library messages that say nothing to a stapo user, by logger name (not ours to fix, so filtered):
+# on the torch backend DeepSpeed is imported only for its helpers (checkpoint/export code paths ask
+# whether ZeRO-3 is on), and its accelerator probe warns that it "falls back" to the CPU it was
+# never asked to use.
+KNOWN_NOISE: dict[str, dict[str, tuple[str, ...]]] = {
+    "torch": {"DeepSpeed": ("Setting accelerator to CPU",)},
+}
+
+
+def quiet_known_noise(backend: str) -> None:
+    """Install the filters of :data:`KNOWN_NOISE` for this trainer backend (idempotent)."""
+    import logging
+
+    for name, prefixes in KNOWN_NOISE.get(backend, {}).items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(prefixes))  # type: ignore[arg-type]

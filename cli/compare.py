@@ -2,7 +2,9 @@
 
     stapo compare runs/grpo_eval runs/stapo_eval runs/grpo runs/stapo --out reports/cmp
 
-The first dir is the baseline; every other run's numbers carry a delta against it. Writes
+The first dir is the baseline; every other run's numbers carry a delta against it. Runs whose
+``config.yaml`` differ in more than the method (batch, length, grader, reward scale, sampler,
+schedule, seed, ...) get a warning in the tables and the report. Writes
 ``compare.json``, ``curves/*.png`` and a self-contained ``report.html`` under ``--out`` and
 prints the accuracy and training tables. See :mod:`stapo.evals.compare`.
 """
@@ -20,17 +22,24 @@ from stapo.cli.common import CLIError
 def command(
     runs: Annotated[
         list[Path],
-        typer.Argument(help="Training run dirs and/or eval output dirs; the first one is the baseline."),
+        typer.Argument(metavar="RUN", help="Training run dirs and/or eval output dirs; the first one is the baseline."),
     ],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for compare.json, curves/*.png, report.html.")] = Path(
+    out: Annotated[Path, typer.Option("--out", "-o", metavar="DIR", help="Folder for compare.json, curves/*.png, report.html.")] = Path(
         "compare_report"
     ),
     label: Annotated[
         list[str] | None,
-        typer.Option("--label", "-l", help="Display name per run, repeatable, in the order of RUNS (default: dir names)."),
+        typer.Option("--label", "-l", metavar="NAME", help="Display name per run, repeatable, in the order of RUNS (default: dir names)."),
     ] = None,
 ) -> None:
-    """Compare runs: per-benchmark accuracy with deltas vs the first run, training curves, an HTML report."""
+    """Compare runs: per-benchmark accuracy with deltas vs the first run, training curves, an HTML report.
+
+    Examples:
+
+    \b
+      stapo compare runs/grpo_eval runs/stapo_eval --out reports/evals     # accuracy tables with deltas
+      stapo compare runs/grpo runs/stapo -l GRPO -l STAPO --out reports/cmp # training curves
+    """
     from rich.console import Console
 
     from stapo.evals.compare import compare_runs, terminal_tables
@@ -43,3 +52,5 @@ def command(
     for table in terminal_tables(report):
         console.print(table)
     console.print(f"report: {out / 'report.html'}  ({len(report['curves'])} curve plots)")
+    if report["config_check"]["warning"]:  # last, so it is the line a reader sees
+        console.print(report["config_check"]["warning"], style="bold red", markup=False, soft_wrap=True)

@@ -20,7 +20,7 @@ from typing import Annotated
 
 import typer
 
-from stapo.cli.common import CLIError, ConfigOpt, SetOpt
+from stapo.cli.common import CLIError, ConfigOpt, SetOpt, quiet_known_noise
 
 
 def _run_config(model: str | None) -> Path | None:
@@ -40,36 +40,44 @@ def command(
     set_: SetOpt = None,
     model: Annotated[
         str | None,
-        typer.Option("--model", "-m", help="Run dir, checkpoint dir, HF model folder or hub id, or `tiny-random`."),
+        typer.Option("--model", "-m", metavar="RUN|PATH|ID", help="Run dir, checkpoint dir, HF model folder or hub id, or `tiny-random`."),
     ] = None,
-    step: Annotated[int | None, typer.Option("--step", help="With a run dir: evaluate checkpoints/step_N.")] = None,
+    step: Annotated[int | None, typer.Option("--step", metavar="N", help="With a run dir: evaluate checkpoints/step_N.")] = None,
     benchmarks: Annotated[
         str | None,
-        typer.Option("--benchmarks", "-b", help="Comma-separated: aime24,aime25,amc23,math500,minerva_math,"
+        typer.Option("--benchmarks", "-b", metavar="NAMES", help="Comma-separated: aime24,aime25,amc23,math500,minerva_math,"
                      "olympiadbench,gsm8k or custom:PATH.jsonl[#problem=F,answer=F,id=F]."),
     ] = None,
     k: Annotated[
-        int | None, typer.Option("--k", help="Samples per problem (default: 32 for AIME24/25, AMC23; 4 otherwise).")
+        int | None, typer.Option("--k", metavar="K", help="Samples per problem (default: 32 for AIME24/25, AMC23; 4 otherwise).")
     ] = None,
-    limit: Annotated[int | None, typer.Option("--limit", help="At most this many problems per benchmark.")] = None,
+    limit: Annotated[int | None, typer.Option("--limit", metavar="N", help="At most this many problems per benchmark.")] = None,
     preset: Annotated[
-        str | None, typer.Option("--preset", help="Sampling: t1.0 (temperature 1.0, top-p 1.0) or t0.7 (0.7 / 0.9).")
+        str | None, typer.Option("--preset", metavar="t1.0|t0.7", help="Sampling: t1.0 (temperature 1.0, top-p 1.0) or t0.7 (0.7 / 0.9).")
     ] = None,
     template: Annotated[
-        str | None, typer.Option("--template", help="Prompt template: dapo, boxed, short, none (data.template).")
+        str | None, typer.Option("--template", metavar="NAME", help="Prompt template: dapo, boxed, short, none (data.template).")
     ] = None,
     max_new_tokens: Annotated[
-        int | None, typer.Option("--max-new-tokens", help="Response length cap (rollout.max_new_tokens).")
+        int | None, typer.Option("--max-new-tokens", metavar="N", help="Response length cap (rollout.max_new_tokens).")
     ] = None,
     data_dir: Annotated[
-        Path | None, typer.Option("--data-dir", help="Benchmark folder (default: data.data_dir, else $STAPO_DATA_DIR, else the copies shipped with stapo).")
+        Path | None, typer.Option("--data-dir", metavar="DIR", help="Benchmark folder (default: data.data_dir, else $STAPO_DATA_DIR, else the copies shipped with stapo).")
     ] = None,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Output dir: results.json, samples.jsonl (resumable).")] = Path(
+    out: Annotated[Path, typer.Option("--out", "-o", metavar="DIR", help="Output dir: results.json, samples.jsonl (resumable).")] = Path(
         "eval_results"
     ),
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Rich progress bars.")] = True,
 ) -> None:
-    """Evaluate a policy on math benchmarks: avg@k, unbiased pass@k, maj@k per benchmark and macro average."""
+    """Evaluate a policy on math benchmarks: avg@k, unbiased pass@k, maj@k per benchmark and macro average.
+
+    Examples:
+
+    \b
+      stapo eval --model runs/stapo --benchmarks aime24,amc23,math500 --out evals/stapo
+      stapo eval --config tiny --model tiny-random --benchmarks gsm8k --k 4 --limit 20 --out /tmp/ev
+      stapo eval --model Qwen/Qwen3-1.7B-Base --set rollout.engine=vllm --preset t1.0 --out evals/base
+    """
     from rich.console import Console
 
     from stapo.core.config import ConfigError, config_from_dict, load_config
@@ -103,6 +111,7 @@ def command(
     except ConfigError as err:
         raise CLIError(str(err)) from None
 
+    quiet_known_noise(cfg.trainer.backend)
     from stapo.core.rewards import RewardError
     from stapo.evals.runner import EvalStateError, evaluate, results_table
 

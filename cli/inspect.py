@@ -21,14 +21,22 @@ from stapo.cli.common import CLIError
 
 
 def command(
-    run: Annotated[Path, typer.Argument(help="Training run dir (with dumps/), or one dump file.")],
-    step: Annotated[int | None, typer.Option("--step", help="Step of the dump (default: the newest).")] = None,
+    run: Annotated[Path, typer.Argument(metavar="RUN", help="Training run dir (with dumps/), or one dump file.")],
+    step: Annotated[int | None, typer.Option("--step", metavar="N", help="Step of the dump (default: the newest).")] = None,
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Report folder (default: RUN/inspect/step_N).")
+        Path | None, typer.Option("--out", "-o", metavar="DIR", help="Report folder (default: RUN/inspect/step_N).")
     ] = None,
-    rows: Annotated[int, typer.Option("--rows", help="Silenced tokens shown in the terminal.")] = 20,
+    rows: Annotated[int, typer.Option("--rows", metavar="N", help="Silenced tokens shown in the terminal.")] = 20,
 ) -> None:
-    """Show silenced tokens in context and the token phase diagram from a run's token dumps."""
+    """Show silenced tokens in context and the token phase diagram from a run's token dumps.
+
+    Examples:
+
+    \b
+      stapo inspect runs/stapo                    # newest dump, report in runs/stapo/inspect/step_N/
+      stapo inspect runs/stapo --step 12 --out /tmp/insp
+      stapo inspect runs/stapo/dumps/step_000012.json
+    """
     from rich.console import Console
 
     from stapo.evals.inspect import inspect_run, load_dump, terminal_tables

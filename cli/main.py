@@ -14,11 +14,14 @@ transformers, vllm, deepspeed) only inside the command body, so ``stapo --help``
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from stapo import __version__
 from stapo.cli import compare, evaluate, inspect, prepare, recipes, train, verifier
@@ -30,6 +33,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: the rich panels label every flag `<bool>` (`--help <bool>`)
 )
 
 
@@ -44,8 +48,16 @@ def _root(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
+    debug: Annotated[
+        bool,
+        typer.Option("--debug", help="Show the full traceback of an error (also after the command, or STAPO_DEBUG=1)."),
+    ] = False,
 ) -> None:
-    """STAPO: silence spurious tokens, train stably. Run `stapo COMMAND --help` for each command."""
+    """STAPO: silence spurious tokens, train stably. Run `stapo COMMAND --help` for each command.
+
+    Start here: `stapo train --config tiny` (a tiny random model, seconds on a CPU), then
+    `stapo inspect runs/<run>` and `stapo recipes`.
+    """
 
 
 app.command("prepare")(prepare.command)
@@ -57,13 +69,44 @@ app.add_typer(verifier.app, name="verifier")
 app.add_typer(recipes.app, name="recipes")
 
 
+# Library errors that are a user's to fix: their message alone says what is wrong (no traceback).
+_USER_ERRORS = ("ConfigError", "DataError", "ModelLoadError", "RewardError", "EvalStateError")
+
+
+def _error(message: str) -> None:
+    """One red ``error:`` line (more lines only when the message has them), never re-wrapped."""
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}")
+
+
 def main() -> None:
-    """Entry point: run the app, turning a :class:`CLIError` into one line and exit status 2."""
+    """Entry point: run the app; errors become a short message (traceback only with ``--debug``).
+
+    A :class:`CLIError` (a mistake the user can fix) exits 2; a library's user error (bad config,
+    unreadable data, a model that does not load) exits 2 with its message; anything else exits 1
+    with its type and message and a hint to rerun with ``--debug``. ``--debug`` is taken out of the
+    arguments wherever it stands, so ``stapo train ... --debug`` works as well as ``stapo --debug train``.
+    """
+    debug = "--debug" in sys.argv[1:] or os.environ.get("STAPO_DEBUG", "") not in ("", "0")
+    sys.argv = [sys.argv[0], *(a for a in sys.argv[1:] if a != "--debug")]
     try:
         app()
     except CLIError as err:
-        Console(stderr=True).print(f"[bold red]error:[/] {err}")
+        if debug:
+            traceback.print_exc()
+        _error(str(err))
         sys.exit(2)
+    except Exception as err:  # the boundary: nothing reaches the user as a bare traceback
+        if debug:
+            traceback.print_exc()
+            sys.exit(1)
+        if type(err).__name__ in _USER_ERRORS or isinstance(err, (FileNotFoundError, PermissionError)):
+            _error(str(err).strip())
+            sys.exit(2)
+        _error(f"{type(err).__name__}: {str(err).strip() or '(no message)'}")
+        Console(stderr=True, soft_wrap=True).print(
+            "  unexpected; rerun with --debug for the traceback (and report it if it looks like a stapo bug)"
+        )
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def command(
     source_arg: Annotated[
         str | None,
         typer.Argument(
-            metavar="[SOURCE]",
+            metavar="SOURCE",
             help="The data source, same as --source (e.g. dapo_math_17k); default: data.source of the config.",
             show_default=False,
         ),
@@ -42,6 +42,7 @@ def command(
         typer.Option(
             "--out",
             "-o",
+            metavar="DIR",
             help="Folder to write (created; a previous prepared dir is replaced). Default: prepared/<source>.",
         ),
     ] = None,
@@ -86,11 +87,11 @@ def command(
 
     Examples:
 
+    \b
+      stapo prepare --out prepared/arith          # the built-in arithmetic set
       stapo prepare dapo_math_17k --template dapo --tokenizer Qwen/Qwen3-8B-Base --out prepared/dapo
-
       stapo prepare --source gsm8k --template boxed --out prepared/gsm8k
-
-      stapo prepare --source dapo_math_17k --template dapo --set data.english_only=true --out prepared/dapo
+      stapo prepare --source my.jsonl --set data.problem_field=question --out prepared/mine
     """
     from rich.console import Console
     from rich.table import Table

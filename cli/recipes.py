@@ -3,10 +3,14 @@
     stapo recipes                      # name, what it is, the paper / code it follows
     stapo recipes diff dapo stapo      # every resolved field that differs (defaults included)
     stapo recipes diff grpo configs/my.yaml --set algorithm.kl_coef=0.04
+    stapo recipes matched justrl stapo --out runs/matched   # same budget, grader, schedule, seed
 
 A recipe's description and source are the ``# Recipe:`` and ``# Source:`` lines at the top of its
 YAML (configs/<name>.yaml), so the file stays the one place that says what it is. The diff compares
 the *validated* configs, so a value a file leaves at its default still shows when the other sets it.
+``matched`` writes two configs that differ in their method keys only (:mod:`stapo.core.fairness`):
+the shipped recipes keep their sources' own budgets, and a comparison that should isolate the
+method runs the matched pair instead.
 """
 
 from __future__ import annotations
@@ -17,12 +21,27 @@ from typing import Annotated, Any
 import typer
 
 from stapo.cli.common import CLIError, SetOpt, resolve_config_path
+from stapo.core.fairness import LAYER_KEYS, LAYER_RECIPES, flatten, owned_by
+
+__all__ = ["LAYER_KEYS", "LAYER_RECIPES", "flatten", "owned_by", "layer_drift", "resolved_diff", "recipe_header"]
 
 app = typer.Typer(
     help="The shipped recipes (STAPO and its baselines) and what differs between two of them.",
     invoke_without_command=True,
     no_args_is_help=False,
 )
+
+
+LABEL_KEYS = ("algorithm.name",)
+
+
+def layer_drift(name: str, base: Path, recipe: Path) -> list[tuple[str, Any, Any]]:
+    """The differences between ``base`` (stapo) and the layer recipe ``name`` that its layers do not own
+    (``LAYER_KEYS`` / ``LAYER_RECIPES`` in :mod:`stapo.core.fairness`)."""
+    if name not in LAYER_RECIPES:
+        raise KeyError(f"{name}: not a declared layer recipe; add it to LAYER_RECIPES in stapo.core.fairness")
+    owned = LABEL_KEYS + tuple(k for layer in LAYER_RECIPES[name] for k in LAYER_KEYS[layer])
+    return [row for row in resolved_diff(base, recipe) if not owned_by(row[0], owned)]
 
 
 def recipe_header(path: Path) -> dict[str, str]:
@@ -43,22 +62,12 @@ def recipe_header(path: Path) -> dict[str, str]:
     return out
 
 
-def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested dicts -> {"a.b.c": value} (lists stay values)."""
-    if not isinstance(data, dict):
-        return {prefix: data}
-    out: dict[str, Any] = {}
-    for k, v in data.items():
-        out.update(flatten(v, f"{prefix}{k}." if isinstance(v, dict) else f"{prefix}{k}"))
-    return out
-
-
 def resolved_diff(a: Path, b: Path, overrides_b: list[str] | None = None) -> list[tuple[str, Any, Any]]:
     """(field, value in a, value in b) for every field whose validated values differ, sorted by field."""
     from stapo.core.config import load_config
 
-    fa = flatten(load_config(a).model_dump(mode="json"))
-    fb = flatten(load_config(b, overrides_b or []).model_dump(mode="json"))
+    fa = flatten(load_config(a).model_dump(mode="json", by_alias=True))
+    fb = flatten(load_config(b, overrides_b or []).model_dump(mode="json", by_alias=True))
     return [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
 
 
@@ -102,3 +111,82 @@ def diff(
     typer.echo(f"{'field':<{width}}  {a} -> {b}")
     for key, va, vb in rows:
         typer.echo(f"{key:<{width}}  {va!r} -> {vb!r}")
+
+
+def budget(cfg: Any) -> dict[str, int]:
+    """A run's sampling budget: prompts x samples x response length x steps (the most tokens it can generate)."""
+    r = cfg.rollout
+    out = {"prompts_per_step": r.prompts_per_step, "n": r.n, "max_new_tokens": r.max_new_tokens,
+           "max_steps": cfg.trainer.max_steps}
+    out["max_tokens"] = out["prompts_per_step"] * out["n"] * out["max_new_tokens"] * out["max_steps"]
+    return out
+
+
+def matched_configs(ref: Path, other: Path, overrides: list[str]) -> tuple[Any, Any, list[str]]:
+    """(reference config, other config matched to it, the --set overrides that matched it).
+
+    The other recipe takes the reference's value for every confound key (:mod:`stapo.core.fairness`:
+    batch, response length, grader, reward scale, sampling, schedule, seed, model, data, eval), so
+    the two differ in method and execution keys only. ``overrides`` apply to both first."""
+    from stapo.core.config import load_config
+    from stapo.core.fairness import config_differences, matched_overrides
+
+    cfg_ref = load_config(ref, overrides)
+    cfg_other = load_config(other, overrides)
+    dump = lambda c: c.model_dump(mode="json", by_alias=True)  # noqa: E731
+    extra = matched_overrides(dump(cfg_ref), dump(cfg_other))
+    matched = load_config(other, [*overrides, *extra])
+    left = [d.key for d in config_differences(dump(cfg_ref), dump(matched)) if d.confound]
+    if left:  # cannot happen unless a validator rewrites a value; say so rather than claim a match
+        raise ValueError(f"matching left confounds: {', '.join(left)}")
+    return cfg_ref, matched, extra
+
+
+@app.command("matched")
+def matched(
+    a: Annotated[str, typer.Argument(help="Reference recipe (its budget, grader, schedule, seed... are kept).")],
+    b: Annotated[str, typer.Argument(help="Recipe to match to A (keeps its method keys only).")],
+    match_to: Annotated[
+        str, typer.Option("--match-to", help="Which recipe's non-method values both get: `a` (default) or `b`.")
+    ] = "a",
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Folder to write the two matched configs to (<name>.yaml each).")
+    ] = None,
+    set_: SetOpt = None,
+) -> None:
+    """Two recipes with the same budget (prompts x samples x response length x steps), grader, reward scale,
+    sampling, schedule and seed, so that comparing them measures the method alone.
+
+    The shipped recipes keep their sources' values; this writes matched copies. --set applies to both
+    (e.g. --set trainer.max_steps=100 to match a shorter run)."""
+    from stapo.core.config import ConfigError, save_config
+    from stapo.core.fairness import config_differences
+
+    if match_to not in ("a", "b"):
+        raise CLIError(f"--match-to must be `a` or `b`, got {match_to!r}")
+    names = [Path(x).name.removesuffix(".yaml") for x in (a, b)]
+    if names[0] == names[1]:
+        names = [f"{names[0]}-a", f"{names[1]}-b"]
+    paths = [resolve_config_path(Path(a)), resolve_config_path(Path(b))]
+    order = (0, 1) if match_to == "a" else (1, 0)
+    try:
+        ref, other, extra = matched_configs(paths[order[0]], paths[order[1]], list(set_ or []))
+    except (ConfigError, ValueError) as err:
+        raise CLIError(f"cannot match {names[order[1]]} to {names[order[0]]}: {err}") from None
+    cfgs = {names[order[0]]: ref, names[order[1]]: other}
+    typer.echo(f"{names[order[1]]} matched to {names[order[0]]} ({len(extra)} values changed):")
+    for item in extra:
+        typer.echo(f"  --set {item}")
+    typer.echo("budget (prompts x samples x response length x steps = max generated tokens):")
+    for name, c in cfgs.items():
+        bud = budget(c)
+        typer.echo(f"  {name}: {bud['prompts_per_step']} x {bud['n']} x {bud['max_new_tokens']} x {bud['max_steps']}"
+                   f" = {bud['max_tokens']:,}; grader {c.reward.mode}, reward {c.reward.scale.correct:g}/"
+                   f"{c.reward.scale.wrong:g}")
+    diffs = config_differences(ref.model_dump(mode="json", by_alias=True), other.model_dump(mode="json", by_alias=True))
+    typer.echo("what still differs (the method): " + ", ".join(d.key for d in diffs if d.group == "method"))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, c in cfgs.items():
+            save_config(c, out / f"{name}.yaml")
+            typer.echo(f"wrote {out / f'{name}.yaml'}  (stapo train --config {out / f'{name}.yaml'})")

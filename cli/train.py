@@ -1,33 +1,61 @@
 """`stapo train`: run (or resume) RL training from a config.
 
+    stapo train --config tiny                     # a tiny random model: seconds on a CPU
     stapo train                                   # the CPU demo (configs/demo.yaml)
-    stapo train --config configs/tiny.yaml --set trainer.max_steps=3 --run-dir runs/tiny
+    stapo train --config tiny --set trainer.max_steps=3 --run-dir runs/tiny
     stapo train --config stapo --set model.name_or_path=Qwen/Qwen3-1.7B-Base   # a preset by name
     stapo train --run-dir runs/tiny --resume      # continue from the last checkpoint
 
-The command only builds and validates the config (so a bad config fails before any model loads)
-and calls :func:`stapo.core.loop.train`.
+The command builds and validates the config and checks its inputs (model path, data source) before
+it writes anything, so a mistake fails in a second with a one-line message and no run dir left
+behind; then it calls :func:`stapo.core.loop.train`. Ctrl-C stops the run and prints the last
+checkpoint and the exact command that resumes it.
 """
 
 from __future__ import annotations
 
+import shlex
+import shutil
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from stapo.cli.common import CLIError, ConfigOpt, SetOpt, resolve_config_path
+from stapo.cli.common import CLIError, ConfigOpt, SetOpt, check_inputs, quiet_known_noise, resolve_config_path
+
+if TYPE_CHECKING:
+    from stapo.core.config import Config
+
 
 
 def command(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     run_dir: Annotated[
-        Path | None, typer.Option("--run-dir", "-o", help="Run folder (default: runs/<algorithm>-<time>).")
+        Path | None, typer.Option("--run-dir", "-o", metavar="DIR", help="Run folder (default: runs/<algorithm>-<time>).")
     ] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue the run in --run-dir from its last checkpoint.")
+    ] = False,
+    recipe: Annotated[
+        str | None,
+        typer.Option(
+            "--recipe",
+            "-r",
+            metavar="NAME",
+            help="Run this recipe's method (its algorithm.* keys and layers: the `method` keys of "
+            "stapo.core.fairness) on --config's model, data, batch, lengths, reward scale, schedule and "
+            "backend. E.g. --config tiny --recipe grpo. --set still wins.",
+        ),
+    ] = None,
+    fresh: Annotated[
+        bool,
+        typer.Option(
+            "--fresh",
+            help="With --resume: when --run-dir has no checkpoint yet, start it over from step 0 "
+            "(without it, --resume refuses).",
+        ),
     ] = False,
 ) -> None:
     """Train a policy with STAPO or a baseline (GRPO, DAPO, 20-Entropy, JustRL, STARE, Lp-Reg, GSPO, ...).
@@ -38,41 +66,180 @@ def command(
     With no arguments it runs the CPU demo: SmolLM2-135M-Instruct learning single-digit addition
     (needs `make demo-model` once). Writes config.yaml, metrics.jsonl, TensorBoard events, token
     dumps, checkpoints and the final HF-format policy into the run dir.
+
+    Examples:
+
+    \b
+      stapo train --config tiny                      # a tiny random model, seconds on a CPU
+      stapo train --config tiny --recipe grpo        # GRPO's method on the tiny model
+      stapo train --config stapo --set model.name_or_path=Qwen/Qwen3-1.7B-Base --run-dir runs/stapo
+      stapo train --run-dir runs/stapo --resume      # continue from the last checkpoint
     """
     from stapo.core.config import ConfigError, load_config
 
     overrides = list(set_ or [])
+    if fresh and not resume:
+        raise CLIError("--fresh goes with --resume (it says what to do when the run dir has no checkpoint)")
     try:
         if resume:
             if run_dir is None:
                 raise CLIError("--resume needs --run-dir pointing at an existing run")
             saved = run_dir / "config.yaml"
             if config is None and not saved.is_file():
-                raise CLIError(f"{run_dir} has no config.yaml to resume from")
+                raise CLIError(f"{run_dir} has no config.yaml to resume from; is it a run dir?")
             path = resolve_config_path(config) if config is not None else saved
         else:
             path = resolve_config_path(config)
+        if recipe is not None:
+            overrides = method_overrides(resolve_config_path(Path(recipe))) + overrides
         cfg = load_config(path, overrides)
     except ConfigError as err:
-        raise CLIError(str(err)) from None
+        raise CLIError(f"--recipe {recipe}: {err}" if recipe and "invalid config" in str(err) else str(err)) from None
+    for warning in name_mismatch(cfg):
+        typer.echo(f"warning: {warning}", err=True)
     if run_dir is None:
         run_dir = Path("runs") / f"{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if not resume and (run_dir / "metrics.jsonl").exists():
         raise CLIError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --run-dir")
+    if resume:
+        _check_resumable(run_dir, fresh)
+    check_inputs(cfg)
+    quiet_known_noise(cfg.trainer.backend)
 
     from stapo.core.loop import train
     from stapo.core.rewards import RewardError
 
+    created = not run_dir.exists()
     typer.echo(f"run dir: {run_dir}  (config: {path})")
     try:
         result = train(cfg, run_dir, resume=resume, log=typer.echo)
+    except KeyboardInterrupt:
+        _quiet_grader_shutdown()
+        _interrupted(cfg, run_dir)
+        raise typer.Exit(130) from None
     except RewardError as err:
         raise CLIError(f"training stopped: {err}") from None
+    except BaseException:
+        _quiet_grader_shutdown()
+        if created:
+            _remove_if_empty_run(run_dir)
+        raise
     typer.echo(
         f"done: {result.steps} steps in {result.wall_s:.0f}s; validation accuracy "
         f"{_fmt(result.val_before)} -> {_fmt(result.val_after)}; run dir {result.run_dir}"
     )
 
 
+# The keys that tell the shipped methods apart (our choice: each recipe differs from the others
+# in at least one of them). A config labelled with a recipe's name must agree with that recipe here.
+SIGNATURE_KEYS = (
+    "algorithm.token_weighting", "algorithm.policy_loss", "algorithm.advantage", "algorithm.lp_reg.enabled",
+    "algorithm.deep_grpo.enabled", "data.sampler", "rollout.async.enabled",
+)
+
+
+def method_overrides(recipe: Path) -> list[str]:
+    """``--set`` overrides that give a config the recipe's values of every method key.
+
+    Method keys are those :func:`stapo.core.fairness.classify` puts in the ``method`` group (the
+    objective and its layers), so the recipe's batch, lengths, reward scale, schedule, model and
+    backend are left out: ``--config tiny --recipe grpo`` is GRPO at the tiny config's scale.
+    """
+    from stapo.core.config import load_config
+    from stapo.core.fairness import classify, flatten
+
+    data = flatten(load_config(recipe).model_dump(mode="json", by_alias=True))
+    return [f"{key}={_flow(value)}" for key, value in data.items() if classify(key) == "method"]
+
+
+def _flow(value: object) -> str:
+    import yaml
+
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
+
+
+def name_mismatch(cfg: Config) -> list[str]:
+    """Warnings when ``algorithm.name`` is a recipe's name but the method keys say otherwise.
+
+    ``--set algorithm.name=grpo`` on a STAPO config only changes the label: reports would call a
+    STAPO run GRPO. Checked on :data:`SIGNATURE_KEYS` against the shipped recipe of that name.
+    """
+    from stapo.configs import preset_path
+    from stapo.core.config import load_config
+    from stapo.core.fairness import flatten
+
+    name = cfg.algorithm.name
+    path = preset_path(name)
+    if path is None:
+        return []
+    ours = flatten(cfg.model_dump(mode="json", by_alias=True))
+    theirs = flatten(load_config(path).model_dump(mode="json", by_alias=True))
+    diffs = [f"{k}={ours.get(k)!r} (the {name} recipe: {theirs.get(k)!r})" for k in SIGNATURE_KEYS
+             if ours.get(k) != theirs.get(k)]
+    if not diffs:
+        return []
+    return [f"algorithm.name={name}, but {'; '.join(diffs)}: the name is only a label. "
+            f"`--recipe {name}` takes the {name} recipe's method keys."]
+
+
+def _check_resumable(run_dir: Path, fresh: bool) -> None:
+    """``--resume`` needs a checkpoint; ``--fresh`` starts a run dir without one over, and says so."""
+    from stapo.core.checkpoint import latest_checkpoint
+
+    if latest_checkpoint(run_dir) is not None:
+        return
+    if not fresh:
+        raise CLIError(
+            f"{run_dir} has no checkpoint to resume from (one is written every checkpoint.every steps and "
+            "at the end); add --fresh to start it over from step 0"
+        )
+    typer.echo(f"{run_dir} has no checkpoint: starting over from step 0 (--fresh)")
+
+
+def _interrupted(cfg: Config, run_dir: Path) -> None:
+    """Ctrl-C: where the run stopped, its last checkpoint and the command that continues it."""
+    from stapo.core.checkpoint import latest_checkpoint
+    from stapo.core.tracking import read_jsonl
+
+    err = typer.echo
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    done = int(rows[-1]["step"]) if rows else 0
+    total = cfg.trainer.max_steps
+    if done == 0:
+        where = "before the first step finished"
+    else:
+        where = f"during step {done + 1} of {total}" if done < total else "after the last step"
+    err("", err=True)
+    err(f"interrupted {where}; {done} step(s) done (metrics: {run_dir / 'metrics.jsonl'})", err=True)
+    ckpt = latest_checkpoint(run_dir)
+    quoted = shlex.quote(str(run_dir))
+    if ckpt is not None:
+        err(f"last checkpoint: {ckpt}", err=True)
+        err(f"resume with: stapo train --run-dir {quoted} --resume", err=True)
+    else:
+        every = cfg.checkpoint.every
+        when = f"checkpoint.every={every} writes one every {every} steps" if every else (
+            "checkpoint.every=0 writes one only at the end")
+        err(f"no checkpoint yet ({when})", err=True)
+        err(f"start it over with: stapo train --run-dir {quoted} --resume --fresh", err=True)
+
+
+def _quiet_grader_shutdown() -> None:
+    """The run is over: the grader pool's workers stop with the process, and a pool that the
+    interrupted start-up never closed would report each as "lost: crash; replacing it". That is
+    shutdown, not a crash: its warnings are silenced from here on (errors still show)."""
+    import logging
+
+    logging.getLogger("stapo.verifier_service.pool").setLevel(logging.ERROR)
+
+
+def _remove_if_empty_run(run_dir: Path) -> None:
+    """A run dir this command made and that failed before its first step holds only config.yaml:
+    remove it, so that a failed start leaves nothing behind."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {"config.yaml"}:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3f}"
+

@@ -1,9 +1,11 @@
-"""`stapo verifier serve | bench`: run the math-verification service, or load-test one on loopback.
+"""`stapo verifier serve | bench | explain`: run the math-verification service, load-test one on loopback,
+or grade one response and say which rule decided.
 
     stapo verifier serve --workers 2 --deadline 5            # 127.0.0.1:8000 unless told otherwise
     STAPO_VERIFIER_TOKEN=s3cret stapo verifier serve --host 0.0.0.0 --limit-concurrency 256
     stapo verifier serve --host 0.0.0.0 --allow-unauthenticated   # a private network, on purpose
     stapo verifier bench http://127.0.0.1:8000 --requests 40 --batch 64
+    stapo verifier explain 10 "\\boxed{10\\pi square units}"       # extracted, verdict, rule
 
 Every serve flag has a ``STAPO_VERIFIER_*`` environment twin (see
 ``stapo.verifier_service.settings``); a flag wins over the environment. Prefer the environment for
@@ -22,7 +24,13 @@ import typer
 
 from stapo.cli.common import CLIError
 
-app = typer.Typer(help="The math-verification service: serve it, or load-test it.", no_args_is_help=True)
+app = typer.Typer(
+    help="The math-verification service: serve it, or load-test it.\n\nExamples:\n\n\b\n"
+    "  stapo verifier serve --workers 2 --deadline 5       # 127.0.0.1:8000\n"
+    "  STAPO_VERIFIER_TOKEN=s3cret stapo verifier serve --host 0.0.0.0\n"
+    "  stapo verifier bench http://127.0.0.1:8000 --requests 40 --batch 64",
+    no_args_is_help=True,
+)
 
 
 def build_settings(**overrides: object):  # -> Settings (imported lazily: keeps `stapo --help` fast)
@@ -226,3 +234,22 @@ def bench(
     else:
         console.print(table)
     console.print(f"statuses: {dict(sorted(svc.statuses.items()))}")
+
+
+@app.command("explain")
+def explain(
+    gold: Annotated[str, typer.Argument(help="The gold answer, as in the data set (e.g. '\\frac{1}{2}').")],
+    response: Annotated[str, typer.Argument(help="The model's full response text.")],
+    mode: Annotated[str, typer.Option(help="Grading mode: math or dapo.")] = "math",
+    think: Annotated[str, typer.Option(help="Reasoning cut: optional, required or ignore.")] = "optional",
+) -> None:
+    """Grade one response and say why: the extracted answer, the verdict and the rule that decided."""
+    from stapo.verifier_service.grader import grade
+
+    try:
+        res = grade(response, gold, mode, think=think)
+    except ValueError as err:
+        raise CLIError(str(err)) from err
+    typer.echo(f"extracted: {res.extracted if res.extracted is not None else '(none)'}")
+    typer.echo(f"verdict:   {'correct' if res.correct else 'wrong'} (status {res.status})")
+    typer.echo(f"rule:      {res.rule or '(none)'}")

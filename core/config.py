@@ -58,6 +58,15 @@ class TinyModel(_Section):
     num_heads: int = Field(4, gt=0, description="Attention heads (must divide hidden_size).")
     intermediate_size: int = Field(128, gt=0, description="MLP width.")
     seed: int = Field(0, description="Seed of the random initialization.")
+    vocab: Literal["chars", "digits"] = Field(
+        "chars",
+        description=(
+            "Tokenizer of the tiny model: `chars` (digits, letters, operators, punctuation: ~100 tokens) or "
+            "`digits` (the ten digits and the special tokens only; other characters read as <unk>), where a "
+            "random model's one-token answer is the right digit about 1 time in 15: rewards vary from the "
+            "first step, so a tiny run exercises the update (configs/tiny.yaml)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModel:
@@ -106,6 +115,13 @@ class ArithmeticData(_Section):
     num_ops: int = Field(1, ge=1, le=4, description="Operations per problem (1: `a + b`).")
     ops: list[Literal["+", "-", "*"]] = Field(["+"], min_length=1, description="Operators to draw from.")
     word_problems: bool = Field(False, description="Phrase problems as short word problems instead of bare `a + b`.")
+    answer_range: tuple[int, int] | None = Field(
+        None,
+        description=(
+            "Keep only bare problems whose answer lies in [lo, hi] (e.g. [0, 9]: one-digit answers, which a "
+            "one-token response can name; configs/tiny.yaml). None: every answer."
+        ),
+    )
 
 
 class GoldilocksOptions(_Section):
@@ -191,8 +207,28 @@ class VLLMOptions(_Section):
     max_model_len: int | None = Field(None, gt=0, description="Context length for vLLM (default: prompt + response).")
 
 
+# --- asynchronous rollouts (docs/async.md) ---------------------------------------------------
+
+
+class AsyncOptions(_Section):
+    """A producer process samples and grades the next batches while the learner updates."""
+
+    enabled: bool = Field(False, description="Overlap rollouts + grading with the update (docs/async.md).")
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description=(
+            "Most policy versions a trained batch may lag behind the learner (1: verl's one-step-off-policy; "
+            "0: no overlap, the synchronous updates exactly)."
+        ),
+    )
+
+
 class RolloutConfig(_Section):
     """How responses are sampled from the policy."""
+
+    # `async` is a Python keyword: the attribute is `async_`, the config key `async`.
+    model_config = ConfigDict(populate_by_name=True)
 
     engine: Literal["hf", "vllm"] = Field(
         "hf", description="`hf` (transformers generate, portable) or `vllm` (production, GPU)."
@@ -210,6 +246,9 @@ class RolloutConfig(_Section):
         False, description="Generate exactly max_new_tokens (EOS does not stop a response): benchmarks only."
     )
     vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="vLLM engine options.")
+    async_: AsyncOptions = Field(
+        default_factory=AsyncOptions, alias="async", description="Asynchronous rollouts with bounded staleness."
+    )
 
 
 # ----------------------------------------------------------------------------- algorithm
@@ -293,7 +332,9 @@ class LpRegOptions(_Section):
         0.02, gt=0, lt=1, description="Relative floor of the proxy: keep tokens with p >= min_p * max p (`minp_p_threshold`)."
     )
     coef: float = Field(1.0, ge=0, description="Weight of the KL term (`ppo_kl_coef`).")
-    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator (`kl_type=low_var_kl` is k3).")
+    estimator: Literal["k1", "k2", "k3", "k3_unclamped"] = Field(
+        "k3", description="Per-token KL estimator (`kl_type=low_var_kl` is k3, clamped to [-10, 10] as verl does)."
+    )
 
 
 class OverlongOptions(_Section):
@@ -321,8 +362,12 @@ class KLOptions(_Section):
             "reference model; the KL is taken to the policy that sampled the batch (a trust-region penalty)."
         ),
     )
-    estimator: Literal["k1", "k2", "k3"] = Field(
-        "k3", description="Per-token estimator (Schulman 2020): k1 = log(pi/ref), k2 = k1^2 / 2, k3 = ref/pi - 1 - log(ref/pi)."
+    estimator: Literal["k1", "k2", "k3", "k3_unclamped"] = Field(
+        "k3",
+        description=(
+            "Per-token estimator (Schulman 2020): k1 = log(pi/ref), k2 = k1^2 / 2, k3 = ref/pi - 1 - log(ref/pi) "
+            "clamped to [-10, 10] as verl's `low_var_kl` (past it: no gradient); `k3_unclamped` as TRL's GRPOTrainer."
+        ),
     )
     in_reward: bool = Field(
         False,
@@ -370,8 +415,43 @@ class DeepGRPOOptions(_Section):
         10, ge=1, description="Fit the logistic regression once the window holds more than this (authors' code: 10)."
     )
     window: int = Field(10000, gt=0, description="Sliding window of (t/T, success) samples (authors' code: 10000).")
+    outcome: Literal["any_of_k", "per_branch"] = Field(
+        "any_of_k",
+        description=(
+            "What the recoverability model learns from: `any_of_k` (authors' code) one (t/T, any of the pivot's K "
+            "branches succeeded) sample per pivot; `per_branch` (ours, the earlier variant) one sample per branch."
+        ),
+    )
+    local_advantage: Literal["mean_baseline", "grpo"] = Field(
+        "mean_baseline",
+        description=(
+            "Advantage of a branch in the local loss: `mean_baseline` (authors' code) reward - mean of its pivot's "
+            "K branch rewards; `grpo` (ours, the earlier variant) the run's `algorithm.advantage` within the pivot's group."
+        ),
+    )
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, populate_by_name=True)
+
+
+class OffPolicyOptions(_Section):
+    """VCPO's variance controls for stale rollouts (arXiv 2602.17616; docs/async.md). Active only
+    where a batch is off-policy (asynchronous rollouts); a no-op on on-policy batches."""
+
+    ess_lr_scaling: bool = Field(
+        False, description="Scale the LR by min(1, ESS/N / ess_base_ratio)^(1/2) (sequence-level ESS, VCPO)."
+    )
+    ess_rule: Literal["sqrt", "linear"] = Field("sqrt", description="ESS LR rule (VCPO authors' default: sqrt).")
+    ess_base_ratio: float = Field(1.0, gt=0, le=1, description="ESS/N at which the full LR is used (VCPO: 1).")
+    min_variance_baseline: bool = Field(
+        False,
+        description=(
+            "Replace the group-mean baseline by VCPO's b = sum w^2 |g|^2 R / sum w^2 |g|^2 (one extra backward "
+            "per sequence for |g|^2; trainer.backend=torch)."
+        ),
+    )
+    behaviour_weight_cap: float | None = Field(
+        None, gt=1, description="AReaL's cap: tokens with pi_prox/mu above it get no gradient (None: no cap)."
+    )
 
 
 class AlgorithmConfig(_Section):
@@ -418,11 +498,35 @@ class AlgorithmConfig(_Section):
             "or `reward` (the shaped reward, overlong penalty included)."
         ),
     )
-    max_sampling_rounds: int = Field(
-        3, ge=1, description="With dynamic sampling: rounds of extra sampling to refill the batch."
+    gen_batch_multiplier: float = Field(
+        1.0,
+        ge=1.0,
+        description=(
+            "With dynamic sampling: each generation round samples ceil(multiplier x rollout.prompts_per_step) "
+            "prompts (verl `data.gen_batch_size` / `data.train_batch_size`; the DAPO scripts use 3), kept groups "
+            "accumulate over rounds and the first prompts_per_step of them train."
+        ),
+    )
+    max_gen_rounds: int = Field(
+        3,
+        ge=0,
+        description=(
+            "With dynamic sampling: generation rounds per step, the first included (verl "
+            "`filter_groups.max_num_gen_batches`; 0 = no limit, as in verl)."
+        ),
+    )
+    gen_rounds_exhausted: Literal["error", "train"] = Field(
+        "train",
+        description=(
+            "With dynamic sampling, when `max_gen_rounds` rounds kept fewer than prompts_per_step groups: `error` "
+            "stops the run (verl raises) and `train` trains on the under-filled batch (logged as dapo/underfilled)."
+        ),
     )
     overlong: OverlongOptions = Field(default_factory=OverlongOptions, description="DAPO overlong shaping.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each step's rollouts.")
+    off_policy: OffPolicyOptions = Field(
+        default_factory=OffPolicyOptions, description="VCPO variance controls for stale (asynchronous) rollouts."
+    )
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass (the batch split into mini-batches).")
 
 
@@ -438,8 +542,16 @@ class TrainerConfig(_Section):
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    warmup_steps: int = Field(0, ge=0, description="Linear LR warmup, in optimizer steps.")
+    warmup_steps: int = Field(0, ge=0, description="Linear LR warmup, in `lr_schedule_unit`s.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR after warmup.")
+    lr_schedule_unit: Literal["optimizer_step", "rollout_step"] = Field(
+        "optimizer_step",
+        description=(
+            "What the warmup and decay count: `optimizer_step` (every update; a rollout step makes "
+            "ppo_epochs x mini_batches of them) or `rollout_step` (one LR per rollout step, as verl steps its "
+            "scheduler once per `update_actor`: a verl recipe's `lr_warmup_steps=10` is 10 rollout steps)."
+        ),
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
     micro_batch_size: int = Field(
         8, gt=0, description="Sequences per forward/backward (gradient accumulation) when `micro_batch_tokens` is null."
@@ -608,7 +720,28 @@ class Config(_Section):
                 "algorithm.kl.reference=initial is not supported with trainer.zero_stage=3 yet (the frozen copy "
                 "would need its own ZeRO-3 inference engine); use zero_stage 0-2 or kl.reference=none"
             )
+        self._async_checks()
         return self
+
+    def _async_checks(self) -> None:
+        """Config-level limits of asynchronous rollouts (docs/async.md); what depends on the machine
+        (engine, backend, ranks) is checked when the run starts (stapo.core.async_rollout)."""
+        r, a, op = self.rollout, self.algorithm, self.algorithm.off_policy
+        if (op.ess_lr_scaling or op.min_variance_baseline or op.behaviour_weight_cap is not None) and not r.async_.enabled:
+            raise ValueError(
+                "algorithm.off_policy.* acts on stale rollouts only: set rollout.async.enabled=true, or leave "
+                "ess_lr_scaling / min_variance_baseline false and behaviour_weight_cap null"
+            )
+        if op.min_variance_baseline and a.advantage == "rloo":
+            raise ValueError("algorithm.off_policy.min_variance_baseline replaces a group-mean baseline: use "
+                             "algorithm.advantage=grpo or dr_grpo, not rloo")
+        if not r.async_.enabled:
+            return
+        if self.data.sampler != "uniform":
+            raise ValueError("rollout.async.enabled needs data.sampler=uniform: the producer picks prompts ahead of "
+                             "the learner, before a teacher could learn from the current step")
+        if a.deep_grpo.enabled:
+            raise ValueError("rollout.async.enabled does not combine with algorithm.deep_grpo.enabled yet")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -692,9 +825,13 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise ConfigError(f"{p}: not a text file; a config is YAML (see configs/tiny.yaml)") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"{p}: not valid YAML: {err}") from None
+        if loaded is None:  # an empty file is a mistake, not a wish for the defaults (the 135M demo)
+            raise ConfigError(f"{p}: the config file is empty; fill it in (see configs/tiny.yaml) or leave --config out")
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(loaded).__name__}")
         data = loaded
@@ -712,7 +849,7 @@ def field_docs(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[
     for name, f in model.model_fields.items():
         ann = f.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows.extend(field_docs(ann, f"{prefix}{name}."))
+            rows.extend(field_docs(ann, f"{prefix}{f.alias or name}."))
         else:
             default = f.get_default(call_default_factory=True)
             rows.append((f"{prefix}{f.alias or name}", repr(default), f.description or ""))

@@ -57,6 +57,7 @@ __all__ = [
     "OFFLINE_SOURCES",
     "TEMPLATES",
     "DataError",
+    "check_source",
     "convert_dapo_hub_rows",
     "dapo_content_sha256",
     "data_cache_dir",
@@ -326,6 +327,9 @@ def generate_arithmetic(cfg: ArithmeticData, *, seed: int) -> list[_Raw]:
             )
         )
         rng.shuffle(combos)
+        if cfg.answer_range is not None:
+            lo, hi = cfg.answer_range
+            combos = [(n, o) for n, o in combos if lo <= _eval_precedence(list(n), list(o)) <= hi]
         for nums, ops in combos[: cfg.num_problems]:
             out.append(_bare_problem(len(out), list(nums), list(ops)))
         return out
@@ -340,6 +344,8 @@ def generate_arithmetic(cfg: ArithmeticData, *, seed: int) -> list[_Raw]:
             raw = _Raw(id=f"arithmetic-{len(out)}", problem=problem, answer=str(value), source="arithmetic")
         else:
             raw = _bare_problem(len(out), nums, ops)
+            if cfg.answer_range is not None and not cfg.answer_range[0] <= int(raw.answer) <= cfg.answer_range[1]:
+                continue
         if raw.problem in seen:
             continue
         seen.add(raw.problem)
@@ -437,16 +443,28 @@ def _rows_to_raw(
     return out
 
 
+def _not_text(path: Path, err: UnicodeDecodeError, offset: int | None = None) -> DataError:
+    """The error for a data file that is not UTF-8 text (often a binary file given by mistake)."""
+    at = f" at offset {offset + err.start}" if offset is not None else ""
+    return DataError(
+        f"data.source: {path} is not UTF-8 text (byte 0x{err.object[err.start]:02x}{at}); "
+        "give a .jsonl/.json file of UTF-8 text, or a .parquet file"
+    )
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+    try:
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+    except UnicodeDecodeError as err:
+        raise _not_text(path, err) from None
     return rows
 
 
@@ -455,7 +473,12 @@ def _read_local(path: Path) -> list[dict[str, Any]]:
     if suffix == ".jsonl":
         return _read_jsonl(path)
     if suffix == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise _not_text(path, err) from None
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from None
         if isinstance(data, dict) and isinstance(data.get("data"), list):
             data = data["data"]
         if not isinstance(data, list):
@@ -468,7 +491,10 @@ def _read_local(path: Path) -> list[dict[str, Any]]:
             raise DataError(
                 f"data.source: reading {path.name} needs pyarrow (pip install pyarrow), or convert it to JSONL"
             ) from None
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as err:  # pyarrow raises several types (ArrowInvalid, OSError) for a bad file
+            raise DataError(f"data.source: {path} is not a readable Parquet file ({err})") from None
     raise DataError(
         f"data.source: {path} has an unsupported extension {suffix!r}; use .jsonl, .json or .parquet"
     )
@@ -541,14 +567,70 @@ def _load_raw(data_cfg: DataConfig) -> tuple[list[_Raw], str]:
             source=path.stem,
             origin=str(path),
         ), str(path.resolve())
+    raise _missing_source(source)
+
+
+def _missing_source(source: str) -> DataError:
+    """The error for a path source that is not a file: a folder, a missing file, or an unknown name."""
+    path = Path(source).expanduser()
     if path.is_dir():
-        raise DataError(
-            f"data.source: {path} is a folder without {MANIFEST}; is it a `stapo prepare` output?"
-        )
-    raise DataError(
+        return DataError(f"data.source: {path} is a folder without {MANIFEST}; is it a `stapo prepare` output?")
+    if path.suffix.lower() in _FILE_SUFFIXES or "/" in source or os.sep in source:
+        return DataError(f"data.source: file not found: {path} (from {Path.cwd()})")
+    return DataError(
         f"data.source: unknown source {source!r}; valid: arithmetic, {', '.join(OFFLINE_SOURCES)}, "
         "a .jsonl/.json/.parquet file, a prepared data dir, or hf:<dataset id>"
     )
+
+
+_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+_CHECK_CHUNK = 1 << 20
+
+
+def check_source(data_cfg: DataConfig) -> None:
+    """Fail now, with the message loading would give, when ``data.source`` cannot be read.
+
+    Cheap (nothing is parsed): the name resolves, a shipped copy is there, a local file exists and
+    is UTF-8 text (JSON/JSONL) or starts like Parquet. ``stapo train`` calls it before it writes
+    anything, so a typo in a path fails before a run dir, a model load and a grader pool.
+    """
+    get_template(data_cfg.template)
+    source = data_cfg.source
+    if source == "arithmetic" or source.startswith("hf:"):
+        return
+    if source in OFFLINE_SOURCES:
+        path = resolve_data_dir(data_cfg) / OFFLINE_SOURCES[source]
+        if not path.is_file():
+            _load_raw(data_cfg)  # raises the not-found message with its fix
+        return
+    path = Path(source).expanduser()
+    if _is_prepared(path):
+        return
+    if not path.is_file():
+        raise _missing_source(source)
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        with path.open("rb") as f:
+            if f.read(4) != b"PAR1":
+                raise DataError(f"data.source: {path} is not a Parquet file (it does not start with PAR1)")
+        return
+    if suffix not in _FILE_SUFFIXES:
+        _read_local(path)  # raises the unsupported-extension message
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with path.open("rb") as f:
+        while chunk := f.read(_CHECK_CHUNK):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as err:
+                raise _not_text(path, err, offset) from None
+            offset += len(chunk)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError as err:
+            raise _not_text(path, err, offset) from None
 
 
 # ----------------------------------------------------------------------------- pipeline

@@ -11,7 +11,11 @@ failures are ours); for each, a pivot t is drawn with probability Q(t) ∝ P(suc
 (``stapo.core.algos.deep_grpo``), and K branches are generated from prompt + response[:t] through the
 rollout engine's ``generate_from_prefix`` with the remaining token budget. Branches are graded on
 prefix + continuation, shaped and given advantages within their pivot's group exactly as root
-groups are (``shape_and_advantage``), and their outcomes (t/T, success) feed the online logistic model.
+groups are (``shape_and_advantage``), then take their local advantage: by default the authors'
+reward - mean of the pivot's K branch rewards (``deep_grpo.local_advantage: mean_baseline``; ``grpo``
+keeps the run's own estimator, our earlier variant). The recoverability model gets one sample per
+pivot, (t/T, any of its K branches succeeded), as the authors' ``BranchingFeedback`` does
+(``deep_grpo.outcome: any_of_k``; ``per_branch``, one sample per branch, is our earlier variant).
 
 ``local_loss_hook``: returns a callable that ``update_policy`` runs right before each optimizer step;
 it adds lambda * L_local to the accumulated gradient, where L_local is the configured policy loss
@@ -22,12 +26,21 @@ authors' released code instead pools both streams under one token-mean normalize
 (sum_main + lambda sum_branch) / (N_main + lambda N_branch) — see docs/algorithms.md). With
 lambda = 0 the hook is None and the update is plain GRPO's, bit for bit.
 
-Single data-parallel rank only for now: branch counts differ across ranks, and the local term's
-collectives would then not run in lockstep; the loop refuses deep_grpo with more than one rank.
+Data parallel (DeepSpeed, ZeRO 0-3): each rank picks pivots among its own failed rollouts, so
+counts differ, while ZeRO-3 gathers parameters in every generate step and forward. So every
+decision is global: every rank makes max-over-ranks pivot generate calls (a rank with fewer makes
+one-token throwaway calls; transformers' ``synced_gpus`` keeps the steps in step), the branch
+rows' old log-probs run the same number of forwards (a zero-weight padding row fills in), the
+local loss splits the GLOBAL branch rows into mini-batches with ``plan_update`` as the root update
+does, its token weighting reads global statistics and its normalizer is all-reduced, and the
+recoverability model is updated with every rank's outcomes in rank order (one model on every
+rank). Tested on 2 CPU ranks under ZeRO-3 (tests/e2e/test_multirank_deep.py): it finishes in
+lockstep; equality with one process is not tested (each rank samples its branches with its own seed).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,9 +49,33 @@ from typing import Any
 import numpy as np
 import torch
 
-from stapo.core.algos.deep_grpo import OnlineLogistic, branch_ratio, sample_pivot, suffix_mask
+from stapo.core.algos.deep_grpo import (
+    OnlineLogistic,
+    branch_ratio,
+    local_advantages,
+    pivot_outcomes,
+    sample_pivot,
+    suffix_mask,
+)
 
-__all__ = ["DeepGRPO", "BranchRollouts"]
+__all__ = ["DeepGRPO", "BranchRollouts", "set_local_advantages"]
+
+
+def set_local_advantages(cfg: Any, kept: list[Any]) -> list[Any]:
+    """Give each kept branch its local advantage within its pivot's K branches
+    (``algorithm.deep_grpo.local_advantage``; the shaped rewards, as the global advantages use)."""
+    if not kept:
+        return kept
+    from stapo.core.loop import group_sequences
+
+    groups = list(group_sequences(kept).values())
+    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [P, K]
+    adv = local_advantages(rewards, cfg.algorithm.deep_grpo.local_advantage, cfg.algorithm.advantage,
+                           eps=cfg.algorithm.adv_eps)  # [P, K]
+    for g, row in zip(groups, adv.tolist(), strict=True):
+        for s, a in zip(g, row, strict=True):
+            s.advantage = a
+    return [s for g in groups for s in g]
 
 
 @dataclass
@@ -50,6 +87,8 @@ class BranchRollouts:
     suffix: torch.Tensor  # [N, L] bool: continuation tokens only (shared prefix masked out)
     old_lp: torch.Tensor  # [N, L]
     old_ent: torch.Tensor  # [N, L]
+    counts: list[int] | None = None  # kept branch rows of every rank (data parallel)
+    pad_row: int | None = None  # this rank's zero-weight padding row (data parallel)
 
 
 class DeepGRPO:
@@ -65,9 +104,10 @@ class DeepGRPO:
     # ----------------------------------------------------------------------------- rollouts
 
     def rollout_branches(self, run: Any, step: int, seqs: list[Any]) -> tuple[BranchRollouts | None, dict[str, float]]:
+        from stapo.core.distributed import DataParallel
         from stapo.core.loop import (
             Sequence_,
-            collate,
+            collate_with_pad_row,
             derive_seed,
             shape_and_advantage,
             stats_temperature,
@@ -76,13 +116,15 @@ class DeepGRPO:
         from stapo.core.rollout import SamplingParams
 
         cfg, o = self.cfg, self.opts
+        dp = DataParallel(run.backend)
         t0 = time.time()
         failed = [s for s in seqs if s.valid and not s.correct and len(s.response_ids) >= 2]
         rng = np.random.default_rng(derive_seed(cfg.trainer.seed, step, 0xDEE9, run.rank))
         chosen = [failed[i] for i in sorted(rng.choice(len(failed), size=min(o.max_pivots, len(failed)),
                                                        replace=False))] if failed else []
-        self.model.fit()  # the authors refit before each selection
-        if not chosen:
+        self.model.fit()  # the authors refit before each selection (same window on every rank: same fit)
+        n_pivots = dp.counts(len(chosen))  # a global decision: every rank makes the same generate calls
+        if not sum(n_pivots):
             return None, {"deep/pivots": 0.0, "deep/branches": 0.0, "time/deep_rollout_s": time.time() - t0}
         pivots = [sample_pivot(len(s.response_ids), self.model, o.gamma, rng) for s in chosen]
         gen = getattr(run.engine, "generate_from_prefix", None)
@@ -91,14 +133,18 @@ class DeepGRPO:
                             f"{type(run.engine).__name__} has none")
         branch_seqs: list[Any] = []
         run.engine.wake()
-        for p, (s, t) in enumerate(zip(chosen, pivots, strict=True)):
+        for p in range(max(n_pivots)):  # data parallel: a rank with fewer pivots makes a throwaway call
+            real = p < len(chosen)
+            s, t = (chosen[p], pivots[p]) if real else (seqs[0], 1 if len(seqs[0].response_ids) > 1 else 0)
             sampling = SamplingParams(
-                n=o.k_branches, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                max_new_tokens=cfg.rollout.max_new_tokens - t,
+                n=o.k_branches if real else 1, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                max_new_tokens=cfg.rollout.max_new_tokens - t if real else 1,
                 seed=derive_seed(cfg.trainer.seed, step, 0xB4A, p, run.rank),
             )
             prefix = list(s.response_ids[:t])
             (comps,) = gen([s.prompt_ids], [prefix], sampling)
+            if not real:
+                continue
             for c in comps:
                 ids = prefix + list(c.token_ids)
                 text = run.tokenizer.decode(ids, skip_special_tokens=True)
@@ -108,33 +154,43 @@ class DeepGRPO:
                 branch_seqs.append(b)
         run.engine.sleep()
         t_gen = time.time() - t0
-        graded = run.rewards([b.text for b in branch_seqs], [b.gold for b in branch_seqs])
-        for b, r, v, c in zip(branch_seqs, graded.rewards, graded.valid, graded.correct, strict=True):
-            b.reward, b.valid, b.correct = r, v, c
+        if branch_seqs:
+            graded = run.rewards([b.text for b in branch_seqs], [b.gold for b in branch_seqs])
+            for b, r, v, c in zip(branch_seqs, graded.rewards, graded.valid, graded.correct, strict=True):
+                b.reward, b.valid, b.correct = r, v, c
         ok = [b for b in branch_seqs if b.valid]
-        self.model.update([b.ratio for b in ok], [b.correct for b in ok])
-        kept = shape_and_advantage(cfg, branch_seqs)
-        main_tokens = sum(len(s.response_ids) for s in seqs)
-        new_tokens = sum(len(b.response_ids) - b.prefix_len for b in branch_seqs)
-        metrics = {
-            "deep/pivots": float(len(chosen)),
-            "deep/branches": float(len(branch_seqs)),
-            "deep/branch_success": float(np.mean([b.correct for b in ok])) if ok else float("nan"),
-            "deep/pivot_ratio_mean": float(np.mean([b.ratio for b in branch_seqs])),
-            "deep/extra_token_frac": new_tokens / max(main_tokens, 1),
+        r, y = pivot_outcomes([b.ratio for b in branch_seqs], [b.group for b in branch_seqs],
+                              [b.valid for b in branch_seqs], [b.correct for b in branch_seqs], o.outcome)
+        every = dp.gather_objects((r, y))  # every rank's outcomes, in rank order: one model on every rank
+        self.model.update([x for rr, _ in every for x in rr], [x for _, yy in every for x in yy])
+        kept = set_local_advantages(cfg, shape_and_advantage(cfg, branch_seqs)) if branch_seqs else []
+        main_tokens, new_tokens, n_ok, n_success, ratio_sum, n_y, n_br = dp.sum([
+            sum(len(s.response_ids) for s in seqs), sum(len(b.response_ids) - b.prefix_len for b in branch_seqs),
+            len(ok), sum(b.correct for b in ok), sum(b.ratio for b in branch_seqs), len(y), len(branch_seqs)])
+        metrics = {  # global over ranks
+            "deep/pivots": float(sum(n_pivots)),
+            "deep/branches": n_br,
+            "deep/branch_success": n_success / n_ok if n_ok else float("nan"),
+            "deep/model_samples": n_y,  # outcomes the recoverability model got this step
+            "deep/pivot_ratio_mean": ratio_sum / max(n_br, 1.0),
+            "deep/extra_token_frac": new_tokens / max(main_tokens, 1.0),
             "deep/logit_w": self.model.w,
             "deep/logit_b": self.model.b,
             "time/deep_rollout_s": t_gen,
         }
-        if not kept:
+        counts = dp.counts(len(kept))
+        if not sum(counts):
             return None, metrics
-        batch = collate(kept, run.pad_id).to(run.backend.device)
-        prefix_len = torch.tensor([b.prefix_len for b in kept], device=batch.response_mask.device)
-        suffix = suffix_mask(batch.response_mask, prefix_len)  # [N, L]
-        old_lp, old_ent = token_stats_batched(run.backend, batch, cfg.trainer.micro_batch_size,
-                                              stats_temperature(cfg))
+        batch = collate_with_pad_row(kept, run.pad_id, pad=dp.multi).to(run.backend.device)
+        pad_row = len(kept) if dp.multi else None
+        prefix_len = torch.tensor([b.prefix_len for b in kept] + ([0] if dp.multi else []),
+                                  device=batch.response_mask.device)
+        suffix = suffix_mask(batch.response_mask, prefix_len)  # [N, L]; the padding row has none
+        micro = cfg.trainer.micro_batch_size
+        old_lp, old_ent = token_stats_batched(run.backend, batch, micro, stats_temperature(cfg),
+                                              calls=max(1, math.ceil(max(counts) / micro)), pad_row=pad_row)
         metrics["time/deep_total_s"] = time.time() - t0
-        return BranchRollouts(kept, batch, suffix, old_lp, old_ent), metrics
+        return BranchRollouts(kept, batch, suffix, old_lp, old_ent, counts, pad_row), metrics
 
     # ----------------------------------------------------------------------------- local loss
 
@@ -145,6 +201,7 @@ class DeepGRPO:
         if br is None or lam == 0.0:
             return None
         from stapo.core.algos import TokenContext, get_aggregation, get_policy_loss, get_token_weighting
+        from stapo.core.distributed import plan_update
         from stapo.core.loop import (
             derive_seed,
             policy_loss_params,
@@ -160,26 +217,31 @@ class DeepGRPO:
         loss_kw = {"eps_low": a.eps_low, "eps_high": a.eps_high, "dual_clip_c": a.dual_clip_c,
                    **policy_loss_params(cfg)}
         micro, temp = cfg.trainer.micro_batch_size, stats_temperature(cfg)
-        n = br.batch.input_ids.shape[0]
-        chunks: list[torch.Tensor] = []
+        counts = br.counts or [br.batch.input_ids.shape[0]]
+        rank = int(getattr(backend, "rank", 0))
+        gather, reduce = getattr(backend, "all_gather_1d", None), getattr(backend, "all_reduce_sum", None)
+        plan: list[Any] = []
 
         def before_step(update: int, fresh: bool) -> None:
             epoch, mb = divmod(update, a.mini_batches)
-            if mb == 0:  # a new pass over the branch rows, split like the root rows
+            if mb == 0:  # a new pass over the GLOBAL branch rows, split like the root rows (plan_update)
                 g = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch, 0xB7))
-                chunks[:] = list(torch.randperm(n, generator=g).to(br.suffix.device).chunk(a.mini_batches))
-            if mb >= len(chunks):
+                plan[:] = [plan_update(counts, rank, mini_batches=a.mini_batches, micro=micro, generator=g,
+                                       pad_row=br.pad_row)]
+            if mb >= len(plan[0].rows):  # fewer branch rows than mini-batches: the same on every rank
                 return
-            idx = chunks[mb]
+            idx = plan[0].rows[mb].to(br.suffix.device)
             rows = br.batch.rows(idx)
-            mask = br.suffix[idx]  # [b, L]: the shared prefix is out of the local term
+            mask = br.suffix[idx]  # [b, L]: the shared prefix (and the padding row) is out of the local term
             if fresh:
                 cur_lp, cur_ent = br.old_lp[idx], br.old_ent[idx]
             else:
                 cur_lp, cur_ent = token_stats_batched(backend, rows, micro, temp)
-            ctx = TokenContext(logprobs=cur_lp, entropy=cur_ent, advantages=rows.advantages, mask=mask)
+            ctx = TokenContext(logprobs=cur_lp, entropy=cur_ent, advantages=rows.advantages, mask=mask,
+                               gather=gather, all_reduce_sum=reduce)
             tw = weigh(ctx, **weighting_params(cfg))
             norm = agg.normalizer(tw, mask)
+            norm = reduce(norm) if reduce is not None else norm  # the global normalizer, as the root update's
             total = 0.0
             for s in range(0, idx.shape[0], micro):
                 r = slice(s, s + micro)
@@ -194,8 +256,14 @@ class DeepGRPO:
 
         return before_step
 
-    def local_metrics(self) -> dict[str, float]:
-        return dict(self._local)
+    def local_metrics(self, backend: Any = None) -> dict[str, float]:
+        """The local term's loss and tokens, summed over ranks (every rank calls this, with the same keys)."""
+        if backend is None or not self._local:
+            return dict(self._local)
+        from stapo.core.distributed import DataParallel
+
+        keys = sorted(self._local)
+        return dict(zip(keys, DataParallel(backend).sum([self._local[k] for k in keys]), strict=True))
 
     # ----------------------------------------------------------------------------- resume
 

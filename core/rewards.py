@@ -25,7 +25,7 @@ from typing import Any
 
 from stapo.core.config import RewardConfig
 
-__all__ = ["RewardError", "RewardBatch", "RewardFunction", "scale_reward"]
+__all__ = ["RewardError", "RewardBatch", "RewardFunction", "rule_shares", "scale_reward"]
 
 _FAILED = {"timeout", "error"}
 
@@ -43,6 +43,7 @@ class RewardBatch:
     status: list[str]  # [N] grader status per item: ok | no_answer | timeout | error | too_large
     statuses: Counter = field(default_factory=Counter)
     retried: int = 0
+    rules: Counter = field(default_factory=Counter)  # items per deciding grader rule (GradeResult.rule)
 
 
 class RewardFunction:
@@ -105,6 +106,7 @@ class RewardFunction:
             status=[_status(r) for r in results],
             statuses=Counter(_status(r) for r in results),
             retried=retried,
+            rules=Counter(_rule(r) for r in results),
         )
 
     def close(self) -> None:
@@ -118,8 +120,28 @@ def scale_reward(correct: bool, correct_value: float, wrong_value: float) -> flo
     return float(correct_value if correct else wrong_value)
 
 
+def rule_shares(batches: Sequence[RewardBatch]) -> dict[str, float]:
+    """``reward/rule/<name>``: the share of this step's items whose verdict each grader rule decided.
+
+    So a researcher sees when a rule starts paying out (a jump in ``reward/rule/rounded-gold`` or
+    ``reward/rule/math-verify``). ``none``: no rule ran (timeouts, errors, a cached verdict that
+    does not keep its rule). Shares of this rank's items.
+    """
+    total: Counter = Counter()
+    for b in batches:
+        total.update(b.rules)
+    n = sum(total.values())
+    return {f"reward/rule/{name}": count / n for name, count in sorted(total.items())} if n else {}
+
+
 def _get(result: Any, key: str) -> Any:
     return result[key] if isinstance(result, dict) else getattr(result, key)
+
+
+def _rule(result: Any) -> str:
+    """The deciding rule's name, "none" when the result has none (old service, cache, failure)."""
+    rule = result.get("rule") if isinstance(result, dict) else getattr(result, "rule", None)
+    return str(rule) if rule else "none"
 
 
 def _status(result: Any) -> str:

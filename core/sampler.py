@@ -23,6 +23,15 @@ Determinism and resume: the pool, the greedy slots and the replay mini-batches a
 generators seeded by (seed, step, round); the teacher's weights, optimizer state and buffer are in
 ``state_dict()`` (JSON-safe, stored in the checkpoint's ``extra``), so a resumed run selects the same
 prompts as an uninterrupted one.
+
+DAPO's dynamic sampling (``algorithm.dynamic_sampling``) lives here too, with verl's generation-batch
+semantics (``recipe/dapo``'s trainer): each generation round samples ``prompts_per_round(cfg)`` =
+ceil(``gen_batch_multiplier`` x ``prompts_per_step``) prompts (verl's ``gen_batch_size``; the DAPO
+scripts use 3x), keeps the groups whose accuracies differ, and rounds go on until the kept groups of
+every rank together reach ``prompts_per_step`` (then the first ``prompts_per_step`` train) or
+``max_gen_rounds`` rounds have run (verl's ``max_num_gen_batches``, 0 = no limit). Out of rounds,
+verl raises; ``gen_rounds_exhausted: train`` trains on the under-filled batch instead. Every
+decision is taken on global counts, so all ranks run the same rounds (lockstep).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -47,6 +57,11 @@ __all__ = [
     "HashedNgramFeatures",
     "build_sampler",
     "group_utility",
+    "prompts_per_round",
+    "refill_until_full",
+    "RefillResult",
+    "DynamicSamplingExhausted",
+    "dynamic_sampling_refill",
 ]
 
 
@@ -345,3 +360,95 @@ def build_sampler(cfg: Any, prompts: Sequence[Any], *, encode: Callable[[Any], l
         buffer_size=g.buffer_size, train_steps=g.train_steps, train_batch_size=g.train_batch_size, lr=g.lr,
         hidden_size=g.hidden_size, seed=g.seed,
     )
+
+
+# ----------------------------------------------------------------------------- DAPO dynamic sampling
+
+
+class DynamicSamplingExhausted(RuntimeError):
+    """``max_gen_rounds`` generation rounds kept fewer groups than a step trains on (verl raises too)."""
+
+
+@dataclass
+class RefillResult:
+    """What a step's generation rounds produced: the kept sequences (this rank's), rounds run, fill."""
+
+    kept: list[Any]
+    rounds: int
+    prompts: int  # kept groups over every rank, before trimming
+    underfilled: bool
+
+
+def prompts_per_round(cfg: Any) -> int:
+    """Prompts one generation round samples: ``rollout.prompts_per_step``, or with dynamic sampling
+    ceil(``algorithm.gen_batch_multiplier`` x it) (verl's ``data.gen_batch_size``)."""
+    per_step = cfg.rollout.prompts_per_step
+    if not cfg.algorithm.dynamic_sampling:
+        return per_step
+    return math.ceil(cfg.algorithm.gen_batch_multiplier * per_step)
+
+
+def refill_until_full(
+    first: list[Any],
+    sample_round: Callable[[int], list[Any]],
+    global_prompts: Callable[[list[Any]], int],
+    *,
+    want_prompts: int,
+    max_rounds: int,
+    on_exhausted: str = "train",
+) -> RefillResult:
+    """verl's DAPO refill loop over kept groups, with the sampling and counting passed in.
+
+    ``first``: round 0's kept sequences; ``sample_round(r)`` runs generation round r >= 1 and returns
+    its kept sequences; ``global_prompts(kept)``: kept groups over every rank (the same number on
+    each rank, so each takes the same branch). Stops as soon as ``want_prompts`` groups are kept;
+    after ``max_rounds`` rounds (0: never) it raises :class:`DynamicSamplingExhausted` (``on_exhausted
+    = "error"``, verl) or returns the under-filled batch (``"train"``). Trimming to ``want_prompts`` is
+    the caller's (it must split whole groups across ranks)."""
+    kept, rounds = list(first), 1
+    while True:
+        have = global_prompts(kept)
+        if have >= want_prompts:
+            return RefillResult(kept, rounds, have, underfilled=False)
+        if max_rounds > 0 and rounds >= max_rounds:
+            if on_exhausted == "error":
+                raise DynamicSamplingExhausted(
+                    f"dynamic sampling: {rounds} generation rounds (algorithm.max_gen_rounds={max_rounds}) kept "
+                    f"{have} groups with mixed outcomes, fewer than the {want_prompts} a step trains on; the data "
+                    "may be too hard or too easy for the policy. Raise algorithm.max_gen_rounds (0 = no limit) or "
+                    "algorithm.gen_batch_multiplier, or set algorithm.gen_rounds_exhausted=train."
+                )
+            return RefillResult(kept, rounds, have, underfilled=True)
+        kept += sample_round(rounds)
+        rounds += 1
+
+
+def dynamic_sampling_refill(run: Any, step: int, kept: list[Any], all_seqs: list[Any], metrics: dict[str, float],
+                            dp: Any) -> list[Any]:
+    """The loop's dynamic-sampling step: filter round 0 (``kept``), refill, trim to the step's batch.
+
+    Appends every sampled sequence to ``all_seqs`` (for rollout metrics and DEEP-GRPO) and adds the
+    rounds' timings and counts to ``metrics``; returns this rank's share of the trimmed batch."""
+    from stapo.core.loop import mixed_groups, rollout_and_grade, shape_and_advantage, trim_kept
+
+    cfg = run.cfg
+    a, n = cfg.algorithm, cfg.rollout.n
+
+    def sample_round(round_: int) -> list[Any]:
+        more, m2 = rollout_and_grade(run, step, round_)
+        for key in ("time/rollout_s", "time/reward_s", "reward/failed", "reward/retried"):
+            metrics[key] = metrics.get(key, 0.0) + m2.get(key, 0.0)
+        for s in more:
+            s.group += 10_000 * round_  # group ids stay unique across rounds
+        all_seqs.extend(more)
+        return mixed_groups(shape_and_advantage(cfg, more), a.dynamic_sampling_metric)
+
+    res = refill_until_full(
+        mixed_groups(kept, a.dynamic_sampling_metric), sample_round, lambda k: dp.total(len(k)) // n,
+        want_prompts=cfg.rollout.prompts_per_step, max_rounds=a.max_gen_rounds, on_exhausted=a.gen_rounds_exhausted,
+    )
+    out = trim_kept(res.kept, cfg.rollout.prompts_per_step * n, n, dp)
+    metrics["dapo/kept_groups"] = dp.total(len(out)) / n
+    metrics["dapo/gen_rounds"] = float(res.rounds)
+    metrics["dapo/underfilled"] = float(res.underfilled)
+    return out

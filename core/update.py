@@ -312,12 +312,17 @@ def needs_old_pass(cfg: Config, extras_need_stats: bool = False) -> bool:
 
 def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old_ent: torch.Tensor | None,
                   step: int, *, counts: Sequence[int] | None = None, record: UpdateRecord | None = None,
-                  before_step: Callable[[int, bool], None] | None = None) -> dict[str, float]:
+                  before_step: Callable[[int, bool], None] | None = None,
+                  off_policy: Any = None) -> dict[str, float]:
     """K mini-batch updates with the configured token weighting, loss and aggregation -> metrics.
 
     ``old_lp`` / ``old_ent`` [N, L]: the no-grad pass's statistics (the sampling policy), or None
     for an on-policy update without one (:func:`needs_old_pass`). ``before_step(update_index,
     fresh)`` runs right before each optimizer step (DEEP-GRPO's local branch loss).
+    ``off_policy`` (``stapo.core.async_rollout.OffPolicyStep``), for stale asynchronous rows: the
+    loss sees each token's weight times its behaviour weight sg[pi_prox / mu] (AReaL's decoupled
+    objective, with ``old_lp`` the proximal policy), the diagnostics the weighting's own output, and
+    every optimizer step runs at VCPO's ESS-scaled LR.
 
     Data parallel (``counts``: every rank's number of real rows; this rank's batch then ends with
     one zero-weight padding row when it has more rows than ``counts[rank]``): mini-batches come from
@@ -391,10 +396,11 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
                 graphs = [forward(m) for m in micros]
                 ctx, tw, norm = mb.weights(torch.cat([g[0].detach() for g in graphs]),
                                            torch.cat([g[1].detach() for g in graphs]))
+                tw_loss = off_policy.weigh(tw, mb_rows) if off_policy is not None else tw
                 terms = extras.terms(ctx, mb_rows, old_lp)
                 losses = []
                 for sl, (lp, ent) in zip(slices, graphs, strict=True):
-                    loss, mets = mb.loss(sl, lp, ent, tw, norm, terms)
+                    loss, mets = mb.loss(sl, lp, ent, tw_loss, norm, terms)
                     losses.append(loss)
                     add_loss_sums(sums, loss, mets)
                 # ONE backward through every kept graph: a backend pairs each backward with the forwards
@@ -404,18 +410,19 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
             else:  # weights from the mask alone: each micro-batch forward + backward at once
                 zeros = torch.zeros(mb.mask.shape, dtype=torch.float32, device=dev)
                 ctx0, tw, norm = mb.weights(zeros, zeros)
+                tw_loss = off_policy.weigh(tw, mb_rows) if off_policy is not None else tw
                 terms = extras.terms(ctx0, mb_rows, old_lp)
                 lps: list[torch.Tensor] = []
                 ents: list[torch.Tensor] = []
                 for m, sl in zip(micros, slices, strict=True):
                     if fused:
-                        loss, lp, ent = mb.fused(backend, m, sl, tw, norm, terms)
+                        loss, lp, ent = mb.fused(backend, m, sl, tw_loss, norm, terms)
                         with torch.no_grad():  # the clip metrics, from the pass's own (detached) log-probs
                             old = mb.old[sl] if mb.old is not None else lp
                             _, mets = loss_fn(lp, old, mb.adv[sl], mb.mask[sl], **loss_kw)
                     else:
                         lp, ent = forward(m)
-                        loss, mets = mb.loss(sl, lp, ent, tw, norm, terms)
+                        loss, mets = mb.loss(sl, lp, ent, tw_loss, norm, terms)
                     backend.backward(loss)
                     add_loss_sums(sums, loss, mets)
                     lps.append(lp.detach().float())
@@ -429,7 +436,7 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
                 record.put(epoch, mb_rows[:n_real], ctx, tw, tau_mb, a.s2t.tau_p)
             if before_step is not None:  # DEEP-GRPO: lambda * local branch loss joins this update
                 before_step(len(step_out), fresh)
-            step_out.append(backend.step())
+            step_out.append(off_policy.step(backend) if off_policy is not None else backend.step())
             fresh = False
     # Global, like every logged metric: each rank's loss is its share of the global objective (the
     # normalizer is all-reduced), so the ranks' losses and clip counts add up (one gather, every rank).

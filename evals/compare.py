@@ -15,6 +15,13 @@ in percentage points, as the paper reports STAPO against GRPO / DAPO. Outputs in
   EMA-smoothed with the raw values faint behind;
 - ``report.html``: one self-contained page (images embedded as data URIs) that opens offline.
 
+Before any number, compare checks that the comparison is fair: it reads each training run's
+``config.yaml`` and lists every key that differs from the baseline's, grouped by
+:mod:`stapo.core.fairness` into the method (the comparison itself), execution (no effect on the
+objective) and confounds (batch, length, grader, reward scale, sampler, schedule, seed, model,
+data, eval). When runs differ in any confound, a warning heads the terminal output and the HTML
+report, naming each key and both values (``report["config_check"]``).
+
 Usage::
 
     report = compare_runs([Path("runs/grpo"), Path("runs/stapo")], out_dir=Path("cmp"))
@@ -62,6 +69,7 @@ class RunData:
     val: list[dict[str, Any]] = field(default_factory=list)  # val.jsonl rows
     summary: dict[str, Any] | None = None  # summary.json
     algorithm: str | None = None  # config.yaml algorithm.name / token_weighting
+    config: dict[str, Any] | None = None  # config.yaml as saved (nested), for the confound check
 
     @property
     def kinds(self) -> list[str]:
@@ -98,6 +106,7 @@ def load_run(path: Path, label: str | None = None) -> RunData:
             cfg = yaml.safe_load(cfg_path.read_text()) or {}
             alg = cfg.get("algorithm", {}) or {}
             run.algorithm = alg.get("name") or alg.get("token_weighting")
+            run.config = cfg if isinstance(cfg, dict) else None
         except yaml.YAMLError:
             run.algorithm = None
     if not run.kinds:
@@ -213,6 +222,44 @@ def training_summary(run: RunData) -> dict[str, float | None]:
     return out
 
 
+# ----------------------------------------------------------------------------- fairness
+
+
+def config_check(runs: Sequence[RunData]) -> dict[str, Any]:
+    """Each training run's config differences from the first training run's, and a warning if any is a confound.
+
+    ``{"baseline": label, "runs": {label: {"method": [...], "execution": [...], "confounds": [...]}},
+    "unchecked": [labels of training runs without config.yaml], "warning": str | None}``; each
+    difference is ``{"key", "group", "base", "other"}``."""
+    from stapo.core.fairness import config_differences
+
+    train = [r for r in runs if "train" in r.kinds]
+    with_cfg = [r for r in train if r.config is not None]
+    out: dict[str, Any] = {"baseline": with_cfg[0].label if with_cfg else None, "runs": {},
+                           "unchecked": [r.label for r in train if r.config is None], "warning": None}
+    if not with_cfg:
+        return out
+    base = with_cfg[0]
+    for r in with_cfg[1:]:
+        diffs = config_differences(base.config or {}, r.config or {})
+        out["runs"][r.label] = {
+            part: [{"key": d.key, "group": d.group, "base": d.base, "other": d.other} for d in diffs if pick(d)]
+            for part, pick in (("method", lambda d: d.group == "method"),
+                               ("execution", lambda d: d.group == "execution"),
+                               ("confounds", lambda d: d.confound))
+        }
+    bad = {lab: v["confounds"] for lab, v in out["runs"].items() if v["confounds"]}
+    if bad:
+        groups = sorted({d["group"] for ds in bad.values() for d in ds})
+        out["warning"] = (
+            f"WARNING: the runs differ in more than the method ({', '.join(groups)}): "
+            + "; ".join(f"{lab} vs {base.label}: " + ", ".join(f"{d['key']} {d['base']!r} -> {d['other']!r}" for d in ds)
+                        for lab, ds in bad.items())
+            + ". The comparison does not isolate the method; `stapo recipes matched A B` aligns two recipes."
+        )
+    return out
+
+
 # ----------------------------------------------------------------------------- curves
 
 
@@ -303,6 +350,7 @@ def compare_runs(paths: Sequence[Path], *, out_dir: Path, labels: Sequence[str] 
         "tables": tables,
         "training": training,
         "curves": {k: str(p.relative_to(out_dir)) for k, p in pngs.items()},
+        "config_check": config_check(runs),
     }
     (out_dir / "compare.json").write_text(json.dumps(report, indent=2))
     (out_dir / "report.html").write_text(render_html(report, runs, pngs), encoding="utf-8")
@@ -341,6 +389,7 @@ def render_html(report: dict[str, Any], runs: Sequence[RunData], pngs: dict[str,
     ]
     parts.append(section("Runs", html_table(["run", "kind", "algorithm", "model", "path"], run_rows, raw=True,
                                             left_cols=5)))
+    parts.insert(0, _config_check_html(report["config_check"]))
     tables = report["tables"]
     if tables["avg"]["columns"]:
         names = {"avg": "avg@k (mean accuracy over k samples, %)", "pass": "pass@k (unbiased, %)",
@@ -389,15 +438,44 @@ def render_html(report: dict[str, Any], runs: Sequence[RunData], pngs: dict[str,
     return html_page("stapo compare", parts, subtitle=f"{len(runs)} runs, baseline {base}")
 
 
+def _config_check_html(check: dict[str, Any]) -> str:
+    """The fairness section: a red warning box with the confounds, or a one-line all-clear; then every difference."""
+    rows = [[esc(lab), esc(d["group"]) + (" <b>(confound)</b>" if part == "confounds" else ""), esc(d["key"]),
+             esc(repr(d["base"])), esc(repr(d["other"]))]
+            for lab, v in check["runs"].items() for part in ("confounds", "method", "execution") for d in v[part]]
+    if check["warning"]:
+        head = f'<p id="confound-warning" style="background:#fde7e7;border:2px solid #b3261e;color:#8c1d18;padding:8px"><b>{esc(check["warning"])}</b></p>'
+    elif check["runs"]:
+        head = (f'<p id="config-check" class="meta">The training runs differ from <b>{esc(check["baseline"])}</b> '
+                "in method keys only (execution keys do not change the objective).</p>")
+    else:
+        head = '<p id="config-check" class="meta">One training run with a config.yaml: nothing to check.</p>'
+    if check["unchecked"]:
+        head += f'<p class="meta">Not checked (no config.yaml): {esc(", ".join(check["unchecked"]))}.</p>'
+    table = (html_table(["run", "group", "key", f"{check['baseline']} (baseline)", "run's value"], rows, raw=True,
+                        left_cols=5, table_id="table-config") if rows else "")
+    return section("Is the comparison fair?", head + table)
+
+
 def terminal_tables(report: dict[str, Any]) -> list[Any]:
     """Rich tables for the terminal: avg@k with deltas, and the training summary."""
     from rich.table import Table
 
     out = []
+    check = report["config_check"]
+    if check["warning"]:
+        table = Table(title="[bold red]WARNING: the runs differ in more than the method[/]", title_justify="left")
+        for col in ("run", "group", "key", "baseline", "run"):
+            table.add_column(col, overflow="fold")
+        for lab, v in check["runs"].items():
+            for d in v["confounds"]:
+                table.add_row(lab, d["group"], d["key"], repr(d["base"]), repr(d["other"]))
+        out.append(table)
     base = report["baseline"]
     t = report["tables"]["avg"]
     if t["columns"]:
-        table = Table(title=f"avg@k (%) — deltas vs {base}")
+        deltas = f"deltas vs {base}" if base in t["columns"] else f"no deltas: the baseline {base} has no eval results"
+        table = Table(title=f"avg@k (%) — {deltas}")
         table.add_column("benchmark")
         for lab in t["columns"]:
             table.add_column(lab, justify="right")
@@ -411,7 +489,8 @@ def terminal_tables(report: dict[str, Any]) -> list[Any]:
         out.append(table)
     if report["training"]:
         labels = list(report["training"])
-        table = Table(title="training runs (accuracies and fractions in %)")
+        confounded = " [bold red](CONFOUNDED: see the warning above)[/]" if check["warning"] else ""
+        table = Table(title=f"training runs (accuracies and fractions in %){confounded}")
         table.add_column("")
         for lab in labels:
             table.add_column(lab, justify="right")

@@ -1,9 +1,22 @@
-"""Fixtures shared by every test folder."""
+"""Fixtures and hooks shared by every test folder."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+# The per-test limit of tests marked ``long`` (pyproject's ``timeout`` is everyone else's). It must
+# exceed the sum of the bounds such a test puts on its own subprocesses (a 2-rank test runs torchrun
+# twice, each bounded at 300 s), so the test's own cleanup (killing torchrun's process group) runs
+# first and reports the better message; this limit is the backstop for a hang outside those bounds.
+LONG_TIMEOUT_S = 1200
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give tests marked ``long`` the longer limit, unless they set their own ``timeout``."""
+    for item in items:
+        if item.get_closest_marker("long") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(LONG_TIMEOUT_S))
 
 
 @pytest.fixture

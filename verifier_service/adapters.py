@@ -86,6 +86,25 @@ _VERIFIERS: dict[str, Any] = {}
 _LOCK = threading.Lock()
 
 
+def _forget_verifiers_after_fork() -> None:
+    """``os.fork()`` child: start with no verifiers, so each process gets its own HTTP client.
+
+    An HTTP client's idle keep-alive connections are sockets; a forked child inherits them, and
+    when several children (verl's legacy ``prime`` manager forks a ``ProcessPoolExecutor``) and the
+    parent write requests on the same socket, the service receives interleaved bytes ("JSON decode
+    error", "Invalid HTTP request") and those items are lost. The inherited objects are dropped,
+    never closed here (closing is the parent's business); in-process pools rebuild themselves in
+    the child (``pool.GraderPool``). The lock is replaced in case another thread held it at fork.
+    """
+    global _LOCK
+    _LOCK = threading.Lock()
+    _VERIFIERS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_verifiers_after_fork)
+
+
 def get_verifier(url: str | Sequence[str] | None = None) -> Verifier:
     """The shared verifier for ``url`` (or ``$STAPO_VERIFIER_URL``, or in-process), made once per process."""
     if url is None:
@@ -220,7 +239,7 @@ class _Deadline(Exception):
     pass
 
 
-def _grade_here(prediction: str, gold: str, mode: str, deadline_s: float) -> GradeResult:
+def _grade_here(prediction: str, gold: str, mode: str, deadline_s: float, max_chars: int) -> GradeResult:
     """Grade in this process under a SIGALRM deadline (main thread only; else through the pool)."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         return get_verifier(None).verify([(prediction, gold, mode)])[0]
@@ -231,12 +250,26 @@ def _grade_here(prediction: str, gold: str, mode: str, deadline_s: float) -> Gra
     old = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, deadline_s)
     try:
-        return grade(prediction, gold, mode)
+        return grade(prediction, gold, mode, max_chars=max_chars)
     except _Deadline:
         return GradeResult(False, 0.0, "timeout", None, deadline_s * 1e3)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def _grade_here_within_limits(prediction: str, gold: str, mode: str) -> GradeResult:
+    """In-process grading with the limits every other route applies (the service's and the pool's):
+    ``$STAPO_VERIFIER_MAX_PREDICTION_CHARS`` / ``..._MAX_GOLD_CHARS`` (``too_large``) and
+    ``$STAPO_VERIFIER_DEADLINE_S``, read through the same ``Settings``."""
+    from stapo.verifier_service.pool import status_result
+    from stapo.verifier_service.settings import Settings
+
+    s = Settings()
+    if len(prediction) > s.max_prediction_chars or len(gold) > s.max_gold_chars:
+        return status_result("too_large")
+    # the pool's workers grade with the larger of the two limits as grade()'s own size check
+    return _grade_here(prediction, gold, mode, s.deadline_s, max(s.max_prediction_chars, s.max_gold_chars))
 
 
 def compute_score_prime(
@@ -256,14 +289,14 @@ def compute_score_prime(
     ``ProcessPoolExecutor`` and reads ``float(result[0])``: the dict of :func:`compute_score` raises
     ``KeyError`` there and the manager sets the whole batch to 0. Its executor already isolates each
     call, so without a service URL this grades in the calling process under a SIGALRM deadline of
-    ``$STAPO_VERIFIER_DEADLINE_S`` (default 5 s) instead of starting a grader pool in every executor
-    process. A failed item returns the failure value with its status (and a warning in the log).
+    ``$STAPO_VERIFIER_DEADLINE_S`` (default 5 s), with the same size limits as every other route,
+    instead of starting a grader pool in every executor process. A failed item returns the failure value with its status (and a warning in the log).
     """
     gold = _gold_text(ground_truth)
     if url or os.environ.get("STAPO_VERIFIER_URL"):
         r = get_verifier(url).verify([(solution_str, gold, mode)])[0]
     else:
-        r = _grade_here(solution_str, gold, mode, float(os.environ.get("STAPO_VERIFIER_DEADLINE_S") or 5.0))
+        r = _grade_here_within_limits(solution_str, gold, mode)
     if r.status in FAILED:
         import logging
 
@@ -385,3 +418,17 @@ def reward_func(
         return {"rewards": rewards, "scores": rewards, "extra_logs": logs}
     t = torch.tensor(rewards, dtype=torch.float32)
     return {"rewards": t, "scores": t.clone(), "extra_logs": {k: torch.tensor(v) for k, v in logs.items()}}
+
+
+# --------------------------------------------------------------------------- loaded by file path
+
+if __name__ != "stapo.verifier_service.adapters":
+    # Frameworks load this file by path under a name of their own (verl >= 0.7:
+    # ``custom_module_<hash>``, absent from ``sys.modules``; OpenRLHF's ``--remote_rm_url`` file). A
+    # function of such a module cannot be pickled, and verl's legacy prime manager pickles it into
+    # its process pool (every score then silently 0.0). Hand out the installed package's objects
+    # instead: they pickle by reference, and the file and the package share one verifier per process.
+    import importlib
+
+    _installed = importlib.import_module("stapo.verifier_service.adapters")
+    globals().update({k: v for k, v in vars(_installed).items() if not k.startswith("_")})

@@ -26,8 +26,10 @@ result. Responses are always valid UTF-8 JSON: text that cannot be encoded (a lo
 as ``"\\ud800"``) comes back with U+FFFD in its place.
 
 A request whose client disconnects is cancelled: its items still queued are dropped before they
-reach a worker. ``/v1/verify`` takes an optional ``budget_s``: items still queued after it answer
-'timeout' ungraded (our client sends its own HTTP timeout).
+reach a worker. ``/v1/verify`` takes an optional ``budget_s``: items not graded within it answer
+'timeout' (our client sends its own HTTP timeout); a request without one (``/get_reward``, curl)
+gets the default budget (``default_budget_factor`` x the item deadline), so every client gets an
+answer in bounded time.
 
 Shutdown: uvicorn stops accepting connections and lets in-flight requests finish, then the
 lifespan closes the pool, which finishes queued items before stopping the workers.
@@ -44,14 +46,15 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, NamedTuple
+from typing import Any, TypeVar
 
+import orjson
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
 from fastapi.security import HTTPBearer
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stapo import __version__
@@ -59,7 +62,6 @@ from stapo.verifier_service.grader import GradeResult
 from stapo.verifier_service.metrics import ServiceMetrics
 from stapo.verifier_service.pool import GraderPool, PoolBroken, PoolBusy, PoolClosed
 from stapo.verifier_service.schemas import (
-    MODES,
     RewardRequest,
     RewardResponse,
     VerifyRequest,
@@ -69,6 +71,7 @@ from stapo.verifier_service.schemas import (
 from stapo.verifier_service.settings import Settings
 
 log = logging.getLogger("stapo.verifier_service.app")
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -83,15 +86,17 @@ def clean_text(s: str) -> str:
         return s.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 
-class SafeJSONResponse(JSONResponse):
-    """JSON that always encodes: text with lone surrogates is cleaned instead of raising a 500."""
+class SafeJSONResponse(Response):
+    """JSON by orjson that always encodes: text with lone surrogates (which orjson refuses, as UTF-8
+    has no encoding for them) is cleaned to U+FFFD instead of raising a 500."""
+
+    media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
-        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
         try:
-            return text.encode("utf-8")
-        except UnicodeEncodeError:
-            return clean_text(text).encode("utf-8")
+            return orjson.dumps(content)
+        except orjson.JSONEncodeError:
+            return clean_text(json.dumps(content, ensure_ascii=False, separators=(",", ":"))).encode("utf-8")
 
 
 # --------------------------------------------------------------------------- middleware
@@ -232,128 +237,6 @@ class MetricsMiddleware:
             self.metrics.observe_request(scope.get("path", ""), code, time.perf_counter() - t0)
 
 
-class FastRoutes:
-    """The hot POST routes (``/v1/verify``, ``/get_reward``) served without FastAPI's request machinery.
-
-    Why: on an RL stream the server process answers most items itself (caches, in-process
-    verdicts), so per-request overhead is a main cost; FastAPI's routing, dependency solving and
-    body handling took ~1/3 of the server's CPU per 64-item request (py-spy, benchmarks/RESULTS.md).
-
-    Same answers as the routes: only a well-formed request takes this path (a JSON content type,
-    a body that ``json.loads`` reads -- as Starlette's ``Request.json`` does -- and that validates as
-    the route's model). Anything else is replayed, body included, into the FastAPI app, whose
-    routes and handlers give the usual 4xx with the reason. It sits inside the auth and body-limit
-    middlewares (token checked before the body, byte limit while reading), and answers the
-    exceptions of the shared handler code as the app's handlers do (``http_exception_handler``, 499).
-    """
-
-    def __init__(self, app: ASGIApp, routes: dict[str, tuple[Callable[[Any], Any], Any]]) -> None:
-        self.app = app
-        self.routes = routes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self.routes.get(scope.get("path", "")) if scope["type"] == "http" else None
-        if route is None or scope.get("method") != "POST" or scope.get("root_path") or not _is_json(scope):
-            await self.app(scope, receive, send)
-            return
-        request = Request(scope, receive)
-        chunks: list[bytes] = []
-        try:
-            while True:
-                msg = await receive()
-                if msg["type"] != "http.request":  # the client left while sending: the app's own path
-                    await self.app(scope, _replay(b"".join(chunks), msg, receive), send)
-                    return
-                chunks.append(msg.get("body", b""))
-                if not msg.get("more_body", False):
-                    break
-        except StarletteHTTPException as exc:  # the body limit, while reading
-            response = await http_exception_handler(request, exc)
-            await response(scope, receive, send)
-            return
-        body = b"".join(chunks)
-        parse, handler = route
-        try:
-            req = parse(json.loads(body)) if body else None
-        except Exception:  # bad JSON, not UTF-8, nested too deep (RecursionError), invalid fields
-            req = None
-        if req is None:  # the app says what is wrong (422 naming the field, 400, ...)
-            await self.app(scope, _replay(body, None, receive), send)
-            return
-        try:
-            response = await handler(req, request)
-        except StarletteHTTPException as exc:
-            response = await http_exception_handler(request, exc)
-        except _ClientGone:
-            response = Response(status_code=499)
-        await response(scope, receive, send)
-
-
-class VerifyArgs(NamedTuple):
-    """What ``/v1/verify`` needs from a request: (prediction, gold, mode) tuples and the budget."""
-
-    items: list[tuple[str, str, str]]
-    budget_s: float | None
-
-
-_BUDGET_MAX_S = 86_400  # VerifyRequest.budget_s: gt=0, le=86_400
-
-
-def parse_verify_request(data: Any) -> VerifyArgs:
-    """A ``/v1/verify`` body as :class:`VerifyArgs`, checked by hand when it has the plain shape
-    (exact JSON types, known keys, a valid mode and budget), else by ``VerifyRequest`` (pydantic).
-
-    The hand check accepts only what ``VerifyRequest`` accepts and gives the same values (a test
-    compares both on random bodies); it costs ~0.2 us an item where pydantic built a model per item
-    (~0.8 us). Anything else goes to pydantic, which raises with the field named.
-    """
-    if type(data) is dict and data.keys() <= {"items", "budget_s"}:
-        raw, budget = data.get("items"), data.get("budget_s")
-        if type(raw) is list and (
-            budget is None or (type(budget) in (int, float) and 0 < budget <= _BUDGET_MAX_S)
-        ):
-            items = []
-            for it in raw:
-                if type(it) is not dict:
-                    break
-                pred, gold, mode = it.get("prediction"), it.get("gold"), it.get("mode", "math")
-                if (
-                    type(pred) is not str
-                    or type(gold) is not str
-                    or type(mode) is not str
-                    or mode not in MODES
-                    or not it.keys() <= {"prediction", "gold", "mode"}
-                ):
-                    break
-                items.append((pred, gold, mode))
-            else:
-                return VerifyArgs(items, None if budget is None else float(budget))
-    req = VerifyRequest.model_validate(data)
-    return VerifyArgs([(it.prediction, it.gold, it.mode) for it in req.items], req.budget_s)
-
-
-def _is_json(scope: Scope) -> bool:
-    """Content-Type ``application/json`` (parameters allowed), the type FastAPI reads as JSON."""
-    for name, value in scope.get("headers", ()):
-        if name == b"content-type":
-            return value.split(b";", 1)[0].strip().lower() == b"application/json"
-    return False
-
-
-def _replay(body: bytes, last: Message | None, receive: Receive) -> Receive:
-    """A ``receive`` that gives ``body`` again (then ``last``, when reading ended on it), then the real one."""
-    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": last is not None}]
-    if last is not None:
-        pending.append(last)
-
-    async def replay() -> Message:
-        if pending:
-            return pending.pop(0)
-        return await receive()
-
-    return replay
-
-
 async def _send_json(
     send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
@@ -372,52 +255,53 @@ async def _send_json(
 # --------------------------------------------------------------------------- app
 
 
-def _result_dict(r: GradeResult) -> dict[str, Any]:
-    ext = clean_text(r.extracted) if r.extracted is not None else None
-    return {"correct": r.correct, "score": r.score, "status": r.status, "extracted": ext, "ms": r.ms}
+def results_body(results: list[GradeResult], *, explain: bool = False) -> dict[str, Any]:
+    """``/v1/verify``'s answer; with ``explain`` each result also names the rule that decided it."""
+    if not explain:
+        return {"results": [
+            {"correct": r.correct, "score": r.score, "status": r.status, "extracted": r.extracted, "ms": r.ms}
+            for r in results
+        ]}  # fmt: skip
+    return {"results": [
+        {"correct": r.correct, "score": r.score, "status": r.status, "extracted": r.extracted, "ms": r.ms,
+         "rule": getattr(r, "rule", None)}
+        for r in results
+    ]}  # fmt: skip
 
 
-_encode_str = json.encoder.encode_basestring  # what json.dumps(ensure_ascii=False) uses (C)
+def read_model(body: bytes, content_type: str | None, model: type[ModelT]) -> ModelT:
+    """The request body validated as ``model`` straight from its bytes (pydantic's JSON parser,
+    which skips the dict that ``json.loads`` + validation would build first).
 
-
-def results_json(results: list[GradeResult]) -> bytes | None:
-    """``{"results": [...]}`` as ``SafeJSONResponse`` renders it (same bytes), written directly.
-
-    Why: building a dict per result and encoding them took ~1.4 us an item, a main part of the
-    server's cost when the caches answer. None when a field has an unusual type or a non-finite
-    number (the dict path then answers exactly as before). Text with lone surrogates is cleaned on
-    the whole body, which gives what cleaning each field gave (``clean_text``; no surrogate pair can
-    span two fields: each string is closed by a quote).
+    Content types as FastAPI reads them: none, ``application/json`` or ``application/*+json`` are
+    JSON; anything else is validated as it is, and fails with the reason. Errors are FastAPI's 422,
+    with ``body`` leading each location.
     """
-    parts = []
-    for r in results:
-        correct, score, status, ext, ms = r.correct, r.score, r.status, r.extracted, r.ms
-        if (
-            (correct is not True and correct is not False)
-            or type(score) is not float
-            or type(ms) is not float
-            or not (math.isfinite(score) and math.isfinite(ms))
-            or type(status) is not str
-            or (ext is not None and type(ext) is not str)
-        ):
-            return None
-        parts.append(
-            f'{{"correct":{"true" if correct else "false"},"score":{score!r},"status":{_encode_str(status)},'
-            f'"extracted":{"null" if ext is None else _encode_str(ext)},"ms":{ms!r}}}'
-        )
-    text = '{"results":[' + ",".join(parts) + "]}"
     try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError:
-        return clean_text(text).encode("utf-8")
+        if content_type:
+            main, _, sub = content_type.split(";", 1)[0].strip().lower().partition("/")
+            if main != "application" or not (sub == "json" or sub.endswith("+json")):
+                return model.model_validate(body)
+        return model.model_validate_json(body)
+    except ValidationError as err:
+        errors = [
+            {"type": "json_invalid", "loc": ("body",), "msg": f"JSON decode error: {e['msg']}"}
+            if e["type"] == "json_invalid"
+            else {**e, "loc": ("body", *e["loc"])}
+            for e in err.errors(include_url=False, include_input=False)
+        ]
+        raise RequestValidationError(errors) from None
 
 
-def results_response(results: list[GradeResult]) -> Response:
-    """``/v1/verify``'s answer (``results_json``; the dict path when it declines)."""
-    body = results_json(results)
-    if body is None:
-        return SafeJSONResponse({"results": [_result_dict(r) for r in results]})
-    return Response(body, media_type="application/json")
+def json_body(model: type[ModelT]) -> tuple[Callable[[Request], Any], dict[str, Any]]:
+    """A dependency that reads the body as ``model`` (``read_model``), and the OpenAPI entry that
+    documents it (the model itself is added to the schema's components by ``create_app``)."""
+
+    async def dep(request: Request) -> ModelT:
+        return read_model(await request.body(), request.headers.get("content-type"), model)
+
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return dep, {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
 def _validation_detail(errors: Any) -> list[dict[str, Any]]:
@@ -480,10 +364,7 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
     )
     app.state.settings = settings
     app.state.metrics = metrics
-    # Outermost last: metrics see every answer (401s too); the token is checked before the body;
-    # FastRoutes (filled below) reads bodies through the byte limit.
-    fast_routes: dict[str, tuple[Callable[[Any], Any], Any]] = {}
-    app.add_middleware(FastRoutes, routes=fast_routes)
+    # Outermost last: metrics see every answer (401s too); the token is checked before the body.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, token=settings.token_value())
     app.add_middleware(MetricsMiddleware, metrics=metrics)
@@ -513,7 +394,9 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
             )
         pool = get_pool()
         try:
-            fut = pool.submit(items, budget_s=budget_s)
+            # A client that sends no budget (OpenRLHF's /get_reward, curl) gets the default one, so a
+            # request of pathological items answers in bounded time whoever sends it.
+            fut = pool.submit(items, budget_s=budget_s, default_budget_s=settings.request_budget_s())
         except PoolBusy as err:
             retry = str(max(1, math.ceil(err.retry_after_s)))
             raise HTTPException(429, str(err), headers={"Retry-After": retry}) from err
@@ -548,12 +431,6 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
     async def _gone(request: Request, exc: _ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
 
-    async def verify_handler(req: VerifyRequest | VerifyArgs, request: Request) -> Response:
-        if isinstance(req, VerifyRequest):
-            req = VerifyArgs([(it.prediction, it.gold, it.mode) for it in req.items], req.budget_s)
-        results = await grade(request, req.items, req.budget_s)
-        return results_response(results)
-
     async def reward_handler(req: RewardRequest, request: Request) -> Response:
         """``/get_reward``'s answer (see the route below)."""
         prompts = req.prompts or [None] * len(req.query)
@@ -561,7 +438,7 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
             (strip_prompt(q, p), lbl, req.mode)
             for q, p, lbl in zip(req.query, prompts, req.labels, strict=True)
         ]
-        results = await grade(request, items)
+        results = await grade(request, items, None)
         scores = [float(r.score) for r in results]
         flags = {
             name: [1.0 if r.status in statuses else 0.0 for r in results]
@@ -578,18 +455,32 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
         }
         return SafeJSONResponse(body)
 
-    # The well-formed requests of these two routes are served by FastRoutes (same handlers, less
-    # machinery); the routes below answer the rest and describe the API in the OpenAPI schema.
-    fast_routes["/v1/verify"] = (parse_verify_request, verify_handler)
-    fast_routes["/get_reward"] = (RewardRequest.model_validate, reward_handler)
+    verify_body, verify_doc = json_body(VerifyRequest)
+    reward_body, reward_doc = json_body(RewardRequest)
 
-    @app.post("/v1/verify", response_model=VerifyResponse, dependencies=Auth, tags=["verify"])
-    async def verify(req: VerifyRequest, request: Request) -> Response:
-        """Grade a batch: one result per item, in order. A failed item is a status, not an HTTP error."""
-        return await verify_handler(req, request)
+    @app.post(
+        "/v1/verify",
+        response_model=VerifyResponse,
+        dependencies=Auth,
+        tags=["verify"],
+        openapi_extra=verify_doc,
+    )
+    async def verify(request: Request, req: VerifyRequest = Depends(verify_body)) -> Response:
+        """Grade a batch: one result per item, in order. A failed item is a status, not an HTTP error.
 
-    @app.post("/get_reward", response_model=RewardResponse, dependencies=Auth, tags=["verify"])
-    async def get_reward(req: RewardRequest, request: Request) -> Response:
+        With ``explain: true`` each result also names the grader's rule that decided it."""
+        items = [(it.prediction, it.gold, it.mode) for it in req.items]
+        results = await grade(request, items, req.budget_s)
+        return SafeJSONResponse(results_body(results, explain=req.explain))
+
+    @app.post(
+        "/get_reward",
+        response_model=RewardResponse,
+        dependencies=Auth,
+        tags=["verify"],
+        openapi_extra=reward_doc,
+    )
+    async def get_reward(request: Request, req: RewardRequest = Depends(reward_body)) -> Response:
         """OpenRLHF ``--remote_rm_url``: reward = score; per-sample statuses are in ``extra_logs``.
 
         OpenRLHF needs a number for every sample, so an item that timed out or errored gets reward
@@ -638,4 +529,17 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
         """Prometheus text format."""
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema plus the request models that the routes read themselves (``json_body``)."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (VerifyRequest, RewardRequest):
+                spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(spec.pop("$defs", {}))
+                components[model.__name__] = spec
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

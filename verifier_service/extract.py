@@ -1,6 +1,7 @@
 """Answer extraction: find the final answer inside a full model response.
 
-Rules, strongest first (see docs/verifier.md for the reasons):
+Extraction policy (which candidate is the answer when a response has several; docs/verifier.md
+"Extraction policy" says why):
 
 0. Chat-template special tokens (``<|im_end|>``, ``<|eot_id|>``, ``</s>``, ...; ``SPECIAL_TOKENS``)
    are removed first, in every mode.
@@ -9,11 +10,17 @@ Rules, strongest first (see docs/verifier.md for the reasons):
 2. Strong markers, the one that starts LAST in the text wins:
    the last non-empty ``\\boxed{...}`` / ``\\fbox{...}`` (brace-matched; ``\\boxed 5`` too; boxes
    that follow each other separated only by commas/"and" are one multi-part answer),
-   the last ``Answer: ...`` line (DAPO template; ``**Final Answer:**`` too),
-   the last GSM8K ``#### ...``.
-3. Weak marker: the last "the (final) answer is ..." sentence; failing that, the same phrase in
-   other languages ("答案是 ...", "la réponse est ...", "die Antwort ist ...", "Ответ: ...", ...), the
-   phrase's value up to the end of its sentence (not the text's last number).
+   the last ``Answer: ...`` line (DAPO template; ``**Final Answer:**`` too) -- only where "answer"
+   opens its line (markdown, "final", "the" and non-letters may precede it): "Double-check: the
+   answer: 4 would fail" in the text after a box is discussion, not a marker --,
+   the last GSM8K ``#### ...`` line -- not a markdown heading (``#### Verification``: text that
+   starts with a word is a heading).
+3. Weak marker: "the (final) answer is ..." sentences; failing that, the same phrase in other
+   languages ("答案是 ...", "la réponse est ...", "die Antwort ist ...", "Ответ: ...", ...). Of several
+   such phrases the last one whose value holds math (a digit, ``$`` or a LaTeX command) wins, else
+   the last one: a later "the answer is correct" / "这个答案是正确的" checks the answer, it does not
+   replace it. The value runs to the end of its sentence, and a contrast after it is dropped
+   ("the answer is 5, not 4" -> 5; "rather than", "instead of" too).
 4. No marker: a short one-line prediction (``BARE_MAX_CHARS``) is the answer itself ("42",
    "$\\frac12$"); anything else gives None and the grader may fall back to math-verify's own
    extraction (last LaTeX span / last number) — see ``grader.py``.
@@ -221,6 +228,39 @@ def last_boxed(text: str) -> tuple[int, str] | None:
     return group[0][0], ", ".join(b[2].strip() for b in group)
 
 
+# what may precede "answer" on its line for an ``Answer:`` marker: markdown and these words
+_LINE_PREFIX_WORDS_RE = re.compile(r"(?i)\b(?:final|the|my|our|correct)\b")
+_HEADING_RE = re.compile(r"^[A-Za-z]{2,}")
+# a contrast after the answer: "5, not 4", "5 rather than 4", "5 (not 4)"
+_CONTRAST_RE = re.compile(r"(?i)(?:,\s*|\s+|\s*\()(?:and\s+|but\s+)?(?:not|rather than|instead of)\s+.*$", re.S)
+_HAS_MATH_RE = re.compile(r"[0-9$\\]")
+
+
+def _is_line_marker(body: str, m: re.Match[str]) -> bool:
+    """An ``Answer:`` match that opens its line (markdown, "final", "the" and non-letters before it)."""
+    prefix = body[body.rfind("\n", 0, m.start()) + 1 : m.start()]
+    return not re.search(r"[^\W\d_]", _LINE_PREFIX_WORDS_RE.sub("", prefix))
+
+
+def _is_gsm8k_marker(m: re.Match[str]) -> bool:
+    """A ``####`` line that carries a value, not a markdown heading ("#### Verification")."""
+    return bool(m.group(1).strip()) and _HEADING_RE.match(m.group(1).strip()) is None
+
+
+def _drop_contrast(s: str) -> str:
+    """"5, not 4" -> "5": the answer phrase's value without the alternative it rules out."""
+    cut = _CONTRAST_RE.sub("", s)
+    return cut if cut.strip() else s
+
+
+def _pick_phrase(matches: list[re.Match[str]]) -> re.Match[str]:
+    """The last phrase whose value holds math; else the last (a later "the answer is correct" checks it)."""
+    for m in reversed(matches):
+        if _HAS_MATH_RE.search(m.group(1)):
+            return m
+    return matches[-1]
+
+
 def _clean_tail(s: str) -> str:
     """Strip decorations around a marker's answer text: markdown bold, a closing period, 'I hope...'."""
     s = _HOPE_RE.sub("", s.strip())
@@ -239,7 +279,7 @@ def _from_marker_text(s: str) -> str:
         return box[1].strip()
     m = _ANSWER_IS_RE.search(s)
     if m is not None and m.start() == 0 or (m is not None and "answer" in s[: m.start() + 20].lower()):
-        s = _clean_tail(m.group(1))
+        s = _clean_tail(_drop_contrast(m.group(1)))
     # words around math ("The volume of $V$ is 120") are left in: the grader then searches the
     # text for its rightmost LaTeX span or number, as math-verify does.
     return strip_delims(s)
@@ -254,11 +294,13 @@ def extract_answer(text: str, *, think: str = "optional") -> str | None:
     box = last_boxed(body)
     if box is not None:
         candidates.append(box)
-    line_matches = [m for m in _answer_matches(_ANSWER_LINE_RE, body) if m.group(1).strip()]
+    line_matches = [
+        m for m in _answer_matches(_ANSWER_LINE_RE, body) if m.group(1).strip() and _is_line_marker(body, m)
+    ]
     if line_matches:
         m = line_matches[-1]
         candidates.append((m.start(), m.group(1)))
-    gsm = [m for m in _GSM8K_RE.finditer(body) if m.group(1).strip()]
+    gsm = [m for m in _GSM8K_RE.finditer(body) if _is_gsm8k_marker(m)]
     if gsm:
         candidates.append((gsm[-1].start(), gsm[-1].group(1)))
     if candidates:
@@ -272,12 +314,12 @@ def extract_answer(text: str, *, think: str = "optional") -> str | None:
     weak = _answer_matches(_ANSWER_IS_RE, body, (6, 4, 0))  # final answer | the answer | answer
     weak = [m for m in weak if re.match(r"(?i)final answer|the answer", m.group(0))]
     if weak:
-        ans = _from_marker_text(weak[-1].group(1))
+        ans = _from_marker_text(_drop_contrast(_pick_phrase(weak).group(1)))
         if ans:
             return ans
     i18n = [m for m in _I18N_ANSWER_RE.finditer(body) if m.group(1).strip()]
     if i18n:
-        ans = strip_delims(_clean_tail(i18n[-1].group(1)))
+        ans = strip_delims(_clean_tail(_pick_phrase(i18n).group(1)))
         if ans:
             return ans
     stripped = body.strip()

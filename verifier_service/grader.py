@@ -4,15 +4,22 @@ This is the one function every reward path calls (in-process pool, HTTP service,
 
     from stapo.verifier_service.grader import grade
     grade("... so the answer is \\boxed{\\frac{1}{2}}", "0.5")
-    # GradeResult(correct=True, score=1.0, status='ok', extracted='\\frac{1}{2}', ms=...)
+    # GradeResult(correct=True, score=1.0, status='ok', extracted='\\frac{1}{2}', ms=..., rule='exact-number')
+
+Every verdict names the rule that decided it (``rule``) and the answer it compared (``extracted``);
+``stapo verifier explain GOLD RESPONSE`` prints both.
 
 Pipeline of mode ``math`` (policies and their reasons in docs/verifier.md):
 
 1. size check (``too_large``) before any parsing;
-2. extraction (``extract.py``): ``</think>`` rule, last box / ``Answer:`` line / ``####``, "the answer
-   is", a short bare prediction; failing all, math-verify's own search for the last LaTeX span or
-   number. Nothing found -> ``no_answer``;
-3. comparison (``_equiv``), cheapest first: canonical string equality; multiple-choice letters;
+2. extraction (``extract.py``, whose docstring states the one extraction policy: the model's last
+   committed answer): ``</think>`` rule, last box / line-opening ``Answer:`` / ``####`` value line,
+   "the answer is" phrases (the last that states a value; "5, not 4" is 5), a short bare
+   prediction; failing all, math-verify's own search for the last LaTeX span or number. Nothing
+   found -> ``no_answer``. Inside a marker's answer "and"/"or" make a list and trailing words are a
+   unit (``_marker_answer_form``);
+3. comparison: the ordered table of named rules ``RULES`` (the first rule that says yes or no
+   decides; its name is ``GradeResult.rule``), cheapest first: canonical string equality; multiple-choice letters;
    text answers; exact numbers (``fractions.Fraction``); unordered multi-answer lists and
    ordered tuples/intervals element by element; finally math-verify's symbolic ``verify`` on
    golds parsed *whole* with latex2sympy (never by regex search, so a single number cannot stand
@@ -22,8 +29,8 @@ Pipeline of mode ``math`` (policies and their reasons in docs/verifier.md):
    ``numeric.py`` that differs far beyond math-verify's rounding, bracketed lists of numbers with an
    unmatched element, words with no math against a number, assignments ``y = G`` with different
    right sides, different interval unions, different matrices, cut-off fragments that neither
-   latex2sympy nor math-verify's search can read (``_surely_unequal``; ``FAST_REJECT = False``
-   switches them off). These only ever say "no"; every "yes" still comes from math-verify.
+   latex2sympy nor math-verify's search can read (``_surely_unequal``; ``GraderSettings.fast_reject``
+   off switches them off). These only ever say "no"; every "yes" still comes from math-verify.
    ``tests/unit/test_grader_numeric.py`` and ``tests/unit/test_grader_rejections.py`` check them
    against it.
 
@@ -40,19 +47,20 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from functools import lru_cache
 from typing import Literal
 
+from stapo.verifier_service import mathverify
 from stapo.verifier_service.dapo import TAIL_CHARS, dapo_extract, dapo_is_correct, dapo_normalize
 from stapo.verifier_service.extract import THINK_MODES, apply_think, extract_answer, strip_special_tokens
 from stapo.verifier_service.normalize import (
     Num,
     canonical,
+    join_and_or,
     latexify,
     numbers_equal,
     parse_number,
@@ -75,6 +83,10 @@ __all__ = [
     "cache_clear",
     "cache_info",
     "configure",
+    "GraderSettings",
+    "RULES",
+    "RULE_NAMES",
+    "SETTINGS",
     "extract_answer",
     "final_answer",
     "get_mode",
@@ -102,6 +114,10 @@ class GradeResult:
     status: Status
     extracted: str | None
     ms: float = 0.0
+    rule: str | None = None
+    """The name of the rule that decided (``RULES`` in mode ``math``, ``"dapo"`` in mode ``dapo``;
+    ``"no-answer"`` when nothing was extracted; None when no rule ran: ``too_large``, ``error``,
+    ``timeout``, or a verdict from a cache that does not keep it)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,8 +126,8 @@ class GradeResult:
 # ---------------------------------------------------------------------------------------------
 # mode registry
 # ---------------------------------------------------------------------------------------------
-ModeFn = Callable[[str, str, str], tuple[bool, Status, "str | None"]]
-"""(prediction, gold, think) -> (correct, status, extracted)."""
+ModeFn = Callable[[str, str, str], tuple]
+"""(prediction, gold, think) -> (correct, status, extracted) or (correct, status, extracted, rule)."""
 
 MODES: dict[str, ModeFn] = {}
 
@@ -139,47 +155,9 @@ def get_mode(name: str) -> ModeFn:
 # ---------------------------------------------------------------------------------------------
 # parsing (cached): golds repeat across a group of G samples, predictions repeat across epochs
 # ---------------------------------------------------------------------------------------------
-_MV = None
-
-
-def _mv():
-    """math-verify and its configs, imported once (it pulls sympy + antlr, ~1 s)."""
-    global _MV
-    if _MV is None:
-        from latex2sympy2_extended.latex2sympy2 import NormalizationConfig, normalize_latex
-        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-        from math_verify import parser as mv_parser
-        from math_verify.grader import should_treat_as_complex
-        from math_verify.parser import parse_latex_cached
-
-        if not getattr(mv_parser.parse_latex_cached, "stapo_oracle", False):
-            mv_parser.parse_latex_cached = _search_parse_oracle(mv_parser.parse_latex_cached)
-        if not getattr(mv_parser.extract_latex, "stapo_oracle", False):
-            mv_parser.extract_latex = _search_match_oracle(mv_parser.extract_latex)
-        if not getattr(mv_parser.parse_expr_cached, "stapo_oracle", False):
-            mv_parser.parse_expr_cached = _search_expr_oracle(mv_parser.parse_expr_cached)
-
-        norm = NormalizationConfig(
-            basic_latex=True, units=True, malformed_operators=True, nits=True, boxed="all", equations=False
-        )
-        _MV = {
-            "norm_keep_units": NormalizationConfig(
-                basic_latex=True,
-                units=False,
-                malformed_operators=True,
-                nits=True,
-                boxed="all",
-                equations=False,
-            ),
-            "parse": parse,
-            "verify": verify,
-            "normalize_latex": normalize_latex,
-            "parse_latex": parse_latex_cached,
-            "norm": norm,
-            "search_cfg": (LatexExtractionConfig(), ExprExtractionConfig()),
-            "complex_mode": should_treat_as_complex,
-        }
-    return _MV
+def _mv() -> dict:
+    """math-verify's functions and configs, imported once (``mathverify.load``: the one seam)."""
+    return mathverify.load()
 
 
 _TRIG_RE = re.compile(r"\\(?:sin|cos|tan|cot|sec|csc)\b")
@@ -273,6 +251,14 @@ def _text_form(canon: str, raw: str) -> str | None:
     return re.sub(r"^(?:the|an|a) ", "", out)
 
 
+def _plain_words(canon: str) -> str | None:
+    """Lower-cased words of a canonical string that is only letters and spaces, else None."""
+    if not re.fullmatch(r"[A-Za-z][A-Za-z' \-]*", canon):
+        return None
+    out = " ".join(w.lower() for w in re.findall(r"[A-Za-z]+", canon))
+    return re.sub(r"^(?:the|an|a) ", "", out)
+
+
 def _strip_bracket(s: str) -> tuple[str, str, str] | None:
     """("(", ")", inner) when ``s`` is one bracketed group (after canonical form), else None."""
     for lo in ("\\{", "(", "["):
@@ -329,8 +315,21 @@ def _info(s: str) -> _Info:
 
 
 def _pred_choice(canon: str) -> str | None:
+    """The option letter a predicted answer names ("C", "(c)", "C.", "(C) 25", "option C"), else None.
+
+    A letter followed by math (``c^2``, ``a=5``, ``c2``) is an expression in a variable that happens
+    to share the letter, not the option: after a bare letter only ".", ":", ")" or words may follow.
+    """
     m = _PRED_CHOICE_RE.match(canon)
-    return m.group(1).upper() if m else None
+    if m is None:
+        return None
+    rest = canon[m.end() :]
+    in_parens = ")" in canon[m.start(1) : m.end() + 1]
+    if rest and not in_parens and not rest[0].isspace() and canon[m.end() - 1] not in ".:":
+        return None  # "c^2", "a=5", "c2": math in that letter
+    if rest.lstrip()[:1] in ("=", "^", "_", "+", "-", "*", "/", "\\", "<", ">"):
+        return None
+    return m.group(1).upper()
 
 
 def _match_unordered(golds: tuple[str, ...], preds: tuple[str, ...]) -> bool:
@@ -384,91 +383,141 @@ def _base_equal(gb: re.Match | None, pb: re.Match | None, g: _Info, p: _Info) ->
     if gb is not None:
         return p.num is not None and not p.num.decimal and p.canon.lstrip("0") == gb.group(1).lstrip("0")
     if g.num is not None and pb is not None:
+        # a bare gold is either the digits the question asked for in its base ("616" for 616_9)
+        # or the value itself
+        if not g.num.decimal and g.canon.lstrip("0") == pb.group(1).lstrip("0") and _base_value(pb) is not None:
+            return True
         v = _base_value(pb)
         return v is not None and g.num.value == v
     return False
 
 
-def _equiv_cheap(gold: str, pred: str) -> bool | None:
-    """The first steps of :func:`_equiv`: string and exact-number tests only, None when undecided.
+Verdict = bool | None
+"""A rule's answer: True / False decides, None passes to the next rule."""
+RuleFn = Callable[[str, str, "_Info", "_Info"], Verdict]
 
-    Its own function so that the server process can run exactly these steps on short answers
-    (:func:`quick_verdict`) and leave everything else to the workers; ``_equiv`` starts with it.
-    """
-    g, p = _info(gold), _info(pred)
-    if not g.canon or not p.canon:
-        return False
-    # 1. same string up to markup and spacing
-    if g.canon == p.canon:
-        return True
-    # 2. multiple choice and text answers never go to sympy ("Evelyn" is not E*v*e*l*y*n)
-    if g.choice is not None:
-        return _pred_choice(p.canon) == g.choice
-    if g.text is not None:
-        return p.text is not None and p.text == g.text
-    # 3a. numerals in another base: the base is part of the answer (4210_5 != 4210_6)
+
+def _rule_empty(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    return False if not g.canon or not p.canon else None
+
+
+def _rule_same_string(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    return True if g.canon == p.canon else None
+
+
+def _rule_choice(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    # multiple choice never goes to sympy; an expression in the letter is not the option
+    return _pred_choice(p.canon) == g.choice if g.choice is not None else None
+
+
+def _rule_text(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    if g.text is None:
+        return None
+    # a text gold ("Evelyn" is not E*v*e*l*y*n): the prediction's words, however written ("no" for
+    # \\text{No}: a short word without \\text is not read as text on its own, but against a text gold it is)
+    p_text = p.text if p.text is not None else _plain_words(p.canon)
+    return p_text is not None and p_text == g.text
+
+
+def _rule_base(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    # numerals in another base: the base is part of the answer (4210_5 != 4210_6)
     gb, pb = _BASE_NUM_RE.match(g.canon), _BASE_NUM_RE.match(p.canon)
-    if gb is not None or pb is not None:
-        return _base_equal(gb, pb, g, p)
-    # 3. plain numbers, exactly (decimal commas "1000,99" only when no thousands reading exists)
-    g_num = g.num or (_decimal_comma(g, gold) if p.num is not None else None)
+    if gb is None and pb is None:
+        return None
+    return _base_equal(gb, pb, g, p)
+
+
+def _numbers(gold: str, pred: str, g: _Info, p: _Info) -> tuple[Num, Num] | None:
+    # decimal commas "1000,99" only when no thousands reading exists, and only in predictions:
+    # answer keys write decimals with a point, so a gold "-3,0" is a list
     p_num = p.num or (_decimal_comma(p, pred) if g.num is not None else None)
-    if g_num is not None and p_num is not None:
-        if numbers_equal(g_num, p_num):
-            return True
-        return not p_num.percent and not p_num.degree and _rounded_gold_match(g, pred, p_num.value)
+    return (g.num, p_num) if g.num is not None and p_num is not None else None
+
+
+def _rule_exact_number(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    nums = _numbers(gold, pred, g, p)
+    if nums is None:
+        return None
+    if numbers_equal(*nums):
+        return True
+    return None if _rounded_number(gold, pred, g, p) else False
+
+
+def _rounded_number(gold: str, pred: str, g: _Info, p: _Info) -> bool:
+    nums = _numbers(gold, pred, g, p)
+    return (
+        nums is not None and not nums[1].percent and not nums[1].degree
+        and _rounded_gold_match(g, pred, nums[1].value)
+    )
+
+
+def _rule_rounded_gold_number(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    return True if _rounded_number(gold, pred, g, p) else None
+
+
+def _rule_clock(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    # "1:30 p.m." = "1:30\\text{ pm}" = "13:30"; a clock gold needs a clock answer
+    gc = _clock(g.canon)
+    if gc is None:
+        return None
+    pc = _clock(p.canon)
+    return pc is not None and _clock_equal(gc, pc)
+
+
+def _rule_unordered_list(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    # "2, 3" (also against "\\{3, 2\\}"); each item may be "x=2". Says only yes.
+    if len(g.items) <= 1:
+        return None
+    p_items = p.items
+    if len(p_items) == 1 and p.bracket is not None and p.bracket[0] == "\\{":
+        p_items = p.bracket[2]
+    if len(p_items) == 1 and len(p.eq_parts) > 1:
+        p_items = _info(p.eq_parts[-1]).items
+    if len(p_items) == len(g.items) and _match_unordered(g.items, p_items):
+        return True
     return None
 
 
-@lru_cache(maxsize=RESULT_CACHE_SIZE)
-def _equiv(gold: str, pred: str) -> bool:
-    """Is the extracted prediction ``pred`` the same answer as ``gold``? (cheapest test first)."""
-    cheap = _equiv_cheap(gold, pred)
-    if cheap is not None:
-        return cheap
-    g, p = _info(gold), _info(pred)
-    # 3b. clock times: "1:30 p.m." = "1:30\text{ pm}" = "13:30"; a clock gold needs a clock answer
-    gc = _clock(g.canon)
-    if gc is not None:
-        pc = _clock(p.canon)
-        return pc is not None and _clock_equal(gc, pc)
-    # 4. unordered list of answers "2, 3" (also against "\{3, 2\}"); each item may be "x=2"
-    if len(g.items) > 1:
-        p_items = p.items
-        if len(p_items) == 1 and p.bracket is not None and p.bracket[0] == "\\{":
-            p_items = p.bracket[2]
-        if len(p_items) == 1 and len(p.eq_parts) > 1:
-            p_items = _info(p.eq_parts[-1]).items
-        if len(p_items) == len(g.items) and _match_unordered(g.items, p_items):
-            return True
-    # 4b. a function named differently: "f(x) = 2x+1" = "y = 2x+1" = "g(x) = 2x+1" (right-hand sides)
+def _rule_function_name(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    # "f(x) = 2x+1" = "y = 2x+1" = "g(x) = 2x+1": compare right-hand sides
     if len(g.eq_parts) == 2 and len(p.eq_parts) == 2 and g.eq_parts[0] != p.eq_parts[0]:
         if _fn_lhs_compatible(g.eq_parts[0], p.eq_parts[0]):
             return _equiv(g.eq_parts[1], p.eq_parts[1])
-    # 4c. "x < -2 or x > 3" against an interval / union gold: the same set written as intervals
-    if not _INEQ_IN_RE.search(g.canon):
-        union = _inequalities_as_intervals(p.canon)
-        if union is not None and union != p.canon:
-            return _equiv(gold, union)
-    # 5. equations: follow the gold's form. "x=2" vs "2" and "2" vs "x=2": compare right-hand sides.
+    return None
+
+
+def _rule_inequality_set(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    # "x < -2 or x > 3" against an interval / union gold: the same set written as intervals
+    if _INEQ_IN_RE.search(g.canon):
+        return None
+    union = _inequalities_as_intervals(p.canon, pred)
+    if union is not None and union != p.canon:
+        return _equiv(gold, union)
+    return None
+
+
+def _rule_equation_sides(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    # follow the gold's form: "x=2" vs "2" and "2" vs "x=2" compare right-hand sides
     g_eq, p_eq = len(g.eq_parts) > 1, len(p.eq_parts) > 1
     if p_eq and not g_eq and len(g.items) == 1:
         if _COEF_LHS_RE.match(p.eq_parts[0]):
             return False  # "2x=2" is an equation to solve, not the value 2
         if _equiv(gold, p.eq_parts[-1]):
             return True
-    elif (
-        g_eq
-        and not p_eq
-        and len(g.eq_parts) == 2
-        and _ASSIGN_LHS_RE.match(g.eq_parts[0])
-        and len(g.items) == 1
-    ):
+    elif g_eq and not p_eq and len(g.eq_parts) == 2 and _ASSIGN_LHS_RE.match(g.eq_parts[0]) and len(g.items) == 1:
         return _equiv(g.eq_parts[-1], pred)
+    return None
+
+
+def _rule_element_of(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
     m = _IN_RE.match(p.canon)
-    if m and not g_eq and "\\in" not in g.canon:
+    if m and len(g.eq_parts) == 1 and "\\in" not in g.canon:
         return _equiv(gold, m.group(1))
-    # 6. tuples / intervals / sets: same brackets, elements in order (sets: any order)
+    return None
+
+
+def _rule_brackets(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    # tuples / intervals / sets: same brackets, elements in order (sets: any order). Says only yes.
     if g.bracket is not None and p.bracket is not None:
         (glo, ghi, gi), (plo, phi, pi) = g.bracket, p.bracket
         if len(gi) == len(pi):
@@ -480,14 +529,25 @@ def _equiv(gold: str, pred: str) -> bool:
     elif g.bracket is not None and g.bracket[0] == "\\{" and len(p.items) == len(g.bracket[2]) > 1:
         if _match_unordered(g.bracket[2], p.items):
             return True
-    # 7. symbolic, via math-verify, on the whole strings; a numeric check first rejects clearly
-    #    unequal plain-arithmetic answers without parsing them (it never accepts: numeric.py)
-    if g.num is not None and g.num.decimal and _rounded_gold_match(g, pred, None):
-        return True
-    if g.num is not None and _compound_quantity(pred):
-        return False
-    if _surely_unequal(gold, pred):
-        return False
+    return None
+
+
+def _rule_rounded_gold(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    # a gold shown rounded (0.6667) and an exact answer that rounds to it (\\frac{2}{3}). Says only yes.
+    return True if g.num is not None and g.num.decimal and _rounded_gold_match(g, pred, None) else None
+
+
+def _rule_compound_quantity(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    return False if g.num is not None and _compound_quantity(pred) else None
+
+
+def _rule_surely_unequal(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    return False if _surely_unequal(gold, pred) else None
+
+
+def _rule_math_verify(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    # math-verify's symbolic verify on golds parsed whole; exact constants compared at 50 digits.
+    # A side that does not parse cannot be shown equal: "no".
     gold_exprs = _sympy_parse(gold, False)
     if not gold_exprs:
         return False
@@ -500,11 +560,70 @@ def _equiv(gold: str, pred: str) -> bool:
     return exact if exact is not None else ok
 
 
+RULES: tuple[tuple[str, RuleFn], ...] = (
+    ("empty", _rule_empty),
+    ("same-string", _rule_same_string),
+    ("choice-letter", _rule_choice),
+    ("text", _rule_text),
+    ("base-numeral", _rule_base),
+    ("exact-number", _rule_exact_number),
+    ("rounded-gold-number", _rule_rounded_gold_number),
+    # ---- the rules above are the cheap ones (strings and exact numbers): CHEAP_RULES
+    ("clock-time", _rule_clock),
+    ("unordered-list", _rule_unordered_list),
+    ("function-name", _rule_function_name),
+    ("inequality-set", _rule_inequality_set),
+    ("equation-sides", _rule_equation_sides),
+    ("element-of", _rule_element_of),
+    ("brackets", _rule_brackets),
+    ("rounded-gold", _rule_rounded_gold),
+    ("compound-quantity", _rule_compound_quantity),
+    ("surely-unequal", _rule_surely_unequal),
+    ("math-verify", _rule_math_verify),
+)
+"""The comparison of mode ``math`` as an ordered table: each rule says yes, no, or passes (None);
+the first that decides gives the verdict and its name (``GradeResult.rule``). Cheapest first.
+``math-verify`` always decides, so the table never runs out."""
+CHEAP_RULES = 7
+"""How many rules of ``RULES`` are string and exact-number tests (``quick_verdict`` runs only these)."""
+RULE_NAMES = tuple(name for name, _ in RULES)
+
+
+def _decide(gold: str, pred: str, rules: tuple[tuple[str, RuleFn], ...]) -> tuple[Verdict, str | None]:
+    g, p = _info(gold), _info(pred)
+    for name, fn in rules:
+        verdict = fn(gold, pred, g, p)
+        if verdict is not None:
+            return bool(verdict), name
+    return None, None
+
+
+def _equiv_cheap(gold: str, pred: str) -> bool | None:
+    """The cheap rules of :data:`RULES` only (strings and exact numbers), None when undecided.
+
+    Its own function so that the server process can run exactly these steps on short answers
+    (:func:`quick_verdict`) and leave everything else to the workers.
+    """
+    return _decide(gold, pred, RULES[:CHEAP_RULES])[0]
+
+
+@lru_cache(maxsize=RESULT_CACHE_SIZE)
+def _equiv_rule(gold: str, pred: str) -> tuple[bool, str]:
+    """(verdict, name of the rule that decided) for the extracted prediction ``pred`` against ``gold``."""
+    verdict, name = _decide(gold, pred, RULES)
+    return bool(verdict), name or "math-verify"
+
+
+def _equiv(gold: str, pred: str) -> bool:
+    """Is the extracted prediction ``pred`` the same answer as ``gold``? (``RULES``, cheapest first)."""
+    return _equiv_rule(gold, pred)[0]
+
+
 _NUM_TOKEN_RE = re.compile(r"\d+(?:\.\d+)?")
 
 
 def _compound_quantity(pred: str) -> bool:
-    """"3 hours and 20 minutes", "2 feet 5 inches": two numbers joined by words, not by an operator.
+    """ "3 hours and 20 minutes", "2 feet 5 inches": two numbers joined by words, not by an operator.
 
     Against a single-number gold such an answer is not that number, yet math-verify's search
     (units stripped, first number) would read it as ``3``.
@@ -557,33 +676,95 @@ def _exact_constants_equal(gold_exprs: tuple, pred_exprs: tuple) -> bool | None:
         return None
 
 
-ROUNDED_GOLD_MATCH = os.environ.get("STAPO_GRADER_ROUNDED_GOLD", "1").strip().lower() not in (
-    "0",
-    "false",
-    "no",
-)
-"""Policy: a gold written as a rounded decimal (``0.6667``, Minerva / OlympiadBench physics keys) accepts an
-exact or more precise answer that rounds to it at the gold's shown precision (``\\frac{2}{3}``,
-``0.666667``). Needs >= 2 significant digits in the gold. ``STAPO_GRADER_ROUNDED_GOLD=0`` turns it off
-(exact golds are never matched by shorter decimals either way: docs/verifier.md)."""
+def _env_flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    return raw.strip().lower() not in ("0", "false", "no", "off")
 
 
-def configure(*, rounded_gold: bool | None = None) -> None:
-    """Set this process's grading policies (the service/pool would call it in each worker at start).
+@dataclass(frozen=True)
+class GraderSettings:
+    """The grader's policies, one frozen object per process (``SETTINGS``; ``configure`` replaces it).
 
-    ``rounded_gold``: see ``ROUNDED_GOLD_MATCH``. Changing a policy empties the result caches.
+    Each field has an environment twin read at import (``GraderSettings.from_env``), so a worker
+    process started by the pool or the service gets the same policies as its parent's environment.
     """
-    global ROUNDED_GOLD_MATCH
-    if rounded_gold is not None and bool(rounded_gold) != ROUNDED_GOLD_MATCH:
-        ROUNDED_GOLD_MATCH = bool(rounded_gold)
+
+    rounded_gold: bool = True
+    """``STAPO_GRADER_ROUNDED_GOLD``: a decimal gold (``0.6667``, ``0.79``: Minerva / OlympiadBench
+    physics keys) accepts an answer that shows the gold was rounded and rounds to it at the gold's
+    precision (``\\frac{2}{3}``, ``\\frac{\\pi}{4}``, ``0.78540``; ``_rounded_gold_match``). Off: only exact
+    matches (exact golds are never matched by shorter decimals either way: docs/verifier.md)."""
+    fast_reject: bool = True
+    """``STAPO_GRADER_FAST_REJECT``: run the rejections (``_surely_unequal``) before math-verify. They
+    only ever say "no" where math-verify says no, so switching them off changes times, never
+    verdicts (tests compare the two)."""
+    prose_as_text: bool = True
+    """``STAPO_GRADER_PROSE_AS_TEXT``: an answer that is still a sentence after math-verify's search
+    (words it found no math in, or a span of words around math it reported as its first candidate:
+    "Let me double-check: $\\frac{255", a response cut off after ``</think>``) is compared as text
+    only: the cheap rules (equal canonical strings, choice letters, text answers). Only three words
+    in a row count (``_SENTENCE_RE``): a single word ("infinity", a mangled command) or juxtaposed
+    variables ("RCs") still go to sympy. That is how math-verify compares a string it could not
+    parse (string equality, ``compare_single_extraction``); latex2sympy would read the words as
+    products of one-letter symbols and spend 10-50 ms in ANTLR and sympy to find them unequal.
+    Tests switch it off to check that no verdict of the tables, the dev corpus or the streams changes."""
+    search_oracle: bool = True
+    """``STAPO_GRADER_SEARCH_ORACLE``: answer math-verify's parse attempts inside ``_search_fallback``
+    without parsing where the reported string cannot depend on them (tests switch it off to compare
+    with the real search)."""
+
+    @classmethod
+    def from_env(cls) -> GraderSettings:
+        return cls(
+            rounded_gold=_env_flag("STAPO_GRADER_ROUNDED_GOLD", True),
+            fast_reject=_env_flag("STAPO_GRADER_FAST_REJECT", True),
+            prose_as_text=_env_flag("STAPO_GRADER_PROSE_AS_TEXT", True),
+            search_oracle=_env_flag("STAPO_GRADER_SEARCH_ORACLE", True),
+        )
+
+
+SETTINGS = GraderSettings.from_env()
+"""This process's grading policies (read them here; change them with ``configure``)."""
+
+
+def configure(settings: GraderSettings | None = None, *, rounded_gold: bool | None = None) -> GraderSettings:
+    """Set this process's grading policies (the service/pool would call it in each worker at start);
+    returns the previous settings, so a caller can restore them.
+
+    ``settings`` replaces the whole object; ``rounded_gold`` changes that one field. Changing a
+    policy empties the result caches (a cached verdict was computed under the old one).
+    """
+    global SETTINGS
+    old = SETTINGS
+    new = settings if settings is not None else old
+    if rounded_gold is not None:
+        new = replace(new, rounded_gold=bool(rounded_gold))
+    if new != old:
+        SETTINGS = new
         cache_clear()
+    return old
 
 
 _PLAIN_DEC_RE = re.compile(r"^-?(\d+)\.(\d+)$")
 
 
+EXTRA_DIGITS = 2
+"""A decimal answer counts as more precise than a rounded gold from this many more decimals on."""
+
+
 def _rounded_gold_match(g: _Info, pred: str, pred_value: Fraction | None) -> bool:
-    if not ROUNDED_GOLD_MATCH or g.num is None or g.num.percent:
+    """The rounded-gold policy: the gold is shown rounded relative to this answer, and the answer rounds
+    to it at the gold's precision.
+
+    A decimal gold (>= 2 significant digits) is taken as a rounding only when the answer is visibly
+    more precise than it: an exact value that no finite decimal equals (``\\frac{1}{7}``, ``\\frac{\\pi}{4}``,
+    ``2\\sqrt{3}`` for ``0.143``, ``0.79``, ``3.46``), or a decimal with ``EXTRA_DIGITS`` more decimals
+    (``0.78540``). A decimal one digit longer (``1.54`` for ``1.5``) or a terminating fraction
+    (``\\frac{31}{20}``) is another short answer, and the gold may be exact as written: not equal.
+    """
+    if not SETTINGS.rounded_gold or g.num is None or g.num.percent:
         return False
     m = _PLAIN_DEC_RE.match(g.canon)
     if m is None:
@@ -592,16 +773,33 @@ def _rounded_gold_match(g: _Info, pred: str, pred_value: Fraction | None) -> boo
     if len((m.group(1) + m.group(2)).lstrip("0")) < 2:
         return False
     pm = _PLAIN_DEC_RE.match(canonical(pred))
-    if pm is not None and len(pm.group(2)) <= d:
-        return False  # as short as the gold: it had to match exactly
+    if pm is not None and len(pm.group(2)) < d + EXTRA_DIGITS:
+        return False  # not visibly more precise than the gold: it had to match exactly
     if pred_value is not None:
+        if pm is None and _finite_decimal(pred_value):
+            return False  # an exact value with a short decimal expansion: another answer
         return abs(pred_value - g.num.value) <= Fraction(1, 2 * 10**d)
+    if re.search(r"\d\.\d", pred):
+        return False  # an expression holding a decimal: not an exact value
     text = _sympy_text(pred)
     # (a degree sign is left to math-verify here: numeric.py reads it for the rejections only)
     vals = evaluate_numeric(text) if text is not None and "=" not in text and "\\circ" not in text else None
     if vals is None or any(v != vals[0] for v in vals) or abs(vals[0].imag) > 0:
         return False
-    return abs(float(vals[0].real) - float(g.num.value)) <= 0.5 * 10**-d * (1 + 1e-9)
+    v = float(vals[0].real)
+    scaled = v * 10 ** (d + EXTRA_DIGITS)
+    if abs(scaled - round(scaled)) <= 1e-9 * max(1.0, abs(scaled)):
+        return False  # its value is a short decimal: another answer, not a more precise one
+    return abs(v - float(g.num.value)) <= 0.5 * 10**-d * (1 + 1e-9)
+
+
+def _finite_decimal(v: Fraction) -> bool:
+    """Does ``v`` have a finite decimal expansion (denominator 2^a 5^b)?"""
+    den = v.denominator
+    for p in (2, 5):
+        while den % p == 0:
+            den //= p
+    return den == 1
 
 
 _CLOCK_RE = re.compile(r"^(\d{1,2}):([0-5]\d)(?::([0-5]\d))?(?:([AaPp])\.?[Mm]\.?|(noon|midnight))?$")
@@ -649,38 +847,85 @@ _ONE_SIDED_RE = re.compile(rf"^([a-z]){_REL}(.+)$")
 _TWO_SIDED_RE = re.compile(rf"^(.+?){_REL}([a-z]){_REL}(.+)$")
 
 
-def _inequalities_as_intervals(canon: str) -> str | None:
-    """``x<-2,x>3`` (an "or" list of one-variable inequalities) as ``(-\\infty,-2)\\cup(3,\\infty)``."""
+_AND_RE = re.compile(r"(?i)\band\b|\\land\b|\\wedge\b")
+_OR_RE = re.compile(r"(?i)\bor\b|\\lor\b|\\vee\b|\\cup\b")
+
+
+def _ray(piece: str) -> tuple[str, tuple] | None:
+    """(variable, (lo, lo_closed, hi, hi_closed)) of one inequality ``x > 1`` / ``-2 < x \\le 3``;
+    lo / hi are endpoint texts, None for an infinite end."""
+    m = _TWO_SIDED_RE.match(piece)
+    lows = ("<", "\\le", "\\leq", "\\lt")
+    if m and m.group(2) in lows and m.group(4) in lows:
+        return m.group(3), (m.group(1), m.group(2).startswith("\\le"), m.group(5), m.group(4).startswith("\\le"))
+    m = _ONE_SIDED_RE.match(piece)
+    if m is None or _INEQ_IN_RE.search(m.group(3)):
+        return None
+    rel, v = m.group(2), m.group(3)
+    closed = rel in ("\\le", "\\leq", "\\ge", "\\geq")
+    if rel in ("<", "\\lt", "\\le", "\\leq"):
+        return m.group(1), (None, False, v, closed)
+    return m.group(1), (v, closed, None, False)
+
+
+def _intersection(rays: list[tuple]) -> tuple | None:
+    """The interval common to all ``rays`` (finite ends must be constants), "empty", or None (undecided)."""
+    lo, lo_c, hi, hi_c = None, False, None, False
+    for a, a_c, b, b_c in rays:
+        for end in (a, b):
+            if end is not None and numeric_constant(end) is None:
+                return None
+        if a is not None and (lo is None or numeric_constant(a) > numeric_constant(lo)
+                              or (numeric_constant(a) == numeric_constant(lo) and not a_c)):
+            lo, lo_c = a, a_c
+        if b is not None and (hi is None or numeric_constant(b) < numeric_constant(hi)
+                              or (numeric_constant(b) == numeric_constant(hi) and not b_c)):
+            hi, hi_c = b, b_c
+    if lo is not None and hi is not None:
+        lv, hv = numeric_constant(lo), numeric_constant(hi)
+        if lv > hv or (lv == hv and not (lo_c and hi_c)):
+            return ("empty",)
+    return lo, lo_c, hi, hi_c
+
+
+def _interval_text(r: tuple) -> str:
+    lo, lo_c, hi, hi_c = r
+    return (
+        ("[" if lo_c else "(") + ("-\\infty" if lo is None else lo) + ","
+        + ("\\infty" if hi is None else hi) + ("]" if hi_c else ")")
+    )
+
+
+def _inequalities_as_intervals(canon: str, raw: str) -> str | None:
+    """Several one-variable inequalities as the set they describe, read with their connective.
+
+    ``x < -2 or x > 3`` -> ``(-\\infty,-2)\\cup(3,\\infty)``; ``x > 1 and x < 5`` -> ``(1,5)``. A bare
+    comma is "or" when the pieces are disjoint (a list of solution ranges) and "and" when they
+    overlap (``x > 1, x < 5``). Every piece must bound the same variable (``x > 1, y > 2`` is not a
+    set of x), else None; both connectives at once, or ends that are not constants where the
+    reading needs their order, give None too (undecided: the comparison goes on without this
+    reading). An "and" with nothing in common is the empty set.
+    """
     if not _INEQ_IN_RE.search(canon):
         return None
-    pieces = [x.strip() for x in re.split(r",|\\lor|\\vee|\\cup", canon) if x.strip()]
+    pieces = [x.strip() for x in re.split(r",|\\lor|\\vee|\\cup|\\land|\\wedge", canon) if x.strip()]
     if len(pieces) < 2:
         return None
-    out = []
-    for piece in pieces:
-        m = _TWO_SIDED_RE.match(piece)
-        if (
-            m
-            and m.group(2) in ("<", "\\le", "\\leq", "\\lt")
-            and m.group(4) in ("<", "\\le", "\\leq", "\\lt")
-        ):
-            lo = "[" if m.group(2).startswith("\\le") else "("
-            hi = "]" if m.group(4).startswith("\\le") else ")"
-            out.append(f"{lo}{m.group(1)},{m.group(5)}{hi}")
-            continue
-        m = _ONE_SIDED_RE.match(piece)
-        if m is None or _INEQ_IN_RE.search(m.group(3)):
-            return None
-        rel, v = m.group(2), m.group(3)
-        if rel in ("<", "\\lt"):
-            out.append(f"(-\\infty,{v})")
-        elif rel in ("\\le", "\\leq"):
-            out.append(f"(-\\infty,{v}]")
-        elif rel in (">", "\\gt"):
-            out.append(f"({v},\\infty)")
-        else:
-            out.append(f"[{v},\\infty)")
-    return "\\cup".join(out)
+    rays = [_ray(p) for p in pieces]
+    if any(r is None for r in rays) or len({r[0] for r in rays}) != 1:
+        return None
+    rays_only = [r[1] for r in rays]
+    has_and, has_or = _AND_RE.search(raw) is not None, _OR_RE.search(raw) is not None
+    if has_and and has_or:
+        return None
+    if has_or:
+        return "\\cup".join(_interval_text(r) for r in rays_only)
+    common = _intersection(rays_only)
+    if common is None:
+        return None
+    if common == ("empty",):
+        return "\\emptyset" if has_and else "\\cup".join(_interval_text(r) for r in rays_only)
+    return _interval_text(common)
 
 
 # the left side of a predicted equation that latex2sympy surely parses: "f(x)", "y", "c^2", ...
@@ -840,14 +1085,9 @@ def _brackets_unequal(gold: str, pred: str) -> bool:
     return any(all(numeric_differ(a, b) for b in p[1]) for a in g[1])
 
 
-FAST_REJECT = True
-"""Run the step-7 rejections (``_surely_unequal``) before math-verify. They only ever say "no" where
-math-verify says no, so switching them off changes times, never verdicts (tests compare the two)."""
-
-
 def _surely_unequal(gold: str, pred: str) -> bool:
     """Would math-verify surely say no? Each rule below says why; False means "ask math-verify"."""
-    if not FAST_REJECT:
+    if not SETTINGS.fast_reject:
         return False
     return (
         _numerically_unequal(gold, pred)
@@ -1232,7 +1472,7 @@ def answers_equivalent(a: str, b: str) -> bool:
 def cache_info() -> dict[str, dict[str, int]]:
     """Hit/miss counters of the bounded caches (the service exports them as Prometheus metrics)."""
     out = {}
-    for name, fn in (("result", _equiv), ("answer_info", _info), ("sympy_parse", _sympy_parse)):
+    for name, fn in (("result", _equiv_rule), ("answer_info", _info), ("sympy_parse", _sympy_parse)):
         ci = fn.cache_info()
         out[name] = {"hits": ci.hits, "misses": ci.misses, "size": ci.currsize, "maxsize": ci.maxsize or 0}
     return out
@@ -1240,7 +1480,7 @@ def cache_info() -> dict[str, dict[str, int]]:
 
 def cache_clear() -> None:
     """Empty every cache (tests, benchmarks)."""
-    for fn in (_equiv, _info, _sympy_parse, _sympy_text):
+    for fn in (_equiv_rule, _info, _sympy_parse, _sympy_text):
         fn.cache_clear()
     numeric_cache_clear()
 
@@ -1255,121 +1495,25 @@ def _search_fallback(body: str) -> str | None:
     first candidate it tried). That string never depends on what a candidate parses to, and on
     whether it parses only for a match with several LaTeX groups; so during this call a one-group
     match, a plain-text expression, and any candidate the numeric parser accepts are answered
-    "parses" without running ANTLR or sympy (``_search_match_oracle``, ``_search_expr_oracle``,
-    ``_search_parse_oracle``). The search then stops at its first candidate instead of parsing
-    every failing one (on cut-off RL responses ~10x less time; ``SEARCH_ORACLE=False`` is the
+    "parses" without running ANTLR or sympy (the oracles of ``mathverify.py``, the seam). The search then stops at its first candidate instead of parsing
+    every failing one (on cut-off RL responses ~10x less time; ``SETTINGS.search_oracle`` off is the
     real search, and tests compare the two).
     """
-    mv = _mv()
-    _SEARCH_STATE.active = SEARCH_ORACLE
-    try:
-        found = mv["parse"](
-            body, extraction_config=mv["search_cfg"], fallback_mode="first_match", parsing_timeout=None
-        )
-    finally:
-        _SEARCH_STATE.active = False
-        _SEARCH_STATE.single = False
+    found = mathverify.search(
+        body, oracle=SETTINGS.search_oracle, surely_parses=lambda latex: _surely_parses(latex)
+    )
     strs = [f for f in found if isinstance(f, str) and f.strip()]
     if strs:
         return strs[0].strip()
     if found:  # only a parsed object came back (it may be the stand-in): ask again, for real
-        found = mv["parse"](
-            body, extraction_config=mv["search_cfg"], fallback_mode="first_match", parsing_timeout=None
-        )
+        found = mathverify.search(body, oracle=False, surely_parses=lambda latex: False)
     return str(found[0]) if found else None
-
-
-_SEARCH_STATE = threading.local()
-SEARCH_ORACLE = True
-"""Answer math-verify's parse attempts inside ``_search_fallback`` without parsing where the reported
-string cannot depend on them (tests switch it off to compare with the real search)."""
 
 
 def _surely_parses(latex: str) -> bool:
     """latex2sympy would parse it: every ``=``-separated side is in the numeric subset and evaluates."""
     sides = latex.split("=")
     return all(evaluate_numeric(side) is not None for side in sides)
-
-
-_PARSES = None
-
-
-def _stand_in():
-    """The object the oracles return for "this parses": a sympy object, so math-verify's percent
-    wrapping and set building still work on it."""
-    global _PARSES
-    if _PARSES is None:
-        import sympy
-
-        _PARSES = sympy.Symbol("stapo_parses")
-    return _PARSES
-
-
-def _search_parse_oracle(real: Callable) -> Callable:
-    """Wrap math-verify's ``parse_latex_cached`` (its module global, looked up at call time).
-
-    Active only on the thread inside ``_search_fallback``: every other caller, in this process
-    or thread, gets the real function. This and the two wrappers below are the one place stapo
-    touches math-verify internals (math-verify 0.9's ``parser.extract_target_from_pred``).
-    """
-
-    def parse_latex_cached(latex: str):
-        if getattr(_SEARCH_STATE, "active", False) and (
-            getattr(_SEARCH_STATE, "single", False) or _surely_parses(latex)
-        ):
-            return _stand_in()
-        return real(latex)
-
-    parse_latex_cached.stapo_oracle = True  # type: ignore[attr-defined]
-    parse_latex_cached.cache_info = real.cache_info  # type: ignore[attr-defined]
-    parse_latex_cached.cache_clear = real.cache_clear  # type: ignore[attr-defined]
-    return parse_latex_cached
-
-
-def _search_match_oracle(real: Callable) -> Callable:
-    """Wrap math-verify's ``extract_latex``: inside the search, a match with ONE LaTeX group parses.
-
-    Why that is exact: math-verify's search keeps trying matches (rightmost first, by priority)
-    until one parses, but the string it reports with ``fallback_mode="first_match"`` is the text
-    of the *first* match it tried, computed before parsing. Only a match with several LaTeX groups
-    ("$a$ and $b$") reports a string that depends on parsing (all groups parse: joined with
-    "and"; else the first), so those still get the real answer (or ``_surely_parses``). Saying
-    "parses" to the first match ends the search there instead of after every failing ANTLR parse.
-    """
-
-    def extract_latex(match, latex_config):
-        if not getattr(_SEARCH_STATE, "active", False):
-            return real(match, latex_config)
-        groups = sum(
-            1
-            for name, val in match.groupdict().items()
-            if val and (name.startswith("first_latex") or (name.startswith("next") and "_latex" in name))
-        )
-        _SEARCH_STATE.single = groups == 1
-        try:
-            return real(match, latex_config)
-        finally:
-            _SEARCH_STATE.single = False
-
-    extract_latex.stapo_oracle = True  # type: ignore[attr-defined]
-    extract_latex.cache_info = getattr(real, "cache_info", None)  # type: ignore[attr-defined]
-    extract_latex.cache_clear = getattr(real, "cache_clear", None)  # type: ignore[attr-defined]
-    return extract_latex
-
-
-def _search_expr_oracle(real: Callable) -> Callable:
-    """Wrap math-verify's ``parse_expr_cached`` (sympy's ``parse_expr`` of a plain-text expression
-    match): inside the search it "parses"; the reported string is the match text either way."""
-
-    def parse_expr_cached(expr: str):
-        if getattr(_SEARCH_STATE, "active", False):
-            return _stand_in()
-        return real(expr)
-
-    parse_expr_cached.stapo_oracle = True  # type: ignore[attr-defined]
-    parse_expr_cached.cache_info = getattr(real, "cache_info", None)  # type: ignore[attr-defined]
-    parse_expr_cached.cache_clear = getattr(real, "cache_clear", None)  # type: ignore[attr-defined]
-    return parse_expr_cached
 
 
 _WORD_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
@@ -1415,11 +1559,48 @@ def gold_answer(gold: str) -> str:
     return g
 
 
+# plain words after a math expression: a unit ("10\\pi square units", "233 m^2 of land")
+_UNIT_WORDS_RE = re.compile(r"^(.*?[\d}\])a-zA-Z])\s+((?:[A-Za-z]+\.?\s*)+(?:\^\s*\{?[23]\}?)?)\s*\.?$", re.S)
+
+
+def _strip_unit_words(ans: str) -> str:
+    """An answer that is math followed only by plain words keeps the math: the words are a unit.
+
+    Without this the words make the answer prose, and the search fallback reads the first number
+    of "10\\pi square units" as the answer 10. Only when what is left is not prose itself and
+    holds a digit or a command (so "5 apples and 3 oranges" stays prose).
+    """
+    m = _UNIT_WORDS_RE.match(ans)
+    if m is None:
+        return ans
+    head = m.group(1).strip()
+    if _is_prose(head) or not re.search(r"[\d\\]", head):
+        return ans
+    return head
+
+
+_INNER_DOLLAR_RE = re.compile(r"(?<!\\)\$")
+
+
+def _marker_answer_form(extracted: str) -> str:
+    """A marker's answer in the form the comparison reads: LaTeX notation, "and"/"or" lists as comma
+    lists, trailing unit words dropped."""
+    extracted = join_and_or(latexify(extracted))
+    if _is_prose(extracted) and "$" in extracted:
+        # math delimiters inside a box ("\\boxed{12 $ and $13}"): without them it may be a list
+        bare = join_and_or(" ".join(_INNER_DOLLAR_RE.sub(" ", extracted).split()))
+        if not _is_prose(bare):
+            return bare
+    if _is_prose(extracted):
+        extracted = _strip_unit_words(extracted)
+    return extracted
+
+
 def _extract_math(prediction: str, think: str) -> tuple[Status, str | None]:
     """Mode ``math``'s final answer: marker extraction, then math-verify's search for prose or no marker."""
     extracted = extract_answer(prediction, think=think)
     if extracted is not None:
-        extracted = latexify(extracted)
+        extracted = _marker_answer_form(extracted)
     if extracted is None or _is_prose(extracted):
         body = extracted if extracted is not None else apply_think(prediction, think)
         if body is None or not body.strip():
@@ -1445,35 +1626,26 @@ def _grade_math(prediction: str, gold: str, think: str) -> tuple[bool, Status, s
         raise ValueError("gold: empty answer")
     status, extracted = _extract_math(prediction, think)
     if extracted is None:
-        return False, status, None
-    if PROSE_AS_TEXT and _SENTENCE_RE.search(extracted) and _is_prose(extracted):
-        return _equiv_cheap(gold_ans, extracted) is True, "ok", extracted
-    return _equiv(gold_ans, extracted), "ok", extracted
+        return False, status, None, "no-answer"
+    if SETTINGS.prose_as_text and _SENTENCE_RE.search(extracted) and _is_prose(extracted):
+        verdict, rule = _decide(gold_ans, extracted, RULES[:CHEAP_RULES])
+        return verdict is True, "ok", extracted, rule if verdict is not None else "prose-as-text"
+    correct, rule = _equiv_rule(gold_ans, extracted)
+    return correct, "ok", extracted, rule
 
 
 # three words in a row (not command names): a sentence, not a product of variables ("RCs + LCs^2")
 _SENTENCE_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}\s+[A-Za-z]{2,}\s+[A-Za-z]{2,}")
 
-PROSE_AS_TEXT = True
-"""An answer that is still a sentence after math-verify's search (words it found no math in, or a span
-of words around math it reported as its first candidate: "Let me double-check: $\\frac{255", a response
-cut off after ``</think>``) is compared as text only: equal canonical strings, choice letters, text
-answers (``_equiv_cheap``). Only three words in a row count (``_SENTENCE_RE``): a single word
-("infinity", a mangled command) or juxtaposed variables ("RCs") still go to sympy. That is how math-verify compares a string it could not parse (string
-equality, ``compare_single_extraction``); latex2sympy would read the words as products of one-letter
-symbols and spend 10-50 ms in ANTLR and sympy to find them unequal. Tests switch it off to check
-that no verdict of the grading tables, the dev corpus or the RL streams changes."""
-
-
 @register_mode("dapo")
 def _grade_dapo(prediction: str, gold: str, think: str) -> tuple[bool, Status, str | None]:
     body = apply_think(prediction, think)
     if body is None:
-        return False, "no_answer", None
+        return False, "no_answer", None, "no-answer"
     correct, extracted = dapo_is_correct(body, gold)
     if extracted is None:
-        return False, "no_answer", None
-    return correct, "ok", extracted
+        return False, "no_answer", None, "no-answer"
+    return correct, "ok", extracted, "dapo"
 
 
 def marker_answer(prediction: str, mode: str = "math", *, think: str = "optional") -> str | None:
@@ -1493,7 +1665,7 @@ def marker_answer(prediction: str, mode: str = "math", *, think: str = "optional
     extracted = extract_answer(prediction, think=think)
     if extracted is None:
         return None
-    extracted = latexify(extracted)
+    extracted = _marker_answer_form(extracted)
     return None if _is_prose(extracted) else extracted
 
 
@@ -1587,9 +1759,12 @@ def grade(
             return GradeResult(False, 0.0, "too_large", None, (time.perf_counter() - t0) * 1e3)
         if special_tokens:  # the common chat templates' tokens are removed by extract.apply_think
             prediction = strip_special_tokens(prediction, tuple(special_tokens))
-        correct, status, extracted = fn(prediction, strip_special_tokens(gold), think)
+        out = fn(prediction, strip_special_tokens(gold), think)
     except Exception:
         logger.debug("grading failed", exc_info=True)
         return GradeResult(False, 0.0, "error", None, (time.perf_counter() - t0) * 1e3)
+    correct, status, extracted = out[:3]
+    rule = out[3] if len(out) > 3 else mode
     correct = bool(correct) and status == "ok"
-    return GradeResult(correct, 1.0 if correct else 0.0, status, extracted, (time.perf_counter() - t0) * 1e3)
+    ms = (time.perf_counter() - t0) * 1e3
+    return GradeResult(correct, 1.0 if correct else 0.0, status, extracted, ms, rule)

@@ -28,20 +28,46 @@ _AND_OR_RE = re.compile(
 )
 
 _LEFT_RIGHT_RE = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big)\b\s*(?=[\\(\[{|.)\]}])")
-_TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|operatorname)\s*\{([^{}]*)\}")
+_TEXT_CMD_RE = re.compile(
+    r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|operatorname)\s*\{([^{}]*)\}"
+)
 _DEGREE_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\^\s*\{\s*\\circ\s*\}|°|\\degree\b")
 _PERCENT_RE = re.compile(r"\s*(?:\\%|%|\\text\{\s*percent\s*\}|\bpercent\b)\s*$")
-_UNIT_TAIL_RE = re.compile(r"\s*\\(?:text|mbox|mathrm)\s*\{\s*[A-Za-z][A-Za-z .\-/]*\}(?:\s*\^\s*\{?\d\}?)?\s*$")
+_UNIT_TAIL_RE = re.compile(
+    r"\s*\\(?:text|mbox|mathrm)\s*\{\s*[A-Za-z][A-Za-z .\-/]*\}(?:\s*\^\s*\{?\d\}?)?\s*$"
+)
 # a bare squared / cubed unit after a number ("233 m^2", "125 cm^3"): area and volume answers
 _BARE_UNIT_POW_RE = re.compile(r"(?<=\d)\s+(?:m|cm|mm|km|in|ft|yd|mi|[a-z]{2,10})\s*\^\s*\{?[23]\}?\s*$")
 
 
 _UNICODE_MAP = {
-    "\u2212": "-", "\uff0d": "-", "\u00d7": "\\times ", "\u00b7": "\\cdot ", "\u22c5": "\\cdot ", "\u00f7": "\\div ",
-    "\u2264": "\\le ", "\u2a7d": "\\le ", "\u2265": "\\ge ", "\u2a7e": "\\ge ", "\u2260": "\\ne ", "\u00b1": "\\pm ",
-    "\u2213": "\\mp ", "\u221e": "\\infty ", "\u03c0": "\\pi ", "\u222a": "\\cup ", "\u2229": "\\cap ", "\u2208": "\\in ",
-    "\u03b8": "\\theta ", "\u03b1": "\\alpha ", "\u03b2": "\\beta ", "\u00b2": "^2", "\u00b3": "^3",
-    "\u00a0": " ", "\u2009": " ", "\u202f": " ", "\u2032": "'",
+    "\u2212": "-",
+    "\uff0d": "-",
+    "\u00d7": "\\times ",
+    "\u00b7": "\\cdot ",
+    "\u22c5": "\\cdot ",
+    "\u00f7": "\\div ",
+    "\u2264": "\\le ",
+    "\u2a7d": "\\le ",
+    "\u2265": "\\ge ",
+    "\u2a7e": "\\ge ",
+    "\u2260": "\\ne ",
+    "\u00b1": "\\pm ",
+    "\u2213": "\\mp ",
+    "\u221e": "\\infty ",
+    "\u03c0": "\\pi ",
+    "\u222a": "\\cup ",
+    "\u2229": "\\cap ",
+    "\u2208": "\\in ",
+    "\u03b8": "\\theta ",
+    "\u03b1": "\\alpha ",
+    "\u03b2": "\\beta ",
+    "\u00b2": "^2",
+    "\u00b3": "^3",
+    "\u00a0": " ",
+    "\u2009": " ",
+    "\u202f": " ",
+    "\u2032": "'",
 }
 _SQRT_UNI_RE = re.compile(r"\u221a\s*(\{[^{}]*\}|\([^()]*\)|\d+(?:\.\d+)?|[A-Za-z])")
 
@@ -57,7 +83,9 @@ def latexify(s: str) -> str:
         s = s.replace("**", "^")
     if s.isascii():
         return s
-    s = _SQRT_UNI_RE.sub(lambda m: "\\sqrt{" + (m.group(1)[1:-1] if m.group(1)[0] in "({" else m.group(1)) + "}", s)
+    s = _SQRT_UNI_RE.sub(
+        lambda m: "\\sqrt{" + (m.group(1)[1:-1] if m.group(1)[0] in "({" else m.group(1)) + "}", s
+    )
     out = []
     for ch in s:
         rep = _UNICODE_MAP.get(ch)
@@ -70,6 +98,17 @@ def latexify(s: str) -> str:
                 rep = f"\\frac{{{val.numerator}}}{{{val.denominator}}}"
         out.append(ch if rep is None else rep)
     return "".join(out)
+
+
+_INEQUALITY_RE = re.compile(r"<|>|\\[lg]eq?\b|\\[lg]t\b")
+
+
+def join_and_or(s: str) -> str:
+    """"3 and 5", "2 \\text{ or } 3" -> "3, 5", "2, 3": words joining math items make a list, so the
+    answer is read as the list it is (never searched for its last number)."""
+    if ("and" not in s and "or" not in s) or _INEQUALITY_RE.search(s):
+        return s  # "x > 1 and x < 5": the connective decides the set (grader._inequalities_as_intervals)
+    return _AND_OR_RE.sub(", ", s)
 
 
 def strip_delims(s: str) -> str:
@@ -142,7 +181,9 @@ _DEC_RE = rf"(?:{_INT_RE}(?:\.\d*)?|\.\d+)"
 _PLAIN_NUM_RE = re.compile(rf"^([+-]?)({_DEC_RE})(?:[eE]([+-]?\d+))?$")
 _TIMES_POW_RE = re.compile(r"^(.+?)\s*(?:\\times|\\cdot|\*|x|×)\s*10\s*\^\s*\{?\s*([+-]?\d+)\s*\}?$")
 _POW10_RE = re.compile(r"^10\s*\^\s*\{?\s*([+-]?\d+)\s*\}?$")
-_FRAC_RE = re.compile(r"^([+-]?)\\frac\s*(?:\{\s*([+-]?[\d.]+)\s*\}|(\d))\s*(?:\{\s*([+-]?[\d.]+)\s*\}|(\d))$")
+_FRAC_RE = re.compile(
+    r"^([+-]?)\\frac\s*(?:\{\s*([+-]?[\d.]+)\s*\}|(\d))\s*(?:\{\s*([+-]?[\d.]+)\s*\}|(\d))$"
+)
 _REPEAT_RE = re.compile(r"^([+-]?)(\d*)\.(\d*)\\overline\{?(\d{1,12})\}?$")
 _SLASH_RE = re.compile(r"^([+-]?)\s*([\d.]+)\s*/\s*([\d.]+)$")
 # mixed numbers "2 3/4", "2\frac{3}{4}", "2\frac34" (proper fraction part only): PRM800K reads them as
@@ -277,7 +318,10 @@ def numbers_equal(gold: Num, pred: Num) -> bool:
         if approx:
             if _round6(g) == _round6(pred.value) and abs(g) >= Fraction(1, 10**4):
                 return True
-            if g != 0 and abs(g - pred.value) <= abs(g) * Fraction(1, 10**9):
+            # relative agreement only between two decimals: an integer gold is exact, and
+            # "1.0 \\times 10^{12}" is not 999999999999
+            exact_int = (not gold.decimal and g.denominator == 1) or (not pred.decimal and pred.value.denominator == 1)
+            if g != 0 and not exact_int and abs(g - pred.value) <= abs(g) * Fraction(1, 10**9):
                 return True
     return False
 

@@ -1,55 +1,58 @@
-"""A pool of warm grading processes with a hard wall-clock deadline on every item, shared fairly.
+"""Warm grading processes with a hard wall-clock deadline on every item, shared fairly.
 
-Why a pool of our own: math-verify's timeouts use ``signal.alarm``. They work only on a process's
-main thread (uvicorn runs handlers elsewhere), and even there they cannot interrupt C code (a GMP
-factorial of ``(10^{10})!``) or ``str()`` of a parsed power tower, which never returns. The only
-deadline that always holds is one enforced from outside: the parent times each item and kills the
-worker that overruns.
+Why processes and an outside deadline: math-verify's timeouts use ``signal.alarm``. They work only
+on a process's main thread (uvicorn runs handlers elsewhere), and even there they cannot interrupt
+C code (a GMP factorial of ``(10^{10})!``) or ``str()`` of a parsed power tower. The only deadline
+that always holds is one enforced from outside: a worker that overruns is killed and replaced.
 
-How it works (one dispatcher thread in the parent, N worker processes)::
+Who does what:
+
+- the process layer is pebble's ``ProcessPool`` (a maintained library): it starts the workers,
+  kills a worker whose task is cancelled or runs past the task's timeout and starts another,
+  replaces a worker that died (the task fails with ``ProcessExpired``), and retires a worker after
+  ``max_tasks`` tasks (recycling by item count: tasks hold at most ``batch_size`` items);
+- this module keeps what is stapo's own: fair scheduling across requests, batching, the caches,
+  admission, per-item deadlines inside a batch, restart with backoff, recycling by memory, metrics.
+
+How a request flows::
 
     submit(items) -> too_large / cache hits / verdict-cache hits / duplicates answered at once
                   -> the rest becomes a job: a queue of items in request order
-    dispatcher    -> when a worker is idle, picks the open job that has received the LEAST worker
-                     time so far (fair queueing by attained service: a 1-item request sent behind
-                     a 512-item flood goes next, whatever else is queued) and sends it a task of
-                     up to ``batch_size`` items, fewer when the mode's recent per-item time says
-                     the task would run longer than ``TASK_TARGET_S`` (a task never holds a worker
-                     for long, so fairness needs no preemption)
-    worker        -> grades the items one by one; before each it writes (start time, index) to
-                     a shared-memory slot; results go back in batches (every 2 ms, and at the end
-                     of the task), so the dispatcher wakes once per batch, not once per item
-    dispatcher    -> reads the slot: an item running past its deadline -> SIGKILL the worker,
-                     answer that item 'timeout', put the rest of its task back at the head of ITS
-                     OWN job's queue (so it does not jump ahead of other jobs), start a fresh
-                     worker in the slot
-    dead worker   -> (killed from outside, out of memory) same, but the item in flight is retried
+    dispatch      -> whenever fewer tasks run than there are workers: the open job that has received
+                     the LEAST worker time so far (fair queueing by attained service: a 1-item request
+                     sent behind a 512-item flood goes next) gives a task of up to ``batch_size``
+                     items, fewer when the mode's recent per-item time says it would run longer than
+                     ``TASK_TARGET_S`` (a task never holds a worker long, so fairness needs no preemption)
+    worker        -> grades the task's items one by one; before each it writes (task, index, start
+                     time) to its slot of a shared array, so the parent knows which item runs since when
+    watchdog      -> an item running past its deadline: cancel the task's future (pebble kills the
+                     worker), answer that item 'timeout', put the task's other items back at the head
+                     of ITS OWN job's queue, one per task
+    dead worker   -> (killed from outside, out of memory) the same, but the item in flight is retried
                      once on another worker before it answers 'error'
 
 Cancellation: cancelling the future ``submit`` returned (the service does so when the client
 disconnects) drops the job's queued items at once; a job whose ``budget_s`` is spent answers its
 still-queued items 'timeout' without grading them. Admission is measured in work: the estimated
-seconds of what is pending (items queued or in flight x the mode's recent per-item time / workers;
-a task of hung items in flight is real backlog) beyond
-``max_queue_s`` raises :class:`PoolBusy` with a ``retry_after_s`` from that estimate.
+seconds of what is pending beyond ``max_queue_s`` raises :class:`PoolBusy` with a ``retry_after_s``.
 
 Results: 'timeout' and 'error' are never cached (a retry re-grades; an item that timed out before
-gets ``retry_deadline_factor`` x the deadline on its next try). Two caches, both bounded in bytes:
-results by the whole item, and verdicts by (mode, gold, extracted answer) so a response whose final
-answer was seen before skips the workers (RL groups repeat final answers; ``verdict_key``).
+gets ``retry_deadline_factor`` x the deadline on its next try). Caches: ``cache.py``.
 
 Self-healing: workers that keep dying while starting break the pool for a while (callers get
-:class:`PoolBroken`, ``broken`` says why), then it tries again with exponential backoff. Workers
-are recycled after ``worker_max_items`` items or above ``worker_max_rss_mb`` resident memory.
+:class:`PoolBroken`, ``broken`` says why), then it tries again with exponential backoff. A pebble
+pool that stopped working as a whole is replaced by a fresh one. A worker above
+``worker_max_rss_mb`` resident memory gets the whole set of workers replaced (pebble cannot retire
+one chosen worker; the old set finishes its tasks and exits).
 
 Fork safety: a process forked from one that owns a pool (verl's reward workers, DataLoader
-workers, ``multiprocessing`` with fork) gets a fresh pool of its own on its first call; the
-parent's workers are left alone (they are not the child's to stop).
+workers) gets a fresh pool of its own on its first call, started with ``spawn`` (the parent's fork
+server is not the child's to use); the parent's workers are left alone.
 
 Workers start with ``forkserver`` (default) or ``spawn``: never plain ``fork`` of a process that
-runs uvicorn's threads. With forkserver the grader is preloaded in the server process, so a
-replacement worker is up in ~20 ms. Workers never re-import the caller's ``__main__``
-(see ``_main_module_hidden``), so no ``if __name__ == "__main__"`` guard is needed either.
+runs uvicorn's threads. With forkserver the grader is preloaded in the fork server, so a
+replacement worker is up in milliseconds. As with any multiprocessing pool, a script that builds a
+pool at import time needs the ``if __name__ == "__main__":`` guard.
 
 Usage::
 
@@ -65,35 +68,39 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import hashlib
+import dataclasses
 import logging
 import math
 import multiprocessing as mp
+import multiprocessing.util
+import operator
 import os
+import re
 import signal
 import socket
-import sys
 import threading
 import time
-import types
 import weakref
 import zlib
 from collections.abc import Iterable, Sequence
 from multiprocessing.connection import wait as mp_wait
-from typing import Any, NamedTuple
+from typing import Any
 
-from stapo.verifier_service.grader import GradeResult, dapo_line, marker_answer, quick_verdict
+import pebble
+
+from stapo.verifier_service.cache import (
+    ByteLRU,
+    Item,
+    VerdictKey,
+    cache_key,
+    inline_grade,
+    untimed,
+    verdict_key,
+)
+from stapo.verifier_service.grader import GradeResult
 from stapo.verifier_service.schemas import MODES, VerifyItem
 
 log = logging.getLogger("stapo.verifier_service.pool")
-
-Item = tuple[str, str, str]
-"""(prediction, gold, mode): what travels to a worker."""
-
-_CACHEABLE = frozenset({"ok", "no_answer"})
-"""Statuses worth remembering. Never 'timeout' (a machine under load times out items it would grade
-on a retry; core/rewards.py retries them, and a cached timeout answered the retry with ms=0) nor
-'error' (it may come from a crash)."""
 
 TASK_TARGET_S = 0.05
 """A task is cut so that, at the mode's recent per-item time, it holds a worker about this long:
@@ -106,11 +113,25 @@ INITIAL_ITEM_S = 0.005
 """Per-item time assumed for a mode before any of its items were graded."""
 
 MAX_RESTART_BACKOFF_S = 60.0
+WATCH_TICK_S = 0.05
+"""The watchdog looks at running items at least this often (a deadline holds to within this)."""
 
-VERDICT_MAX_CHARS = 16_000
-VERDICT_MAX_BOXES = 8
-"""The verdict cache's extraction runs in the parent, which has no deadline: only predictions this
-short with this few boxes go through it (worst case ~10 ms); the rest always go to a worker."""
+COSTLY = re.compile(r"\^\s*\{[^{}]*\^|\^\s*\w+\s*\^|[\d})]\s*!|(?:[{(\[][^{}()\[\]]*){12}")
+"""Shapes that can hold a worker for a whole deadline: a power tower (``5^{5^{5^5}}``), a factorial,
+brackets nested 12 deep. Only the order of work depends on it (see ``looks_costly``)."""
+
+
+def looks_costly(prediction: str) -> bool:
+    """Whether the end of a response (where the answer is) has a shape that can take a deadline.
+
+    Such items go after the rest of their request, one per task: a request that mixes ordinary
+    items with pathological ones gets its ordinary items graded first, within its budget, and the
+    pathological ones overrun in parallel. Verdicts do not depend on it."""
+    return COSTLY.search(prediction, max(0, len(prediction) - 2000)) is not None
+
+
+FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(GradeResult)))
+"""A result travels from a worker as a plain tuple of its fields (cheaper to pickle than the object)."""
 
 
 class PoolClosed(RuntimeError):
@@ -164,351 +185,179 @@ def as_item(x: VerifyItem | dict[str, Any] | Sequence[str], where: str = "item")
     )
 
 
-def _digest(*parts: str) -> bytes:
-    """blake2b-128 of the parts, each followed by NUL (one encode and one hash call: per item, hot)."""
-    text = "\x00".join(parts) + "\x00"
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+# --------------------------------------------------------------------------- worker process
+
+WORKER: dict[str, Any] = {}
+"""Set in each worker by ``worker_init``: the progress array and the grader's size limit."""
 
 
-def cache_key(item: Item) -> bytes:
-    """16-byte digest of the whole item: long predictions stay out of the cache's memory."""
-    pred, gold, mode = item
-    return hashlib.blake2b(
-        f"{mode}\x00{gold}\x00{pred}\x00".encode("utf-8", "surrogatepass"), digest_size=16
-    ).digest()
+def worker_init(progress: Any, ready: Any, memory_mb: int, warmup: bool, max_chars: int) -> None:
+    """pebble's initializer, run once in every worker; tells the parent it is ready (its pid)."""
+    # pebble stops a worker with SIGTERM and waits for a Python-level handler; a worker stuck in C
+    # code (a GMP power) never runs one. Dying at once is what a killed grader should do.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(OSError, AttributeError):  # Linux: die with the parent, leave no graders behind
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if memory_mb > 0:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20, memory_mb * 2**20))
+    import stapo.verifier_service.grader  # noqa: F401  (imported before the first task's clock starts)
+
+    if warmup:  # a no-op when the fork server already imported (and so ran) it
+        import stapo.verifier_service.warmup  # noqa: F401
+    WORKER.update(progress=progress, max_chars=max_chars)
+    ready.send(os.getpid())
 
 
-class VerdictKey(NamedTuple):
-    """What the parent knows about an item's final answer (``verdict_key``)."""
+def grade_task(slot: int, seq: int, items: list[Item]) -> tuple[int, float, list[tuple]]:
+    """Grade a task's items in order: (pid, resident MiB, one result tuple per item).
 
-    digest: bytes
-    """of mode + gold + the answer the verdict reads: equal digests, equal verdicts"""
-    extracted: str
-    """the answer as ``grade`` reports it (``GradeResult.extracted``)"""
-    answer: str
-    """the string the verdict reads (mode ``math``: = extracted; ``dapo``: the raw, unstripped line)"""
-
-
-def verdict_key(item: Item) -> VerdictKey | None:
-    """(digest of mode + gold + extracted answer, extracted answer, answer) when the grader's verdict
-    depends on nothing else; None when only a worker can tell (no marker: math-verify's search; prose in
-    the answer; too long). Runs the grader's own extraction steps, in the parent, in microseconds.
-
-    The verdict of mode ``math`` is ``_equiv(latexify(gold_answer(gold)), latexify(extract_answer(
-    prediction)))`` whenever the extracted answer exists and is not prose (grader._grade_math); mode
-    ``dapo`` compares DAPO-normalized strings of the extracted ``Answer:`` text (dapo.py). A test
-    (tests/service/test_fairness.py) checks that this key's answer equals what ``grade`` extracts.
-    The answer comes from ``grader.marker_answer``, the grader's own cheap extraction, so the key
-    and the grade cannot drift apart.
+    Before each item it writes (index, start time) into the task's slot, so the parent can tell
+    which item overran and which ones finished before it (their results die with a killed worker).
     """
-    pred, gold, mode = item
-    # The parent has no deadline: only inputs whose extraction is surely cheap (box matching is
-    # linear per box, so few boxes in a bounded text; "\\boxed{" x 5000 takes seconds).
-    if len(pred) > VERDICT_MAX_CHARS or len(gold) > 2_000:
-        return None
-    if pred.count("boxed") + pred.count("fbox") > VERDICT_MAX_BOXES:
-        return None
-    if mode not in ("math", "dapo"):
-        return None
+    from stapo.verifier_service.grader import grade
+
+    p, base = WORKER["progress"], 3 * slot
+    p[base] = seq
+    out = []
+    for j, (pred, gold, mode) in enumerate(items):
+        p[base + 1] = math.inf  # no deadline while the index changes
+        p[base + 2] = j
+        t0 = time.perf_counter()
+        p[base + 1] = time.monotonic()
+        try:
+            r = FIELDS(grade(pred, gold, mode, max_chars=WORKER["max_chars"]))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # math-verify's TimeoutException is a BaseException
+            log.debug("grade raised %r", err)
+            r = FIELDS(GradeResult(False, 0.0, "error", None, (time.perf_counter() - t0) * 1000.0))
+        out.append(r)
+    p[base + 1] = math.inf
+    return os.getpid(), rss_mb(), out
+
+
+def rss_mb() -> float:
+    """This process's resident memory in MiB (Linux /proc; 0 where unknown)."""
     try:
-        if mode == "dapo":
-            answer = dapo_line(pred)
-            ext = answer.strip() if answer is not None else None
-        else:
-            answer = ext = marker_answer(pred, mode)
-    except Exception:  # the worker will say what went wrong
-        return None
-    if ext is None or answer is None:
-        return None
-    return VerdictKey(_digest("verdict", mode, gold, answer), ext, answer)
-
-
-def inline_grade(gold: str, mode: str, vk: VerdictKey) -> GradeResult | None:
-    """The item's result when ``grader.quick_verdict`` decides it in this process, else None.
-
-    Most first sights on an RL stream are integers against an integer gold (DAPO-Math-17k, GSM8K)
-    or an answer equal to the gold up to markup: a worker would take microseconds to grade them,
-    after a round trip (pickling, a pipe, two context switches) that costs more than the grading.
-    """
-    t0 = time.perf_counter()
-    try:
-        ok = quick_verdict(gold, vk.answer, mode)
-    except Exception:  # the worker will say what went wrong
-        return None
-    if ok is None:
-        return None
-    return GradeResult(ok, 1.0 if ok else 0.0, "ok", vk.extracted, (time.perf_counter() - t0) * 1e3)
-
-
-class _ByteLRU:
-    """An LRU map bounded in (estimated) bytes as well as entries."""
-
-    def __init__(self, max_bytes: int, max_entries: int) -> None:
-        self.max_bytes, self.max_entries = max_bytes, max_entries
-        self.data: collections.OrderedDict[bytes, tuple[GradeResult, int]] = collections.OrderedDict()
-        self.bytes = 0
-        self.lock = threading.Lock()
-
-    @staticmethod
-    def size_of(r: GradeResult) -> int:
-        # key (16 B digest object ~49 B) + result object + dict slot; the extracted text dominates
-        return 260 + (len(r.extracted) * 4 if r.extracted else 0)
-
-    def get(self, key: bytes) -> GradeResult | None:
-        if self.max_bytes <= 0 or self.max_entries <= 0:
-            return None
-        with self.lock:
-            hit = self.data.get(key)
-            if hit is None:
-                return None
-            self.data.move_to_end(key)
-            return hit[0]
-
-    def put(self, key: bytes, r: GradeResult) -> None:
-        if self.max_bytes <= 0 or self.max_entries <= 0:
-            return
-        n = self.size_of(r)
-        if n > self.max_bytes:
-            return
-        with self.lock:
-            old = self.data.pop(key, None)
-            if old is not None:
-                self.bytes -= old[1]
-            self.data[key] = (r, n)
-            self.bytes += n
-            while self.bytes > self.max_bytes or len(self.data) > self.max_entries:
-                _, (_, m) = self.data.popitem(last=False)
-                self.bytes -= m
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def clear(self) -> None:
-        with self.lock:
-            self.data.clear()
-            self.bytes = 0
-
-
-def _rss_mb(pid: int | None) -> float:
-    """Resident memory of a process in MiB (Linux /proc; 0 where unknown)."""
-    if pid is None:
-        return 0.0
-    try:
-        with open(f"/proc/{pid}/statm") as f:
+        with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
         return 0.0
 
 
-# --------------------------------------------------------------------------- worker process
-
-
-def _set_parent_death_signal() -> None:
-    """Linux: die with the parent (SIGKILL on its exit), so a killed server leaves no graders behind."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-RSS_CHECK_ITEMS = 64
-"""A worker's resident memory is read (``worker_max_rss_mb``) after its first task, then every this many items."""
-
-FLUSH_S = 0.002
-"""A worker sends its finished results at least this often (and at the end of each task)."""
-
-
-def _worker_main(conn: Any, memory_mb: int, warmup: bool, max_chars: int, progress: Any = None) -> None:
-    """Grade items forever: receive ``(task_id, first, [items])``, send ``(task_id, (k, [results]))``.
-
-    Before each item the worker writes its start time and index into ``progress`` (shared memory
-    the parent reads for the deadline), so results can travel in batches (every ``FLUSH_S``, and at
-    the end of the task) without losing track of which item a hung worker is on.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which shuts us down in order
-    _set_parent_death_signal()
-    if memory_mb > 0:
-        import resource
-
-        limit = memory_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    from stapo.verifier_service.grader import grade
-
-    if warmup:  # a no-op when the fork server already imported (and so ran) it
-        import stapo.verifier_service.warmup  # noqa: F401
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
-        task_id, first, items = msg
-        done: list[tuple] = []
-        done_from = first
-        last_flush = time.monotonic()
-        for j, (pred, gold, mode) in enumerate(items):
-            t0 = time.perf_counter()
-            if progress is not None:
-                progress[0] = time.monotonic()  # start time first, then the index (the parent reads both)
-                progress[1] = first + j
-            try:
-                r = grade(pred, gold, mode, max_chars=max_chars)
-                out = (bool(r.correct), float(r.score), r.status, r.extracted, float(r.ms))
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as err:  # math-verify's TimeoutException is a BaseException
-                log.debug("grade raised %r", err)
-                out = (False, 0.0, "error", None, (time.perf_counter() - t0) * 1000.0)
-            done.append(out)
-            now = time.monotonic()
-            if progress is None or now - last_flush >= FLUSH_S or j == len(items) - 1:
-                conn.send((task_id, (done_from, done)))
-                done_from, done, last_flush = first + j + 1, [], now
-
-
 # --------------------------------------------------------------------------- parent side
 
-_MAIN_LOCK = threading.Lock()
-_REBUILD_LOCK = threading.Lock()
-_POOLS: weakref.WeakSet[GraderPool] = weakref.WeakSet()
 
+class RecordingContext:
+    """A multiprocessing context that remembers the worker processes pebble starts through it.
 
-@contextlib.contextmanager
-def _main_module_hidden():
-    """Start workers without re-running the caller's ``__main__`` in them.
-
-    multiprocessing's spawn/forkserver children re-import the parent's main module (that is why
-    scripts need ``if __name__ == "__main__":``). Graders need nothing from it, and importing it
-    (the whole ``stapo`` CLI, or a user's training script) made every replacement worker slow and
-    made the pool unusable from scripts without the guard. ``get_preparation_data`` reads
-    ``sys.modules["__main__"]`` while ``Process.start()`` runs; for those milliseconds it sees an
-    empty module (no ``__file__``, no ``__spec__``), so the child is told no main to import. This is
-    the one place stapo relies on that multiprocessing detail.
+    pebble accepts any multiprocessing context; this one lets the pool see its own workers (PIDs,
+    exit codes) without reading pebble's internals, and hand them over cleanly after a fork.
     """
-    with _MAIN_LOCK:
-        real = sys.modules.get("__main__")
-        sys.modules["__main__"] = types.ModuleType("__main__")
-        try:
-            yield
-        finally:
-            if real is not None:
-                sys.modules["__main__"] = real
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.procs: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ctx, name)
+
+    def Process(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - the context API's name
+        p = self.ctx.Process(*args, **kwargs)
+        self.procs.append(p)
+        return p
 
 
-def _after_fork_in_child() -> None:
-    """``os.fork()`` child of a process with pools: forget the parent's workers, reset our locks.
+class Generation:
+    """One pebble pool and what is known about its workers."""
 
-    Without this the child's copy of a pool has no dispatcher thread (threads do not survive fork)
-    and grading hangs; worse, multiprocessing's exit handler in the child would SIGTERM the
-    parent's workers (they are in the inherited ``multiprocessing.process._children``). Each pool
-    is rebuilt lazily on its first use in the child (``_ensure_owner``).
-    """
-    global _MAIN_LOCK, _REBUILD_LOCK
-    _MAIN_LOCK = threading.Lock()
-    _REBUILD_LOCK = threading.Lock()
-    for pool in list(_POOLS):
-        with contextlib.suppress(Exception):
-            pool._forget_parent_workers()
+    def __init__(self, ctx: RecordingContext, pool: pebble.ProcessPool) -> None:
+        self.ctx, self.pool = ctx, pool
+        self.ready: set[int] = set()  # PIDs that finished worker_init
+        self.tasks_by_pid: collections.Counter[int] = collections.Counter()
+        self.dead = False  # stopped or replaced: nothing more is sent to it
+
+    def live_ready(self) -> list[int]:
+        return sorted(p.pid for p in self.ctx.procs if p.pid in self.ready and p.is_alive())
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-class _ShardQueue:
-    """A job's items not yet sent, one deque per gold shard (= worker slot): a worker takes its own
-    shard's items first, so the grader's per-process caches for those golds stay hot (repeats of a
-    pair cost ~23 us there, a first sight ~1.3 ms), and steals from the fullest shard otherwise."""
-
-    __slots__ = ("q", "n")
-
-    def __init__(self, shards: int) -> None:
-        self.q: list[collections.deque[int]] = [collections.deque() for _ in range(shards)]
-        self.n = 0
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self):
-        for d in self.q:
-            yield from d
-
-    def clear(self) -> None:
-        for d in self.q:
-            d.clear()
-        self.n = 0
-
-    def append(self, shard: int, i: int) -> None:
-        self.q[shard].append(i)
-        self.n += 1
-
-    def push_front(self, shard: int, i: int) -> None:
-        self.q[shard].appendleft(i)
-        self.n += 1
-
-    def source(self, slot: int) -> collections.deque[int]:
-        d = self.q[slot % len(self.q)]
-        return d if d else max(self.q, key=len)
-
-
-class _Job:
+class Job:
     """One submit() call: results in order, duplicates answered from their leader, a queue to dispatch."""
 
     __slots__ = (
         "results", "dups", "keys", "vkeys", "vdups", "remaining", "future", "queue", "items", "deadlines",
-        "crashes", "served", "expires", "cancelled", "seq", "spread", "shard", "single", "__weakref__",
+        "crashes", "served", "expires", "cancelled", "spread", "shard", "single", "__weakref__",
     )  # fmt: skip
 
-    def __init__(self, n: int, seq: int) -> None:
-        self.results: list[GradeResult | None] = [None] * n
+    def __init__(self, items: list[Item]) -> None:
+        self.items = items
+        self.results: list[GradeResult | None] = [None] * len(items)
         self.dups: dict[int, list[int]] = {}
         self.keys: dict[int, bytes] = {}
         self.vkeys: dict[int, VerdictKey] = {}
         self.vdups: dict[int, list[int]] = {}  # leader -> items with the same (mode, gold, answer)
         self.remaining = 0  # leaders not answered yet (queued or in flight)
         self.future: concurrent.futures.Future[list[GradeResult]] = concurrent.futures.Future()
-        self.queue = _ShardQueue(1)  # leader indices not yet sent, by gold shard
+        self.queue: list[collections.deque[int]] = []  # leader indices not yet sent, one deque per gold shard
         self.shard: dict[int, int] = {}  # item -> its gold shard
         self.single: set[int] = set()  # items back from a lost worker: sent one per task
-        self.items: list[Item] = []
         self.deadlines: dict[int, float] = {}  # leader -> its deadline when not the pool's default
         self.crashes: dict[int, int] = {}
         self.served = 0.0  # estimated worker-seconds dispatched so far (fair-queueing key)
         self.expires: float | None = None
         self.cancelled = False
-        self.seq = seq
         self.spread = 1  # most items per task so that the job's items reach every worker
 
+    def queued(self) -> list[int]:
+        return [i for d in self.queue for i in d]
 
-class _Task:
-    """A slice of one job for one worker; ``pos`` is the item the worker is on."""
-
-    __slots__ = ("job", "idx", "items", "pos", "deadline_s")
-
-    def __init__(self, job: _Job, idx: list[int], deadline_s: float) -> None:
-        self.job, self.idx, self.deadline_s, self.pos = job, idx, deadline_s, 0
-        self.items = [job.items[i] for i in idx]
+    def clear_queue(self) -> list[int]:
+        idx = self.queued()
+        for d in self.queue:
+            d.clear()
+        return idx
 
 
-class _Worker:
-    __slots__ = (
-        "slot", "proc", "conn", "state", "task", "task_id", "started_at", "pid", "progress", "done", "rss_check_at",
-    )  # fmt: skip
+@dataclasses.dataclass(eq=False)
+class Task:
+    """A slice of one job sent to a worker, in progress slot ``slot``."""
 
-    def __init__(self, slot: int, proc: Any, conn: Any, progress: Any) -> None:
-        self.slot, self.proc, self.conn, self.progress = slot, proc, conn, progress
-        self.state = "starting" if proc is not None else "dead"  # -> idle <-> busy -> dead
-        self.task: _Task | None = None
-        self.task_id = 0
-        self.started_at = time.monotonic()
-        self.pid: int | None = proc.pid if proc is not None else None
-        self.done = 0  # items graded by this process (recycling)
-        self.rss_check_at = 0  # its resident memory is read when ``done`` reaches this (after its first task)
+    job: Job
+    idx: list[int]
+    deadline_s: float
+    slot: int
+    seq: int
+    gen: Generation
+    future: Any = None
+    killed: str | None = None  # why the watchdog cancelled it
+
+
+def stop_generations(gens: list[Generation]) -> None:
+    """Stop every worker of these pebble pools (SIGTERM; they die at once) and wait for them."""
+    for gen in gens:
+        gen.dead = True
+        with contextlib.suppress(Exception):
+            gen.pool.stop()
+    for gen in gens:
+        with contextlib.suppress(Exception):
+            gen.pool.join(timeout=5.0)
+
+
+_POOLS: weakref.WeakSet[GraderPool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for pool in list(_POOLS):
+        with contextlib.suppress(Exception):
+            pool._forget_parent()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+_REBUILD_LOCK = threading.Lock()
 
 
 class GraderPool:
@@ -547,16 +396,15 @@ class GraderPool:
             from stapo.verifier_service.settings import default_workers
 
             workers = default_workers()
-        if workers < 1:
-            raise ValueError(f"workers: must be >= 1, got {workers}")
-        if not deadline_s > 0:
-            raise ValueError(f"deadline_s: must be > 0, got {deadline_s}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
-        if not max_queue_s > 0:
-            raise ValueError(f"max_queue_s: must be > 0, got {max_queue_s}")
-        if not retry_deadline_factor >= 1:
-            raise ValueError(f"retry_deadline_factor: must be >= 1, got {retry_deadline_factor}")
+        for name, ok in (
+            ("workers", workers >= 1),
+            ("deadline_s", deadline_s > 0),
+            ("batch_size", batch_size >= 1),
+            ("max_queue_s", max_queue_s > 0),
+            ("retry_deadline_factor", retry_deadline_factor >= 1),
+        ):
+            if not ok:
+                raise ValueError(f"{name}: out of range, got {locals()[name]!r}")
         if start_method not in ("forkserver", "spawn"):
             raise ValueError(
                 f"start_method: 'forkserver' or 'spawn' (never plain fork under threads), got {start_method!r}"
@@ -576,94 +424,151 @@ class GraderPool:
         self.worker_max_rss_mb = worker_max_rss_mb
         self.verdict_cache = verdict_cache
         self.inline_verdicts = inline_verdicts and verdict_cache
-        self._memory_mb = worker_memory_mb
-        self._warmup = warmup
-        self._start_method = start_method
+        self.worker_memory_mb = worker_memory_mb
+        self.warmup = warmup
+        self.start_method = start_method
+        # pebble retires a worker after max_tasks tasks; a task holds at most batch_size items
+        self.max_tasks = math.ceil(worker_max_items / batch_size) if worker_max_items else 0
         cache_bytes = int(cache_max_mb * 2**20)
         # Two caches share the byte budget: whole items, and verdicts by extracted answer.
-        self._cache = _ByteLRU(cache_bytes // 2 if verdict_cache else cache_bytes, cache_size)
-        self._verdicts = _ByteLRU(cache_bytes // 2 if verdict_cache else 0, cache_size)
-        self._timed_out = _ByteLRU(1 << 20, 4096)  # keys of items that timed out: a retry gets longer
+        self.cache = ByteLRU(cache_bytes // 2 if verdict_cache else cache_bytes, cache_size)
+        self.verdicts = ByteLRU(cache_bytes // 2 if verdict_cache else 0, cache_size)
+        self.timed_out = ByteLRU(1 << 20, 4096)  # keys of items that timed out: a retry gets longer
         self.stats: collections.Counter[str] = collections.Counter()
         self._start()
         _POOLS.add(self)
 
     def _start(self) -> None:
-        """Everything that belongs to one process: queues, locks, workers, dispatcher thread."""
+        """Everything that belongs to one process: state, locks, the progress array, workers, watchdog."""
         self._owner_pid = os.getpid()
-        self._ctx = mp.get_context(self._start_method)
-        if self._start_method == "forkserver":
-            # Only has an effect before this process's fork server starts; harmless afterwards.
-            # The warm-up module imports math-verify + sympy and grades a few items once, in the
-            # fork server; this module holds the workers' entry point. Both preloaded, every worker
-            # (and every replacement) is born warm: ~20 ms from fork to ready instead of ~0.5 s.
-            preload = ["stapo.verifier_service.pool"] + (
-                ["stapo.verifier_service.warmup"] if self._warmup else []
+        self._ctx = mp.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            # Only has an effect before this process's fork server starts. The warm-up module
+            # imports math-verify + sympy and grades a few items once, in the fork server, so
+            # every worker (and every replacement) is born warm: ~20 ms instead of ~0.5 s.
+            self._ctx.set_forkserver_preload(
+                ["stapo.verifier_service.pool"] + (["stapo.verifier_service.warmup"] if self.warmup else [])
             )
-            self._ctx.set_forkserver_preload(preload)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when no job is outstanding
-        self._active: dict[_Job, None] = {}  # jobs with queued items, in arrival order
+        self._active: dict[Job, None] = {}  # jobs with queued items, in arrival order
+        self._outstanding: set[Job] = set()
+        self._running: dict[int, Task] = {}  # slot -> task in flight
+        self._free_slots = list(range(self.size))
         self._pending_items = 0  # queued + in flight
         self._pending_by_mode: collections.Counter[str] = collections.Counter()
         self._item_s: dict[str, float] = {}  # mode -> running mean of per-item seconds (timeouts too)
         self._typical_log_s: dict[str, float] = {}  # running mean of log(seconds), no timeouts: sizes tasks
-        self._outstanding: set[_Job] = set()
-        self._closing = False
-        self._stop = False
+        self._closing = self._stop = False
         self._broken: str | None = None
         self._restart_at = 0.0
         self._backoff_s = 1.0
-        self._task_ids = 0
-        self._job_seq = 0
         self._start_failures = 0
+        self._seq = 0
+        self._gens: list[Generation] = []  # the current one last; older ones finish their tasks
+        # Stopped when this process exits: multiprocessing's exit handler runs these finalizers before
+        # it joins every child, so a process that never closed its pool does not wait on its workers.
+        multiprocessing.util.Finalize(self, stop_generations, args=(self._gens,), exitpriority=10)
+        self._gen_started = 0.0
         self._ready_event = threading.Event()
-        self._want_work = False  # the dispatcher sleeps with an idle worker: new work must wake it
+        self._progress = self._ctx.RawArray("d", 3 * self.size)  # per slot: task seq, item start, item index
+        self._ready_r, self._ready_w = self._ctx.Pipe(duplex=False)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._workers: list[_Worker] = [self._spawn(slot) for slot in range(self.size)]
-        self._thread = threading.Thread(target=self._loop, name="stapo-grader-pool", daemon=True)
+        self._new_generation()
+        self._thread = threading.Thread(target=self._watch, name="stapo-grader-pool", daemon=True)
         self._thread.start()
+
+    # ----------------------------------------------------------------- workers (pebble)
+
+    def _new_generation(self) -> None:
+        """Start a fresh pebble pool; the previous one (if any) finishes its tasks and exits."""
+        for old in self._gens:
+            self._retire(old)
+        ctx = RecordingContext(self._ctx)
+        pool = pebble.ProcessPool(
+            max_workers=self.size,
+            max_tasks=self.max_tasks,
+            initializer=worker_init,
+            initargs=(
+                self._progress,
+                self._ready_w,
+                self.worker_memory_mb,
+                self.warmup,
+                # The pool checks the size limits itself; the grader's own limit must not be tighter.
+                max(self.max_prediction_chars, self.max_gold_chars),
+            ),
+            context=ctx,
+        )
+        gen = Generation(ctx, pool)
+        self._gens.append(gen)
+        self._gen_started = time.monotonic()
+        try:
+            pool.active  # noqa: B018 - pebble starts its workers on first use; start them now
+        except Exception as err:  # the fork server is gone, no fds left, ...: a failed start
+            log.warning("grader workers could not start: %r", err)
+            self.stats["start_errors"] += 1
+            self._start_failures += 1
+
+    def _retire(self, gen: Generation, *, kill: bool = False) -> None:
+        """Send nothing more to ``gen``; its running tasks finish (or die, ``kill``), then its workers exit."""
+        if gen.dead and not kill:
+            return
+        gen.dead = True
+        with contextlib.suppress(Exception):
+            gen.pool.stop() if kill else gen.pool.close()
+        threading.Thread(target=self._join, args=(gen,), daemon=True).start()
+
+    def _join(self, gen: Generation) -> None:
+        with contextlib.suppress(Exception):
+            gen.pool.join()
+        with self._lock:
+            if gen in self._gens and gen is not self._gens[-1]:
+                self._gens.remove(gen)
+
+    def _current(self) -> Generation | None:
+        gen = self._gens[-1] if self._gens else None
+        return None if gen is None or gen.dead else gen
 
     # ----------------------------------------------------------------- fork safety
 
-    def _forget_parent_workers(self) -> None:
-        """In a forked child: the workers, pipes and thread are the parent's; drop them (see module doc)."""
+    def _forget_parent(self) -> None:
+        """In an ``os.fork()`` child: the workers, pipes and threads are the parent's; let go of them.
+
+        multiprocessing's exit handler (and pebble's) would stop or join every process it knows of,
+        the parent's workers included; each worker's sentinel is pointed at a closed pipe, so the
+        child sees them as ended. Nothing is sent to the parent's workers."""
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._cache.lock = threading.Lock()
-        self._verdicts.lock = threading.Lock()
-        self._timed_out.lock = threading.Lock()
-        children = getattr(mp.process, "_children", None)
-        for w in self._workers:
-            if children is not None and w.proc is not None:
-                children.discard(w.proc)
+        for lru in (self.cache, self.verdicts, self.timed_out):
+            lru.reset_lock()
+        for gen in self._gens:
+            gen.dead = True
+            for p in gen.ctx.procs:
+                with contextlib.suppress(Exception):
+                    r, w = os.pipe()
+                    os.close(w)
+                    os.dup2(r, p.sentinel)
+                    os.close(r)
+        self._gens.clear()  # in place: this process's exit finalizer must not stop the parent's workers
+        for conn in (self._ready_r, self._ready_w, self._wake_r, self._wake_w):
             with contextlib.suppress(Exception):
-                if w.conn is not None:
-                    w.conn.close()  # our copy of the fd only; the parent keeps its own
-        self._workers = []
-        self._forked_from = self._owner_pid
+                conn.close()
 
     def _ensure_owner(self) -> None:
-        """Rebuild the pool in a forked child on first use (new fork server, new workers, new thread)."""
+        """Rebuild the pool in a forked child on first use (new workers, new watchdog)."""
         if self._owner_pid == os.getpid():
             return
         with _REBUILD_LOCK:
             if self._owner_pid == os.getpid():
                 return
-            if self._start_method == "forkserver":
-                _reset_forkserver_state()
             closing = self._closing
-            with contextlib.suppress(Exception):
-                self._wake_r.close()
-                self._wake_w.close()
-            log.info("grader pool: process forked (pid %s -> %s); starting workers of its own",
-                     getattr(self, "_forked_from", "?"), os.getpid())  # fmt: skip
+            log.info("grader pool: process forked; starting workers of its own (spawn)")
+            self.start_method = "spawn"  # multiprocessing's fork server belongs to the parent
             self._start()
             self.stats["fork_rebuilds"] += 1
-            if closing:
-                self._closing = True
+            self._closing = closing
 
     # ----------------------------------------------------------------- public API
 
@@ -672,17 +577,20 @@ class GraderPool:
         items: Iterable[VerifyItem | dict[str, Any] | Sequence[str]],
         *,
         budget_s: float | None = None,
+        default_budget_s: float | None = None,
     ) -> concurrent.futures.Future:
         """Queue items; the future resolves to ``list[GradeResult]`` in input order.
 
-        ``budget_s``: items still queued this many seconds from now answer 'timeout' without being
-        graded (the caller will have given up). Cancelling the future drops the queued items.
+        ``budget_s``: items not graded this many seconds from now answer 'timeout' (the caller will
+        have given up); nothing of the request runs past it. Without it, ``default_budget_s`` plus
+        the request's own typical grading time (spread over the workers) applies, so a large batch
+        of ordinary items is not cut by a budget meant to bound pathological ones.
+        Cancelling the future drops the queued items.
         Raises :class:`PoolBusy` (too much queued work), :class:`PoolBroken`, :class:`PoolClosed`.
         """
         self._ensure_owner()
         norm = [as_item(x, f"items[{i}]") for i, x in enumerate(items)]
-        job = _Job(len(norm), 0)
-        job.items = norm
+        job = Job(norm)
         leaders: dict[bytes, int] = {}
         vleaders: dict[bytes, int] = {}
         hits = vhits = inline = too_large = 0
@@ -698,42 +606,36 @@ class GraderPool:
                 job.dups.setdefault(lead, []).append(i)
                 hits += 1
                 continue
-            cached = self._cache.get(key)
+            cached = self.cache.get(key)
             if cached is not None:
                 job.results[i] = cached
                 hits += 1
                 continue
-            if self.verdict_cache:
-                vk = verdict_key(item)
-                if vk is not None:
-                    v = self._verdicts.get(vk.digest)
-                    if v is not None:
-                        job.results[i] = v
-                        self._cache.put(key, v)  # the same item again skips the extraction too
-                        vhits += 1
-                        continue
-                    vl = vleaders.get(vk.digest)
-                    if vl is not None:  # same gold and final answer as an item sent above: its verdict
-                        job.vdups.setdefault(vl, []).append(i)
-                        job.keys[i] = key
-                        job.shard[i] = zlib.crc32(gold.encode("utf-8", "surrogatepass")) % self.size
-                        vhits += 1
-                        continue
-                    if self.inline_verdicts:
-                        r = inline_grade(gold, mode, vk)
-                        if r is not None:  # decided here: no worker round trip
-                            job.results[i] = r
-                            kept = GradeResult(r.correct, r.score, r.status, r.extracted, 0.0)
-                            self._verdicts.put(vk.digest, kept)
-                            self._cache.put(key, kept)
-                            inline += 1
-                            continue
-                    vleaders[vk.digest] = i
-                    job.vkeys[i] = vk
+            shard = zlib.crc32(gold.encode("utf-8", "surrogatepass")) % self.size
+            if self.verdict_cache and (vk := verdict_key(item)) is not None:
+                v = self.verdicts.get(vk.digest)
+                if v is not None:
+                    job.results[i] = v
+                    self.cache.put(key, v)  # the same item again skips the extraction too
+                    vhits += 1
+                    continue
+                vl = vleaders.get(vk.digest)
+                if vl is not None:  # same gold and final answer as an item sent above: its verdict
+                    job.vdups.setdefault(vl, []).append(i)
+                    job.keys[i], job.shard[i] = key, shard
+                    vhits += 1
+                    continue
+                if self.inline_verdicts and (r := inline_grade(gold, mode, vk)) is not None:
+                    job.results[i] = r  # decided here: no worker round trip
+                    self.verdicts.put(vk.digest, untimed(r))
+                    self.cache.put(key, untimed(r))
+                    inline += 1
+                    continue
+                vleaders[vk.digest] = i
+                job.vkeys[i] = vk
             leaders[key] = i
-            job.keys[i] = key
-            job.shard[i] = zlib.crc32(gold.encode("utf-8", "surrogatepass")) % self.size
-            if self._timed_out.get(key) is not None:
+            job.keys[i], job.shard[i] = key, shard
+            if self.timed_out.get(key) is not None:
                 job.deadlines[i] = self.deadline_s * self.retry_deadline_factor
         new_s = sum(self._est_item_s(norm[i][2]) for i in leaders.values()) / self.size
         with self._lock:
@@ -766,22 +668,24 @@ class GraderPool:
                     f"the bound is max_queue_s={self.max_queue_s:g}; retry in {wait:.0f} s",
                     wait,
                 )
-            self._job_seq += 1
-            job.seq = self._job_seq
             job.remaining = len(leaders)
             job.spread = max(1, math.ceil(len(leaders) / self.size))
-            job.queue = _ShardQueue(self.size)
-            for i in leaders.values():
-                job.queue.append(job.shard[i], i)
+            job.queue = [collections.deque() for _ in range(self.size)]
+            costly = [i for i in leaders.values() if looks_costly(norm[i][0])]
+            job.single.update(costly)
+            for i in [*(i for i in leaders.values() if i not in job.single), *costly]:
+                job.queue[job.shard[i]].append(i)
+                self._pending_by_mode[norm[i][2]] += 1
+            if budget_s is None and default_budget_s is not None:
+                typical = sum(self._typical_s(norm[i][2]) for i in leaders.values()) / self.size
+                budget_s = default_budget_s + typical
             if budget_s is not None:
                 job.expires = time.monotonic() + budget_s
             self._outstanding.add(job)
             self._active[job] = None
             self._pending_items += len(leaders)
-            for i in leaders.values():
-                self._pending_by_mode[norm[i][2]] += 1
         job.future.add_done_callback(lambda f, j=weakref.ref(job): self._on_future_done(f, j))
-        self._wake_for_work()
+        self._dispatch()
         return job.future
 
     def grade_many(self, items: Iterable[VerifyItem | dict[str, Any] | Sequence[str]]) -> list[GradeResult]:
@@ -802,14 +706,12 @@ class GraderPool:
         self._ensure_owner()
         return self._ready_event.wait(timeout)
 
-    def ready_workers(self) -> int:
-        return sum(1 for w in self._workers if w.state in ("idle", "busy"))
-
     def worker_pids(self) -> list[int]:
-        return [w.pid for w in self._workers if w.pid is not None and w.state in ("idle", "busy")]
+        gen = self._current()
+        return gen.live_ready() if gen is not None else []
 
-    def worker_rss_mb(self) -> list[float]:
-        return [_rss_mb(w.pid) for w in self._workers if w.state in ("idle", "busy")]
+    def ready_workers(self) -> int:
+        return len(self.worker_pids())
 
     @property
     def broken(self) -> str | None:
@@ -836,10 +738,10 @@ class GraderPool:
         return dict(self._item_s)
 
     def cache_len(self) -> int:
-        return len(self._cache) + len(self._verdicts)
+        return len(self.cache) + len(self.verdicts)
 
     def cache_bytes(self) -> int:
-        return self._cache.bytes + self._verdicts.bytes
+        return self.cache.bytes + self.verdicts.bytes
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop taking work, let queued and in-flight items finish (up to ``timeout``), stop workers."""
@@ -855,7 +757,7 @@ class GraderPool:
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     break
-                self._idle.wait(left if left is None else min(left, 0.5))
+                self._idle.wait(0.5 if left is None else min(left, 0.5))
             self._stop = True
         self._wake()
         self._thread.join(timeout=10.0)
@@ -883,8 +785,7 @@ class GraderPool:
     def _observe(self, mode: str, seconds: float, *, timed_out: bool = False) -> None:
         """Admission counts every item's cost (arithmetic mean, timeouts at their deadline); task
         sizing uses the typical item (geometric mean of the items that finished): grading times are
-        heavy-tailed (median ~12 us, 1% of items ~90% of the time), and one slow item in a hundred
-        must not cut every task to a few items."""
+        heavy-tailed, and one slow item in a hundred must not cut every task to a few items."""
         old = self._item_s.get(mode)
         self._item_s[mode] = seconds if old is None else old + EWMA_ALPHA * (seconds - old)
         if not timed_out:
@@ -899,99 +800,86 @@ class GraderPool:
     def _on_future_done(self, fut: concurrent.futures.Future, ref: Any) -> None:
         """The caller cancelled (the HTTP client went away): drop what is still queued."""
         job = ref()
-        if job is None or not fut.cancelled():
-            return
-        self._drop_queued(job, cancelled=True)
-        self._wake()
+        if job is not None and fut.cancelled():
+            self._drop_queued(job, cancelled=True)
 
-    def _drop_queued(self, job: _Job, *, cancelled: bool) -> None:
+    def _finish_job_locked(self, job: Job, n: int) -> None:
+        """``n`` of a job's items will never complete here (dropped); under the lock."""
+        self._pending_items -= n
+        job.remaining -= n
+        if job.remaining <= 0:
+            self._outstanding.discard(job)
+            if not self._outstanding:
+                self._idle.notify_all()
+
+    def _drop_queued(self, job: Job, *, cancelled: bool) -> None:
         """Remove a job's queued items: cancelled -> forgotten; budget spent -> answered 'timeout'."""
         with self._lock:
-            idx = list(job.queue)
-            job.queue.clear()
+            idx = job.clear_queue()
             self._active.pop(job, None)
             if cancelled:
                 job.cancelled = True
-                self._uncount(job, idx)
-                self._pending_items -= len(idx)
-                job.remaining -= len(idx)
+                for i in idx:
+                    self._pending_by_mode[job.items[i][2]] -= 1
+                self._finish_job_locked(job, len(idx))
                 self.stats["cancelled_items"] += len(idx)
-                if job.remaining <= 0:
-                    self._outstanding.discard(job)
-                    if not self._outstanding:
-                        self._idle.notify_all()
                 return
-        self.stats["expired_items"] += len(idx)
+            self.stats["expired_items"] += len(idx)
         for i in idx:
             self._complete(job, i, GradeResult(False, 0.0, "timeout", None, 0.0), count=False)
 
-    def _uncount(self, job: _Job, idx: list[int]) -> None:
-        """Items that will never complete (dropped): out of the per-mode pending counts (admission)."""
-        for i in idx:
-            self._pending_by_mode[job.items[i][2]] -= 1
-
-    def _requeue(self, job: _Job, idx: list[int], *, single: bool = False) -> None:
+    def _requeue(self, job: Job, idx: list[int], *, single: bool = False) -> None:
         """Items back from a lost worker: the head of their own job's queue, not of everyone's.
 
         ``single``: they go one per task, so that if the lost task held several hostile items they
         now overrun in parallel, not one deadline after another."""
         if not idx:
             return
-        if single:
-            job.single.update(idx)
         with self._lock:  # the cancelled flag is set under this lock too
+            if single:
+                job.single.update(idx)
             if job.cancelled:
-                self._uncount(job, idx)
-                self._pending_items -= len(idx)
-                job.remaining -= len(idx)
-                if job.remaining <= 0:
-                    self._outstanding.discard(job)
-                    if not self._outstanding:
-                        self._idle.notify_all()
+                for i in idx:
+                    self._pending_by_mode[job.items[i][2]] -= 1
+                self._finish_job_locked(job, len(idx))
                 return
             for i in reversed(idx):
-                job.queue.push_front(job.shard[i], i)
+                job.queue[job.shard[i]].appendleft(i)
             self._active.setdefault(job, None)
 
-    def _complete(self, job: _Job, leader: int, r: GradeResult, *, count: bool = True) -> None:
+    def _complete(self, job: Job, leader: int, r: GradeResult, *, count: bool = True) -> None:
         job.results[leader] = r
         for d in job.dups.get(leader, ()):
             job.results[d] = r
         key = job.keys.get(leader)
-        if r.status in ("ok", "no_answer"):
+        vk = job.vkeys.get(leader)
+        same_answer = vk is not None and r.status == "ok" and r.extracted == vk.extracted
+        if r.status in ("ok", "no_answer"):  # never 'timeout' (a retry may succeed) nor 'error'
             if key is not None:
-                self._cache.put(key, GradeResult(r.correct, r.score, r.status, r.extracted, 0.0))
-            vk = job.vkeys.get(leader)
-            if vk is not None and r.status == "ok" and r.extracted == vk.extracted:
-                self._verdicts.put(vk.digest, GradeResult(r.correct, r.score, r.status, r.extracted, 0.0))
+                self.cache.put(key, untimed(r))
+            if same_answer:
+                self.verdicts.put(vk.digest, untimed(r))
         elif r.status == "timeout" and key is not None and count:
-            self._timed_out.put(key, r)
+            self.timed_out.put(key, r)
         if r.status in ("timeout", "error") and count:
             self.stats[r.status + "s"] += 1
         followers = job.vdups.pop(leader, None)
-        if followers:
-            vk = job.vkeys.get(leader)
-            if vk is not None and r.status == "ok" and r.extracted == vk.extracted:
-                same = GradeResult(r.correct, r.score, r.status, r.extracted, 0.0)
+        if followers and same_answer:
+            for f in followers:
+                job.results[f] = untimed(r)
+                self.cache.put(job.keys[f], untimed(r))
+        elif followers:  # the leader's verdict does not carry over (timeout, error, other answer): grade each
+            with self._lock:
+                job.remaining += len(followers)
+                self._pending_items += len(followers)
                 for f in followers:
-                    job.results[f] = same
-                    self._cache.put(job.keys[f], same)
-            else:  # the leader's verdict does not carry over (timeout, error, other answer): grade each
-                with self._lock:
-                    job.remaining += len(followers)
-                    self._pending_items += len(followers)
-                    for f in followers:
-                        self._pending_by_mode[job.items[f][2]] += 1
-                self._requeue(job, followers)
+                    self._pending_by_mode[job.items[f][2]] += 1
+            self._requeue(job, followers)
         with self._lock:
-            job.remaining -= 1
-            self._pending_items -= 1
             self._pending_by_mode[job.items[leader][2]] -= 1
-            if job.remaining == 0:
-                self._outstanding.discard(job)
-                if not self._outstanding:
-                    self._idle.notify_all()
-        if job.remaining == 0 and not job.future.done():
+            self._finish_job_locked(job, 1)
+            done = job.remaining == 0
+        if done and not job.future.done():
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 job.future.set_result(job.results)  # type: ignore[arg-type]
 
@@ -999,145 +887,31 @@ class GraderPool:
         with contextlib.suppress(BlockingIOError, OSError):
             self._wake_w.send(b"x")
 
-    def _wake_for_work(self) -> None:
-        """New work was queued: wake the dispatcher only if it sleeps with a worker idle.
+    # ----------------------------------------------------------------- scheduling
 
-        Otherwise it is awake (it dispatches before it sleeps again) or every worker is busy (it
-        wakes on their results and dispatches then): a wake-up byte would cost a syscall here and a
-        dispatcher wake-up contending for the GIL with the event loop, for nothing. No wake-up is
-        lost: the dispatcher sets ``_want_work`` and then looks at ``_active`` before it sleeps;
-        this thread queued the job before it reads the flag.
-        """
-        if self._want_work:
-            self._want_work = False
-            self._wake()
-
-    # ----------------------------------------------------------------- dispatcher thread
-
-    def _spawn(self, slot: int) -> _Worker:
-        try:
-            parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-            progress = self._ctx.RawArray("d", 2)  # [start of the item in progress (monotonic), its index]
-            proc = self._ctx.Process(
-                target=_worker_main,
-                # The pool checks the size limits itself; the grader's own limit must not be tighter.
-                args=(
-                    child_conn,
-                    self._memory_mb,
-                    self._warmup,
-                    max(self.max_prediction_chars, self.max_gold_chars),
-                    progress,
-                ),
-                name=f"stapo-grader-{slot}",
-                daemon=True,
-            )
-            with _main_module_hidden():
-                proc.start()
-        except Exception as err:  # the fork server is gone, no fds left, ...: a failed start
-            log.warning("grader worker %s could not start: %r", slot, err)
-            self.stats["start_errors"] += 1
-            self._start_failures += 1
-            w = _Worker(slot, None, None, None)
-            w.state = "dead"
-            return w
-        child_conn.close()  # the child holds the only other end: its death reads as EOF here
-        return _Worker(slot, proc, parent_conn, progress)
-
-    def _loop(self) -> None:
-        try:
-            while not self._stop:
-                self._heal()
-                self._dispatch()
-                waitables: list[Any] = [self._wake_r]
-                owner: dict[Any, _Worker] = {}
-                for w in self._workers:
-                    if w.state != "dead":
-                        waitables += [w.conn, w.proc.sentinel]
-                        owner[w.conn] = w
-                        owner[w.proc.sentinel] = w
-                # wakes from submit() only when a worker is idle (_wake_for_work); re-check after the flag
-                self._want_work = any(w.state == "idle" for w in self._workers)
-                if self._want_work and self._active:
-                    self._want_work = False
-                    continue
-                ready = mp_wait(waitables, self._wait_timeout())
-                self._want_work = False
-                for obj in ready:
-                    if obj is self._wake_r:
-                        with contextlib.suppress(BlockingIOError, OSError):
-                            while self._wake_r.recv(4096):
-                                pass
-                        continue
-                    w = owner[obj]
-                    self._drain(w)
-                    if obj is w.proc.sentinel and w.state != "dead":
-                        self._drain(w)
-                        self._lost(w, "crash")
-                self._check_deadlines()
-        except BaseException:  # pragma: no cover - a bug here must not hang every caller
-            log.exception("grader pool dispatcher crashed")
-            self._broken = "the grader pool dispatcher crashed; see the server log"
-            self._restart_at = float("inf")
-        finally:
-            self._shutdown()
-
-    def _heal(self) -> None:
-        """Start workers in empty slots; a broken pool waits for its backoff first."""
-        if self._stop:
-            return
-        now = time.monotonic()
-        if self._broken:
-            if now < self._restart_at:
-                return
-            log.warning("grader pool: trying to start workers again (backoff %.0f s)", self._backoff_s)
-            self.stats["pool_restarts"] += 1
-            self._start_failures = self.max_start_failures  # one more failure breaks it again, longer
-            self._restart_at = float("inf")  # until a worker reports ready or fails again
-        for k, w in enumerate(self._workers):
-            if w.state == "dead":
-                self._workers[k] = self._spawn(k)
-                if self._workers[k].state == "dead" and self._start_failures > self.max_start_failures:
-                    self._break_for_a_while()
-                    return
-
-    def _pick(self, slot: int = 0) -> _Job | None:
-        """The open job that has received the least worker time (ties: the oldest); expired jobs drained.
-
-        A job with no items of this worker's gold shard counts one task target more (it would make
-        the worker steal, with cold caches): fairness holds to within one short task."""
-        best: _Job | None = None
+    def _pick(self, slot: int) -> Job | None:
+        """The open job that has received the least worker time (ties: the oldest); expired jobs left
+        for the watchdog to drain. A job with no items of this slot's gold shard counts one task
+        target more (the worker would steal, with cold caches): fairness holds to within one short task."""
+        best: Job | None = None
         best_key = 0.0
         now = time.monotonic()
-        expired = []
         for job in self._active:
             if job.expires is not None and now > job.expires:
-                expired.append(job)
                 continue
-            key = job.served + (0.0 if job.queue.q[slot % len(job.queue.q)] else TASK_TARGET_S)
+            key = job.served + (0.0 if job.queue[slot % self.size] else TASK_TARGET_S)
             if best is None or key < best_key:
                 best, best_key = job, key
-        for job in expired:
-            self._lock.release()
-            try:
-                self._drop_queued(job, cancelled=False)
-            finally:
-                self._lock.acquire()
         return best
 
-    def _take(self, job: _Job, slot: int) -> _Task:
-        """Up to batch_size items of the job (its shard of this worker first), fewer when they would
-        hold the worker too long."""
-        d = job.queue.source(slot)
+    def _take(self, job: Job, slot: int) -> tuple[list[int], float]:
+        """Up to batch_size items of the job (its shard of this slot first, else the fullest shard),
+        fewer when they would hold the worker too long."""
+        d = job.queue[slot % self.size] or max(job.queue, key=len)
         first = d[0]
         mode = job.items[first][2]
-        per = self._est_item_s(mode)
-        typical = self._typical_s(mode)
         deadline = job.deadlines.get(first, self.deadline_s)
-        n = min(
-            self.batch_size,
-            max(1, int(TASK_TARGET_S / max(typical, 1e-6))),
-            job.spread,  # a small job is spread over every worker
-        )
+        n = min(self.batch_size, max(1, int(TASK_TARGET_S / max(self._typical_s(mode), 1e-6))), job.spread)
         if first in job.single:
             n = 1
         idx = [d.popleft()]
@@ -1148,128 +922,198 @@ class GraderPool:
             and job.deadlines.get(d[0], self.deadline_s) == deadline
         ):
             idx.append(d.popleft())
-        job.queue.n -= len(idx)
-        if not job.queue:
+        if not any(job.queue):
             self._active.pop(job, None)
-        job.served += len(idx) * per
-        return _Task(job, idx, deadline)
+        job.served += len(idx) * self._est_item_s(mode)
+        if job.expires is not None:  # nothing runs past the request's budget
+            deadline = min(deadline, max(0.05, job.expires - time.monotonic()))
+        return idx, deadline
 
     def _dispatch(self) -> None:
-        for w in self._workers:
-            if w.state != "idle":
-                continue
+        """Send tasks while a worker is free (called on submit, on each finished task, by the watchdog)."""
+        while True:
             with self._lock:
-                job = self._pick(w.slot)
-                task = self._take(job, w.slot) if job is not None else None
-            if task is None:
+                gen = self._current()
+                if gen is None or self._broken or self._stop or not self._free_slots or not self._active:
+                    return
+                slot = self._free_slots[-1]
+                job = self._pick(slot)
+                if job is None:
+                    return
+                self._free_slots.pop()
+                idx, deadline = self._take(job, slot)
+                self._seq += 1
+                task = Task(job, idx, deadline, slot, self._seq, gen)
+                self._running[slot] = task
+                self._progress[3 * slot] = -1.0  # not started: the watchdog waits for the worker's mark
+            items = [job.items[i] for i in idx]
+            try:
+                # pebble's own timeout is the backstop (a worker that hangs before its first mark)
+                task.future = gen.pool.schedule(
+                    grade_task, (slot, task.seq, items), timeout=deadline * len(idx) + self.startup_timeout_s
+                )
+            except Exception as err:  # the pebble pool stopped working: the watchdog replaces it (not active)
+                log.warning("grader pool: could not send a task (%r)", err)
+                self._release(task)
+                self._requeue(job, idx)
+                self._wake()
                 return
-            self._send(w, task)
+            task.future.add_done_callback(lambda f, t=task: self._on_task_done(t, f))
 
-    def _send(self, w: _Worker, task: _Task) -> None:
-        self._task_ids += 1
-        w.task, w.task_id, w.state = task, self._task_ids, "busy"
-        w.progress[0] = time.monotonic()
-        w.progress[1] = task.pos
+    def _release(self, task: Task) -> None:
+        with self._lock:
+            if self._running.get(task.slot) is task:
+                del self._running[task.slot]
+                self._free_slots.append(task.slot)
+
+    def _on_task_done(self, task: Task, fut: Any) -> None:
+        """A task's future resolved (pebble's thread, or the watchdog's when it cancelled it)."""
         try:
-            w.conn.send((w.task_id, task.pos, task.items[task.pos :] if task.pos else task.items))
-        except (OSError, EOFError, ValueError):
-            self._lost(w, "crash", blame_item=False)
+            if fut.cancelled():
+                self._lost(task, task.killed or "cancelled")
+            elif (err := fut.exception()) is not None:
+                if isinstance(err, TimeoutError):
+                    self._lost(task, "timeout")
+                elif isinstance(err, pebble.ProcessExpired):
+                    self._lost(task, "crash")
+                else:  # the pebble pool broke (BrokenProcessPool): nobody's item to blame
+                    log.warning("grader pool: task failed with %r", err)
+                    self._release(task)
+                    self._requeue(task.job, task.idx)
+                    self._wake()
+            else:
+                pid, rss, results = fut.result()
+                self._release(task)
+                self._delivered(task, pid, rss, results)
+        except Exception:  # pragma: no cover - a bug here must not hang every caller
+            log.exception("grader pool: handling a finished task failed")
+        self._dispatch()
 
-    def _drain(self, w: _Worker) -> None:
-        try:
-            while w.state != "dead" and w.conn.poll():
-                self._on_message(w, w.conn.recv())
-        except (EOFError, OSError):
-            self._lost(w, "crash")
+    def _delivered(self, task: Task, pid: int, rss: float, results: list[tuple]) -> None:
+        for i, t in zip(task.idx, results, strict=True):
+            r = GradeResult(*t)
+            self._observe(task.job.items[i][2], r.ms / 1000.0)
+            self._complete(task.job, i, r)
+        gen = task.gen
+        gen.tasks_by_pid[pid] += 1
+        if self.max_tasks and gen.tasks_by_pid[pid] == self.max_tasks:
+            self.stats["recycled_items"] += 1  # pebble retires it now
+        if self.worker_max_rss_mb and rss > self.worker_max_rss_mb and gen is self._current():
+            log.info(
+                "grader worker %s: %.0f MiB resident > %d; replacing the workers",
+                pid,
+                rss,
+                self.worker_max_rss_mb,
+            )
+            self.stats["recycled_rss"] += 1
+            self._new_generation()
 
-    def _on_message(self, w: _Worker, msg: tuple[Any, Any]) -> None:
-        tag, body = msg
-        if tag == "ready":
-            w.state = "idle"
-            self._start_failures = 0
-            if self._broken and self._restart_at == float("inf"):
-                log.warning("grader pool: workers start again; the pool is back")
-                self._broken = None
-            self._backoff_s = 1.0
-            if all(x.state in ("idle", "busy") for x in self._workers):
-                self._ready_event.set()
-            return
-        task = w.task
-        if task is None or tag != w.task_id:
-            return  # a stale message from a task that was already re-queued
-        first, results = body
-        for k, r in enumerate(results, start=first):
-            if k == task.pos and k < len(task.idx):
-                res = GradeResult(*r)
-                self._observe(task.items[k][2], res.ms / 1000.0)
-                self._complete(task.job, task.idx[k], res)
-                task.pos += 1
-                w.done += 1
-        if task.pos >= len(task.idx):
-            w.task, w.state = None, "idle"
-            self._maybe_recycle(w)
-
-    def _maybe_recycle(self, w: _Worker) -> None:
-        """Replace an idle worker that graded worker_max_items items or grew past worker_max_rss_mb."""
-        why = None
-        if self.worker_max_items and w.done >= self.worker_max_items:
-            why = "items"
-        elif self.worker_max_rss_mb and w.done >= w.rss_check_at:
-            w.rss_check_at = w.done + RSS_CHECK_ITEMS  # a /proc read per task was a hot spot
-            if _rss_mb(w.pid) > self.worker_max_rss_mb:
-                why = "rss"
-        if why is None:
-            return
-        w.state = "dead"
-        with contextlib.suppress(Exception):
-            w.proc.kill()  # idle: nothing is lost
-            w.conn.close()
-        with contextlib.suppress(Exception):
-            w.proc.join(timeout=2.0)
-        self.stats[f"recycled_{why}"] += 1
-        self._workers[w.slot] = self._spawn(w.slot)
-
-    def _lost(self, w: _Worker, reason: str, *, blame_item: bool = True) -> None:
-        """A worker is gone (killed for overrunning, or died): answer or re-queue its items, replace it."""
-        if w.state == "dead":
-            return
-        was_starting = w.state == "starting"
-        w.state = "dead"
-        with contextlib.suppress(Exception):
-            w.proc.kill()  # SIGKILL: returns at once; the item is answered before the worker is reaped
-        with contextlib.suppress(Exception):
-            w.conn.close()
-        task, w.task = w.task, None
-        if task is not None and task.pos < len(task.idx):
-            # The item in progress, from shared memory; those before it finished, but their
-            # results were still in the worker's batch: they go back to the queue, unblamed.
-            i = min(max(task.pos, int(w.progress[1])), len(task.idx) - 1) if blame_item else task.pos
-            job = task.job
-            redo = [task.idx[j] for j in range(task.pos, i)]
-            task.pos = i
-            leader = task.idx[i]
-            if reason == "timeout":
-                self._observe(task.items[i][2], task.deadline_s, timed_out=True)
-                self._complete(job, leader, timeout_result(task.deadline_s))
-                task.pos += 1
-            elif blame_item:
-                job.crashes[leader] = job.crashes.get(leader, 0) + 1
-                if job.crashes[leader] > self.crash_retries:
-                    self._complete(job, leader, status_result("error"))
-                    task.pos += 1
-            # The rest goes back to the head of its own job's queue: other jobs keep their turn.
-            self._requeue(job, redo + [task.idx[j] for j in range(task.pos, len(task.idx))], single=True)
+    def _lost(self, task: Task, reason: str) -> None:
+        """A task's worker is gone (killed for overrunning, or died): answer or re-queue its items."""
+        base = 3 * task.slot
+        started = self._progress[base] == task.seq
+        i = min(int(self._progress[base + 2]), len(task.idx) - 1) if started else 0
+        self._release(task)
+        job = task.job
+        leader = task.idx[i]
+        rest = task.idx[:i] + task.idx[i + 1 :]  # finished before it (results lost) or not started
+        if reason == "cancelled":  # the pool is closing
+            rest = task.idx
+        elif reason == "timeout":
+            self._observe(job.items[leader][2], task.deadline_s, timed_out=True)
+            self._complete(job, leader, timeout_result(task.deadline_s))
+        else:
+            job.crashes[leader] = job.crashes.get(leader, 0) + 1
+            if job.crashes[leader] > self.crash_retries:
+                self._complete(job, leader, status_result("error"))
+            else:
+                rest = task.idx[:i] + task.idx[i:]
+        self._requeue(job, rest, single=True)
         self.stats[f"restarts_{reason}"] += 1
-        log.warning("grader worker %s (pid %s) lost: %s; replacing it", w.slot, w.pid, reason)
-        with contextlib.suppress(Exception):
-            w.proc.join(timeout=2.0)  # reap (SIGKILL cannot be ignored; this is quick)
-        if was_starting:
-            self._start_failures += 1
-            if self._start_failures > self.max_start_failures:
+        log.warning("grader worker lost (%s); pebble replaces it", reason)
+
+    # ----------------------------------------------------------------- watchdog thread
+
+    def _watch(self) -> None:
+        """Deadlines of running items, worker start-up, restarts after failures, spent budgets."""
+        try:
+            while not self._stop:
+                ready = mp_wait([self._ready_r, self._wake_r], self._tick())
+                if self._wake_r in ready:
+                    with contextlib.suppress(BlockingIOError, OSError):
+                        while self._wake_r.recv(4096):
+                            pass
+                while self._ready_r.poll():
+                    self._on_ready(self._ready_r.recv())
+                self._check_deadlines()
+                self._check_workers()
+                self._expire_budgets()
+                self._dispatch()
+        except BaseException:  # pragma: no cover - a bug here must not hang every caller
+            log.exception("grader pool watchdog crashed")
+            self._broken = "the grader pool watchdog crashed; see the server log"
+            self._restart_at = math.inf
+        finally:
+            self._shutdown()
+
+    def _tick(self) -> float:
+        if self._running or any(j.expires is not None for j in self._active):
+            return WATCH_TICK_S
+        if self._broken and math.isfinite(self._restart_at):
+            return max(0.001, min(1.0, self._restart_at - time.monotonic()))
+        return 0.25
+
+    def _on_ready(self, pid: int) -> None:
+        gen = self._current()
+        if gen is None:
+            return
+        gen.ready.add(pid)  # (a worker may report before its Process object knows its pid)
+        self._start_failures = 0
+        self._backoff_s = 1.0
+        if self._broken and self._restart_at == math.inf:
+            log.warning("grader pool: workers start again; the pool is back")
+            self._broken = None
+        if len(gen.live_ready()) >= self.size:
+            self._ready_event.set()
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for task in list(self._running.values()):
+            base = 3 * task.slot
+            if self._progress[base] != task.seq or task.killed or task.future is None:
+                continue
+            start = self._progress[base + 1]
+            if now - start > task.deadline_s and self._progress[base] == task.seq:
+                task.killed = "timeout"
+                task.future.cancel()  # pebble stops the worker and starts another
+
+    def _check_workers(self) -> None:
+        """Workers that died before they were ready count as start failures; too many break the pool."""
+        gen = self._current()
+        if gen is not None:
+            for p in list(gen.ctx.procs):
+                if p.pid is None or p.is_alive():  # (not started yet, or running)
+                    continue
+                gen.ctx.procs.remove(p)
+                gen.tasks_by_pid.pop(p.pid, None)
+                if p.exitcode not in (0, None) and p.pid not in gen.ready:
+                    self._start_failures += 1
+                    self.stats["start_errors"] += 1
+                gen.ready.discard(p.pid)
+            starting_too_long = (
+                not gen.ready and time.monotonic() - self._gen_started > self.startup_timeout_s
+            )
+            if self._start_failures > self.max_start_failures or starting_too_long:
                 self._break_for_a_while()
-                return
-        if not self._stop:
-            self._workers[w.slot] = self._spawn(w.slot)
+            elif not gen.pool.active:  # pebble gave up on this pool (a worker died between tasks)
+                self.stats["restarts_crash"] += 1
+                self._new_generation()
+        elif self._broken and time.monotonic() >= self._restart_at:
+            log.warning("grader pool: trying to start workers again (backoff %.0f s)", self._backoff_s)
+            self.stats["pool_restarts"] += 1
+            self._start_failures = self.max_start_failures  # one more failure breaks it again, longer
+            self._restart_at = math.inf  # until a worker reports ready or fails again
+            self._new_generation()
 
     def _break_for_a_while(self) -> None:
         """Workers keep dying while starting: fail what is queued, try again after a backoff."""
@@ -1280,106 +1124,38 @@ class GraderPool:
         )
         self._restart_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(MAX_RESTART_BACKOFF_S, self._backoff_s * 2)
-        for w in self._workers:
-            if w.state == "starting":
-                with contextlib.suppress(Exception):
-                    w.proc.kill()
-                    w.conn.close()
-                w.state = "dead"
-        self._fail_all(why)
-
-    def _fail_all(self, why: str) -> None:
-        """Fail every outstanding job; items still in flight finish on their workers, unread."""
+        for gen in self._gens:
+            self._retire(gen, kill=True)
+        self._fail_all(why, PoolBroken(why, self._backoff_s))
         self._broken = why
+
+    def _expire_budgets(self) -> None:
+        now = time.monotonic()
+        for job in [j for j in list(self._active) if j.expires is not None and now > j.expires]:
+            self._drop_queued(job, cancelled=False)
+
+    def _fail_all(self, why: str, err: Exception) -> None:
+        """Fail every outstanding job; items still in flight finish on their workers, unread."""
         with self._lock:
             jobs = list(self._outstanding)
             self._outstanding.clear()
             self._active.clear()
             for job in jobs:
-                idx = list(job.queue)
-                job.queue.clear()
-                self._uncount(job, idx)
-                self._pending_items -= len(idx)
-                job.remaining -= len(idx)
+                idx = job.clear_queue()
+                for i in idx:
+                    self._pending_by_mode[job.items[i][2]] -= 1
+                self._finish_job_locked(job, len(idx))
                 job.cancelled = True
             self._idle.notify_all()
         for job in jobs:
             if not job.future.done():
-                job.future.set_exception(PoolBroken(why, self._backoff_s))
-
-    def _wait_timeout(self) -> float:
-        now = time.monotonic()
-        t = 1.0
-        for w in self._workers:
-            if w.state == "busy" and w.task is not None:
-                t = min(t, w.progress[0] + w.task.deadline_s - now)
-            elif w.state == "starting":
-                t = min(t, w.started_at + self.startup_timeout_s - now)
-        if self._broken and self._restart_at != float("inf"):
-            t = min(t, self._restart_at - now)
-        if any(j.expires is not None for j in self._active):
-            t = min(t, 0.25)
-        return max(0.001, t)
-
-    def _check_deadlines(self) -> None:
-        for w in list(self._workers):
-            now = time.monotonic()
-            if w.state == "busy" and w.task is not None and now - w.progress[0] > w.task.deadline_s:
-                self._drain(w)  # a result may have arrived just now
-                if (
-                    w.state == "busy"
-                    and w.task is not None
-                    and time.monotonic() - w.progress[0] > w.task.deadline_s
-                ):
-                    self._lost(w, "timeout")
-            elif w.state == "starting" and now - w.started_at > self.startup_timeout_s:
-                self._lost(w, "startup")
+                job.future.set_exception(err)
 
     def _shutdown(self) -> None:
-        """Dispatcher exit: fail what is left, stop the workers (politely, then by force)."""
-        with self._lock:
-            jobs = list(self._outstanding)
-            self._outstanding.clear()
-            self._active.clear()
-            self._closing = True
-            self._idle.notify_all()
-        for job in jobs:
-            if not job.future.done():
-                job.future.set_exception(PoolClosed("the grader pool closed before these items were graded"))
-        for w in self._workers:
+        """Watchdog exit: fail what is left, stop the workers (pebble: SIGTERM, then SIGKILL)."""
+        self._closing = True
+        self._fail_all("closed", PoolClosed("the grader pool closed before these items were graded"))
+        stop_generations(self._gens)
+        for conn in (self._ready_r, self._ready_w, self._wake_r, self._wake_w):
             with contextlib.suppress(Exception):
-                if w.state in ("idle", "busy", "starting"):
-                    w.conn.send(None)
-        end = time.monotonic() + 2.0
-        for w in self._workers:
-            if w.proc is None:
-                continue
-            with contextlib.suppress(Exception):
-                w.proc.join(timeout=max(0.0, end - time.monotonic()))
-                if w.proc.is_alive():
-                    w.proc.kill()
-                    w.proc.join(timeout=1.0)
-            with contextlib.suppress(Exception):
-                w.conn.close()
-            w.state = "dead"
-        with contextlib.suppress(Exception):
-            self._wake_r.close()
-            self._wake_w.close()
-
-
-def _reset_forkserver_state() -> None:
-    """A forked child must start a fork server of its own: the inherited one is the parent's child
-    (``waitpid`` on it fails here). Resets multiprocessing's module-level fork-server handle."""
-    from multiprocessing import forkserver
-
-    fs = getattr(forkserver, "_forkserver", None)
-    if fs is None:
-        return
-    fd = getattr(fs, "_forkserver_alive_fd", None)
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    fs._forkserver_alive_fd = None
-    fs._forkserver_address = None
-    fs._forkserver_pid = None
-    fs._lock = threading.Lock()
+                conn.close()

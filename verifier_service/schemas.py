@@ -30,7 +30,7 @@ from pydantic import (
 
 Mode = Literal["math", "dapo"]
 MODES: frozenset[str] = frozenset(get_args(Mode))
-"""The modes as a set, for hand checks on hot paths (app.parse_verify_request, pool.as_item)."""
+"""The modes as a set, for the hand check on the pool's hot path (pool.as_item)."""
 Status = Literal["ok", "no_answer", "timeout", "error", "too_large"]
 STATUSES: tuple[str, ...] = ("ok", "no_answer", "timeout", "error", "too_large")
 
@@ -55,9 +55,10 @@ class VerifyRequest(BaseModel):
         None,
         gt=0,
         le=86_400,
-        description="Seconds the caller will wait; items still queued after it answer 'timeout' ungraded "
-        "(the stapo client sends its HTTP timeout).",
+        description="Seconds the caller will wait; items not graded within it answer 'timeout' "
+        "(the stapo client sends its HTTP timeout). Without it the service's default budget applies.",
     )
+    explain: bool = Field(False, description="Each result also names the grader's rule that decided it.")
 
 
 class VerifyResult(BaseModel):
@@ -70,6 +71,9 @@ class VerifyResult(BaseModel):
         description="The answer text taken from the prediction, when one was found."
     )
     ms: float = Field(description="Grading time of this item in milliseconds (0 for a cache hit).")
+    rule: str | None = Field(
+        None, description="With explain: the grader's rule that decided the verdict (None when unknown)."
+    )
 
 
 class VerifyResponse(BaseModel):

@@ -118,6 +118,12 @@ class Settings(BaseSettings):
         None,
         description="Bearer token; when set every route except /healthz, /readyz and the docs requires it.",
     )
+    default_budget_factor: float = Field(
+        4.0,
+        gt=0,
+        description="A request that sends no budget_s (OpenRLHF's /get_reward, curl) gets this many item "
+        "deadlines: items not graded by then answer 'timeout', so every client gets an answer in bounded time.",
+    )
     graceful_shutdown_s: float = Field(
         30.0, ge=0, description="How long shutdown waits for in-flight requests."
     )
@@ -136,6 +142,10 @@ class Settings(BaseSettings):
         if v is None or (isinstance(v, str) and not v.strip()):
             return None
         return v
+
+    def request_budget_s(self) -> float:
+        """The budget of a request that sends none."""
+        return self.default_budget_factor * self.deadline_s
 
     def token_value(self) -> str | None:
         """The token as plain text, or None when auth is off."""

@@ -36,6 +36,9 @@ __all__ = [
     "sample_pivot",
     "suffix_mask",
     "branch_ratio",
+    "pivot_outcomes",
+    "local_advantages",
+    "LOCAL_ADVANTAGES",
 ]
 
 
@@ -143,3 +146,43 @@ def branch_ratio(t: int, length: int) -> float:
         raise ValueError(f"branch_ratio: need 0 < t <= T, got t={t}, T={length}")
     return t / length
 
+
+
+def pivot_outcomes(
+    ratios: Sequence[float], pivots: Sequence[int], valid: Sequence[bool], correct: Sequence[bool], mode: str
+) -> tuple[list[float], list[bool]]:
+    """The (t/T, success) samples one step's branches add to the recoverability model.
+
+    Per branch i: its pivot's ratio, pivot id, whether its grade is valid and correct. ``any_of_k``
+    (the authors' ``BranchingFeedback``): one sample per pivot, success = any of its branches
+    succeeded (pivots whose branches all failed to grade add nothing). ``per_branch`` (ours): one
+    sample per validly graded branch. Order: pivots (or branches) as they first appear."""
+    if not len(ratios) == len(pivots) == len(valid) == len(correct):
+        raise ValueError("pivot_outcomes: ratios, pivots, valid and correct must have the same length")
+    if mode == "per_branch":
+        keep = [i for i, v in enumerate(valid) if v]
+        return [float(ratios[i]) for i in keep], [bool(correct[i]) for i in keep]
+    if mode != "any_of_k":
+        raise ValueError(f"deep_grpo.outcome: unknown {mode!r}; valid: any_of_k, per_branch")
+    order: dict[int, tuple[float, bool]] = {}
+    for r, p, v, c in zip(ratios, pivots, valid, correct, strict=True):
+        if not v:
+            continue
+        prev = order.get(p)
+        order[p] = (float(r), bool(c) or (prev[1] if prev else False))
+    return [r for r, _ in order.values()], [y for _, y in order.values()]
+
+
+#: ``deep_grpo.local_advantage`` -> the advantage estimator (``stapo.core.algos.ADVANTAGES``) over a
+#: pivot's K branch rewards; ``None`` = the run's own ``algorithm.advantage``. ``mean_baseline`` is
+#: the authors' ``reward - mean(rewards of all continuations)``, i.e. Dr. GRPO's estimator.
+LOCAL_ADVANTAGES: dict[str, str | None] = {"mean_baseline": "dr_grpo", "grpo": None}
+
+
+def local_advantages(rewards: Tensor, mode: str, run_advantage: str, eps: float = 1e-6) -> Tensor:
+    """Branch advantages [P, K] from the branch rewards [P, K] (one row per pivot) for ``mode``."""
+    from .advantages import get_advantage
+
+    if mode not in LOCAL_ADVANTAGES:
+        raise ValueError(f"deep_grpo.local_advantage: unknown {mode!r}; valid: {', '.join(LOCAL_ADVANTAGES)}")
+    return get_advantage(LOCAL_ADVANTAGES[mode] or run_advantage)(rewards, eps=eps)

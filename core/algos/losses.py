@@ -184,17 +184,33 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     return POLICY_LOSSES.get(name)
 
 
-def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+#: verl ``low_var_kl`` clamps the k3 value to [-10, 10] (``core_algos.kl_penalty_forward``): one token
+#: whose policy fell far below the reference (log(pi / ref) = -6 gives k3 = e^6 - 7 ~ 396) would
+#: otherwise dominate the step's penalty and its gradient (1 - e^6 ~ -402 per unit weight). Past the
+#: clamp the token adds a constant and no gradient, as in verl.
+K3_CLAMP = 10.0
+
+
+def kl_k3_unclamped(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """Per-token k3 KL estimator (Schulman 2020): exp(ref - logp) - (ref - logp) - 1 >= 0, [B, T].
 
-    Unbiased for KL(pi || ref) under samples from pi; off by default in every recipe.
+    Unbiased for KL(pi || ref) under samples from pi. No clamp on the value (TRL's ``GRPOTrainer``
+    computes it this way); only the log-ratio is held to +-20 so exp cannot overflow (verl does the same).
     """
     if logprobs.shape != ref_logprobs.shape:
         raise ValueError(
             f"ref_logprobs has shape {tuple(ref_logprobs.shape)}; expected {tuple(logprobs.shape)}"
         )
-    d = torch.clamp(ref_logprobs - logprobs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
+    d = torch.clamp(ref_logprobs - logprobs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T] log(ref / pi)
     return torch.exp(d) - d - 1.0
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k3 as verl's ``low_var_kl``: :func:`kl_k3_unclamped` clamped to [-10, 10] (:data:`K3_CLAMP`), [B, T].
+
+    A clamped token contributes the constant 10 and zero gradient (``torch.clamp``'s gradient outside
+    the range), exactly as in verl. Off by default in every recipe (kl_coef 0)."""
+    return torch.clamp(kl_k3_unclamped(logprobs, ref_logprobs), -K3_CLAMP, K3_CLAMP)
 
 
 # ----------------------------------------------------------------------------- KL estimators
@@ -225,8 +241,9 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 
 KL_ESTIMATORS.add("k3", kl_k3)
+KL_ESTIMATORS.add("k3_unclamped", kl_k3_unclamped)
 
 
 def get_kl_estimator(name: str) -> KLEstimatorFn:
-    """The per-token KL estimator registered as ``name``: k1, k2, k3 (Schulman 2020)."""
+    """The per-token KL estimator registered as ``name``: k1, k2, k3 (clamped as verl), k3_unclamped (as TRL)."""
     return KL_ESTIMATORS.get(name)

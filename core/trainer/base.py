@@ -49,6 +49,8 @@ __all__ = [
     "SCHEDULES",
     "lr_multiplier",
     "make_lr_scheduler",
+    "RolloutStepLR",
+    "begin_rollout_step",
     "planned_optimizer_steps",
     "adamw_param_groups",
     "position_ids_from_mask",
@@ -179,16 +181,56 @@ def planned_optimizer_steps(cfg: Any) -> int:
     return max(1, cfg.trainer.max_steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches)
 
 
+class RolloutStepLR:
+    """The LR multiplier with ``trainer.lr_schedule_unit: rollout_step``: a function of the rollout step.
+
+    verl steps its scheduler once per rollout step (``update_actor``), so a verl recipe's warmup and
+    decay count rollout steps, and every update of one rollout step uses the same LR. This callable
+    ignores the update count ``LambdaLR`` passes it and reads ``rollout_index`` (0-based), which
+    :func:`begin_rollout_step` sets at the start of each step; resuming needs nothing else, as the
+    loop sets it from the step number. The warmup formula is :func:`lr_multiplier`'s ((r + 1) / warmup:
+    the first step already trains; verl's own first step uses r / warmup = 0, our choice differs by
+    that one step).
+    """
+
+    def __init__(self, warmup_steps: int, total_steps: int, schedule: str) -> None:
+        self.warmup_steps, self.total_steps, self.schedule = warmup_steps, total_steps, schedule
+        self.rollout_index = 0
+
+    def __call__(self, _update: int) -> float:
+        return lr_multiplier(self.rollout_index, warmup_steps=self.warmup_steps, total_steps=self.total_steps,
+                             schedule=self.schedule)
+
+
 def make_lr_scheduler(
     optimizer: torch.optim.Optimizer, trainer_cfg: Any, total_optimizer_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A ``LambdaLR`` following :func:`lr_multiplier`; ``scheduler.step()`` once per applied update."""
+    """A ``LambdaLR`` following :func:`lr_multiplier`; ``scheduler.step()`` once per applied update.
+
+    With ``lr_schedule_unit: rollout_step`` the multiplier is :class:`RolloutStepLR` over
+    ``trainer.max_steps`` rollout steps instead of the optimizer-update count."""
     warmup, schedule = trainer_cfg.warmup_steps, trainer_cfg.lr_schedule
+    if getattr(trainer_cfg, "lr_schedule_unit", "optimizer_step") == "rollout_step":
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, RolloutStepLR(warmup, max(1, trainer_cfg.max_steps), schedule))
 
     def fn(step: int) -> float:
         return lr_multiplier(step, warmup_steps=warmup, total_steps=total_optimizer_steps, schedule=schedule)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+def begin_rollout_step(backend: Any, step: int) -> None:
+    """Set the LR of rollout step ``step`` (1-based) when the schedule counts rollout steps; else nothing.
+
+    The loop calls it once at the start of every step, before any update of that step."""
+    sched = getattr(backend, "scheduler", None)
+    fns = list(getattr(sched, "lr_lambdas", []) or [])
+    if sched is None or not fns or not all(isinstance(f, RolloutStepLR) for f in fns):
+        return
+    for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, fns, strict=True):
+        fn.rollout_index = step - 1
+        group["lr"] = base * fn(0)
 
 
 def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:

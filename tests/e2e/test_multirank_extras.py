@@ -31,6 +31,7 @@ import pytest
 import torch
 
 pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.long  # one torchrun bounded at 300 s, plus the references
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_multirank_loop import torchrun  # noqa: E402  (same launcher, same timeout)

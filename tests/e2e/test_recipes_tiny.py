@@ -25,7 +25,8 @@ TINY = [
     "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64",
     "data.source=arithmetic", "data.template=short", "data.val_size=0", "data.arithmetic.num_problems=32",
     "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=32",
-    "algorithm.mini_batches=2", "algorithm.max_sampling_rounds=2",
+    "algorithm.mini_batches=2", "algorithm.max_gen_rounds=2", "algorithm.gen_batch_multiplier=1",
+    "algorithm.gen_rounds_exhausted=train",  # a random model: an under-filled batch must not stop the smoke run
     "algorithm.overlong.enabled=true", "algorithm.overlong.buffer=31", "algorithm.dynamic_sampling_metric=reward",
     "algorithm.lp_reg.rho=0.3",
     "trainer.backend=torch", "trainer.device=cpu", "trainer.max_steps=2", "trainer.micro_batch_size=4",

@@ -33,6 +33,9 @@ TINY = [
     "eval.every=0", "checkpoint.every=0", "checkpoint.export_hf=false", "logging.live=false",
     "logging.tensorboard=false", "logging.dump_tokens_every=0", "algorithm.overlong.enabled=true",
     "algorithm.overlong.buffer=15", "algorithm.mini_batches=2",
+    # a random model is never right and always truncated: DAPO's accuracy filter and overlong filter
+    # (on in every stapo-* recipe, as in stapo) would leave nothing to train on
+    "algorithm.dynamic_sampling=false", "algorithm.overlong.filter=false",
     "data.goldilocks.pool_size=16", "data.goldilocks.train_batch_size=8", "data.goldilocks.num_features=256",
     "algorithm.deep_grpo.k_branches=4", "algorithm.deep_grpo.max_pivots=2",
     # a random model's p ~ 1/vocab: loose S2T thresholds so the mask acts on both streams

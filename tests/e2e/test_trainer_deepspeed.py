@@ -231,3 +231,17 @@ def test_two_ranks_sum_gradients_like_one_process(tmp_path, torch_reference):
     m1, p1 = torch_reference[1]
     assert result["m"]["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
     assert_same_params(torch.load(out), p1)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_lr_per_rollout_step_under_deepspeed(stage):
+    """lr_schedule_unit=rollout_step through DeepSpeed's optimizer wrapper: two updates per rollout step,
+    warmup 2 then linear over max_steps 4 -> multipliers [0.5, 1, 1, 0.5] per step, both updates alike."""
+    from stapo.core.trainer.base import begin_rollout_step
+
+    b = backend("deepspeed", stage, lr_schedule="linear", lr_schedule_unit="rollout_step", max_steps=4)
+    lrs = []
+    for step in (1, 2, 3, 4):
+        begin_rollout_step(b, step)
+        lrs.append([one_update(b, 10 * step + k)["lr"] for k in (0, 1)])
+    assert lrs == [pytest.approx([1e-2 * m] * 2) for m in (0.5, 1.0, 1.0, 0.5)]

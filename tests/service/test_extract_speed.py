@@ -20,7 +20,9 @@ from stapo.verifier_service.normalize import strip_delims
 
 
 def _old_extract_answer(text: str, *, think: str = "optional") -> str | None:
-    """extract_answer as of commit 13a7952 (regex ``finditer`` scans), verbatim but for the names."""
+    """extract_answer as of commit 13a7952 (regex ``finditer`` scans), verbatim but for the names and
+    the marker filters of the extraction policy (line-opening ``Answer:``, no markdown headings, the
+    phrase that holds math, contrasts dropped), which both sides share."""
     body = E.apply_think(text, think)
     if body is None:
         return None
@@ -28,11 +30,13 @@ def _old_extract_answer(text: str, *, think: str = "optional") -> str | None:
     box = E.last_boxed(body)
     if box is not None:
         candidates.append(box)
-    line_matches = [m for m in E._ANSWER_LINE_RE.finditer(body) if m.group(1).strip()]
+    line_matches = [
+        m for m in E._ANSWER_LINE_RE.finditer(body) if m.group(1).strip() and E._is_line_marker(body, m)
+    ]
     if line_matches:
         m = line_matches[-1]
         candidates.append((m.start(), m.group(1)))
-    gsm = [m for m in E._GSM8K_RE.finditer(body) if m.group(1).strip()]
+    gsm = [m for m in E._GSM8K_RE.finditer(body) if E._is_gsm8k_marker(m)]
     if gsm:
         candidates.append((gsm[-1].start(), gsm[-1].group(1)))
     if candidates:
@@ -45,12 +49,12 @@ def _old_extract_answer(text: str, *, think: str = "optional") -> str | None:
     weak = list(E._ANSWER_IS_RE.finditer(body))
     weak = [m for m in weak if re.match(r"(?i)final answer|the answer", m.group(0))]
     if weak:
-        ans = E._from_marker_text(weak[-1].group(1))
+        ans = E._from_marker_text(E._drop_contrast(E._pick_phrase(weak).group(1)))
         if ans:
             return ans
     i18n = [m for m in E._I18N_ANSWER_RE.finditer(body) if m.group(1).strip()]
     if i18n:
-        ans = strip_delims(E._clean_tail(i18n[-1].group(1)))
+        ans = strip_delims(E._clean_tail(E._pick_phrase(i18n).group(1)))
         if ans:
             return ans
     stripped = body.strip()
@@ -112,7 +116,7 @@ def test_corner_cases_by_hand() -> None:
     assert E.extract_answer("\u212aanswer: 3\nstuff") is None  # so is the Kelvin sign
     assert E.extract_answer("5answer: 3\nstuff") == "3"
     assert E.extract_answer("anſwer: 7\nmore text here") == "7"  # IGNORECASE folds ſ to s
-    assert E.extract_answer("\u0130 Answer: 8\nmore text") == "8"  # lower() changes the length
+    assert E.extract_answer("\u0130\nAnswer: 8\nmore text") == "8"  # lower() changes the length
     assert E.extract_answer("Answer: 1\nAnswer: 2\nok then") == "2"
     assert E.extract_answer("So the final answer is 12. Done and more words here\nsecond line") == "12"
 

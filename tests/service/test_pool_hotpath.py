@@ -1,13 +1,11 @@
-"""The server process's per-item and per-request path of GraderPool: cheaper, same behaviour.
+"""The server process's per-item path of GraderPool and its keys.
 
 - ``as_item`` passes validated ``(str, str, mode)`` tuples through without pydantic, and still
   rejects everything else with the field named;
-- ``cache_key`` is the blake2b-128 of mode, gold, prediction, each NUL-terminated (checked against
-  hashlib fed part by part, an independent computation);
-- ``submit`` wakes the dispatcher only when it sleeps with a worker idle: no wake-up byte while every
-  worker is busy, and no lost wake-up when one is idle (a lost one would cost the dispatcher's 1 s
-  wait timeout per request: the loose time bound below would catch it);
-- a worker's RSS is read after its first task, then every ``RSS_CHECK_ITEMS`` items.
+- cache and verdict keys are blake2b-128 of length-prefixed fields (checked against hashlib fed by
+  hand, an independent computation), so no field contents make two items share a key: a pair that
+  collides under fields joined with NUL is graded apart;
+- a pool that sleeps with an idle worker answers every newly submitted item at once (no lost wake-up).
 """
 
 from __future__ import annotations
@@ -18,8 +16,9 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from stapo.verifier_service import pool as P
-from stapo.verifier_service.pool import GraderPool, as_item, cache_key, verdict_key
+from stapo.verifier_service.cache import cache_key, verdict_key
+from stapo.verifier_service.grader import grade
+from stapo.verifier_service.pool import GraderPool, as_item
 
 
 def test_as_item_fast_path_and_its_limits():
@@ -39,79 +38,53 @@ def test_as_item_fast_path_and_its_limits():
     assert out == ("x", "y", "math")
 
 
-def test_cache_key_is_blake2b_of_the_nul_terminated_parts():
-    for pred, gold, mode in [("so \\boxed{2}", "2", "math"), ("\ud800 lone", "é", "dapo"), ("", "", "math")]:
-        h = hashlib.blake2b(digest_size=16)
-        for part in (mode, gold, pred):
-            h.update(part.encode("utf-8", "surrogatepass"))
-            h.update(b"\x00")
-        assert cache_key((pred, gold, mode)) == h.digest()
+def _by_hand(*parts: str) -> bytes:
     h = hashlib.blake2b(digest_size=16)
-    for part in ("verdict", "math", "4", "4"):
-        h.update(part.encode("utf-8", "surrogatepass"))
-        h.update(b"\x00")
+    for part in parts:
+        b = part.encode("utf-8", "surrogatepass")
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.digest()
+
+
+def test_keys_are_blake2b_of_length_prefixed_fields():
+    for pred, gold, mode in [("so \\boxed{2}", "2", "math"), ("\ud800 lone", "é", "dapo"), ("", "", "math")]:
+        assert cache_key((pred, gold, mode)) == _by_hand(mode, gold, pred)
     vk = verdict_key(("so \\boxed{4}", "4", "math"))
-    assert vk is not None and vk.digest == h.digest()
-    # distinct items, distinct keys (the NUL separators keep "ab"+"c" apart from "a"+"bc")
-    assert cache_key(("c", "ab", "math")) != cache_key(("bc", "a", "math"))
+    assert vk is not None and vk.digest == _by_hand("verdict", "math", "4", "4")
 
 
-def _count_wakes(pool: GraderPool) -> list[int]:
-    calls = [0]
-    real = pool._wake
+def test_a_pair_that_collides_when_fields_are_joined_gets_its_own_verdict():
+    """Joined with NUL (the scheme before length prefixes), these two items are one key: the second
+    would have been answered with the first one's cached verdict."""
+    first = ("x\x00\\boxed{3}", "3", "math")  # the box says 3, the gold is 3: correct
+    second = ("\\boxed{3}", "3\x00x", "math")  # the gold is "3<NUL>x": not 3
+    joined = [f"{m}\x00{g}\x00{p}\x00" for p, g, m in (first, second)]
+    assert joined[0] == joined[1]  # the old key's input: a real collision
+    assert cache_key(first) != cache_key(second)
+    want = [grade(*first), grade(*second)]
+    assert want[0].correct != want[1].correct  # the verdicts differ, so a shared key would be wrong
+    with GraderPool(workers=1, deadline_s=5.0, warmup=False) as pool:
+        assert pool.grade(*first).correct == want[0].correct
+        assert pool.grade(*second).correct == want[1].correct  # not the first one's cached verdict
 
-    def counting() -> None:
-        calls[0] += 1
-        real()
 
-    pool._wake = counting  # type: ignore[method-assign]
-    return calls
-
-
-def test_submit_wakes_an_idle_dispatcher_and_never_loses_a_wakeup():
+def test_an_idle_pool_answers_each_new_item_at_once():
     with GraderPool(workers=1, deadline_s=5.0, verdict_cache=False, warmup=False) as pool:
         assert pool.wait_ready(60)
-        calls = _count_wakes(pool)
         t0 = time.monotonic()
         for k in range(20):  # each one reaches the (idle) worker; caches off: a real grade each
-            time.sleep(0.01)  # let the dispatcher fall asleep again
+            time.sleep(0.01)
             r = pool.grade(f"so \\boxed{{{k}}}", str(k))
             assert r.correct and r.status == "ok"
-        # 20 lost wake-ups would take >= 20 s (the dispatcher's 1 s wait timeout each)
+        # a lost wake-up costs a watchdog tick at least; 20 of them would be seconds
         assert time.monotonic() - t0 < 10.0
-        assert calls[0] >= 1  # it slept with the worker idle: woken by submit
 
 
-def test_no_wakeup_byte_while_every_worker_is_busy():
+def test_queued_work_runs_while_the_only_worker_is_held_by_a_hang():
     with GraderPool(workers=1, deadline_s=2.0, verdict_cache=False, warmup=False) as pool:
         assert pool.wait_ready(60)
         hung = pool.submit([("\\boxed{5^{5^{5^{5^5}}}}", "7", "math")])  # holds the worker ~2 s
-        end = time.monotonic() + 5
-        while pool.ready_workers() and not any(w.state == "busy" for w in pool._workers):
-            assert time.monotonic() < end
-            time.sleep(0.01)
-        calls = _count_wakes(pool)
         futs = [pool.submit([(f"so \\boxed{{{k}}}", str(k), "math")]) for k in range(10)]
-        assert calls[0] == 0  # the worker is busy: its result wakes the dispatcher, not us
         assert hung.result(30)[0].status == "timeout"
-        assert all(f.result(30)[0].correct for f in futs)  # and the queued work still ran
-
-
-def test_rss_is_read_after_the_first_task_then_every_n_items(monkeypatch):
-    reads: list[int] = []
-    real = P._rss_mb
-
-    def counting(pid):
-        reads.append(pid)
-        return real(pid)
-
-    monkeypatch.setattr(P, "_rss_mb", counting)
-    with GraderPool(workers=1, deadline_s=5.0, verdict_cache=False, warmup=False, batch_size=4) as pool:
-        assert pool.wait_ready(60)
-        for k in range(40):
-            assert pool.grade(f"so \\boxed{{{k}}}", str(k)).correct
-        n_first = len(reads)
-        assert 1 <= n_first <= 2  # after the first task (done=1), and at done >= 65 not yet
-        for k in range(40, 80):
-            assert pool.grade(f"so \\boxed{{{k}}}", str(k)).correct
-        assert len(reads) == n_first + 1  # 80 items: one more read, at 65
+        assert all(f.result(30)[0].correct for f in futs)

@@ -132,9 +132,9 @@ def test_workers_are_recycled_after_n_items_and_above_rss():
 
 
 def test_caches_are_bounded_in_bytes():
-    from stapo.verifier_service.pool import _ByteLRU
+    from stapo.verifier_service.cache import ByteLRU
 
-    lru = _ByteLRU(max_bytes=50_000, max_entries=10_000)
+    lru = ByteLRU(max_bytes=50_000, max_entries=10_000)
     for k in range(500):
         lru.put(k.to_bytes(16, "big"), GradeResult(True, 1.0, "ok", "x" * 1000, 0.0))
     assert lru.bytes <= 50_000 and 0 < len(lru) < 20

@@ -41,8 +41,13 @@ def test_token_required_on_every_route_but_health(token_server):
 
 
 def test_graceful_shutdown_finishes_in_flight_request(token_server):
-    """SIGTERM while a request is being graded: the request still gets all its results, then the server exits."""
+    """SIGTERM while a request is being graded: the request still gets all its results, then the server
+    exits and leaves no process behind (workers, fork server: every descendant is gone)."""
+    import psutil
+
     items = sympy_items(30)
+    descendants = psutil.Process(token_server.proc.pid).children(recursive=True)
+    assert token_server.worker_pids() and set(token_server.worker_pids()) <= {p.pid for p in descendants}
     out: dict = {}
 
     def send() -> None:
@@ -62,3 +67,5 @@ def test_graceful_shutdown_finishes_in_flight_request(token_server):
     assert code in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM after its graceful shutdown
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{token_server.url}/healthz", timeout=2)
+    _, alive = psutil.wait_procs(descendants, timeout=10)
+    assert not alive, [(p.pid, p.name()) for p in alive]

@@ -177,7 +177,11 @@ def test_legacy_prime_manager_needs_a_non_dict_result(custom_module):
     with pytest.raises(KeyError):
         legacy_prime(custom_module.compute_score, ["a"], [RIGHT], ["0.75"], [None])
     scores = legacy_prime(
-        custom_module.compute_score_prime, ["a", "b", "c"], [RIGHT, WRONG, HUGE], ["0.75", "4", "4"], [None] * 3
+        custom_module.compute_score_prime,
+        ["a", "b", "c"],
+        [RIGHT, WRONG, HUGE],
+        ["0.75", "4", "4"],
+        [None] * 3,
     )
     assert scores == [1.0, 0.0, 0.0]
     assert custom_module.compute_score_prime("a", HUGE, "4", None, failure_score=-1.0) == (-1.0, "too_large")

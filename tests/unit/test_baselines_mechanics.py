@@ -129,6 +129,31 @@ def test_kl_estimators_by_hand():
     assert k3 == pytest.approx(0.5 + math.log(2) - 1)  # ref/pi - log(ref/pi) - 1 = .5 + .693 - 1
 
 
+def _verl_low_var_kl(logprob: float, ref_logprob: float) -> float:
+    """verl core_algos.kl_penalty_forward("low_var_kl"), rewritten in plain floats (the independent side)."""
+    kl = max(-20.0, min(20.0, ref_logprob - logprob))
+    return max(-10.0, min(10.0, math.exp(kl) - kl - 1))
+
+
+@pytest.mark.parametrize("log_ratio", [-6.0, -1.0, 0.5, 2.0, -2.5])
+def test_k3_is_clamped_as_verl_value_and_gradient(log_ratio):
+    """log(pi / ref) = -6: k3 = e^6 - 6 - 1 = 396.43 unclamped (d/dlogp = 1 - e^6 = -402.43); verl clamps
+    the value to 10, and past the clamp the token has no gradient."""
+    ref = -1.0
+    d = -log_ratio  # log(ref / pi)
+    for name, want, want_grad in (
+        ("k3", _verl_low_var_kl(ref + log_ratio, ref), 0.0 if math.exp(d) - d - 1 > 10 else 1 - math.exp(d)),
+        ("k3_unclamped", math.exp(d) - d - 1, 1 - math.exp(d)),
+    ):
+        lp = torch.tensor([[ref + log_ratio]], dtype=torch.float64, requires_grad=True)
+        k = get_kl_estimator(name)(lp, torch.tensor([[ref]], dtype=torch.float64))
+        k.sum().backward()
+        assert k.item() == pytest.approx(want, rel=1e-9), name
+        assert lp.grad.item() == pytest.approx(want_grad, rel=1e-9, abs=1e-12), name
+    if log_ratio == -6.0:  # the issue's numbers, by hand
+        assert math.exp(6) - 7 == pytest.approx(396.43, abs=0.01) and _verl_low_var_kl(-7.0, -1.0) == 10.0
+
+
 def _tiny():
     torch.manual_seed(0)
     return build_tiny_model(TinyModel(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, seed=0))

@@ -163,3 +163,83 @@ def test_compare_cli(runs: list[Path], tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert "aime24" in res.output and "15.0 (+5.0)" in res.output and "STAPO" in res.output
     assert (out / "report.html").is_file() and (out / "compare.json").is_file()
+
+
+# ----------------------------------------------------------------------------- the confound check
+
+
+def write_demo_run(root: Path, name: str, *overrides: str) -> Path:
+    """A run dir with the full config.yaml `stapo train` saves (the demo preset + overrides) and a few metric rows."""
+    from stapo.configs import preset_path
+    from stapo.core.config import load_config, save_config
+
+    run = root / name
+    run.mkdir(parents=True)
+    save_config(load_config(preset_path("demo"), list(overrides)), run / "config.yaml")
+    rows = [{"step": s, "reward/mean": 0.1 * s, "entropy/mean": 1.0} for s in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def _compare_cli(runs: list[Path], out: Path) -> str:
+    from typer.testing import CliRunner
+
+    from stapo.cli.main import app
+
+    res = CliRunner().invoke(app, ["compare", *map(str, runs), "--out", str(out)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def test_compare_runs_that_differ_in_one_method_key_show_no_warning(tmp_path: Path) -> None:
+    a = write_demo_run(tmp_path, "grpo", "algorithm.token_weighting=none", "algorithm.name=grpo")
+    b = write_demo_run(tmp_path, "stapo", "logging.dump_tokens_every=0")  # an execution key: not a confound
+    output = _compare_cli([a, b], tmp_path / "cmp")
+    assert "WARNING" not in output and "CONFOUNDED" not in output
+    rep = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    check = rep["config_check"]
+    assert check["warning"] is None and check["baseline"] == "grpo"
+    assert [d["key"] for d in check["runs"]["stapo"]["method"]] == ["algorithm.name", "algorithm.token_weighting"]
+    assert [d["key"] for d in check["runs"]["stapo"]["execution"]] == ["logging.dump_tokens_every"]
+    assert check["runs"]["stapo"]["confounds"] == []
+    html = (tmp_path / "cmp" / "report.html").read_text()
+    assert "confound-warning" not in html and "differ from <b>grpo</b> in method keys only" in html
+
+
+def test_compare_runs_that_also_differ_in_batch_size_warn(tmp_path: Path) -> None:
+    a = write_demo_run(tmp_path, "grpo", "algorithm.token_weighting=none", "algorithm.name=grpo")
+    b = write_demo_run(tmp_path, "stapo", "rollout.prompts_per_step=8", "trainer.seed=3")
+    output = _compare_cli([a, b], tmp_path / "cmp")
+    flat = re.sub(r"\s+", " ", output)
+    assert "WARNING: the runs differ in more than the method" in flat
+    assert "rollout.prompts_per_step" in flat and "trainer.seed" in flat and "CONFOUNDED" in flat
+    assert "WARNING" in output.split("report:", 1)[1]  # repeated after the tables, where a reader looks last
+    check = json.loads((tmp_path / "cmp" / "compare.json").read_text())["config_check"]
+    conf = {d["key"]: (d["group"], d["base"], d["other"]) for d in check["runs"]["stapo"]["confounds"]}
+    assert conf == {"rollout.prompts_per_step": ("batch", 4, 8), "trainer.seed": ("seed", 0, 3)}
+    html = (tmp_path / "cmp" / "report.html").read_text()
+    p = _Tables()
+    p.feed(html)
+    assert 'id="confound-warning"' in html
+    warning = re.search(r'id="confound-warning"[^>]*><b>(.*?)</b>', html, re.S)
+    assert warning and "(batch, seed)" in warning.group(1) and "rollout.prompts_per_step 4 -&gt; 8" in warning.group(1)
+    rows = {(r[0], r[2]): r for r in p.tables["table-config"][1:]}
+    assert rows[("stapo", "rollout.prompts_per_step")][1:] == ["batch (confound)", "rollout.prompts_per_step", "4", "8"]
+    assert rows[("stapo", "algorithm.token_weighting")][1] == "method"
+
+
+def test_config_differences_group_every_key():
+    from stapo.core.config import Config
+    from stapo.core.fairness import KEY_GROUPS, classify, config_differences, flatten, matched_overrides
+
+    keys = flatten(Config().model_dump(mode="json", by_alias=True))
+    groups = {classify(k) for k in keys}
+    assert "other" not in groups, [k for k in keys if classify(k) == "other"]  # every shipped field is classified
+    assert {g for g, _ in KEY_GROUPS} <= groups
+    assert classify("rollout.n") == "batch" and classify("rollout.new_field") == "other"
+    assert classify("algorithm.mini_batches") == "batch" and classify("algorithm.eps_high") == "method"
+    assert classify("data.goldilocks.seed") == "seed" and classify("data.goldilocks.lr") == "method"
+    d = config_differences({"a": {"b": (1, 2)}, "rollout": {"n": 8}}, {"a": {"b": [1, 2]}, "rollout": {"n": 16}})
+    assert [(x.key, x.group, x.base, x.other, x.confound) for x in d] == [("rollout.n", "batch", 8, 16, True)]
+    assert matched_overrides({"rollout": {"n": 8}, "algorithm": {"name": "x"}},
+                             {"rollout": {"n": 16}, "algorithm": {"name": "y"}}) == ["rollout.n=8"]

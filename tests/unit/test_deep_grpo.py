@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from stapo.core.algos.deep_grpo import OnlineLogistic, pivot_utility, sample_pivot, suffix_mask
+from stapo.core.algos.deep_grpo import (
+    OnlineLogistic,
+    local_advantages,
+    pivot_outcomes,
+    pivot_utility,
+    sample_pivot,
+    suffix_mask,
+)
 
 
 def test_pivot_utility_hand_values() -> None:
@@ -118,3 +125,53 @@ def test_hf_generate_from_prefix_continues_the_greedy_rollout() -> None:
         assert c[0].token_ids == f[0].token_ids[k:]
     with pytest.raises(ValueError, match="prefixes"):
         eng.generate_from_prefix(prompts, prefixes[:1], SamplingParams(n=1))
+
+
+# ----------------------------------------------------------------------------- the authors' outcome and local advantage
+
+
+def test_pivot_outcomes_any_of_k_vs_per_branch() -> None:
+    """Two pivots, K = 3. Pivot 0 (t/T = 0.5): wrong, right, wrong -> one sample (0.5, success).
+    Pivot 1 (t/T = 0.25): wrong, wrong, grading failed -> (0.25, failure). Per branch: 5 valid samples."""
+    ratios = [0.5, 0.5, 0.5, 0.25, 0.25, 0.25]
+    pivots = [0, 0, 0, 1, 1, 1]
+    valid = [True, True, True, True, True, False]
+    correct = [False, True, False, False, False, False]
+    assert pivot_outcomes(ratios, pivots, valid, correct, "any_of_k") == ([0.5, 0.25], [True, False])
+    assert pivot_outcomes(ratios, pivots, valid, correct, "per_branch") == (
+        [0.5, 0.5, 0.5, 0.25, 0.25], [False, True, False, False, False])
+    # a pivot whose branches all failed to grade says nothing about recoverability
+    assert pivot_outcomes([0.5, 0.5], [3, 3], [False, False], [False, False], "any_of_k") == ([], [])
+    with pytest.raises(ValueError, match="outcome"):
+        pivot_outcomes([0.5], [0], [True], [True], "majority")
+
+
+def test_local_advantage_mean_baseline_vs_grpo_by_hand() -> None:
+    """Pivot rewards [1, 0, 0] (one of three branches right): the authors' reward - mean gives
+    [2/3, -1/3, -1/3]; GRPO divides by the std (torch's unbiased std of [1, 0, 0] = 1/sqrt(3)):
+    [2/3 * sqrt(3), -1/3 * sqrt(3), ...] = [1.1547, -0.5774, -0.5774]. All-equal rewards: 0 either way."""
+    r = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mb = local_advantages(r, "mean_baseline", "grpo")
+    torch.testing.assert_close(mb, torch.tensor([[2 / 3, -1 / 3, -1 / 3], [0.0, 0.0, 0.0]]))
+    g = local_advantages(r, "grpo", "grpo")  # eps 1e-6 next to std 0.577: inside the tolerance
+    s3 = math.sqrt(3)
+    torch.testing.assert_close(g, torch.tensor([[2 / 3 * s3, -1 / 3 * s3, -1 / 3 * s3], [0.0, 0.0, 0.0]]), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="local_advantage"):
+        local_advantages(r, "median", "grpo")
+
+
+def test_set_local_advantages_on_branch_sequences() -> None:
+    """The loop-side assignment: per pivot group, over the shaped rewards, in group order."""
+    from types import SimpleNamespace
+
+    from stapo.core.config import config_from_dict
+    from stapo.core.deep_grpo import set_local_advantages
+
+    seqs = [SimpleNamespace(group=g, reward=r, advantage=None) for g, r in
+            [(0, 1.0), (1, -1.0), (0, -1.0), (1, -1.0), (0, -1.0), (1, 1.0)]]
+    cfg = config_from_dict({"algorithm": {"deep_grpo": {"enabled": True}}})  # default: the authors' mean baseline
+    out = set_local_advantages(cfg, seqs)
+    # pivot 0: [1, -1, -1] - (-1/3) = [4/3, -2/3, -2/3]; pivot 1: [-1, -1, 1] -> [-2/3, -2/3, 4/3]
+    assert [s.group for s in out] == [0, 0, 0, 1, 1, 1]
+    assert [s.advantage for s in out] == pytest.approx([4 / 3, -2 / 3, -2 / 3, -2 / 3, -2 / 3, 4 / 3])
+    assert cfg.algorithm.deep_grpo.outcome == "any_of_k"

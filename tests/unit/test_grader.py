@@ -64,7 +64,8 @@ def test_status_ok_and_result_shape():
     res = grade("The answer is \\boxed{\\dfrac{1}{2}}", "0.5")
     assert isinstance(res, GradeResult)
     assert (res.correct, res.score, res.status, res.extracted) == (True, 1.0, "ok", "\\dfrac{1}{2}")
-    assert set(res.to_dict()) == {"correct", "score", "status", "extracted", "ms"} and res.ms >= 0
+    assert set(res.to_dict()) == {"correct", "score", "status", "extracted", "ms", "rule"} and res.ms >= 0
+    assert res.rule == "exact-number"
     wrong = grade("\\boxed{3}", "2")
     assert (wrong.correct, wrong.score, wrong.status) == (False, 0.0, "ok")
 
@@ -92,7 +93,7 @@ def test_status_error_never_raises(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("sympy blew up")
 
-    monkeypatch.setattr(grader, "_equiv", boom)
+    monkeypatch.setattr(grader, "_equiv_rule", boom)  # the comparison's entry point
     res = grade("\\boxed{2}", "2")
     assert (res.correct, res.status) == (False, "error")
 

@@ -1,4 +1,4 @@
-"""Sentences left after math-verify's search are compared as text (``grader.PROSE_AS_TEXT``).
+"""Sentences left after math-verify's search are compared as text (``GraderSettings.prose_as_text``).
 
 A response cut off after ``</think>`` ("Let me double-check: $\\frac{255") or a bare one-line answer
 in words has no math for the search to find; latex2sympy would read the words as products of
@@ -11,6 +11,7 @@ tables, the dev corpus and the RL streams (the held-back corpus is left to
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from importlib import resources
 
 import pytest
@@ -37,14 +38,11 @@ def _items(source: str) -> list[tuple[str, str, str]]:
 @pytest.fixture
 def prose_off():
     def run(pred: str, gold: str, mode: str):
-        old = grader.PROSE_AS_TEXT
-        grader.PROSE_AS_TEXT = False
-        grader.cache_clear()
+        old = grader.configure(replace(grader.SETTINGS, prose_as_text=False))
         try:
             return grade(pred, gold, mode)
         finally:
-            grader.PROSE_AS_TEXT = old
-            grader.cache_clear()
+            grader.configure(old)
 
     return run
 

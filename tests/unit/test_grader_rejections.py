@@ -3,7 +3,7 @@
 They only ever say "no", and only where math-verify says no. Checked two ways:
 
 - hand-written pairs per rule, expected True / False by hand (fires / stays silent);
-- verdict identity: ``grade`` with ``grader.FAST_REJECT`` on and off gives the same
+- verdict identity: ``grade`` with ``GraderSettings.fast_reject`` on and off gives the same
   (correct, status, extracted) on every row of the grading tables the other tests read
   (``grader_cases.jsonl``, ``grader_heldout.jsonl``, ``corpus_dev.jsonl``; never the held-back corpus),
   on RL-shaped streams of both styles, and on generated near-miss and equal-but-rewritten
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from fractions import Fraction
 from importlib import resources
 
@@ -296,7 +297,7 @@ def test_degree_gold_against_a_function():
 
 def test_switch_turns_every_rejection_off(monkeypatch):
     assert grader._surely_unequal("y = 2x + 3", "y = 7x + 3")
-    monkeypatch.setattr(grader, "FAST_REJECT", False)
+    monkeypatch.setattr(grader, "SETTINGS", replace(grader.SETTINGS, fast_reject=False))
     assert not grader._surely_unequal("y = 2x + 3", "y = 7x + 3")
     assert not grader._surely_unequal("12", "13 + \\sqrt{2}")
 
@@ -321,7 +322,7 @@ def test_rejected_pairs_are_wrong_for_math_verify(gold, pred, monkeypatch):
     """The headline pairs: rejected with the rules on, and math-verify itself says no."""
     assert grader._surely_unequal(L(gold), pred)
     grader.cache_clear()
-    monkeypatch.setattr(grader, "FAST_REJECT", False)
+    monkeypatch.setattr(grader, "SETTINGS", replace(grader.SETTINGS, fast_reject=False))
     assert grade(f"\\boxed{{{pred}}}", gold).correct is False
 
 
@@ -355,16 +356,15 @@ def _count_fired(monkeypatch) -> dict[str, int]:
 def _on_off(items: list[tuple[str, str]], monkeypatch) -> tuple[list, list, dict[str, int]]:
     """Grade (prediction, gold) items with the rules on, then off (caches emptied before each).
 
-    Sentences are left to the rules too (``PROSE_AS_TEXT`` off in both runs: it would answer them
+    Sentences are left to the rules too (``prose_as_text`` off in both runs: it would answer them
     before step 7; tests/unit/test_grader_prose.py checks that shortcut on its own)."""
     with monkeypatch.context() as m:
-        m.setattr(grader, "PROSE_AS_TEXT", False)
+        m.setattr(grader, "SETTINGS", replace(grader.SETTINGS, prose_as_text=False))
         fired = _count_fired(m)
         grader.cache_clear()
         on = [_key(grade(p, g)) for p, g in items]
     with monkeypatch.context() as m:
-        m.setattr(grader, "PROSE_AS_TEXT", False)
-        m.setattr(grader, "FAST_REJECT", False)
+        m.setattr(grader, "SETTINGS", replace(grader.SETTINGS, prose_as_text=False, fast_reject=False))
         grader.cache_clear()
         off = [_key(grade(p, g)) for p, g in items]
     grader.cache_clear()

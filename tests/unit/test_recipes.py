@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from stapo.cli.main import app
-from stapo.cli.recipes import recipe_header, resolved_diff
+from stapo.cli.recipes import LAYER_KEYS, LAYER_RECIPES, layer_drift, owned_by, recipe_header, resolved_diff
 from stapo.configs import preset_names, preset_path
 from stapo.core.config import load_config
 
@@ -121,3 +121,57 @@ def test_recipes_cli_lists_and_diffs():
 def test_recipe_batch_divides_into_mini_batches(name):
     c = cfg(name)
     assert (c.rollout.prompts_per_step * c.rollout.n) % c.algorithm.mini_batches == 0
+
+
+LAYER_RECIPES_SHIPPED = [n for n in preset_names() if n.startswith("stapo-")]
+
+
+def test_every_stapo_layer_recipe_is_declared():
+    assert set(LAYER_RECIPES_SHIPPED) == set(LAYER_RECIPES), (
+        "every shipped stapo-* recipe must declare its layers in stapo.cli.recipes.LAYER_RECIPES"
+    )
+
+
+@pytest.mark.parametrize("name", LAYER_RECIPES_SHIPPED)
+def test_layer_recipe_is_stapo_plus_its_layer_keys_only(name):
+    assert layer_drift(name, preset_path("stapo"), preset_path(name)) == []
+    d = diff("stapo", name)
+    assert d["algorithm.name"] == ("stapo", name)
+    for layer in LAYER_RECIPES[name]:  # and each of its layers is actually switched on
+        switched = [k for k in d if owned_by(k, LAYER_KEYS[layer])]
+        assert switched, (name, layer)
+
+
+def test_layer_drift_catches_a_key_the_layer_does_not_own(tmp_path):
+    bad = tmp_path / "stapo-maspo.yaml"
+    bad.write_text(preset_path("stapo-maspo").read_text().replace("mini_batches: 16", "mini_batches: 4"))
+    drift = layer_drift("stapo-maspo", preset_path("stapo"), bad)
+    assert drift == [("algorithm.mini_batches", 16, 4)]
+    assert owned_by("data.goldilocks.lr", LAYER_KEYS["goldilocks"])
+    assert not owned_by("data.goldilocks_x", LAYER_KEYS["goldilocks"]) and not owned_by("data.samplerx", ("data.sampler",))
+
+
+def test_recipes_matched_gives_both_the_same_budget_and_grader(tmp_path):
+    from stapo.core.fairness import config_differences
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["recipes", "matched", "justrl", "20-entropy", "--out", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    # 20-Entropy's own budget (512 x 16 x 20,480) and strictness give way to JustRL's reference values
+    assert "--set rollout.prompts_per_step=256" in out.output and "--set reward.mode=dapo" in out.output
+    assert out.output.count("256 x 8 x 8192 x 500 = 8,388,608,000; grader dapo, reward 1/0") == 2
+    a, b = load_config(tmp_path / "justrl.yaml"), load_config(tmp_path / "20-entropy.yaml")
+    da, db = a.model_dump(mode="json", by_alias=True), b.model_dump(mode="json", by_alias=True)
+    diffs = config_differences(da, db)
+    assert diffs and all(d.group in ("method", "execution") for d in diffs), [d for d in diffs if d.confound]
+    assert b.algorithm.token_weighting == "top_entropy"  # the method itself is untouched
+    assert a == cfg("justrl")  # the reference keeps its source's values
+    c = cfg("20-entropy")  # and the shipped recipe is unchanged
+    assert (c.rollout.prompts_per_step, c.rollout.n, c.rollout.max_new_tokens) == (512, 16, 20480)
+    # --match-to b: the other way round; --set applies to both
+    out = runner.invoke(app, ["recipes", "matched", "justrl", "20-entropy", "--match-to", "b",
+                              "--set", "trainer.max_steps=7"])
+    assert out.exit_code == 0, out.output
+    assert out.output.count("512 x 16 x 20480 x 7 = ") == 2
+    out = runner.invoke(app, ["recipes", "matched", "justrl", "stapo", "--match-to", "c"])
+    assert out.exit_code != 0 and "--match-to must be" in str(out.exception)

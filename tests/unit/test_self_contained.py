@@ -126,6 +126,7 @@ print(json.dumps({"pkg": stapo.__file__, "data": str(shipped_data_dir()), "count
 """
 
 
+@pytest.mark.long  # pip wheel + pip install + a probe, each bounded on its own
 def test_installed_wheel_reads_the_data_from_an_empty_directory(tmp_path: Path) -> None:
     """What a user gets from a clone (or pip): built from the tracked files alone, nothing beside."""
     src, wheels, site, cwd = (tmp_path / d for d in ("clone", "wheels", "site", "cwd"))

@@ -343,3 +343,35 @@ def test_deepspeed_config_is_built_without_deepspeed():
     )
     with pytest.raises(ValueError, match="trainer.offload_optimizer"):
         build_ds_config(make_cfg(zero_stage=0).trainer, bf16=True, offload=True, own_clip=False)
+
+
+def test_lr_schedule_per_rollout_step_as_verl():
+    """lr_schedule_unit=rollout_step: warmup 2 and linear decay over max_steps=4 rollout steps, 3 updates
+    per step. Rollout step r (0-based) has multiplier (r+1)/2 while r < 2, then 1 - (r-2)/(4-2):
+    [0.5, 1.0, 1.0, 0.5], the same for every update of a step (verl steps its scheduler once per
+    update_actor). Counting optimizer updates instead, warmup 2 would end inside the first step."""
+    from stapo.core.trainer.base import begin_rollout_step
+
+    b = make_backend(total=12, warmup_steps=2, lr_schedule="linear", lr_schedule_unit="rollout_step", max_steps=4)
+    ids, attn, _ = batch()
+    lrs: list[list[float]] = []
+    for step in (1, 2, 3, 4):
+        begin_rollout_step(b, step)
+        row = []
+        for _ in range(3):
+            lp, _ = b.token_stats(ids, attn, grad=True)
+            b.backward(-lp.mean())
+            row.append(b.step()["lr"])
+        lrs.append(row)
+    assert lrs == [pytest.approx([1e-2 * m] * 3) for m in (0.5, 1.0, 1.0, 0.5)]
+    # resume: a fresh backend told "step 4" is at step 4's LR whatever its update count
+    fresh = make_backend(total=12, warmup_steps=2, lr_schedule="linear", lr_schedule_unit="rollout_step", max_steps=4)
+    assert fresh.current_lr() == pytest.approx(5e-3)  # before the loop says which step: step 1's LR
+    begin_rollout_step(fresh, 4)
+    assert fresh.current_lr() == pytest.approx(5e-3) and b.scheduler.lr_lambdas[0].rollout_index == 3
+    begin_rollout_step(fresh, 2)
+    assert fresh.current_lr() == pytest.approx(1e-2)
+    # the optimizer-step unit is untouched by the per-step call
+    per_update = make_backend(total=12, warmup_steps=2, lr_schedule="linear")
+    begin_rollout_step(per_update, 3)
+    assert per_update.current_lr() == pytest.approx(5e-3)

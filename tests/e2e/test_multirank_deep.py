@@ -1,0 +1,153 @@
+"""DEEP-GRPO in the real loop on 2 CPU ranks (gloo, torchrun) under DeepSpeed ZeRO-3.
+
+What can fail here: branch rollouts and the local loss must keep the ranks in lockstep although
+each rank picks its own pivots (different counts per rank: ZeRO-3 gathers parameters in every
+generate step and forward, so a rank that made fewer calls would hang the other), the
+recoverability model must learn from every rank's outcomes, and the logged DEEP-GRPO metrics must
+be global. The run must finish under the timeout with branches trained on at least one step.
+Whole runs cannot equal a one-process run (each rank samples its pivots and branches with its own
+seed), so the local term's arithmetic is checked on FIXED root and branch rows instead: split
+unevenly over 2 ranks (both holding branch rows, or rank 1 none), the update equals the one-process
+one (1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.long
+
+from test_multirank_loop import LOOP_SCRIPT, OVERRIDES, _rows, torchrun  # noqa: E402
+
+FIXED_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch
+    sys.path.insert(0, {test_dir!r})
+    from test_multirank_deep import fixed_deep_update
+    res = [fixed_deep_update("deepspeed", root_split=r, branch_split=b) for r, b in {runs!r}]
+    if int(os.environ["RANK"]) == 0:
+        torch.save([{{"metrics": m, "params": p}} for m, p in res], {out!r})
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+    """
+)
+
+
+def fixed_deep_update(backend_name: str, root_split: list[int], branch_split: list[int]) -> tuple[dict, dict]:
+    """``update_policy`` on 6 fixed root rows plus DEEP-GRPO's local term on 6 fixed branch rows (two
+    pivots of K = 3, prefixes of 2 and 3 tokens); this rank holds ``root_split[rank]`` / ``branch_split[rank]``
+    of them. 2 mini-batches, micro-batches of 2, S2T, lambda 1."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stapo.core import loop
+    from stapo.core.algos.deep_grpo import suffix_mask
+    from stapo.core.config import config_from_dict
+    from stapo.core.deep_grpo import BranchRollouts, DeepGRPO
+    from stapo.core.trainer import build_trainer_backend
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=32, num_hidden_layers=2,
+                                         num_attention_heads=4, intermediate_size=64))
+    cfg = config_from_dict({
+        "trainer": {"backend": backend_name, "device": "cpu" if backend_name == "torch" else "auto",
+                    "zero_stage": 3, "zero3_param_persistence_threshold": 0, "lr": 1e-3,
+                    "micro_batch_size": 2, "logits_chunk_size": 7},
+        "rollout": {"prompts_per_step": 2, "n": 3},
+        "algorithm": {"token_weighting": "s2t", "mini_batches": 2, "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.6},
+                      "deep_grpo": {"enabled": True, "k_branches": 3, "lambda": 1.0}},
+    })
+    backend = build_trainer_backend(cfg, model, total_optimizer_steps=2)
+    rank, world = backend.rank, backend.world_size
+    g = torch.Generator().manual_seed(3)
+
+    def rows(n: int, adv: list[float], prefix: list[int]) -> list:
+        out = []
+        for i in range(n):
+            prompt = torch.randint(1, 48, (3 + i % 2,), generator=g).tolist()
+            resp = torch.randint(1, 48, (5 + i % 3,), generator=g).tolist()
+            s = loop.Sequence_(prompt, resp, "stop", "", "", group=i // 3)
+            s.advantage, s.prefix_len = adv[i], prefix[i]
+            out.append(s)
+        return out
+
+    def share(seqs: list, split: list[int]) -> list:
+        start = sum(split[:rank])
+        return seqs[start : start + split[rank]]
+
+    roots = share(rows(6, [1.0, -0.5, -0.5, 0.8, 0.0, -0.8], [0] * 6), root_split)
+    branches = share(rows(6, [2 / 3, -1 / 3, -1 / 3, -2 / 3, 4 / 3, -2 / 3], [2, 2, 2, 3, 3, 3]), branch_split)
+    pad = world > 1
+
+    def stats(seqs: list, split: list[int]):
+        batch = loop.collate_with_pad_row(seqs, 0, pad=pad)
+        pad_row = len(seqs) if pad else None
+        lp, ent = loop.token_stats_batched(backend, batch, 2, 1.0, calls=max(1, -(-max(split) // 2)), pad_row=pad_row)
+        return batch, pad_row, lp, ent
+
+    batch, _, old_lp, old_ent = stats(roots, root_split)
+    bbatch, bpad, blp, bent = stats(branches, branch_split)
+    prefix = torch.tensor([s.prefix_len for s in branches] + ([0] if pad else []))
+    br = BranchRollouts(branches, bbatch, suffix_mask(bbatch.response_mask, prefix), blp, bent,
+                        counts=branch_split, pad_row=bpad)
+    run = SimpleNamespace(cfg=cfg, backend=backend)
+    deep = DeepGRPO(cfg)
+    m = loop.update_policy(run, batch, old_lp, old_ent, step=1, counts=root_split,
+                           before_step=deep.local_loss_hook(run, br, step=1))
+    m.update(deep.local_metrics(backend))
+    params = {n: t.detach().cpu().clone() for n, t in backend.named_parameters_for_sync()}
+    return m, params
+
+
+# (root rows per rank, branch rows per rank): both ranks hold branch rows (a rank-local normalizer or
+# weighting statistic would differ), and rank 1 holds none (it joins every forward with its padding row)
+FIXED_RUNS = [([6, 0], [2, 4]), ([2, 4], [6, 0])]
+
+
+def test_two_rank_local_term_equals_one_process(tmp_path, one_thread):
+    out = tmp_path / "two.pt"
+    script = FIXED_SCRIPT.format(test_dir=os.path.dirname(__file__), runs=FIXED_RUNS, out=str(out))
+    (tmp_path / "two.py").write_text(script)
+    torchrun([str(tmp_path / "two.py")], tmp_path)
+    m1, p1 = fixed_deep_update("torch", root_split=[6], branch_split=[6])
+    assert m1["deep/local_tokens"] > 0
+    for (roots, branches), two in zip(FIXED_RUNS, torch.load(out), strict=True):
+        case = f"roots {roots}, branches {branches}"
+        for k in ("deep/local_loss", "deep/local_tokens", "actor/grad_norm"):
+            assert two["metrics"][k] == pytest.approx(m1[k], rel=1e-5, abs=1e-6), (case, k)
+        for n in p1:
+            torch.testing.assert_close(two["params"][n], p1[n], atol=1e-5, rtol=0, msg=f"{case}: {n}")
+
+
+# ----------------------------------------------------------------------------- the real loop
+
+DEEP = [o for o in OVERRIDES if not o.startswith(("logging.dump_tokens_every", "eval.every", "checkpoint.every"))] + [
+    "logging.dump_tokens_every=0", "eval.every=0", "checkpoint.every=0", "trainer.max_steps=2",
+    "algorithm.deep_grpo.enabled=true", "algorithm.deep_grpo.k_branches=2", "algorithm.deep_grpo.max_pivots=1",
+    "algorithm.deep_grpo.lambda=1.0",
+]
+
+
+def test_two_rank_deep_grpo_stays_in_lockstep(tmp_path):
+    script = tmp_path / "run_loop.py"
+    script.write_text(LOOP_SCRIPT)
+    run = tmp_path / "deep"
+    torchrun([str(script), str(run), str(tmp_path / "out"), "0", json.dumps(DEEP)], tmp_path)
+    seen = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(2)]
+    assert all(s["partitioned"] == s["n_params"] > 0 for s in seen), "ZeRO-3 must partition every parameter"
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["deep/pivots"] == 2.0  # one pivot on each rank: the global count
+        assert r["deep/branches"] == 4.0 and r["deep/model_samples"] == 2.0  # any-of-K: one outcome per pivot
+        assert math.isfinite(r["actor/loss"]) and math.isfinite(r["actor/grad_norm"])
+    assert any(r.get("deep/local_tokens", 0.0) > 0 for r in rows), "the local loss never ran"

@@ -1,0 +1,179 @@
+"""Off-policy pieces (VCPO's ESS step scaling and minimum-variance baseline, AReaL's decoupled
+behaviour weight): hand-computed values on tiny tensors, and the no-op limits (w = 1 everywhere)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from stapo.core.algos import (
+    TokenContext,
+    get_advantage,
+    get_aggregation,
+    get_policy_loss,
+    get_token_weighting,
+)
+from stapo.core.algos.offpolicy import (
+    behaviour_weights,
+    effective_sample_size,
+    ess_lr_scale,
+    min_variance_advantages,
+    min_variance_baseline,
+    ratio_stats,
+    sequence_importance_weights,
+    with_behaviour_weights,
+)
+
+
+def test_ess_hand_values() -> None:
+    assert effective_sample_size(torch.ones(4)) == (4.0, 1.0)
+    ess, ratio = effective_sample_size(torch.tensor([1.0, 3.0]))  # 4^2 / (1 + 9)
+    assert ess == pytest.approx(1.6) and ratio == pytest.approx(0.8)
+    ess, ratio = effective_sample_size(torch.tensor([2.0, 0.0, 0.0, 0.0]))  # one sample carries it all
+    assert ess == pytest.approx(1.0) and ratio == pytest.approx(0.25)
+    # invalid entries count neither in the sums nor in N
+    ess, ratio = effective_sample_size(torch.tensor([1.0, 3.0, 100.0]), torch.tensor([True, True, False]))
+    assert ess == pytest.approx(1.6) and ratio == pytest.approx(0.8)
+    assert effective_sample_size(torch.tensor([5.0]), torch.tensor([False])) == (0.0, 1.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        effective_sample_size(torch.tensor([-1.0, 1.0]))
+
+
+def test_ess_all_reduce_sums_over_ranks() -> None:
+    # two "ranks" holding [1] and [3]: the reduced sums are those of [1, 3]
+    other = torch.tensor([3.0, 9.0, 1.0], dtype=torch.float64)
+    ess, ratio = effective_sample_size(torch.tensor([1.0]), all_reduce_sum=lambda s: s + other)
+    assert ess == pytest.approx(1.6) and ratio == pytest.approx(0.8)
+
+
+def test_lr_scale_rules() -> None:
+    assert ess_lr_scale(0.25) == pytest.approx(0.5)  # sqrt rule, the authors' default
+    assert ess_lr_scale(0.25, rule="linear") == pytest.approx(0.25)
+    assert ess_lr_scale(0.25, base_ratio=0.5) == pytest.approx(math.sqrt(0.5))
+    assert ess_lr_scale(0.9, base_ratio=0.5) == 1.0  # never above the configured LR
+    with pytest.raises(ValueError, match="rule"):
+        ess_lr_scale(0.5, rule="cube")
+    with pytest.raises(ValueError, match="base ESS ratio"):
+        ess_lr_scale(0.5, base_ratio=0.0)
+
+
+def test_w_one_everywhere_is_a_no_op() -> None:
+    lp = torch.log(torch.tensor([[0.3, 0.2, 0.9], [0.5, 0.5, 0.5]]))
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    w_seq = sequence_importance_weights(lp, lp.clone(), mask)
+    assert w_seq.tolist() == [1.0, 1.0]
+    _, ratio = effective_sample_size(w_seq)
+    assert ess_lr_scale(ratio) == 1.0 and ess_lr_scale(ratio, rule="linear") == 1.0
+    bw = behaviour_weights(lp, lp.clone(), mask)
+    assert bw.tolist() == [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
+
+
+def test_sequence_weights_are_products_over_valid_tokens() -> None:
+    prox = torch.tensor([[0.1, 0.2, 5.0], [0.0, 0.0, 0.0]])
+    beh = torch.zeros(2, 3)
+    mask = torch.tensor([[True, True, False], [False, False, False]])
+    w = sequence_importance_weights(prox, beh, mask)
+    assert w[0].item() == pytest.approx(math.exp(0.3)) and w[1].item() == 1.0  # no valid token: ratio 1
+    w_big = sequence_importance_weights(torch.full((1, 4), 10.0), torch.zeros(1, 4), torch.ones(1, 4, dtype=torch.bool))
+    assert w_big.item() == pytest.approx(math.exp(20.0))  # clamped, finite
+
+
+def test_min_variance_baseline_hand_values() -> None:
+    r = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    w = torch.tensor([[1.0, 1.0], [2.0, 1.0]])
+    g2 = torch.tensor([[1.0, 3.0], [1.0, 1.0]])
+    # group 0: W = [1, 3] -> b = 1 / 4; group 1: W = [4, 1] -> b = 4 / 5
+    assert min_variance_baseline(r, w, g2).tolist() == pytest.approx([0.25, 0.8])
+    # all-zero W falls back to the mean
+    assert min_variance_baseline(r[:1], w[:1], torch.zeros(1, 2)).tolist() == [0.5]
+    with pytest.raises(ValueError, match="grad_sq_norms"):
+        min_variance_baseline(r, w, torch.ones(3))
+
+
+def test_min_variance_advantages_reduce_to_grpo_and_dr_grpo() -> None:
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 1.0, 0.0, 0.0]])
+    ones = torch.ones_like(r)
+    g2 = torch.full_like(r, 7.0)
+    assert torch.allclose(min_variance_advantages(r, ones, g2, scale_by_std=True), get_advantage("grpo")(r))
+    assert torch.allclose(min_variance_advantages(r, ones, g2, scale_by_std=False), get_advantage("dr_grpo")(r))
+    # and departs from them when one sample's weight dominates: b moves toward that sample's reward
+    w = torch.tensor([[3.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    adv = min_variance_advantages(r, w, g2, scale_by_std=False)
+    assert adv[0].tolist() == pytest.approx([1 - 10 / 12, -10 / 12, -10 / 12, 1 - 10 / 12])
+
+
+def test_behaviour_weight_cap_keeps_denominator() -> None:
+    prox = torch.log(torch.tensor([[0.4, 0.9, 0.5]]))
+    beh = torch.log(torch.tensor([[0.2, 0.1, 0.5]]))
+    mask = torch.tensor([[True, True, True]])
+    w = behaviour_weights(prox, beh, mask, cap=5.0)
+    assert w[0].tolist() == pytest.approx([2.0, 0.0, 1.0])  # 9 > cap: filtered
+    with pytest.raises(ValueError, match="> 1"):
+        behaviour_weights(prox, beh, mask, cap=1.0)
+    st = ratio_stats(prox, beh, mask)
+    assert st["count"] == 3 and st["sum"] == pytest.approx(12.0) and st["max"] == pytest.approx(9.0)
+
+
+def test_decoupled_loss_hand_value() -> None:
+    """pi = 0.5, pi_prox = 0.4, mu = 0.2, A = 1: clip ratio 1.25 (inside 1 + 0.28) on pi/pi_prox,
+    behaviour weight 2 -> loss -2.5; a second token with A = 1 and pi/pi_prox = 2 is clipped at 1.28
+    with weight 1 -> -1.28; token-mean over the 2 tokens."""
+    lp = torch.log(torch.tensor([[0.5, 0.8]]))
+    prox = torch.log(torch.tensor([[0.4, 0.4]]))
+    beh = torch.log(torch.tensor([[0.2, 0.4]]))
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    adv = torch.ones(1, 2)
+    per_tok, _ = get_policy_loss("ppo_clip")(lp, prox, adv, mask, eps_low=0.2, eps_high=0.28)
+    ctx = TokenContext(prox, torch.ones(1, 2), adv, mask)
+    tw = with_behaviour_weights(get_token_weighting("none")(ctx), behaviour_weights(prox, beh, mask))
+    agg = get_aggregation("token-mean")
+    loss = agg.aggregate(per_tok, tw, normalizer=agg.normalizer(tw, mask))
+    assert loss.item() == pytest.approx((-2.5 - 1.28) / 2, rel=1e-6)
+
+
+def test_lr_scaled_step_uses_scaled_lr_and_leaves_the_schedule_alone() -> None:
+    from stapo.core.async_rollout import OffPolicyStep
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    seen = []
+
+    class Backend:
+        optimizer = opt
+
+        def __init__(self, skip: bool) -> None:
+            self.skip = skip
+
+        def step(self) -> dict:
+            seen.append(opt.param_groups[0]["lr"])
+            if not self.skip:
+                opt.param_groups[0]["lr"] = 0.05  # the schedule's next LR
+            return {"lr": 0.1, "skipped": float(self.skip)}
+
+    off = OffPolicyStep(torch.ones(1, 1), 0.25, {})
+    out = off.step(Backend(skip=False))
+    assert seen[-1] == pytest.approx(0.025) and out["lr"] == pytest.approx(0.025)
+    assert opt.param_groups[0]["lr"] == 0.05  # the schedule's value stands
+    opt.param_groups[0]["lr"] = 0.1
+    off.step(Backend(skip=True))
+    assert seen[-1] == pytest.approx(0.025) and opt.param_groups[0]["lr"] == 0.1  # skipped: restored
+
+
+def test_behaviour_logprobs_go_to_the_response_positions_of_stale_rows_only() -> None:
+
+
+    from stapo.core import loop
+    from stapo.core.async_rollout import behaviour_logprobs
+
+    seqs = [loop.Sequence_([5, 6], [7, 8, 9], "stop", "", "0", group=0, version=0, behaviour_logprobs=[-1.0, -2.0, -3.0]),
+            loop.Sequence_([5], [7], "stop", "", "0", group=0, version=2, behaviour_logprobs=[-9.0]),
+            loop.Sequence_([5], [7, 8], "stop", "", "0", group=0)]
+    batch = loop.collate(seqs, pad_id=0)  # prompt width 2, response width 3
+    prox = torch.full(batch.input_ids.shape, -0.5)
+    beh, stale = behaviour_logprobs(seqs, batch, prox, step=3)  # weights of version 2 start step 3
+    assert stale.tolist() == [True, False, False]
+    assert beh[0, 2:].tolist() == [-1.0, -2.0, -3.0]
+    assert torch.equal(beh[1:], prox[1:])  # sampled by the current weights: behaviour = proximal, exactly
+

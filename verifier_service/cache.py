@@ -1,0 +1,150 @@
+"""What the grader pool remembers: keys of items and of verdicts, and a byte-bounded LRU.
+
+Keys are blake2b-128 digests of *length-prefixed* fields: each field is preceded by its length in
+bytes, so no choice of field contents can make two different items share a key (fields joined
+with a separator collide as soon as a field contains the separator: gold ``"3\\x00x"`` with
+prediction ``"\\boxed{3}"`` and gold ``"3"`` with prediction ``"x\\x00\\boxed{3}"`` are one string
+once joined with NUL). Long predictions stay out of the caches' memory: only the 16-byte digest is kept.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import threading
+import time
+from typing import NamedTuple
+
+from stapo.verifier_service.grader import GradeResult, dapo_line, marker_answer, quick_verdict
+
+Item = tuple[str, str, str]
+"""(prediction, gold, mode): what travels to a worker."""
+
+VERDICT_MAX_CHARS = 16_000
+VERDICT_MAX_BOXES = 8
+"""The verdict cache's extraction runs in the server process, which has no deadline: only
+predictions this short with this few boxes go through it (worst case ~10 ms); the rest always go
+to a worker."""
+
+
+def digest(*fields: str) -> bytes:
+    """blake2b-128 of the fields, each preceded by its UTF-8 length: distinct tuples, distinct digests."""
+    parts = []
+    for f in fields:
+        b = f.encode("utf-8", "surrogatepass")
+        parts += (len(b).to_bytes(8, "little"), b)
+    return hashlib.blake2b(b"".join(parts), digest_size=16).digest()
+
+
+def cache_key(item: Item) -> bytes:
+    """The whole item's key (mode, gold, prediction)."""
+    pred, gold, mode = item
+    return digest(mode, gold, pred)
+
+
+class VerdictKey(NamedTuple):
+    """What the server process knows about an item's final answer (``verdict_key``)."""
+
+    digest: bytes
+    """of mode + gold + the answer the verdict reads: equal digests, equal verdicts"""
+    extracted: str
+    """the answer as ``grade`` reports it (``GradeResult.extracted``)"""
+    answer: str
+    """the string the verdict reads (mode ``math``: = extracted; ``dapo``: the raw, unstripped line)"""
+
+
+def verdict_key(item: Item) -> VerdictKey | None:
+    """(digest of mode + gold + extracted answer, extracted answer, answer) when the grader's verdict
+    depends on nothing else; None when only a worker can tell (no marker: math-verify's search; prose
+    in the answer; too long). Uses the grader's own cheap extraction (``marker_answer``,
+    ``dapo_line``), so the key and the grade cannot drift apart; tests/service/test_fairness.py
+    checks that the key's answer equals what ``grade`` extracts.
+    """
+    pred, gold, mode = item
+    # Box matching is linear per box, so few boxes in a bounded text ("\\boxed{" x 5000 takes seconds).
+    if len(pred) > VERDICT_MAX_CHARS or len(gold) > 2_000 or mode not in ("math", "dapo"):
+        return None
+    if pred.count("boxed") + pred.count("fbox") > VERDICT_MAX_BOXES:
+        return None
+    try:
+        if mode == "dapo":
+            answer = dapo_line(pred)
+            ext = answer.strip() if answer is not None else None
+        else:
+            answer = ext = marker_answer(pred, mode)
+    except Exception:  # the worker will say what went wrong
+        return None
+    if ext is None or answer is None:
+        return None
+    return VerdictKey(digest("verdict", mode, gold, answer), ext, answer)
+
+
+def inline_grade(gold: str, mode: str, vk: VerdictKey) -> GradeResult | None:
+    """The item's result when ``grader.quick_verdict`` decides it in this process, else None.
+
+    Most first sights on an RL stream are integers against an integer gold (DAPO-Math-17k, GSM8K)
+    or an answer equal to the gold up to markup: a worker would take microseconds to grade them,
+    after a round trip that costs more than the grading.
+    """
+    t0 = time.perf_counter()
+    try:
+        ok = quick_verdict(gold, vk.answer, mode)
+    except Exception:  # the worker will say what went wrong
+        return None
+    if ok is None:
+        return None
+    return GradeResult(ok, 1.0 if ok else 0.0, "ok", vk.extracted, (time.perf_counter() - t0) * 1e3)
+
+
+def untimed(r: GradeResult) -> GradeResult:
+    """The result as a cache serves it: same verdict (and every other field), ``ms`` 0."""
+    return dataclasses.replace(r, ms=0.0)
+
+
+class ByteLRU:
+    """An LRU map bounded in (estimated) bytes as well as entries; thread-safe."""
+
+    def __init__(self, max_bytes: int, max_entries: int) -> None:
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self.data: collections.OrderedDict[bytes, tuple[GradeResult, int]] = collections.OrderedDict()
+        self.bytes = 0
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def size_of(r: GradeResult) -> int:
+        # key (16 B digest object ~49 B) + result object + dict slot; the extracted text dominates
+        return 260 + (len(r.extracted) * 4 if r.extracted else 0)
+
+    def get(self, key: bytes) -> GradeResult | None:
+        if self.max_bytes <= 0 or self.max_entries <= 0:
+            return None
+        with self.lock:
+            hit = self.data.get(key)
+            if hit is None:
+                return None
+            self.data.move_to_end(key)
+            return hit[0]
+
+    def put(self, key: bytes, r: GradeResult) -> None:
+        if self.max_bytes <= 0 or self.max_entries <= 0:
+            return
+        n = self.size_of(r)
+        if n > self.max_bytes:
+            return
+        with self.lock:
+            old = self.data.pop(key, None)
+            if old is not None:
+                self.bytes -= old[1]
+            self.data[key] = (r, n)
+            self.bytes += n
+            while self.bytes > self.max_bytes or len(self.data) > self.max_entries:
+                _, (_, m) = self.data.popitem(last=False)
+                self.bytes -= m
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def reset_lock(self) -> None:
+        """After ``os.fork()`` in the child: the parent's lock may have been held by another thread."""
+        self.lock = threading.Lock()
