@@ -6,10 +6,12 @@ One step of :func:`train`::
              -> rewards         (verifier: local worker pool or remote URL; failures never a silent 0)
              -> advantages      (grpo / dr_grpo / rloo over each group; DAPO overlong shaping)
              -> dynamic sampling(DAPO: keep groups with mixed rewards, resample to refill)
-             -> old log-probs   (TrainerBackend.token_stats without grad)
              -> dump forward    (when dumping: p, H, sum q^2, top-k of the sampled policy, one forward)
-             -> K updates       (per mini-batch: token weights -> per-token loss -> aggregation with the
-                                 GLOBAL normalizer, so micro-batching never changes the update; the
+             -> old log-probs   (no-grad pass, only where stapo.core.update.needs_old_pass says: off-policy
+                                 mini-batches, extras that read the sampling policy)
+             -> K updates       (stapo.core.update: per mini-batch, p and H from the gradient forward ->
+                                 token weights -> per-token loss -> aggregation with the GLOBAL
+                                 normalizer, so micro-batching and packing never change the update; the
                                  weights' own counts are the logged diagnostics)
              -> weight sync     (trainer -> rollout engine; a no-op when hf shares the model)
              -> metrics, token dump (rank 0 writes), validation, checkpoint
@@ -528,8 +530,8 @@ def update_metrics(diag: dict[str, float], taus: Sequence[float], p05: float, su
                    step_out: Sequence[dict[str, float]], epochs: int) -> dict[str, float]:
     """The update's logged metrics: token diagnostics counted from its own weightings (``diag``,
     summed over mini-batches and epochs), the thresholds it used, and the loss / clip sums and
-    optimizer outputs (``step_out``: one per optimizer step). Shared by update_policy and the
-    on-policy fast path (stapo.core.onpolicy), so both log the same keys with the same meaning."""
+    optimizer outputs (``step_out``: one per optimizer step), as ``stapo.core.update.update_policy``
+    logs them."""
     from stapo.core.algos import fractions_from_counts
 
     tokens = max(sums["tokens"], 1.0)

@@ -305,9 +305,9 @@ def test_unknown_recipe(monkeypatch, capsys, tmp_path):
 
 # ----------------------------------------------------------------------------- the tiny run itself
 
-TOLERATED = ("past_key_values",)
-"""Warnings tolerated until the fix lands: transformers' `past_key_values` deprecation (the
-update path moves to `cache`); remove once main has it."""
+TOLERATED: tuple[str, ...] = ()
+"""Warnings tolerated: none (transformers' `past_key_values` deprecation is gone: the KV cache goes
+in through the `cache` keyword)."""
 
 
 @pytest.fixture(scope="module")
