@@ -291,7 +291,8 @@ class Job:
 
     __slots__ = (
         "results", "dups", "keys", "vkeys", "vdups", "remaining", "future", "queue", "items", "deadlines",
-        "crashes", "served", "expires", "cancelled", "spread", "shard", "single", "__weakref__",
+        "crashes", "served", "expires", "default_expires", "cancelled", "spread", "shard", "single",
+        "__weakref__",
     )  # fmt: skip
 
     def __init__(self, items: list[Item]) -> None:
@@ -310,6 +311,7 @@ class Job:
         self.crashes: dict[int, int] = {}
         self.served = 0.0  # estimated worker-seconds dispatched so far (fair-queueing key)
         self.expires: float | None = None
+        self.default_expires: float | None = None  # becomes ``expires`` when an item times out
         self.cancelled = False
         self.spread = 1  # most items per task so that the job's items reach every worker
 
@@ -584,9 +586,9 @@ class GraderPool:
         """Queue items; the future resolves to ``list[GradeResult]`` in input order.
 
         ``budget_s``: items not graded this many seconds from now answer 'timeout' (the caller will
-        have given up); nothing of the request runs past it. Without it, ``default_budget_s`` plus
-        the request's own typical grading time (spread over the workers) applies, so a large batch
-        of ordinary items is not cut by a budget meant to bound pathological ones.
+        have given up); nothing of the request runs past it. Without it, ``default_budget_s`` from
+        now applies once one of the request's items has timed out: a request of items the grader
+        cannot finish answers in bounded time, and a large batch of ordinary items is never cut.
         ``explain``: every result names the rule that decided it; results without one (decided in
         this process by ``quick_verdict``, which gives only the verdict) are graded by a worker.
         Cancelling the future drops the queued items.
@@ -680,11 +682,10 @@ class GraderPool:
             for i in [*(i for i in leaders.values() if i not in job.single), *costly]:
                 job.queue[job.shard[i]].append(i)
                 self._pending_by_mode[norm[i][2]] += 1
-            if budget_s is None and default_budget_s is not None:
-                typical = sum(self._typical_s(norm[i][2]) for i in leaders.values()) / self.size
-                budget_s = default_budget_s + typical
             if budget_s is not None:
                 job.expires = time.monotonic() + budget_s
+            elif default_budget_s is not None:
+                job.default_expires = time.monotonic() + default_budget_s
             self._outstanding.add(job)
             self._active[job] = None
             self._pending_items += len(leaders)
@@ -863,8 +864,11 @@ class GraderPool:
                 self.cache.put(key, untimed(r))
             if same_answer:
                 self.verdicts.put(vk.digest, untimed(r))
-        elif r.status == "timeout" and key is not None and count:
-            self.timed_out.put(key, r)
+        elif r.status == "timeout" and count:
+            if key is not None:
+                self.timed_out.put(key, r)
+            if job.expires is None and job.default_expires is not None:
+                job.expires = job.default_expires  # this request holds items the grader cannot finish
         if r.status in ("timeout", "error") and count:
             self.stats[r.status + "s"] += 1
         followers = job.vdups.pop(leader, None)

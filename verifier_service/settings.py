@@ -122,7 +122,8 @@ class Settings(BaseSettings):
         4.0,
         gt=0,
         description="A request that sends no budget_s (OpenRLHF's /get_reward, curl) gets this many item "
-        "deadlines: items not graded by then answer 'timeout', so every client gets an answer in bounded time.",
+        "deadlines once one of its items timed out: items not graded by then answer 'timeout', so every "
+        "client gets an answer in bounded time (ordinary requests, with no timeout, are never cut).",
     )
     graceful_shutdown_s: float = Field(
         30.0, ge=0, description="How long shutdown waits for in-flight requests."
