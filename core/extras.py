@@ -162,9 +162,8 @@ class StepExtras:
         batch.advantages[:n] = torch.where(batch.response_mask[:n], adv_bl, torch.zeros_like(adv_bl))
         # global mean over every rank's sequences (a rank may hold none); every rank joins the reduce
         stats = torch.stack([pen.detach().double().sum(), torch.tensor(float(n), dtype=torch.float64)])
-        reduce = getattr(self.backend, "all_reduce_sum", None)
-        if reduce is not None and getattr(self.backend, "world_size", 1) > 1:
-            stats = reduce(stats)
+        if self._multi():
+            stats = self.backend.all_reduce_sum(stats)
         return {"actor/kl_reward_penalty": float(stats[0] / stats[1].clamp_min(1.0))}
 
     # ------------------------------------------------------------------ inside update_policy
@@ -202,16 +201,17 @@ class StepExtras:
     # ------------------------------------------------------------------ helpers
 
     def _gather(self) -> Any:
-        if self.backend is not None and getattr(self.backend, "world_size", 1) > 1:
-            return getattr(self.backend, "all_gather_1d", None)
-        return None
+        return self.backend.all_gather_1d if self._multi() else None
+
+    def _multi(self) -> bool:
+        """Several data-parallel ranks (the backend's collectives are then needed)."""
+        return self.backend is not None and self.backend.world_size > 1
 
     def _global_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
         m = mask.bool()
         stats = torch.stack([values.detach().double()[m].sum(), m.sum().double()])
-        reduce = getattr(self.backend, "all_reduce_sum", None)
-        if reduce is not None and getattr(self.backend, "world_size", 1) > 1:
-            stats = reduce(stats)
+        if self._multi():
+            stats = self.backend.all_reduce_sum(stats)
         return float(stats[0] / stats[1].clamp_min(1.0))
 
 

@@ -251,6 +251,7 @@ def test_waves_are_graded_while_the_next_wave_generates(tmp_path, monkeypatch):
 
     cfg = load_config(preset_path("tiny"), ["trainer.max_steps=1", "checkpoint.every=0", "data.val_size=0",
                                             "logging.dump_tokens_every=0", "logging.live=false",
+                                            "rollout.prompts_per_step=2", "rollout.n=4",
                                             "rollout.batch_size=4"])  # 2 prompts x 4 samples: 2 waves
     events = []
     real_gen, real_grade = HFRolloutEngine.generate, RewardFunction.__call__
