@@ -57,7 +57,7 @@ KEY_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "trainer.lr_schedule", "trainer.weight_decay", "trainer.betas", "trainer.max_grad_norm")),
     ("execution", (
         "logging.", "checkpoint.", "eval.every", "reward.urls", "reward.token", "reward.workers", "reward.retries",
-        "reward.max_failure_frac", "trainer.micro_batch_size", "trainer.logits_chunk_size", "trainer.fused_loss",
+        "reward.max_failure_frac", "trainer.micro_batch_size", "trainer.micro_batch_tokens", "trainer.logits_chunk_size", "trainer.fused_loss",
         "trainer.onpolicy_fast_path", "trainer.share_prompt_prefix", "trainer.device", "trainer.backend",
         "trainer.zero_stage", "trainer.offload_optimizer", "trainer.zero3_param_persistence_threshold",
         "trainer.skip_nonfinite", "model.gradient_checkpointing", "model.cache_dir", "rollout.engine",
