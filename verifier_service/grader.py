@@ -1585,8 +1585,9 @@ def gold_answer(gold: str) -> str:
     return g
 
 
-# plain words after a math expression: a unit ("10\\pi square units", "233 m^2 of land")
-_UNIT_WORDS_RE = re.compile(r"^(.*?[\d}\])a-zA-Z])\s+((?:[A-Za-z]+\.?\s*)+(?:\^\s*\{?[23]\}?)?)\s*\.?$", re.S)
+# plain words at the end of an answer: a unit ("10\\pi square units", "233 m^2 of land"); each word
+# starts after whitespace, so there is one way to match (no nested-quantifier backtracking)
+_UNIT_WORDS_RE = re.compile(r"(?:\s+[A-Za-z]+\.?)+(?:\s*\^\s*\{?[23]\}?)?\s*\.?$")
 
 
 def _strip_unit_words(ans: str) -> str:
@@ -1596,10 +1597,10 @@ def _strip_unit_words(ans: str) -> str:
     of "10\\pi square units" as the answer 10. Only when what is left is not prose itself and
     holds a digit or a command (so "5 apples and 3 oranges" stays prose).
     """
-    m = _UNIT_WORDS_RE.match(ans)
-    if m is None:
+    m = _UNIT_WORDS_RE.search(ans)
+    if m is None or m.start() == 0:
         return ans
-    head = m.group(1).strip()
+    head = ans[: m.start()].strip()
     if _is_prose(head) or not re.search(r"[\d\\]", head):
         return ans
     return head
