@@ -201,14 +201,14 @@ class DeepGRPO:
         if br is None or lam == 0.0:
             return None
         from stapo.core.algos import TokenContext, get_aggregation, get_policy_loss, get_token_weighting
-        from stapo.core.distributed import plan_update
+        from stapo.core.distributed import DataParallel, minibatch_rows
         from stapo.core.loop import (
             derive_seed,
             policy_loss_params,
             stats_temperature,
-            token_stats_batched,
             weighting_params,
         )
+        from stapo.core.update import lockstep, with_padding
 
         cfg, backend = self.cfg, run.backend
         a = cfg.algorithm
@@ -220,31 +220,44 @@ class DeepGRPO:
         counts = br.counts or [br.batch.input_ids.shape[0]]
         rank = int(getattr(backend, "rank", 0))
         gather, reduce = getattr(backend, "all_gather_1d", None), getattr(backend, "all_reduce_sum", None)
-        plan: list[Any] = []
+        dp = DataParallel(backend)
+        plan: list[Any] = []  # [this rank's rows per mini-batch, forwards per mini-batch (every rank's max)]
 
         def before_step(update: int, fresh: bool) -> None:
             epoch, mb = divmod(update, a.mini_batches)
-            if mb == 0:  # a new pass over the GLOBAL branch rows, split like the root rows (plan_update)
+            if mb == 0:  # a new pass over the GLOBAL branch rows, split like the root rows
                 g = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch, 0xB7))
-                plan[:] = [plan_update(counts, rank, mini_batches=a.mini_batches, micro=micro, generator=g,
-                                       pad_row=br.pad_row)]
-            if mb >= len(plan[0].rows):  # fewer branch rows than mini-batches: the same on every rank
+                rows_mb = minibatch_rows(counts, rank, a.mini_batches, g)
+                plan[:] = [rows_mb, lockstep(dp, [math.ceil(int(r.numel()) / micro) for r in rows_mb])]
+            rows_mb, calls = plan
+            if mb >= len(rows_mb) or calls[mb] == 0:  # no branch row in this mini-batch on any rank
                 return
-            idx = plan[0].rows[mb].to(br.suffix.device)
+            mine = rows_mb[mb]
+            sets = list(mine.split(micro)) if mine.numel() else []  # (an empty tensor splits into one empty set)
+            sets = with_padding(sets, calls[mb], br.pad_row, "DEEP-GRPO local loss")
+            dev = br.suffix.device
+            idx = torch.cat(sets).to(dev)  # [b] this rank's rows (padding-row forwards included)
             rows = br.batch.rows(idx)
             mask = br.suffix[idx]  # [b, L]: the shared prefix (and the padding row) is out of the local term
+            bounds = [0]
+            for st in sets:
+                bounds.append(bounds[-1] + int(st.numel()))
+            slices = [slice(s0, s1) for s0, s1 in zip(bounds[:-1], bounds[1:], strict=True)]
             if fresh:
                 cur_lp, cur_ent = br.old_lp[idx], br.old_ent[idx]
-            else:
-                cur_lp, cur_ent = token_stats_batched(backend, rows, micro, temp)
+            else:  # one no-grad forward per micro-batch: the same count on every rank
+                with torch.no_grad():
+                    stats = [backend.token_stats(rows.input_ids[r], rows.attention_mask[r], mask[r], grad=False,
+                                                 temperature=temp) for r in slices]
+                cur_lp = torch.cat([x[0] for x in stats]).float()
+                cur_ent = torch.cat([x[1] for x in stats]).float()
             ctx = TokenContext(logprobs=cur_lp, entropy=cur_ent, advantages=rows.advantages, mask=mask,
                                gather=gather, all_reduce_sum=reduce)
             tw = weigh(ctx, **weighting_params(cfg))
             norm = agg.normalizer(tw, mask)
             norm = reduce(norm) if reduce is not None else norm  # the global normalizer, as the root update's
             total = 0.0
-            for s in range(0, idx.shape[0], micro):
-                r = slice(s, s + micro)
+            for r in slices:
                 lp, _ = backend.token_stats(rows.input_ids[r], rows.attention_mask[r], mask[r], grad=True,
                                             temperature=temp)
                 per_tok, _ = loss_fn(lp, br.old_lp[idx][r], rows.advantages[r], mask[r], **loss_kw)
