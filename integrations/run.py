@@ -46,6 +46,9 @@ def start_service(token: str) -> tuple[subprocess.Popen, str]:
     env.update(
         STAPO_VERIFIER_TOKEN=token,
         STAPO_VERIFIER_WORKERS="2",
+        # a loaded 2-core machine can take over the default 5 s on a cold sympy comparison: such an
+        # item would answer "timeout" (the failure value), a row failing for load, not for a bug
+        STAPO_VERIFIER_DEADLINE_S="30",
         STAPO_VERIFIER_MAX_PREDICTION_CHARS=str(MAX_PREDICTION_CHARS),
         STAPO_VERIFIER_LOG_LEVEL="warning",
     )
