@@ -11,8 +11,9 @@ Extraction policy (which candidate is the answer when a response has several; do
    the last non-empty ``\\boxed{...}`` / ``\\fbox{...}`` (brace-matched; ``\\boxed 5`` too; boxes
    that follow each other separated only by commas/"and" are one multi-part answer),
    the last ``Answer: ...`` line (DAPO template; ``**Final Answer:**`` too) -- only where "answer"
-   opens its line (markdown, "final", "the" and non-letters may precede it): "Double-check: the
-   answer: 4 would fail" in the text after a box is discussion, not a marker --,
+   opens its line (markdown, "final", "the" and non-letters may precede it) or reads "Final
+   Answer:" (Minerva's template puts it after a sentence): "Double-check: the answer: 4 would
+   fail" in the text after a box is discussion, not a marker --,
    the last GSM8K ``#### ...`` line -- not a markdown heading (``#### Verification``: text that
    starts with a word is a heading).
 3. Weak marker: "the (final) answer is ..." sentences; failing that, the same phrase in other
@@ -241,6 +242,8 @@ _HAS_MATH_RE = re.compile(r"[0-9$\\]")
 def _is_line_marker(body: str, m: re.Match[str]) -> bool:
     """An ``Answer:`` match that opens its line (markdown, "final", "the" and non-letters before it)."""
     prefix = body[body.rfind("\n", 0, m.start()) + 1 : m.start()]
+    if prefix.rstrip(" *_").lower().endswith("final"):
+        return True  # "... Final Answer: The final answer is 10455." commits wherever it stands
     return not re.search(r"[^\W\d_]", _LINE_PREFIX_WORDS_RE.sub("", prefix))
 
 

@@ -1615,7 +1615,8 @@ def _marker_answer_form(extracted: str) -> str:
     extracted = join_and_or(latexify(extracted))
     if _is_prose(extracted) and "$" in extracted:
         # math delimiters inside a box ("\\boxed{12 $ and $13}"): without them it may be a list
-        bare = join_and_or(" ".join(_INNER_DOLLAR_RE.sub(" ", extracted).split()))
+        bare = " ".join(_INNER_DOLLAR_RE.sub(" ", extracted).split()).strip('\\"\' ')  # quotes around it too
+        bare = join_and_or(bare)
         if not _is_prose(bare):
             return bare
     if _is_prose(extracted):
