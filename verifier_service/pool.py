@@ -1125,10 +1125,14 @@ class GraderPool:
 
     def _break_for_a_while(self) -> None:
         """Workers keep dying while starting: fail what is queued, try again after a backoff."""
+        if self._start_failures:
+            what = f"grader workers keep dying while starting ({self._start_failures} times in a row)"
+        else:
+            what = f"no grader worker became ready within {self.startup_timeout_s:.0f} s"
         why = (
-            f"grader workers keep dying while starting ({self._start_failures} times in a row); "
-            "check the server log (import error? worker_memory_mb too low?); "
-            f"the pool tries again in {self._backoff_s:.0f} s"
+            f"{what}; check the server log (import error? worker_memory_mb too low? a script that calls "
+            "stapo must guard its body with `if __name__ == '__main__':`, since workers import __main__ "
+            f"again); the pool tries again in {self._backoff_s:.0f} s"
         )
         self._restart_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(MAX_RESTART_BACKOFF_S, self._backoff_s * 2)

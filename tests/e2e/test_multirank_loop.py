@@ -49,38 +49,40 @@ LOOP_SCRIPT = textwrap.dedent(
     from stapo.core import loop
     from stapo.core.config import load_config
 
-    run_dir, out, resume = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-    cfg = load_config(preset_path("tiny"), json.loads(sys.argv[4]))
-    rank = int(os.environ["RANK"])
-    seen, runs = {}, []
-    orig_init, orig_roll = loop._Run.__init__, loop.rollout_and_grade
+    if __name__ == "__main__":  # the grader's workers (spawn/forkserver) import __main__ again
 
-    def init_spy(self, *a, **k):
-        orig_init(self, *a, **k)
-        runs.append(self)
-        ps = list(self.backend.model.parameters())
-        seen["partitioned"] = sum(int(p.ds_tensor.numel() < p.ds_numel) for p in ps if hasattr(p, "ds_tensor"))
-        seen["n_params"] = len(ps)
+        run_dir, out, resume = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+        cfg = load_config(preset_path("tiny"), json.loads(sys.argv[4]))
+        rank = int(os.environ["RANK"])
+        seen, runs = {}, []
+        orig_init, orig_roll = loop._Run.__init__, loop.rollout_and_grade
 
-    def roll_spy(run, step, round_):
-        seqs, m = orig_roll(run, step, round_)
-        seen.setdefault("seqs", []).append((step, seqs))  # rewards read at the end: shaping mutates them
-        return seqs, m
+        def init_spy(self, *a, **k):
+            orig_init(self, *a, **k)
+            runs.append(self)
+            ps = list(self.backend.model.parameters())
+            seen["partitioned"] = sum(int(p.ds_tensor.numel() < p.ds_numel) for p in ps if hasattr(p, "ds_tensor"))
+            seen["n_params"] = len(ps)
 
-    loop._Run.__init__, loop.rollout_and_grade = init_spy, roll_spy
-    loop.train(cfg, run_dir, resume=resume, log=lambda m: None)
-    rewards = {}
-    for step, seqs in seen.pop("seqs", []):
-        rewards.setdefault(str(step), []).extend(s.reward for s in seqs)
-    seen["rewards"] = rewards
-    params = {n: t.detach().cpu().clone() for n, t in runs[0].backend.named_parameters_for_sync()}
-    if rank == 0:
-        torch.save(params, out + ".pt")
-    with open(f"{out}.rank{rank}.json", "w") as f:
-        json.dump(seen, f)
-    torch.distributed.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # skip the interpreter teardown: gloo's threads can abort a normal exit
+        def roll_spy(run, step, round_):
+            seqs, m = orig_roll(run, step, round_)
+            seen.setdefault("seqs", []).append((step, seqs))  # rewards read at the end: shaping mutates them
+            return seqs, m
+
+        loop._Run.__init__, loop.rollout_and_grade = init_spy, roll_spy
+        loop.train(cfg, run_dir, resume=resume, log=lambda m: None)
+        rewards = {}
+        for step, seqs in seen.pop("seqs", []):
+            rewards.setdefault(str(step), []).extend(s.reward for s in seqs)
+        seen["rewards"] = rewards
+        params = {n: t.detach().cpu().clone() for n, t in runs[0].backend.named_parameters_for_sync()}
+        if rank == 0:
+            torch.save(params, out + ".pt")
+        with open(f"{out}.rank{rank}.json", "w") as f:
+            json.dump(seen, f)
+        torch.distributed.barrier()
+        sys.stdout.flush()
+        os._exit(0)  # skip the interpreter teardown: gloo's threads can abort a normal exit
     """
 )
 
