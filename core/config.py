@@ -542,6 +542,10 @@ class TrainerConfig(_Section):
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    adam_eps: float = Field(
+        1e-8, gt=0, description="AdamW epsilon (torch and Hugging Face `adam_epsilon` default 1e-8). Adam's first "
+        "step moves each weight by about lr * g / (|g| + eps): a larger eps damps weights whose gradient is near 0."
+    )
     warmup_steps: int = Field(0, ge=0, description="Linear LR warmup, in `lr_schedule_unit`s.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR after warmup.")
     lr_schedule_unit: Literal["optimizer_step", "rollout_step"] = Field(

@@ -139,7 +139,7 @@ def build_ds_config(trainer_cfg: Any, *, bf16: bool, offload: bool, own_clip: bo
             "params": {
                 "lr": float(trainer_cfg.lr),
                 "betas": list(trainer_cfg.betas),
-                "eps": 1e-8,
+                "eps": float(trainer_cfg.adam_eps),
                 "weight_decay": float(trainer_cfg.weight_decay),
             },
         }
@@ -220,7 +220,7 @@ class DeepSpeedBackend:
         own_clip = self.zero_stage == 0 and not bf16
         ds_config = build_ds_config(tcfg, bf16=bf16, offload=offload, own_clip=own_clip)
         groups = adamw_param_groups(model, tcfg.weight_decay)
-        adam_kw = {"lr": tcfg.lr, "betas": tuple(tcfg.betas), "eps": 1e-8}
+        adam_kw = {"lr": tcfg.lr, "betas": tuple(tcfg.betas), "eps": tcfg.adam_eps}
         if offload:
             optimizer = None  # DeepSpeed builds its CPU Adam from the config over `groups`
         elif own_clip:

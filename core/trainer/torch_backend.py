@@ -77,6 +77,7 @@ class TorchBackend:
             adamw_param_groups(model, self.tcfg.weight_decay),
             lr=self.tcfg.lr,
             betas=tuple(self.tcfg.betas),
+            eps=self.tcfg.adam_eps,
         )
         self.scheduler = make_lr_scheduler(self.optimizer, self.tcfg, total_optimizer_steps)
         self.updates_applied = 0

@@ -38,8 +38,14 @@ from test_multirank_loop import torchrun  # noqa: E402  (same launcher, same tim
 
 SPLITS = [[2, 4], [6, 0]]
 
+# adam_eps 1e-5 (default 1e-8): Adam's first step moves a weight by lr * g / (|g| + eps), so a float
+# rounding difference in g (other forward shapes and summation order on 2 ranks) is multiplied by
+# up to lr / eps where |g| is near eps. With 1e-8, one weight whose gradient happened to be 2e-8
+# (median |g| 2e-3) moved 1.5e-5 apart on 2 ranks, over the 1e-5 tolerance, and as far in one
+# process (micro-batches of 1 vs 2 rows: 5e-5), with or without the extra. A real divergence (a
+# normalizer, threshold or selection that is not global) changes the gradients at O(1): still caught.
 BASE = {
-    "trainer": {"lr": 1e-3, "micro_batch_size": 2, "logits_chunk_size": 7, "zero_stage": 3,
+    "trainer": {"lr": 1e-3, "adam_eps": 1e-5, "micro_batch_size": 2, "logits_chunk_size": 7, "zero_stage": 3,
                 "zero3_param_persistence_threshold": 0},
     "rollout": {"prompts_per_step": 3, "n": 2},
     "algorithm": {"token_weighting": "s2t", "mini_batches": 2,
