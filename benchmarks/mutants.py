@@ -185,9 +185,6 @@ MUTANTS: list[Mutant] = [
            "return abs(pred_value - g.num.value) <= Fraction(1, 2 * 10**d)",
            "return abs(pred_value - g.num.value) <= Fraction(1, 2 * 10 ** (d - 1))", NUMERIC,
            "a rounded gold matches answers 10x too far away"),
-    Mutant("rounded-gold-float-slack-dropped", "verifier_service/grader.py",
-           "<= 0.5 * 10**-d * (1 + 1e-9)", "<= 0.5 * 10**-d", NUMERIC,
-           "an exact answer at the rounding boundary rejected by float noise"),
 ]
 
 

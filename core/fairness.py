@@ -54,7 +54,7 @@ KEY_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("grader", ("reward.mode", "reward.think", "reward.deadline_s")),
     ("sampler", ("rollout.temperature", "rollout.top_p", "rollout.ignore_eos")),
     ("schedule", ("trainer.max_steps", "trainer.lr", "trainer.warmup_steps", "trainer.lr_schedule_unit",
-                  "trainer.lr_schedule", "trainer.weight_decay", "trainer.betas", "trainer.max_grad_norm")),
+                  "trainer.lr_schedule", "trainer.weight_decay", "trainer.betas", "trainer.adam_eps", "trainer.max_grad_norm")),
     ("execution", (
         "logging.", "checkpoint.", "eval.every", "reward.urls", "reward.token", "reward.workers", "reward.retries",
         "reward.max_failure_frac", "trainer.micro_batch_size", "trainer.logits_chunk_size", "trainer.fused_loss",

@@ -473,6 +473,7 @@ class GraderPool:
         # it joins every child, so a process that never closed its pool does not wait on its workers.
         multiprocessing.util.Finalize(self, stop_generations, args=(self._gens,), exitpriority=10)
         self._gen_started = 0.0
+        self._unready_since: float | None = None
         self._ready_event = threading.Event()
         self._progress = self._ctx.RawArray("d", 3 * self.size)  # per slot: task seq, item start, item index
         self._ready_r, self._ready_w = self._ctx.Pipe(duplex=False)
@@ -507,6 +508,7 @@ class GraderPool:
         gen = Generation(ctx, pool)
         self._gens.append(gen)
         self._gen_started = time.monotonic()
+        self._unready_since = self._gen_started
         try:
             pool.active  # noqa: B018 - pebble starts its workers on first use; start them now
         except Exception as err:  # the fork server is gone, no fds left, ...: a failed start
@@ -1076,6 +1078,7 @@ class GraderPool:
         if gen is None:
             return
         gen.ready.add(pid)  # (a worker may report before its Process object knows its pid)
+        self._unready_since = None
         self._start_failures = 0
         self._backoff_s = 1.0
         if self._broken and self._restart_at == math.inf:
@@ -1108,8 +1111,14 @@ class GraderPool:
                     self._start_failures += 1
                     self.stats["start_errors"] += 1
                 gen.ready.discard(p.pid)
+            # time without any ready worker: since the generation started, or since its last ready
+            # worker was killed or retired (replacements must report ready within the same timeout)
+            if gen.ready:
+                self._unready_since = None
+            elif self._unready_since is None:
+                self._unready_since = time.monotonic()
             starting_too_long = (
-                not gen.ready and time.monotonic() - self._gen_started > self.startup_timeout_s
+                not gen.ready and time.monotonic() - self._unready_since > self.startup_timeout_s
             )
             if self._start_failures > self.max_start_failures or starting_too_long:
                 self._break_for_a_while()
