@@ -13,7 +13,6 @@ one (1e-5).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import textwrap
@@ -24,7 +23,7 @@ import torch
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.long
 
-from test_multirank_loop import LOOP_SCRIPT, OVERRIDES, _rows, torchrun  # noqa: E402
+from test_multirank_loop import OVERRIDES, _rows, run_loop_two_ranks, torchrun  # noqa: E402
 
 FIXED_SCRIPT = textwrap.dedent(
     """
@@ -138,11 +137,8 @@ DEEP = [o for o in OVERRIDES if not o.startswith(("logging.dump_tokens_every", "
 
 
 def test_two_rank_deep_grpo_stays_in_lockstep(tmp_path):
-    script = tmp_path / "run_loop.py"
-    script.write_text(LOOP_SCRIPT)
     run = tmp_path / "deep"
-    torchrun([str(script), str(run), str(tmp_path / "out"), "0", json.dumps(DEEP)], tmp_path)
-    seen = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(2)]
+    seen = run_loop_two_ranks(tmp_path, run, DEEP)
     assert all(s["partitioned"] == s["n_params"] > 0 for s in seen), "ZeRO-3 must partition every parameter"
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2]

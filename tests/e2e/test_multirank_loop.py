@@ -163,13 +163,19 @@ def _rows(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 
 
-def test_two_rank_loop_completes_resumes_and_logs_global_metrics(tmp_path):
+def run_loop_two_ranks(tmp_path: Path, run_dir: Path, overrides: list[str], *, resume: bool = False) -> list[dict]:
+    """``LOOP_SCRIPT`` on 2 ranks into ``run_dir``; returns what each rank saw. Rank 0 saves the final
+    parameters to ``<tmp_path>/<run_dir.name>_out.pt``."""
     script = tmp_path / "run_loop.py"
     script.write_text(LOOP_SCRIPT)
-    a = tmp_path / "a"
-    torchrun([str(script), str(a), str(tmp_path / "a_out"), "0", json.dumps(OVERRIDES)], tmp_path)
+    out = tmp_path / f"{run_dir.name}_out"
+    torchrun([str(script), str(run_dir), str(out), "1" if resume else "0", json.dumps(overrides)], tmp_path)
+    return [json.loads((tmp_path / f"{out.name}.rank{r}.json").read_text()) for r in range(2)]
 
-    seen = [json.loads((tmp_path / f"a_out.rank{r}.json").read_text()) for r in range(2)]
+
+def test_two_rank_loop_completes_resumes_and_logs_global_metrics(tmp_path):
+    a = tmp_path / "a"
+    seen = run_loop_two_ranks(tmp_path, a, OVERRIDES)
     assert all(s["partitioned"] == s["n_params"] > 0 for s in seen), "ZeRO-3 must partition every parameter"
     rows = _rows(a)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -188,7 +194,7 @@ def test_two_rank_loop_completes_resumes_and_logs_global_metrics(tmp_path):
     b = tmp_path / "b"
     shutil.copytree(a, b)
     shutil.rmtree(b / "checkpoints" / "step_000003")
-    torchrun([str(script), str(b), str(tmp_path / "b_out"), "1", json.dumps(OVERRIDES)], tmp_path)
+    run_loop_two_ranks(tmp_path, b, OVERRIDES, resume=True)
     assert _rows(b) == rows
     pa, pb = torch.load(tmp_path / "a_out.pt"), torch.load(tmp_path / "b_out.pt")
     for n in pa:
@@ -201,7 +207,6 @@ def test_two_rank_loop_completes_resumes_and_logs_global_metrics(tmp_path):
 def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch",
                  tokens: int | None = None) -> tuple[dict, dict]:
     """``loop.update_policy`` on one fixed 6-sequence batch; this rank holds rows ``split[rank]``.
-    ``tokens``: packed micro-batches of that token budget (else rows of 2, padded).
     ``tokens``: packed micro-batches of that token budget (else rows of 2, padded).
 
     2 mini-batches x micro-batches of 2, S2T with tau_h resolved at ``scope`` (``minibatch``: every
