@@ -99,6 +99,7 @@ class FaultInjection:
     """Deliberate slowness / failure of the producer, for tests and benchmarks only."""
 
     delay_s: float = 0.0  # sleep before generating each batch (a slow producer)
+    step_delays: dict[int, float] = field(default_factory=dict)  # extra sleep before these steps' batches
     die_at_step: int | None = None  # exit abruptly (os._exit) while producing this step's batch
     raise_at_step: int | None = None  # raise an exception (reported with its traceback) at this step
 
@@ -344,8 +345,8 @@ def producer_main(cfg_data: dict[str, Any], start: int, end: int, weights_q: Any
                 run.engine.load_weights(w.state.items())
                 version = want
             t_start = time.time()
-            if fault.delay_s:
-                time.sleep(fault.delay_s)
+            if fault.delay_s or step in fault.step_delays:
+                time.sleep(fault.delay_s + fault.step_delays.get(step, 0.0))
             seed_everything(derive_seed(cfg.trainer.seed, step))  # as the synchronous loop at a step's start
             run.engine.completions = []
             seqs, metrics = rollout_and_grade(run, step, 0)
