@@ -29,13 +29,20 @@ Failure: if the producer dies (crash, OOM kill, an exception in grading), :meth:
 :class:`ProducerDied` with its exit code and, when it could send one, its traceback, within a
 fraction of a second; it never waits forever on a dead process.
 
-Scope: one learner rank (``trainer.backend=torch`` or a single-rank DeepSpeed run), ``rollout.engine=hf``;
-:func:`check_supported` refuses the rest with a clear error when the run starts (docs/async.md).
+Several learner ranks (data parallelism) stay in lockstep: rank 0 owns the one producer, which
+samples and grades every rank's share of the step (each with that rank's seed, exactly what the
+rank would have sampled itself), and broadcasts the whole batch, or the producer's failure, to all
+ranks; every rank then takes its share. Which version sampled a step is fixed by the step, so the
+staleness, and every decision that follows from it, is the same on every rank. Weights go to the
+producer from rank 0 at each version boundary (under ZeRO-3 every rank joins the parameter
+gathers). Scope: ``rollout.engine=hf``; :func:`check_supported` refuses the rest with a clear error
+when the run starts (docs/async.md).
 """
 
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import queue
 import time
@@ -79,12 +86,6 @@ def check_supported(cfg: Any, world_size: int) -> None:
     """Refuse, naming the field, what asynchronous rollouts do not support yet (docs/async.md)."""
     if not cfg.rollout.async_.enabled:
         return
-    if world_size > 1:
-        raise ValueError(
-            f"rollout.async.enabled runs with one learner rank for now (this run has {world_size}): a producer "
-            "feeding every rank the same global decisions is not built yet; set rollout.async.enabled=false "
-            "for data-parallel runs (docs/async.md)"
-        )
     if cfg.rollout.engine != "hf":
         raise ValueError("rollout.async.enabled supports rollout.engine=hf for now (docs/async.md)")
     if cfg.algorithm.off_policy.min_variance_baseline and cfg.trainer.backend != "torch":
@@ -106,12 +107,11 @@ class FaultInjection:
 
 @dataclass
 class ProducedBatch:
-    """One step's round-0 rollouts, graded, from the producer."""
+    """One step's round-0 rollouts, graded, from the producer: one share per learner rank."""
 
     step: int
     version: int  # the policy version that sampled it
-    seqs: list[Any]  # stapo.core.loop.Sequence_, behaviour_logprobs and version set
-    metrics: dict[str, float]
+    shares: list[tuple[list[Any], dict[str, float]]]  # per rank: (Sequence_ with behaviour_logprobs + version, metrics)
     produced_at: float = 0.0  # time.time() when it was put on the queue
     started_at: float = 0.0  # time.time() when its generation began
 
@@ -145,7 +145,7 @@ class AsyncRollouts:
     """
 
     def __init__(self, cfg: Any, named_params: Iterable[tuple[str, torch.Tensor]], *, start: int = 0,
-                 end: int | None = None, fault: FaultInjection | None = None) -> None:
+                 end: int | None = None, world_size: int = 1, fault: FaultInjection | None = None) -> None:
         import torch.multiprocessing as mp
 
         self.cfg = cfg
@@ -160,7 +160,8 @@ class AsyncRollouts:
         data = cfg.model_dump(mode="json", by_alias=True) if isinstance(cfg, Config) else cfg
         self._proc = ctx.Process(
             target=producer_main,
-            args=(data, start, self.end, self._weights, self._batches, torch.get_num_threads(), fault or FaultInjection()),
+            args=(data, start, self.end, world_size, self._weights, self._batches, torch.get_num_threads(),
+                  fault or FaultInjection()),
             name="stapo-rollout-producer",
             daemon=False,  # it starts grader worker processes of its own (a daemon may not)
         )
@@ -321,10 +322,10 @@ def _next_weights(q: Any, want: int) -> _Weights | None:
             return item
 
 
-def producer_main(cfg_data: dict[str, Any], start: int, end: int, weights_q: Any, out_q: Any, threads: int,
-                  fault: FaultInjection) -> None:
+def producer_main(cfg_data: dict[str, Any], start: int, end: int, world_size: int, weights_q: Any, out_q: Any,
+                  threads: int, fault: FaultInjection) -> None:
     """The producer process: for each step, wait for its generating version, load it, sample and
-    grade the step's prompts, send the batch."""
+    grade every learner rank's share of the step's prompts (as that rank would), send the batch."""
     step = start
     run = None
     try:
@@ -334,6 +335,7 @@ def producer_main(cfg_data: dict[str, Any], start: int, end: int, weights_q: Any
 
         cfg = config_from_dict(cfg_data)
         run = _ProducerRun(cfg)
+        run.world_size = world_size
         k = cfg.rollout.async_.max_staleness
         version = None
         for step in range(start + 1, end + 1):
@@ -347,22 +349,26 @@ def producer_main(cfg_data: dict[str, Any], start: int, end: int, weights_q: Any
             t_start = time.time()
             if fault.delay_s or step in fault.step_delays:
                 time.sleep(fault.delay_s + fault.step_delays.get(step, 0.0))
-            seed_everything(derive_seed(cfg.trainer.seed, step))  # as the synchronous loop at a step's start
-            run.engine.completions = []
-            seqs, metrics = rollout_and_grade(run, step, 0)
+            shares = []
+            for rank in range(world_size):
+                run.rank = rank  # this rank's prompts and sampling seed (rollout_and_grade reads both)
+                seed_everything(derive_seed(cfg.trainer.seed, step))  # as the synchronous loop at a step's start
+                run.engine.completions = []
+                seqs, metrics = rollout_and_grade(run, step, 0)
+                comps = run.engine.completions
+                if len(comps) != len(seqs):
+                    raise RuntimeError(f"producer: {len(comps)} completions for {len(seqs)} sequences")
+                for s, c in zip(seqs, comps, strict=True):
+                    if list(c.token_ids) != list(s.response_ids):
+                        raise RuntimeError("producer: completions and sequences out of order")
+                    s.behaviour_logprobs = [float(x) for x in c.logprobs]
+                    s.version = version
+                shares.append((seqs, metrics))
             if fault.raise_at_step == step:
                 raise RuntimeError(f"fault injected at step {step}")
             if fault.die_at_step == step:
                 os._exit(3)
-            comps = run.engine.completions
-            if len(comps) != len(seqs):
-                raise RuntimeError(f"producer: {len(comps)} completions for {len(seqs)} sequences")
-            for s, c in zip(seqs, comps, strict=True):
-                if list(c.token_ids) != list(s.response_ids):
-                    raise RuntimeError("producer: completions and sequences out of order")
-                s.behaviour_logprobs = [float(x) for x in c.logprobs]
-                s.version = version
-            out_q.put(ProducedBatch(step, version, seqs, metrics, produced_at=time.time(), started_at=t_start))
+            out_q.put(ProducedBatch(step, version, shares, produced_at=time.time(), started_at=t_start))
     except BaseException:  # report everything, then exit non-zero
         try:
             out_q.put(_Failure(step, traceback.format_exc()))
@@ -381,33 +387,79 @@ class AsyncLearner:
 
     ``rollouts(step)`` replaces the loop's own sampling of round 0 (DAPO's refill rounds, if any,
     are sampled by the learner's engine with the current weights: on-policy, staleness 0);
-    ``publish(step)`` sends the weights after step t (version t) to the producer.
+    ``publish(step)`` sends the weights after step t (version t) to the producer. Every rank calls
+    both; rank 0 owns the producer and broadcasts what it delivers (or how it failed).
     """
 
     def __init__(self, run: Any, start: int) -> None:
-        check_supported(run.cfg, int(getattr(run, "world_size", 1)))
+        self.world_size = int(getattr(run, "world_size", 1))
+        self.rank = int(getattr(run, "rank", 0))
+        check_supported(run.cfg, self.world_size)
         self.run = run
-        self.rollouts_ = AsyncRollouts(run.cfg, run.backend.named_parameters_for_sync(), start=start)
+        self.start = start
+        self.k = int(run.cfg.rollout.async_.max_staleness)
+        named = run.backend.named_parameters_for_sync()  # under ZeRO-3 a collective: every rank iterates it
+        if self.rank == 0:
+            self.rollouts_: AsyncRollouts | None = AsyncRollouts(run.cfg, named, start=start,
+                                                                 world_size=self.world_size)
+        else:
+            self.rollouts_ = None
+            for _ in named:
+                pass
+
+    def stale(self, step: int) -> bool:
+        """Whether step ``step``'s round-0 batch was sampled by older weights than the step starts
+        from: fixed by the step, hence the same decision on every rank."""
+        return staleness(step, generating_version(step, self.k, self.start)) > 0
 
     def rollouts(self, step: int) -> tuple[list[Any], dict[str, float]]:
-        t0 = time.time()
-        b = self.rollouts_.next_batch(step)
         from stapo.core.loop import record_groups
+        from stapo.core.sampler import prompts_per_round
 
+        t0 = time.time()
+        got: ProducedBatch | str | None = None
+        failure: Exception | None = None
+        if self.rollouts_ is not None:
+            try:
+                got = self.rollouts_.next_batch(step)
+            except Exception as err:  # every rank must learn of it, or the others wait forever
+                failure, got = err, f"{type(err).__name__}: {err}"
+        if self.world_size > 1:
+            got = broadcast_from_rank0(got)
+        if failure is not None:
+            raise failure
+        if not isinstance(got, ProducedBatch):
+            raise ProducerDied(f"rank 0's rollout producer failed at step {step}: {got}")
+        seqs, produced = got.shares[self.rank]
         # the learner's prompt sampler learns from the groups as if it had sampled them (its metrics)
-        idx = self.run.sampler.select(step, 0, self.run.cfg.rollout.prompts_per_step)
-        record_groups(self.run, idx, b.seqs)
-        metrics = dict(b.metrics)
-        metrics["async/wait_s"] = time.time() - t0  # learner idle, waiting for the producer
-        metrics["async/staleness"] = float(staleness(step, b.version))
-        metrics["async/version"] = float(b.version)
-        return b.seqs, metrics
+        idx = self.run.sampler.select(step, 0, prompts_per_round(self.run.cfg))
+        record_groups(self.run, idx[self.rank :: self.world_size], seqs)
+        metrics = dict(produced)
+        metrics["async/wait_s"] = time.time() - t0  # learner idle, waiting for the producer (or rank 0)
+        metrics["async/staleness"] = float(staleness(step, got.version))
+        metrics["async/version"] = float(got.version)
+        return seqs, metrics
 
     def publish(self, step: int) -> None:
-        self.rollouts_.publish(step, self.run.backend.named_parameters_for_sync())
+        named = self.run.backend.named_parameters_for_sync()  # every rank: ZeRO-3 gathers
+        if self.rollouts_ is not None:
+            self.rollouts_.publish(step, named)
+        else:
+            for _ in named:
+                pass
 
     def close(self) -> None:
-        self.rollouts_.close()
+        if self.rollouts_ is not None:
+            self.rollouts_.close()
+
+
+def broadcast_from_rank0(obj: Any) -> Any:
+    """Rank 0's picklable ``obj`` on every rank of the default process group."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 @dataclass
@@ -491,13 +543,16 @@ def sequence_grad_sq_norms(backend: Any, batch: Any, rows: list[int], temperatur
 
 
 def off_policy_step(run: Any, seqs: list[Any], batch: Any, proximal: torch.Tensor, step: int,
-                    temperature: float) -> OffPolicyStep | None:
+                    temperature: float, dp: Any = None) -> OffPolicyStep | None:
     """The off-policy corrections of this step's update (None when every row is on-policy and no
     baseline is configured: the update is then exactly the synchronous one).
 
-    Rows are ``seqs`` (the batch's real rows, in order). With ``min_variance_baseline`` the rows'
+    Rows are ``seqs`` (this rank's real rows, in order). With ``min_variance_baseline`` the rows'
     advantages are recomputed in place (``seqs[i].advantage`` and ``batch.advantages``) with VCPO's
-    baseline over each group's rows in the batch.
+    baseline over each group's rows in the batch (a group never spans ranks). With data
+    parallelism (``dp``: stapo.core.distributed.DataParallel) the decisions are global: whether
+    any row is stale, the ESS and so the LR multiplier (a rank stepping with another LR would
+    update its ZeRO partition differently), and the logged statistics.
     """
     from stapo.core.algos.offpolicy import (
         behaviour_weights,
@@ -512,24 +567,34 @@ def off_policy_step(run: Any, seqs: list[Any], batch: Any, proximal: torch.Tenso
     n = len(seqs)
     mask = batch.response_mask[:n]
     beh, stale = behaviour_logprobs(seqs, batch, proximal, step)
-    if not bool(stale.any()) and not op.min_variance_baseline:
-        return None
     prox = proximal[:n]
     beh = beh[:n]
     w_seq = sequence_importance_weights(prox, beh, mask)  # [n]
-    ess, ess_ratio = effective_sample_size(w_seq)
-    scale = ess_lr_scale(ess_ratio, rule=op.ess_rule, base_ratio=op.ess_base_ratio) if op.ess_lr_scaling else 1.0
     rs = ratio_stats(prox, beh, mask)
+    local = [float(stale.sum()), float(n), rs["count"], rs["sum"], rs["k3_sum"]]
+    n_stale, n_all, count, ratio_sum, k3_sum = dp.sum(local) if dp is not None else local
+    if n_stale == 0 and not op.min_variance_baseline:
+        return None
+    peaks = [rs["max"], -rs["min"], float(w_seq.max()) if n else float("nan")]  # maxima, NaN on a rank without rows
+    rows = dp.gather_rows(peaks) if dp is not None else [peaks]
+    ratio_max, neg_ratio_min, w_max = (max((v for v in col if not math.isnan(v)), default=float("nan"))
+                                       for col in zip(*rows, strict=True))
+    reduce = None
+    if dp is not None:
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            return torch.tensor(dp.sum(t.tolist()), dtype=t.dtype)
+    ess, ess_ratio = effective_sample_size(w_seq, all_reduce_sum=reduce)
+    scale = ess_lr_scale(ess_ratio, rule=op.ess_rule, base_ratio=op.ess_base_ratio) if op.ess_lr_scaling else 1.0
     metrics = {
-        "offpolicy/stale_frac": float(stale.float().mean()) if n else 0.0,
+        "offpolicy/stale_frac": n_stale / n_all if n_all else 0.0,
         "offpolicy/ess": ess,
         "offpolicy/ess_ratio": ess_ratio,
         "offpolicy/lr_scale": scale,
-        "offpolicy/ratio_mean": rs["sum"] / max(rs["count"], 1.0),
-        "offpolicy/ratio_max": rs["max"],
-        "offpolicy/ratio_min": rs["min"],
-        "offpolicy/kl_behaviour": rs["k3_sum"] / max(rs["count"], 1.0),
-        "offpolicy/seq_weight_max": float(w_seq.max()) if n else float("nan"),
+        "offpolicy/ratio_mean": ratio_sum / max(count, 1.0),
+        "offpolicy/ratio_max": ratio_max,
+        "offpolicy/ratio_min": -neg_ratio_min,
+        "offpolicy/kl_behaviour": k3_sum / max(count, 1.0),
+        "offpolicy/seq_weight_max": w_max,
     }
     if op.min_variance_baseline:
         t0 = time.time()

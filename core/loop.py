@@ -757,7 +757,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                     dump_rows = dump_candidates(cfg, kept)
                     dump_dist = dump_forward(run, batch, dump_rows, dp)  # the pre-update (sampled) policy
                 # async: stale rows (or VCPO's baseline) need the proximal policy's log-probs: the old pass
-                stale = asyn is not None and any(s.version is not None and s.version < step - 1 for s in kept)
+                stale = asyn is not None and asyn.stale(step)  # fixed by the step: the same on every rank
                 mvb = asyn is not None and cfg.algorithm.off_policy.min_variance_baseline
                 old_lp = old_ent = off = None
                 if stale or mvb or needs_old_pass(cfg, run.extras.needs_old_stats):
@@ -766,7 +766,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                     old_lp, old_ent = token_stats_batched(run.backend, batch, spec, stats_temperature(cfg),
                                                           calls=calls, pad_row=pad_row)
                     # stale rows (async): behaviour weights, VCPO's ESS-scaled LR and baseline
-                    off = off_policy_step(run, kept, batch, old_lp, step, stats_temperature(cfg)) if asyn else None
+                    off = off_policy_step(run, kept, batch, old_lp, step, stats_temperature(cfg), dp) if asyn else None
                     metrics.update(off.metrics if off is not None else {})
                     # reference / Lp-Reg proxy log-probs, STARE schedule, KL in the reward (every rank)
                     metrics.update(run.extras.prepare(batch, old_lp, old_ent, micro_batch=spec,

@@ -85,8 +85,9 @@ def test_every_batch_is_sampled_by_its_fixed_version_with_behaviour_logprobs(one
     for step, b in one_producer_run["batches"].items():
         assert b.step == step and b.version == generating_version(step, 2)
         assert staleness(step, b.version) == min(2, step - 1) <= 2
-        assert len(b.seqs) == 4 and all(s.version == b.version for s in b.seqs)
-        for s in b.seqs:  # behaviour log-probs of the sampled tokens, recorded at generation
+        [(seqs, _)] = b.shares  # one learner rank: one share
+        assert len(seqs) == 4 and all(s.version == b.version for s in seqs)
+        for s in seqs:  # behaviour log-probs of the sampled tokens, recorded at generation
             assert len(s.behaviour_logprobs) == len(s.response_ids)
             assert all(math.isfinite(x) and x <= 0 for x in s.behaviour_logprobs)
 

@@ -1,0 +1,128 @@
+"""Asynchronous rollouts in the real RL loop on 2 CPU ranks (gloo, torchrun) under DeepSpeed ZeRO-3.
+
+Rank 0 owns the one producer process; it samples and grades both ranks' shares (each with that
+rank's seed) and rank 0 broadcasts the batch, so the ranks stay in lockstep. What can fail here:
+
+* with max_staleness = 0 the 2-rank async run must make the 2-rank synchronous run's updates (same
+  seeds) to 1e-6: the producer must sample exactly what each rank would have, from the weights
+  rank 0 published (gathered under ZeRO-3 by both ranks);
+* with max_staleness = 1 every step's batch lags by exactly min(1, t - 1) versions on both ranks,
+  and the off-policy decisions (ESS, hence the LR multiplier) are global: a rank deciding alone
+  would step its ZeRO partition with another LR, or skip a collective and hang (the timeout).
+
+The three runs share one torchrun launch (starting two ranks costs more than the runs).
+Skipped without deepspeed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.long  # a torchrun launch, bounded at TIMEOUT_S
+
+from test_multirank_loop import TINY_SHAPE, torchrun  # noqa: E402
+
+RUNS_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, torch
+    from stapo.configs import preset_path
+    from stapo.core import loop
+    from stapo.core.config import load_config
+
+    if __name__ == "__main__":  # the producer (spawn) and the grader's workers import __main__ again
+        out, runs = sys.argv[1], json.loads(sys.argv[2])
+        rank = int(os.environ["RANK"])
+        made = []
+        orig_init = loop._Run.__init__
+
+        def init_spy(self, *a, **k):
+            orig_init(self, *a, **k)
+            made.append(self)
+
+        loop._Run.__init__ = init_spy
+        for name, overrides in runs.items():
+            loop.train(load_config(preset_path("tiny"), overrides), os.path.join(out, name), log=lambda m: None)
+            # every rank joins the ZeRO-3 gathers; rank 0 saves
+            params = {n: t.detach().cpu().clone() for n, t in made[-1].backend.named_parameters_for_sync()}
+            if rank == 0:
+                torch.save(params, os.path.join(out, name + ".pt"))
+        torch.distributed.barrier()
+        sys.stdout.flush()
+        os._exit(0)  # skip the interpreter teardown: gloo's threads can abort a normal exit
+    """
+)
+
+BASE = [
+    *TINY_SHAPE,
+    "trainer.backend=deepspeed", "trainer.device=auto", "trainer.zero_stage=3",
+    "trainer.zero3_param_persistence_threshold=0", "trainer.micro_batch_size=2", "trainer.max_steps=3",
+    # as tests/e2e/test_async_loop.py: overlong shaping gives a random model's rewards some spread
+    "algorithm.overlong.enabled=true", "rollout.max_new_tokens=16", "algorithm.overlong.buffer=15",
+    "algorithm.s2t.tau_p=0.5", "algorithm.s2t.tau_h_quantile=0.9", "trainer.lr=0.01", "data.val_size=0",
+    "logging.live=false", "logging.tensorboard=false", "logging.dump_tokens_every=0",
+    "checkpoint.export_hf=false", "reward.workers=1",
+]
+RUNS = {
+    "sync": BASE,
+    "k0": [*BASE, "rollout.async.enabled=true", "rollout.async.max_staleness=0", "algorithm.off_policy.ess_lr_scaling=true"],
+    "k1": [*BASE, "rollout.async.enabled=true", "rollout.async.max_staleness=1", "algorithm.off_policy.ess_lr_scaling=true"],
+}
+SKIP = ("time/", "perf/", "async/", "offpolicy/")
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _close(a: float, b: float, tol: float = 1e-6) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or abs(a - b) <= tol * max(1.0, abs(a))
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("async2")
+    (tmp / "runs.py").write_text(RUNS_SCRIPT)
+    torchrun([str(tmp / "runs.py"), str(tmp), json.dumps(RUNS)], tmp)
+    return tmp
+
+
+def test_two_rank_async_with_max_staleness_zero_is_the_two_rank_synchronous_loop(two_rank_runs):
+    sync, k0 = _metrics(two_rank_runs / "sync"), _metrics(two_rank_runs / "k0")
+    assert [r["step"] for r in k0] == [1, 2, 3]
+    assert any(r["actor/grad_norm"] > 0 for r in sync)  # the updates compared are real ones
+    for a, b in zip(sync, k0, strict=True):
+        a = {k: v for k, v in a.items() if not k.startswith(SKIP)}
+        b = {k: v for k, v in b.items() if not k.startswith(SKIP)}
+        assert a.keys() == b.keys()
+        assert all(_close(a[k], b[k]) for k in a), {k: (a[k], b[k]) for k in a if not _close(a[k], b[k])}
+    pa, pb = torch.load(two_rank_runs / "sync.pt"), torch.load(two_rank_runs / "k0.pt")
+    assert pa.keys() == pb.keys()
+    for n in pa:
+        assert (pa[n].double() - pb[n].double()).abs().max() <= 1e-6, n
+    assert [r["async/staleness"] for r in k0] == [0.0, 0.0, 0.0]
+
+
+def test_two_rank_one_step_off_policy_stays_within_the_bound_with_global_ess(two_rank_runs):
+    k1 = _metrics(two_rank_runs / "k1")
+    assert [r["async/staleness"] for r in k1] == [0.0, 1.0, 1.0]
+    assert [r["async/version"] for r in k1] == [0.0, 0.0, 1.0]
+    stale = [r for r in k1 if r["async/staleness"] > 0 and "offpolicy/ess" in r]
+    assert stale, "no stale step reached the update"
+    for r in stale:
+        assert r["offpolicy/stale_frac"] == 1.0
+        assert 0 < r["offpolicy/ess_ratio"] <= 1 + 1e-12
+        assert r["offpolicy/lr_scale"] == pytest.approx(math.sqrt(min(1.0, r["offpolicy/ess_ratio"])))
+        # both ranks' rows: 2 prompts x 4 responses over 2 ranks, ESS of at most all of them
+        assert r["offpolicy/ess"] <= r["batch/sequences"] + 1e-9
+        assert r["offpolicy/ratio_min"] <= r["offpolicy/ratio_mean"] <= r["offpolicy/ratio_max"]
+        assert r["offpolicy/ratio_max"] != r["offpolicy/ratio_min"]  # version 0 and 1 differ
+    # the k = 1 run is not the synchronous one: its steps 2 and 3 train on stale batches
+    sync = _metrics(two_rank_runs / "sync")
+    assert sync[0]["actor/loss"] == pytest.approx(k1[0]["actor/loss"], abs=1e-6)  # step 1 is on-policy
