@@ -42,6 +42,7 @@ when the run starts (docs/async.md).
 from __future__ import annotations
 
 import atexit
+import functools
 import math
 import os
 import queue
@@ -465,30 +466,62 @@ def broadcast_from_rank0(obj: Any) -> Any:
 @dataclass
 class OffPolicyStep:
     """What one update needs to correct for stale rows: each token's behaviour weight (1 on rows the
-    current weights sampled) and VCPO's LR multiplier for every optimizer step of this update."""
+    current weights sampled), each row's sequence importance weight, and VCPO's LR rule.
+
+    The LR multiplier is taken **per optimizer step**, from the ESS of that step's mini-batch (the
+    rows :meth:`weigh` was given), as the authors' code does: ``MegatronPPOActor`` calls
+    ``compute_ess_info`` on each mini-batch's trajectory records in ``_optimizer_step_with_buffer``
+    and scales that step's LR (github.com/mit-han-lab/vcpo, verl/workers/actor/megatron_actor.py).
+    With one mini-batch it is the batch's ESS. Data parallel: the ESS sums are taken over every
+    rank's rows of the mini-batch (``sum_ranks``), so every rank steps with the same LR.
+    """
 
     token_weights: torch.Tensor  # [N, L] sg[pi_prox / mu], 0 outside responses and above the cap
-    lr_scale: float
-    metrics: dict[str, float]
+    seq_weights: torch.Tensor  # [n] sequence importance weights of the real rows (1: on-policy row)
+    base_metrics: dict[str, float]
+    lr_rule: Any = None  # ESS / N -> LR multiplier (VCPO); None: the LR is left alone
+    sum_ranks: Any = None  # list[float] -> element-wise sums over data-parallel ranks; None: one rank
+    scales: list[float] = field(default_factory=list)  # the multipliers applied, one per optimizer step
+    _next: float = 1.0
 
     def weigh(self, tw: Any, rows: torch.Tensor) -> Any:
-        """The token weighting's output on mini-batch ``rows``, times the rows' behaviour weights."""
+        """The token weighting's output on mini-batch ``rows``, times the rows' behaviour weights;
+        sets the LR multiplier of the optimizer step that follows (this mini-batch's ESS)."""
         from stapo.core.algos.offpolicy import with_behaviour_weights
 
+        self._next = self.minibatch_lr_scale(rows)
         w = self.token_weights[rows.to(self.token_weights.device)]  # [b, L]
         if w.shape[0] < tw.weights.shape[0]:  # zero-weight padding rows of a data-parallel plan
             w = torch.cat([w, torch.zeros_like(tw.weights[w.shape[0]:], dtype=w.dtype)])
         return with_behaviour_weights(tw, w.to(tw.weights.device))
 
+    def minibatch_lr_scale(self, rows: torch.Tensor) -> float:
+        """VCPO's multiplier for the mini-batch of ``rows`` (this rank's; padding rows ignored).
+        Every rank calls it once per mini-batch: the ESS sums are global."""
+        from stapo.core.algos.offpolicy import effective_sample_size
+
+        if self.lr_rule is None:
+            return 1.0
+        r = rows.cpu()
+        w = self.seq_weights[r[r < self.seq_weights.shape[0]]]  # [b_real]
+        reduce = None
+        if self.sum_ranks is not None:
+            def reduce(t: torch.Tensor) -> torch.Tensor:
+                return torch.tensor(self.sum_ranks(t.tolist()), dtype=t.dtype)
+        _, ratio = effective_sample_size(w, all_reduce_sum=reduce)
+        return float(self.lr_rule(ratio))
+
     def step(self, backend: Any) -> dict[str, float]:
-        """``backend.step()`` at lr x ``lr_scale`` (VCPO). The LR schedule sets the next step's LR
-        from its own base, so nothing is restored after an applied step; a skipped step (non-finite
-        gradient) leaves the schedule where it was and the LR is put back."""
-        if self.lr_scale == 1.0:
+        """``backend.step()`` at lr x this mini-batch's multiplier (VCPO). The LR schedule sets the
+        next step's LR from its own base, so nothing is restored after an applied step; a skipped
+        step (non-finite gradient) leaves the schedule where it was and the LR is put back."""
+        scale, self._next = self._next, 1.0
+        self.scales.append(scale)
+        if scale == 1.0:
             return backend.step()
         groups = backend.optimizer.param_groups
         saved = [g["lr"] for g in groups]
-        scaled = [lr * self.lr_scale for lr in saved]
+        scaled = [lr * scale for lr in saved]
         for g, lr in zip(groups, scaled, strict=True):
             g["lr"] = lr
         out = backend.step()
@@ -496,8 +529,15 @@ class OffPolicyStep:
             if g["lr"] == lr1:  # the schedule did not move it (skipped step, or no scheduler)
                 g["lr"] = lr0
         out = dict(out)
-        out["lr"] = out.get("lr", saved[0]) * self.lr_scale
+        out["lr"] = out.get("lr", saved[0]) * scale
         return out
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The step's off-policy statistics; after the update, the LR multipliers it applied (mean
+        and minimum over optimizer steps; 1 before any step)."""
+        sc = self.scales or [1.0]
+        return {**self.base_metrics, "offpolicy/lr_scale": sum(sc) / len(sc), "offpolicy/lr_scale_min": min(sc)}
 
 
 def behaviour_logprobs(seqs: list[Any], batch: Any, proximal: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -579,17 +619,18 @@ def off_policy_step(run: Any, seqs: list[Any], batch: Any, proximal: torch.Tenso
     rows = dp.gather_rows(peaks) if dp is not None else [peaks]
     ratio_max, neg_ratio_min, w_max = (max((v for v in col if not math.isnan(v)), default=float("nan"))
                                        for col in zip(*rows, strict=True))
+    sum_ranks = dp.sum if dp is not None else None
     reduce = None
-    if dp is not None:
+    if sum_ranks is not None:
         def reduce(t: torch.Tensor) -> torch.Tensor:
-            return torch.tensor(dp.sum(t.tolist()), dtype=t.dtype)
-    ess, ess_ratio = effective_sample_size(w_seq, all_reduce_sum=reduce)
-    scale = ess_lr_scale(ess_ratio, rule=op.ess_rule, base_ratio=op.ess_base_ratio) if op.ess_lr_scaling else 1.0
+            return torch.tensor(sum_ranks(t.tolist()), dtype=t.dtype)
+    ess, ess_ratio = effective_sample_size(w_seq, all_reduce_sum=reduce)  # the step's batch (logged)
+    rule = (functools.partial(ess_lr_scale, rule=op.ess_rule, base_ratio=op.ess_base_ratio)
+            if op.ess_lr_scaling else None)
     metrics = {
         "offpolicy/stale_frac": n_stale / n_all if n_all else 0.0,
         "offpolicy/ess": ess,
         "offpolicy/ess_ratio": ess_ratio,
-        "offpolicy/lr_scale": scale,
         "offpolicy/ratio_mean": ratio_sum / max(count, 1.0),
         "offpolicy/ratio_max": ratio_max,
         "offpolicy/ratio_min": -neg_ratio_min,
@@ -616,4 +657,4 @@ def off_policy_step(run: Any, seqs: list[Any], batch: Any, proximal: torch.Tenso
         metrics["time/baseline_s"] = time.time() - t0
     token_w = torch.zeros_like(proximal)
     token_w[:n] = behaviour_weights(prox, beh, mask, cap=op.behaviour_weight_cap)
-    return OffPolicyStep(token_w, scale, metrics)
+    return OffPolicyStep(token_w, w_seq, metrics, lr_rule=rule, sum_ranks=sum_ranks)

@@ -767,7 +767,6 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                                                           calls=calls, pad_row=pad_row)
                     # stale rows (async): behaviour weights, VCPO's ESS-scaled LR and baseline
                     off = off_policy_step(run, kept, batch, old_lp, step, stats_temperature(cfg), dp) if asyn else None
-                    metrics.update(off.metrics if off is not None else {})
                     # reference / Lp-Reg proxy log-probs, STARE schedule, KL in the reward (every rank)
                     metrics.update(run.extras.prepare(batch, old_lp, old_ent, micro_batch=spec,
                                                       temperature=stats_temperature(cfg), calls=calls, pad_row=pad_row))
@@ -777,6 +776,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
                 hook = {"before_step": local} if local is not None else {}  # DEEP-GRPO's local loss, if any
                 metrics.update(update_policy(run, batch, old_lp, old_ent, step, counts=counts, record=record,
                                              off_policy=off, **hook))
+                metrics.update(off.metrics if off is not None else {})  # async: with the LR multipliers applied
                 metrics.update(run.deep.local_metrics(run.backend) if run.deep else {})
                 if dumping:
                     dump_tokens(run, step, kept, batch, dump_rows, dump_dist, record, dp)

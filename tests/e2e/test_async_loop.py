@@ -67,7 +67,8 @@ def test_max_staleness_zero_is_the_synchronous_loop(tmp_path, one_thread):
 def test_one_step_off_policy_with_vcpo_logs_staleness_ess_and_ratios(tmp_path, one_thread):
     loop.train(tiny("rollout.async.enabled=true", "rollout.async.max_staleness=1", "trainer.max_steps=3",
                     "algorithm.off_policy.ess_lr_scaling=true", "algorithm.off_policy.min_variance_baseline=true",
-                    "algorithm.off_policy.behaviour_weight_cap=5.0"), tmp_path / "k1", log=lambda m: None)
+                    "algorithm.off_policy.behaviour_weight_cap=5.0", "algorithm.mini_batches=2"),
+               tmp_path / "k1", log=lambda m: None)
     logged = read_jsonl(tmp_path / "k1" / "metrics.jsonl")
     assert [r["async/staleness"] for r in logged] == [0.0, 1.0, 1.0]
     assert [r["async/version"] for r in logged] == [0.0, 0.0, 1.0]
@@ -75,7 +76,9 @@ def test_one_step_off_policy_with_vcpo_logs_staleness_ess_and_ratios(tmp_path, o
         assert math.isfinite(r["actor/loss"]) and "stapo/silenced_frac" in r
         # the baseline is configured, so every updated step reports the off-policy block
         if "offpolicy/ess_ratio" in r:
-            assert 0 < r["offpolicy/ess_ratio"] <= 1 + 1e-12 and 0 < r["offpolicy/lr_scale"] <= 1
+            assert 0 < r["offpolicy/ess_ratio"] <= 1 + 1e-12
+            # one multiplier per optimizer step (2 mini-batches), each from its mini-batch's ESS
+            assert 0 < r["offpolicy/lr_scale_min"] <= r["offpolicy/lr_scale"] <= 1
             assert r["offpolicy/ratio_min"] <= r["offpolicy/ratio_mean"] <= r["offpolicy/ratio_max"]
     stale = [r for r in logged if r["async/staleness"] > 0 and "offpolicy/ess" in r]
     assert stale, "no stale step reached the update"

@@ -3,6 +3,7 @@ behaviour weight): hand-computed values on tiny tensors, and the no-op limits (w
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -152,13 +153,46 @@ def test_lr_scaled_step_uses_scaled_lr_and_leaves_the_schedule_alone() -> None:
                 opt.param_groups[0]["lr"] = 0.05  # the schedule's next LR
             return {"lr": 0.1, "skipped": float(self.skip)}
 
-    off = OffPolicyStep(torch.ones(1, 1), 0.25, {})
+    # one sequence carries the whole mini-batch: ESS / N = 1/4, the linear rule's multiplier 0.25
+    off = OffPolicyStep(torch.ones(4, 1), torch.tensor([2.0, 0.0, 0.0, 0.0], dtype=torch.float64), {},
+                        lr_rule=functools.partial(ess_lr_scale, rule="linear"))
+    rows = torch.arange(4)
+    off.weigh(_weights(4), rows)
     out = off.step(Backend(skip=False))
     assert seen[-1] == pytest.approx(0.025) and out["lr"] == pytest.approx(0.025)
     assert opt.param_groups[0]["lr"] == 0.05  # the schedule's value stands
     opt.param_groups[0]["lr"] = 0.1
+    off.weigh(_weights(4), rows)
     off.step(Backend(skip=True))
     assert seen[-1] == pytest.approx(0.025) and opt.param_groups[0]["lr"] == 0.1  # skipped: restored
+    assert off.metrics["offpolicy/lr_scale"] == pytest.approx(0.25)
+
+
+def _weights(b: int):
+    from stapo.core.algos.weights import TokenWeights
+
+    return TokenWeights(weights=torch.ones(b, 1), denom_mask=torch.ones(b, 1, dtype=torch.bool), info={})
+
+
+def test_lr_multiplier_is_each_mini_batchs_ess_summed_over_ranks() -> None:
+    """VCPO scales each optimizer step by its own mini-batch's ESS (the authors' code), not once per
+    batch: a mini-batch of equal weights runs at the full LR, one dominated by a sequence does not."""
+    from stapo.core.async_rollout import OffPolicyStep
+
+    w = torch.tensor([1.0, 1.0, 4.0, 0.0, 1.0], dtype=torch.float64)  # 5 real rows; row 5 = padding
+    off = OffPolicyStep(torch.ones(6, 1), w, {}, lr_rule=ess_lr_scale)  # sqrt rule
+    assert off.minibatch_lr_scale(torch.tensor([0, 1, 4])) == 1.0  # equal weights: ESS = N
+    # rows 2, 3 (+ the padding row, ignored): ESS = 4^2 / 16 = 1 of N = 2 -> sqrt(1/2)
+    assert off.minibatch_lr_scale(torch.tensor([2, 3, 5])) == pytest.approx(math.sqrt(0.5))
+    whole = ess_lr_scale(effective_sample_size(w)[1])  # the batch's multiplier: neither of the above
+    assert whole != pytest.approx(1.0) and whole != pytest.approx(math.sqrt(0.5))
+    # another rank's rows of the same mini-batch, weights [2, 2]: sums (1 + 1 + 2 + 2, 1 + 1 + 4 + 4, 4)
+    other = [4.0, 8.0, 2.0]
+    two = OffPolicyStep(torch.ones(6, 1), w, {}, lr_rule=ess_lr_scale,
+                        sum_ranks=lambda v: [a + b for a, b in zip(v, other, strict=True)])
+    assert two.minibatch_lr_scale(torch.tensor([0, 1])) == pytest.approx(math.sqrt(36 / 10 / 4))
+    without = OffPolicyStep(torch.ones(6, 1), w, {})  # ess_lr_scaling off
+    assert without.minibatch_lr_scale(torch.tensor([2, 3])) == 1.0
 
 
 def test_behaviour_logprobs_go_to_the_response_positions_of_stale_rows_only() -> None:
