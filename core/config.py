@@ -742,10 +742,11 @@ class Config(_Section):
         if not r.async_.enabled:
             return
         if self.data.sampler != "uniform":
-            raise ValueError("rollout.async.enabled needs data.sampler=uniform: the producer picks prompts ahead of "
-                             "the learner, before a teacher could learn from the current step")
-        if a.deep_grpo.enabled:
-            raise ValueError("rollout.async.enabled does not combine with algorithm.deep_grpo.enabled yet")
+            raise ValueError(
+                f"rollout.async.enabled needs data.sampler=uniform (got {self.data.sampler}): the producer draws "
+                "a step's prompts up to max_staleness steps ahead, before the teacher has learned from the steps "
+                "in between, and it would need the learner's teacher state (docs/async.md)"
+            )
 
 
 # ----------------------------------------------------------------------------- loading

@@ -2,7 +2,8 @@
 
 What can fail here: with max_staleness = 0 the async path must make the synchronous loop's updates
 (same seeds) to 1e-6; with max_staleness = 1 every step's batch must lag by exactly min(1, t - 1)
-versions and the off-policy statistics (staleness, ESS, ratios, the LR scale) must be logged.
+versions and the off-policy statistics (staleness, ESS, ratios, the per-mini-batch LR scale) must
+be logged, with DEEP-GRPO's branches (sampled by the learner from the stale roots) trained beside.
 """
 
 from __future__ import annotations
@@ -67,7 +68,10 @@ def test_max_staleness_zero_is_the_synchronous_loop(tmp_path, one_thread):
 def test_one_step_off_policy_with_vcpo_logs_staleness_ess_and_ratios(tmp_path, one_thread):
     loop.train(tiny("rollout.async.enabled=true", "rollout.async.max_staleness=1", "trainer.max_steps=3",
                     "algorithm.off_policy.ess_lr_scaling=true", "algorithm.off_policy.min_variance_baseline=true",
-                    "algorithm.off_policy.behaviour_weight_cap=5.0", "algorithm.mini_batches=2"),
+                    "algorithm.off_policy.behaviour_weight_cap=5.0", "algorithm.mini_batches=2",
+                    # DEEP-GRPO on the same run: branches from stale roots, sampled by the learner
+                    "algorithm.deep_grpo.enabled=true", "algorithm.deep_grpo.k_branches=2",
+                    "algorithm.deep_grpo.max_pivots=1", "algorithm.deep_grpo.lambda=1.0"),
                tmp_path / "k1", log=lambda m: None)
     logged = read_jsonl(tmp_path / "k1" / "metrics.jsonl")
     assert [r["async/staleness"] for r in logged] == [0.0, 1.0, 1.0]
@@ -85,3 +89,6 @@ def test_one_step_off_policy_with_vcpo_logs_staleness_ess_and_ratios(tmp_path, o
     for r in stale:  # a step's weights really moved between version 0 and 1: ratios are not all 1
         assert r["offpolicy/stale_frac"] == 1.0 and r["offpolicy/ratio_max"] != r["offpolicy/ratio_min"]
     assert logged[0]["offpolicy/ess_ratio"] == 1.0 and logged[0]["offpolicy/lr_scale"] == 1.0  # on-policy step
+    # DEEP-GRPO ran beside the stale roots: pivots among their failures, a local loss on the branches
+    assert all(r["deep/pivots"] == 1.0 and r["deep/branches"] == 2.0 for r in logged)
+    assert any(r.get("deep/local_tokens", 0.0) > 0 for r in stale), "the local loss never ran on a stale step"
