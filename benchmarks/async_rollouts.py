@@ -9,7 +9,9 @@ Reported per run: median ``time/step_s`` over the steps after ``--skip`` (the fi
 producer's start-up and, with k >= 1, a step with nothing to overlap), generated tokens per second
 over those steps (global response tokens / wall time of the steps), the learner's median wait for
 rollouts, and the on/off ratios. Runs alternate off/on ``--rounds`` times in one process; the table
-shows the median of each.
+shows the median of each. So that a shared machine's share of CPU can be told apart from overlap,
+each run also reports the CPU seconds its processes used per step (this process and its reaped
+children: the producer and the grader workers) and the 1-minute load average before and after it.
 
     python benchmarks/async_rollouts.py                       # tiny policy, 8 steps, 2 rounds
     python benchmarks/async_rollouts.py --hidden 256 --layers 4 --steps 10 --max-new-tokens 48
@@ -45,9 +47,12 @@ def run_once(args: argparse.Namespace, async_on: bool, root: Path, tag: str) -> 
                  "algorithm.off_policy.ess_lr_scaling=true"]
     cfg = load_config(preset_path("demo"), over)
     run_dir = root / tag
+    load0 = os.getloadavg()[0]
+    cpu0 = _cpu_s()
     t0 = time.time()
     loop.train(cfg, run_dir, log=lambda m: None)
     wall = time.time() - t0
+    cpu = _cpu_s() - cpu0
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] > args.skip]
     step_s = [r["time/step_s"] for r in rows]
     tokens = sum(r["response_length/mean"] * args.prompts * args.n for r in rows)
@@ -58,7 +63,18 @@ def run_once(args: argparse.Namespace, async_on: bool, root: Path, tag: str) -> 
         "rollout_s": statistics.median([r["time/rollout_s"] for r in rows]),
         "train_s": statistics.median([r["time/train_s"] for r in rows]),
         "wall_s": wall,
+        "cpu_s_per_step": cpu / args.steps,  # whole run (start-up included) / steps
+        "load_before": load0,
+        "load_after": os.getloadavg()[0],
     }
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process and of its children that have been waited for."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def main() -> None:
@@ -83,15 +99,17 @@ def main() -> None:
     print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible; "
           f"tiny-random hidden {args.hidden} x {args.layers} layers, 4 prompts x 8 samples x "
           f"{args.max_new_tokens} tokens, steps {args.skip + 1}-{args.steps}, {args.rounds} rounds (medians)")
-    print("| async | time/step (s) | generated tok/s | learner waits for rollouts (s) | rollout (s) | update (s) |")
-    print("|---|---|---|---|---|---|")
+    print("| async | time/step (s) | generated tok/s | learner waits for rollouts (s) | rollout (s) | update (s) "
+          "| CPU s/step (all processes) | load avg before -> after |")
+    print("|---|---|---|---|---|---|---|---|")
     for m in ("off", "on"):
         d = med[m]
         label = "off" if m == "off" else f"on (k={args.max_staleness})"
-        print(f"| {label} | {d['step_s']:.2f} | {d['tokens_per_s']:.0f} | {d['wait_s']:.2f} | {d['rollout_s']:.2f} | "
-              f"{d['train_s']:.2f} |")
+        print(f"| {label} | {d['step_s']:.2f} | {d['tokens_per_s']:.1f} | {d['wait_s']:.2f} | {d['rollout_s']:.2f} | "
+              f"{d['train_s']:.2f} | {d['cpu_s_per_step']:.1f} | {d['load_before']:.1f} -> {d['load_after']:.1f} |")
     print(f"| on/off ratio | {med['on']['step_s'] / med['off']['step_s']:.2f}x | "
-          f"{med['on']['tokens_per_s'] / med['off']['tokens_per_s']:.2f}x | | | |")
+          f"{med['on']['tokens_per_s'] / med['off']['tokens_per_s']:.2f}x | | | | "
+          f"{med['on']['cpu_s_per_step'] / med['off']['cpu_s_per_step']:.2f}x | |")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ RUNS_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, torch
     from stapo.configs import preset_path
-    from stapo.core import loop
+    from stapo.core import async_rollout, loop
     from stapo.core.config import load_config
 
     if __name__ == "__main__":  # the producer (spawn) and the grader's workers import __main__ again
@@ -46,13 +46,24 @@ RUNS_SCRIPT = textwrap.dedent(
             orig_init(self, *a, **k)
             made.append(self)
 
-        loop._Run.__init__ = init_spy
+        scales = []  # the LR multiplier of every optimizer step on this rank, in order
+        orig_step = async_rollout.OffPolicyStep.step
+
+        def step_spy(self, backend):
+            out = orig_step(self, backend)
+            scales.append(self.scales[-1])
+            return out
+
+        loop._Run.__init__, async_rollout.OffPolicyStep.step = init_spy, step_spy
         for name, overrides in runs.items():
+            scales.clear()
             loop.train(load_config(preset_path("tiny"), overrides), os.path.join(out, name), log=lambda m: None)
             # every rank joins the ZeRO-3 gathers; rank 0 saves
             params = {n: t.detach().cpu().clone() for n, t in made[-1].backend.named_parameters_for_sync()}
             if rank == 0:
                 torch.save(params, os.path.join(out, name + ".pt"))
+            with open(os.path.join(out, f"{name}.rank{rank}.json"), "w") as f:
+                json.dump({"scales": scales}, f)
         torch.distributed.barrier()
         sys.stdout.flush()
         os._exit(0)  # skip the interpreter teardown: gloo's threads can abort a normal exit
@@ -113,12 +124,17 @@ def test_two_rank_one_step_off_policy_stays_within_the_bound_with_global_ess(two
     k1 = _metrics(two_rank_runs / "k1")
     assert [r["async/staleness"] for r in k1] == [0.0, 1.0, 1.0]
     assert [r["async/version"] for r in k1] == [0.0, 0.0, 1.0]
+    # every rank stepped its ZeRO partition with the same, global LR multiplier (a rank-local ESS
+    # would differ: the ranks hold different rows), and the stale steps were damped
+    seen = [json.loads((two_rank_runs / f"k1.rank{r}.json").read_text())["scales"] for r in range(2)]
+    assert seen[0] == seen[1] and len(seen[0]) >= 2 and min(seen[0]) < 1.0
     stale = [r for r in k1 if r["async/staleness"] > 0 and "offpolicy/ess" in r]
     assert stale, "no stale step reached the update"
     for r in stale:
         assert r["offpolicy/stale_frac"] == 1.0
         assert 0 < r["offpolicy/ess_ratio"] <= 1 + 1e-12
         assert r["offpolicy/lr_scale"] == pytest.approx(math.sqrt(min(1.0, r["offpolicy/ess_ratio"])))
+        assert r["offpolicy/lr_scale"] in seen[0]
         # both ranks' rows: 2 prompts x 4 responses over 2 ranks, ESS of at most all of them
         assert r["offpolicy/ess"] <= r["batch/sequences"] + 1e-9
         assert r["offpolicy/ratio_min"] <= r["offpolicy/ratio_mean"] <= r["offpolicy/ratio_max"]
