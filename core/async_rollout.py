@@ -83,7 +83,7 @@ def staleness(step: int, version: int) -> int:
     return step - 1 - version
 
 
-def check_supported(cfg: Any, world_size: int) -> None:
+def check_supported(cfg: Any) -> None:
     """Refuse, naming the field, what asynchronous rollouts do not support yet (docs/async.md)."""
     if not cfg.rollout.async_.enabled:
         return
@@ -395,7 +395,7 @@ class AsyncLearner:
     def __init__(self, run: Any, start: int) -> None:
         self.world_size = int(getattr(run, "world_size", 1))
         self.rank = int(getattr(run, "rank", 0))
-        check_supported(run.cfg, self.world_size)
+        check_supported(run.cfg)
         self.run = run
         self.start = start
         self.k = int(run.cfg.rollout.async_.max_staleness)
