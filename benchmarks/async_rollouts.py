@@ -87,7 +87,14 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-staleness", type=int, default=1)
     ap.add_argument("--reward-workers", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the learner (the producer inherits it); 0: torch's default. On a "
+                         "shared, loaded machine more than one thread per process can be many times slower")
     args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     args.prompts, args.n = 4, 8  # configs/demo.yaml
     res: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -98,7 +105,8 @@ def main() -> None:
     med = {m: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for m, rs in res.items()}
     print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible; "
           f"tiny-random hidden {args.hidden} x {args.layers} layers, 4 prompts x 8 samples x "
-          f"{args.max_new_tokens} tokens, steps {args.skip + 1}-{args.steps}, {args.rounds} rounds (medians)")
+          f"{args.max_new_tokens} tokens, steps {args.skip + 1}-{args.steps}, {args.rounds} rounds (medians), "
+          f"torch threads {args.threads or 'default'}")
     print("| async | time/step (s) | generated tok/s | learner waits for rollouts (s) | rollout (s) | update (s) "
           "| CPU s/step (all processes) | load avg before -> after |")
     print("|---|---|---|---|---|---|---|---|")

@@ -11,6 +11,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from stapo.core.async_rollout import (
     AsyncRollouts,
@@ -55,13 +56,23 @@ def one_producer_run():
     producer (imports, its own policy copy and grader pool) costs far more than the steps themselves.
 
     - steps 1-3, fast producer and slow learner (1.5 s per step): the producer runs ahead;
-    - steps 4-6, slow producer (1 s before steps 5 and 6) and fast learner: the learner waits;
+    - steps 4-6, slow producer (2.5 s and 1.5 s before steps 5 and 6; version 2 exists 1.5 s before
+      the learner asks for step 5) and fast learner: the learner waits;
     - step 7 (30 s before it): the producer is killed mid-step, after the learner took step 6.
     """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the producer inherits it: one thread is fastest on a shared, loaded machine
+    try:
+        return _run_phases()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_phases() -> dict:
     cfg = tiny_cfg(2, 8)
     _, named = params(cfg)
     out: dict = {"batches": {}, "published": {}, "waited": {}}
-    fault = FaultInjection(step_delays={5: 1.0, 6: 1.0, 7: 30.0})
+    fault = FaultInjection(step_delays={5: 2.5, 6: 1.5, 7: 30.0})
     with AsyncRollouts(cfg, named(), fault=fault) as ar:
         for step in range(1, 7):
             t0 = time.time()
