@@ -384,10 +384,21 @@ class DeepSpeedBackend:
         }
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"frozen_copy supports bfloat16 and float32, got {dtype}")
-        with ds.zero.Init(config_dict_or_path=config):  # fp32 unless bf16 is enabled above
-            ref = type(self.model)(copy.deepcopy(cfg))
+        from transformers.initialization import no_init_weights
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+        # As transformers builds a model under ZeRO-3: no weight init (the partitions are empty, and
+        # every weight is copied below) and RoPE buffers kept in their own dtype.
+        with no_init_weights(), prevent_arange_dtype_change(), ds.zero.Init(config_dict_or_path=config):
+            ref = type(self.model)(copy.deepcopy(cfg))  # fp32 unless bf16 is enabled above
+        if hasattr(ref, "tie_weights"):
+            ref.tie_weights()  # tied heads share the embedding, as in the policy (weight init skipped it)
         ref.requires_grad_(False)
         policy = dict(self.model.named_parameters())
+        names = [n for n, _ in ref.named_parameters()]
+        if sorted(names) != sorted(policy):
+            raise RuntimeError(f"frozen_copy: the rebuilt model's parameters differ from the policy's: "
+                               f"{sorted(set(names) ^ set(policy))[:5]}")
         for name, p in ref.named_parameters():
             src = policy[name]
             with self._gathered([src]), ds.zero.GatheredParameters([p], modifier_rank=0):
