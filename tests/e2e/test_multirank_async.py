@@ -8,9 +8,11 @@ rank's seed) and rank 0 broadcasts the batch, so the ranks stay in lockstep. Wha
   rank 0 published (gathered under ZeRO-3 by both ranks);
 * with max_staleness = 1 every step's batch lags by exactly min(1, t - 1) versions on both ranks,
   and the off-policy decisions (ESS, hence the LR multiplier) are global: a rank deciding alone
-  would step its ZeRO partition with another LR, or skip a collective and hang (the timeout).
+  would step its ZeRO partition with another LR, or skip a collective and hang (the timeout);
+* when rank 0's producer dies, every rank raises ProducerDied (rank 1 through rank 0's broadcast)
+  instead of waiting forever for a batch.
 
-The three runs share one torchrun launch (starting two ranks costs more than the runs).
+The four runs share one torchrun launch (starting two ranks costs more than the runs).
 Skipped without deepspeed.
 """
 
@@ -54,10 +56,27 @@ RUNS_SCRIPT = textwrap.dedent(
             scales.append(self.scales[-1])
             return out
 
+        orig_rollouts = async_rollout.AsyncRollouts.__init__
+        fault = {}
+
+        def rollouts_spy(self, *a, **k):  # the "dies" run: rank 0's producer exits while producing step 1
+            orig_rollouts(self, *a, **k, **fault)
+
         loop._Run.__init__, async_rollout.OffPolicyStep.step = init_spy, step_spy
+        async_rollout.AsyncRollouts.__init__ = rollouts_spy
         for name, overrides in runs.items():
             scales.clear()
-            loop.train(load_config(preset_path("tiny"), overrides), os.path.join(out, name), log=lambda m: None)
+            error = None
+            if name == "dies":
+                fault["fault"] = async_rollout.FaultInjection(die_at_step=1)
+            try:
+                loop.train(load_config(preset_path("tiny"), overrides), os.path.join(out, name), log=lambda m: None)
+            except async_rollout.ProducerDied as err:
+                error = str(err)
+            if name == "dies":
+                with open(os.path.join(out, f"{name}.rank{rank}.json"), "w") as f:
+                    json.dump({"error": error}, f)
+                continue
             # every rank joins the ZeRO-3 gathers; rank 0 saves
             params = {n: t.detach().cpu().clone() for n, t in made[-1].backend.named_parameters_for_sync()}
             if rank == 0:
@@ -87,6 +106,7 @@ RUNS = {
     "sync": BASE,
     "k0": [*BASE, "rollout.async.enabled=true", "rollout.async.max_staleness=0", "algorithm.off_policy.ess_lr_scaling=true"],
     "k1": [*BASE, "rollout.async.enabled=true", "rollout.async.max_staleness=1", "algorithm.off_policy.ess_lr_scaling=true"],
+    "dies": [*BASE, "rollout.async.enabled=true", "rollout.async.max_staleness=1", "trainer.max_steps=2"],  # last
 }
 SKIP = ("time/", "perf/", "async/", "offpolicy/", "reward/retried")  # the machine's load, not training
 
@@ -145,3 +165,10 @@ def test_two_rank_one_step_off_policy_stays_within_the_bound_with_global_ess(two
     # the k = 1 run is not the synchronous one: its steps 2 and 3 train on stale batches
     sync = _metrics(two_rank_runs / "sync")
     assert sync[0]["actor/loss"] == pytest.approx(k1[0]["actor/loss"], abs=1e-6)  # step 1 is on-policy
+
+
+def test_a_dead_producer_stops_every_rank_with_the_reason(two_rank_runs):
+    errors = [json.loads((two_rank_runs / f"dies.rank{r}.json").read_text())["error"] for r in range(2)]
+    assert errors[0] is not None and "exited with code 3 before delivering step 1" in errors[0]
+    assert errors[1] is not None and errors[1].startswith("rank 0's rollout producer failed at step 1: ProducerDied")
+    assert "exited with code 3" in errors[1]
