@@ -16,7 +16,7 @@ import threading
 import time
 from typing import NamedTuple
 
-from stapo.verifier_service.grader import GradeResult, dapo_line, marker_answer, quick_verdict
+from stapo.verifier_service.grader import GradeResult, dapo_line, marker_answer, quick_rule
 
 Item = tuple[str, str, str]
 """(prediction, gold, mode): what travels to a worker."""
@@ -81,7 +81,7 @@ def verdict_key(item: Item) -> VerdictKey | None:
 
 
 def inline_grade(gold: str, mode: str, vk: VerdictKey) -> GradeResult | None:
-    """The item's result when ``grader.quick_verdict`` decides it in this process, else None.
+    """The item's result, with its deciding rule, when ``grader.quick_rule`` decides it in this process, else None.
 
     Most first sights on an RL stream are integers against an integer gold (DAPO-Math-17k, GSM8K)
     or an answer equal to the gold up to markup: a worker would take microseconds to grade them,
@@ -89,12 +89,13 @@ def inline_grade(gold: str, mode: str, vk: VerdictKey) -> GradeResult | None:
     """
     t0 = time.perf_counter()
     try:
-        ok = quick_verdict(gold, vk.answer, mode)
+        quick = quick_rule(gold, vk.answer, mode)
     except Exception:  # the worker will say what went wrong
         return None
-    if ok is None:
+    if quick is None:
         return None
-    return GradeResult(ok, 1.0 if ok else 0.0, "ok", vk.extracted, (time.perf_counter() - t0) * 1e3)
+    ok, rule = quick
+    return GradeResult(ok, 1.0 if ok else 0.0, "ok", vk.extracted, (time.perf_counter() - t0) * 1e3, rule)
 
 
 def untimed(r: GradeResult) -> GradeResult:

@@ -31,8 +31,8 @@ from pydantic import (
 Mode = Literal["math", "dapo"]
 MODES: frozenset[str] = frozenset(get_args(Mode))
 """The modes as a set, for the hand check on the pool's hot path (pool.as_item)."""
-Status = Literal["ok", "no_answer", "timeout", "error", "too_large"]
-STATUSES: tuple[str, ...] = ("ok", "no_answer", "timeout", "error", "too_large")
+Status = Literal["ok", "no_answer", "undecided", "timeout", "error", "too_large"]
+STATUSES: tuple[str, ...] = ("ok", "no_answer", "undecided", "timeout", "error", "too_large")
 
 
 class VerifyItem(BaseModel):
@@ -65,7 +65,8 @@ class VerifyResult(BaseModel):
     correct: bool
     score: float = Field(description="1.0 / 0.0 for the binary modes.")
     status: Status = Field(
-        description="ok | no_answer | timeout | error | too_large; only 'ok' can be correct."
+        description="ok | no_answer | undecided | timeout | error | too_large; only 'ok' can be correct; "
+        "'undecided': an answer was found but the grader could not compare it with the gold (no verdict)."
     )
     extracted: str | None = Field(
         description="The answer text taken from the prediction, when one was found."
