@@ -449,9 +449,12 @@ def _rule_base(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
 
 
 def _numbers(gold: str, pred: str, g: _Info, p: _Info) -> tuple[Num, Num] | None:
-    # decimal commas "1000,99" only when no thousands reading exists, and only in predictions:
-    # answer keys write decimals with a point, so a gold "-3,0" is a list
-    p_num = p.num or (_decimal_comma(p, pred) if g.num is not None else None)
+    # decimal commas "1000,99" only when no thousands reading exists, only in predictions (answer
+    # keys write decimals with a point, so a gold "-3,0" is a list), and only against a gold that is
+    # not an integer: against an integer the reading could only add zeros ("-3,0" for -3), which is
+    # what a two-element list looks like
+    dec_gold = g.num is not None and g.num.value.denominator != 1
+    p_num = p.num or (_decimal_comma(p, pred) if dec_gold else None)
     return (g.num, p_num) if g.num is not None and p_num is not None else None
 
 

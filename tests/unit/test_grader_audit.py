@@ -48,7 +48,12 @@ FALSE_POSITIVES = [
     # a gold with a comma is a list, never a decimal comma (keys write decimals with a point)
     ("-3,0", "\\boxed{-3}", False),
     ("-3,0", "\\boxed{-3, 0}", True),
-    ("0.5", "\\boxed{0,5}", True),  # a prediction's decimal comma still reads
+    ("0.5", "\\boxed{0,5}", True),  # a prediction's decimal comma still reads against a non-integer gold
+    ("1.22", "\\boxed{1,22}", True),
+    ("\\frac{5}{2}", "\\boxed{2,5}", True),
+    ("1,22", "1.22", False),  # the gold is the list 1, 22
+    ("-3", "\\boxed{-3,0}", False),  # against an integer gold "-3,0" is a list, not -3.0
+    ("7", "\\boxed{7,0}", False),
     # rounded golds: only where the answer shows the gold was rounded (an exact value no finite
     # decimal equals, or 2+ more decimals), at the gold's precision
     ("1.5", "1.54", False),
