@@ -145,8 +145,9 @@ def rule_shares(batches: Sequence[RewardBatch]) -> dict[str, float]:
     """``reward/rule/<name>``: the share of this step's items whose verdict each grader rule decided.
 
     So a researcher sees when a rule starts paying out (a jump in ``reward/rule/rounded-gold`` or
-    ``reward/rule/math-verify``). ``none``: no rule ran (timeouts, errors, a cached verdict that
-    does not keep its rule). Shares of this rank's items.
+    ``reward/rule/math-verify``). ``undecided``: no rule could compare (those items are invalid).
+    ``none``: no rule ran (timeouts, errors) or the result does not say (the HTTP client's plain
+    results carry no rule). Shares of this rank's items.
     """
     total: Counter = Counter()
     for b in batches:

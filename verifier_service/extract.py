@@ -366,19 +366,8 @@ def _delimiters_closed(body: str) -> bool:
         return False
     if body.count("\\(") != body.count("\\)") or body.count("\\[") != body.count("\\]"):
         return False
-    depth = 0
-    i, n = 0, len(body)
-    while i < n:
-        c = body[i]
-        if c == "\\":
-            i += 2  # an escaped brace (or any escaped character) is not a group
-            continue
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-        i += 1
-    return depth == 0
+    # braces as groups (escaped \\{ \\} are characters); counted in C, not walked in Python
+    return body.count("{") - body.count("\\{") == body.count("}") - body.count("\\}")
 
 
 def response_finished(text: str, *, think: str = "optional") -> bool:

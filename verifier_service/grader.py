@@ -133,8 +133,9 @@ class GradeResult:
     ms: float = 0.0
     rule: str | None = None
     """The name of the rule that decided (``RULES`` in mode ``math``, ``"dapo"`` in mode ``dapo``;
-    ``"no-answer"`` when nothing was extracted; None when no rule ran: ``too_large``, ``error``,
-    ``timeout``, or a verdict from a cache that does not keep it)."""
+    ``"no-answer"`` when nothing was extracted; ``UNDECIDED`` with status ``undecided``; None when
+    no rule ran: ``too_large``, ``error``, ``timeout``). Fresh, quick (``quick_rule``) and cached
+    verdicts all carry it."""
 
     def to_dict(self) -> dict:
         return asdict(self)
