@@ -251,5 +251,6 @@ def explain(
     except ValueError as err:
         raise CLIError(str(err)) from err
     typer.echo(f"extracted: {res.extracted if res.extracted is not None else '(none)'}")
-    typer.echo(f"verdict:   {'correct' if res.correct else 'wrong'} (status {res.status})")
+    verdict = "correct" if res.correct else "wrong" if res.status in ("ok", "no_answer") else "none"
+    typer.echo(f"verdict:   {verdict} (status {res.status})")  # undecided, timeout, error: no verdict
     typer.echo(f"rule:      {res.rule or '(none)'}")

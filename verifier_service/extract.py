@@ -389,4 +389,4 @@ def response_finished(text: str, *, think: str = "optional") -> bool:
     tail = body.rstrip(_TRAILING_DECOR)
     if not tail:
         return False
-    return _delimiters_closed(body) and _UNFINISHED_END_RE.search(tail) is None
+    return _delimiters_closed(body) and _UNFINISHED_END_RE.search(tail[-64:]) is None

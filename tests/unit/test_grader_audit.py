@@ -281,6 +281,8 @@ def test_explain_cli():
     assert "extracted: 10\\pi" in res.output and "wrong" in res.output and "rule:" in res.output
     res = CliRunner().invoke(app, ["explain", "5", "the answer is 5, not 4"])
     assert "extracted: 5" in res.output and "correct" in res.output and "same-string" in res.output
+    res = CliRunner().invoke(app, ["explain", "@#", "\\boxed{3}"])
+    assert "verdict:   none (status undecided)" in res.output and "rule:      undecided" in res.output
     bad = CliRunner().invoke(app, ["explain", "5", "5", "--mode", "nope"])
     assert bad.exit_code != 0 and "mode" in str(bad.exception)  # main() prints a CLIError as "error: ..."
 
