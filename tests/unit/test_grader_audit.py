@@ -317,3 +317,30 @@ def test_differential_dev_split_no_false_positive(family):
         if grade(p.response, p.gold).correct and not p.expected
     ]
     assert not wrong, wrong
+
+
+def test_quick_verdicts_name_the_rule_a_worker_would():
+    """The server process's quick path (``quick_rule`` on ``marker_answer``'s string) gives the
+    verdict *and* the rule of a full ``grade``: a cached or inline verdict is as auditable as a fresh one."""
+    import json
+    from importlib import resources
+
+    from stapo.verifier_service.grader import dapo_line, marker_answer, quick_rule
+
+    text = resources.files("stapo.verifier_service").joinpath("data/corpus_dev.jsonl").read_text("utf-8")
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()][::7]
+    decided = 0
+    for row in rows:
+        answer = marker_answer(row["prediction"])
+        quick = quick_rule(row["gold"], answer) if answer is not None else None
+        if quick is None:
+            continue
+        decided += 1
+        res = grade(row["prediction"], row["gold"])
+        assert (res.correct, res.rule) == quick, (row, res)
+    assert decided > len(rows) // 4, (decided, len(rows))
+    assert (
+        quick_rule("5", dapo_line("Work.\nAnswer: 5"), "dapo")
+        == (True, "dapo")
+        == (grade("Work.\nAnswer: 5", "5", "dapo").correct, "dapo")
+    )
