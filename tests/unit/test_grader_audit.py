@@ -344,3 +344,13 @@ def test_quick_verdicts_name_the_rule_a_worker_would():
         == (True, "dapo")
         == (grade("Work.\nAnswer: 5", "5", "dapo").correct, "dapo")
     )
+
+
+def test_framework_adapters_give_the_failure_value_for_undecided(monkeypatch):
+    """verl's adapters (in-process ``prime`` route) treat an undecided grade as a failed item, not as
+    a plain 0: the failure value and its status, as for a timeout."""
+    from stapo.verifier_service.adapters import compute_score_prime
+
+    monkeypatch.delenv("STAPO_VERIFIER_URL", raising=False)
+    assert compute_score_prime("t", "so \\boxed{3}", "@#", failure_score=-7.0) == (-7.0, "undecided")
+    assert compute_score_prime("t", "so \\boxed{3}", "3", failure_score=-7.0) == (1.0, "ok")
