@@ -584,7 +584,7 @@ def _rule_math_verify(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
     # so), never a guess. An answer that does not parse is "no", as in math-verify (``verify`` of an
     # empty parse is False): the model's unreadable answer is its own failure, an unreadable gold is not.
     gold_exprs = _sympy_parse(gold, False)
-    if not gold_exprs:
+    if not gold_exprs or _constant_relation(gold_exprs):
         return None
     pred_exprs = _sympy_parse(pred, True)
     if not pred_exprs:
@@ -593,6 +593,20 @@ def _rule_math_verify(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
     ok = bool(verify(list(gold_exprs), list(pred_exprs), timeout_seconds=None, allow_set_relation_comp=True))
     exact = _exact_constants_equal(gold_exprs, pred_exprs)
     return exact if exact is not None else ok
+
+
+def _constant_relation(exprs: tuple) -> bool:
+    """A gold equation whose sides differ by a constant as parsed (``N=n``: math-verify reads ``N``
+    as ``n``, giving ``Eq(n, n)``). Solved for its symbols it has no solution list to compare, and
+    math-verify's solve-and-compare (``sympy_solve_and_compare``: ``all`` over zipped empty lists)
+    then calls it equal to any other such equation (``N = n + 1``): no comparison is possible."""
+    from sympy import Eq, Expr  # loaded already: math-verify's parse returned sympy objects
+
+    for e in exprs:  # sides that are expressions only: tuples ("(p,q)=(3,2)") and sets do not subtract
+        if isinstance(e, Eq) and isinstance(e.lhs, Expr) and isinstance(e.rhs, Expr):
+            if not (e.lhs - e.rhs).free_symbols:
+                return True
+    return False
 
 
 RULES: tuple[tuple[str, RuleFn], ...] = (

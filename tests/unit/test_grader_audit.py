@@ -191,6 +191,10 @@ def test_undecided_is_a_status_not_a_verdict():
     got = (res.status, res.correct, res.score, res.rule, res.extracted)
     assert got == ("undecided", False, 0.0, "undecided", "3")
     assert grade("\\boxed{@#}", "@#").correct  # equal strings still decide
+    # math-verify reads N as n: the gold "N=n" parses to Eq(n, n), which its solve-and-compare calls
+    # equal to any equation with no solutions ("N = n + 1" -> Eq(n, n + 1)): no comparison is possible
+    assert grade("\\boxed{N = n + 1}", "$N=n$").status == "undecided"
+    assert grade("\\boxed{N = n}", "$N=n$").correct
     assert grade("no answer, and it goes on.\nand on", "@#").status == "no_answer"  # nothing to compare
     wrong = grade("\\boxed{@#}", "\\frac{1}{2}")  # an unreadable *answer* is wrong, as in math-verify
     assert (wrong.status, wrong.correct) == ("ok", False)
