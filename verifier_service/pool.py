@@ -1,47 +1,23 @@
 """Warm grading processes with a hard wall-clock deadline on every item, shared fairly.
 
-Why processes and an outside deadline: math-verify's timeouts use ``signal.alarm``. They work only
-on a process's main thread (uvicorn runs handlers elsewhere), and even there they cannot interrupt
-C code (a GMP factorial of ``(10^{10})!``) or ``str()`` of a parsed power tower. The only deadline
-that always holds is one enforced from outside: a worker that overruns is killed and replaced.
+math-verify's own timeouts (``signal.alarm``) work only on a main thread and cannot interrupt C
+code (a GMP factorial) or ``str()`` of a power tower: the only deadline that always holds is
+enforced from outside, by killing the worker. Each item is one task of pebble's ``ProcessPool``
+(a maintained library) with ``timeout=`` its deadline: pebble starts the workers, kills and
+replaces one whose task overruns, reports one that died (``ProcessExpired``) and retires one after
+``max_tasks`` tasks. What is stapo's own: caches and in-request duplicates (``cache.py``), fair
+queueing across requests (at most one task per worker is handed to pebble; the open request that
+has received the least estimated worker time sends next, its costly shapes last), admission in
+estimated seconds (:class:`PoolBusy`), request budgets, recycling by memory, self-healing after
+start-up failures (:class:`PoolBroken`), fork safety. Where pebble falls short (a worker dying
+while idle breaks a pebble pool; it cannot retire one chosen worker nor tell a start-up death from
+a crash), the pool replaces the whole pebble pool (a "generation"). docs/verifier.md has the why.
 
-Who does what:
-
-- pebble's ``ProcessPool`` (a maintained library) is the process layer. Each item is one pebble
-  task with ``timeout=`` its deadline: pebble starts the workers, kills the worker of a task that
-  overruns and starts another, reports a worker that died (``ProcessExpired``), and retires a
-  worker after ``max_tasks`` tasks (recycling by item count);
-- this module keeps what is stapo's own: the caches (``cache.py``) and in-request duplicates,
-  fair scheduling across requests, admission, request budgets, recycling by memory, self-healing
-  after start-up failures, fork safety, metrics.
-
-Fair scheduling: at most one task per worker is handed to pebble; when one finishes, the open
-request that has received the LEAST estimated worker time so far sends its next item (fair
-queueing by attained service: a 1-item request sent behind a 512-item flood goes next). Shapes
-that can hold a worker for a whole deadline (``looks_costly``) go after the rest of their request.
-
-Admission is measured in work: the estimated seconds of what is pending (per-mode running mean of
-grading time; a costly shape at its deadline; a request never counts for more than its budget)
-beyond ``max_queue_s`` raises :class:`PoolBusy` with a ``retry_after_s``. Cancelling the future
-``submit`` returned (the service does so when the client disconnects) drops the request's queued
-items; a request whose ``budget_s`` is spent answers its queued items 'timeout' ungraded.
-'timeout' and 'error' are never cached (an item that timed out gets ``retry_deadline_factor`` x the
-deadline on its next try); a worker that died under an item is retried once, then 'error'.
-
-Where pebble falls short (each measured or observed, see docs/verifier.md): a worker that dies
-while idle breaks a pebble pool as a whole (``BrokenProcessPool``), and pebble cannot retire one
-chosen worker (memory) nor tell start-up deaths from crashes. So the pool runs one pebble pool at a
-time (a "generation") and replaces it: when it breaks, when a worker grew past
-``worker_max_rss_mb``, and, after workers kept dying while starting, with exponential backoff
-(meanwhile callers get :class:`PoolBroken`). Workers start with ``forkserver`` (the grader is
-preloaded in the fork server: a replacement is up in milliseconds) or ``spawn``; a script that
-builds a pool needs the ``if __name__ == "__main__":`` guard, as with any multiprocessing pool.
-
-Usage::
+A script that builds a pool needs ``if __name__ == "__main__":`` (workers import ``__main__``)::
 
     from stapo.verifier_service.pool import GraderPool
     with GraderPool(workers=2, deadline_s=5.0) as pool:
-        results = pool.grade_many([{"prediction": "so \\\\boxed{4}", "gold": "4"}])
+        results = pool.grade_many([{"prediction": "so \\boxed{4}", "gold": "4"}])
         # async code: results = await pool.agrade_many(items)
 """
 
@@ -59,6 +35,7 @@ import multiprocessing.util
 import operator
 import os
 import re
+import resource
 import signal
 import threading
 import time
@@ -68,9 +45,9 @@ from typing import Any
 
 import pebble
 
-from stapo.verifier_service.cache import ByteLRU, Item, cache_key, inline_grade, untimed, verdict_key
+from stapo.verifier_service.cache import Item, Memo, Plan, verdict_key  # noqa: F401 (verdict_key: re-export)
 from stapo.verifier_service.grader import GradeResult
-from stapo.verifier_service.schemas import MODES, VerifyItem
+from stapo.verifier_service.schemas import VerifyItem, as_item  # noqa: F401 (as_item: re-export)
 
 log = logging.getLogger("stapo.verifier_service.pool")
 
@@ -105,22 +82,19 @@ class PoolClosed(RuntimeError):
     """The pool was closed; it grades nothing more."""
 
 
-class PoolBusy(RuntimeError):
-    """Too much work is queued: back off for ``retry_after_s`` and retry (the service answers 429)."""
-
+class RetryLater(RuntimeError):
     def __init__(self, msg: str, retry_after_s: float = 1.0) -> None:
         super().__init__(msg)
         self.retry_after_s = retry_after_s
 
 
-class PoolBroken(RuntimeError):
-    """Workers die while starting, again and again (an import error, a memory limit set too low).
+class PoolBusy(RetryLater):
+    """Too much work is queued: back off for ``retry_after_s`` and retry (the service answers 429)."""
 
-    ``retry_after_s``: when the pool tries to start them again."""
 
-    def __init__(self, msg: str, retry_after_s: float = 5.0) -> None:
-        super().__init__(msg)
-        self.retry_after_s = retry_after_s
+class PoolBroken(RetryLater):
+    """Workers die while starting, again and again (an import error, a memory limit set too low);
+    the pool tries again in ``retry_after_s``."""
 
 
 def timeout_result(deadline_s: float) -> GradeResult:
@@ -130,25 +104,6 @@ def timeout_result(deadline_s: float) -> GradeResult:
 def status_result(status: str) -> GradeResult:
     """A result that carries only a status (too_large, error): never correct, score 0."""
     return GradeResult(correct=False, score=0.0, status=status, extracted=None, ms=0.0)
-
-
-def as_item(x: VerifyItem | dict[str, Any] | Sequence[str], where: str = "item") -> Item:
-    """Accept a VerifyItem, a dict with prediction/gold(/mode), or a (prediction, gold[, mode]) tuple."""
-    if type(x) is tuple and len(x) == 3:  # what the service sends: validated already, skip pydantic
-        pred, gold, mode = x
-        if type(pred) is str and type(gold) is str and type(mode) is str and mode in MODES:
-            return x
-    if isinstance(x, VerifyItem):
-        return (x.prediction, x.gold, x.mode)
-    if isinstance(x, dict):
-        v = VerifyItem.model_validate(x)  # a clear error naming the bad field
-        return (v.prediction, v.gold, v.mode)
-    if isinstance(x, (tuple, list)) and len(x) in (2, 3):
-        v = VerifyItem(prediction=x[0], gold=x[1], mode=x[2] if len(x) == 3 else "math")
-        return (v.prediction, v.gold, v.mode)
-    raise TypeError(
-        f"{where}: expected a VerifyItem, a dict or a (prediction, gold[, mode]) tuple, got {type(x).__name__}"
-    )
 
 
 # --------------------------------------------------------------------------- worker process
@@ -167,8 +122,6 @@ def worker_init(ready: Any, memory_mb: int, warmup: bool, max_chars: int) -> Non
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if memory_mb > 0:
-        import resource
-
         resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20, memory_mb * 2**20))
     import stapo.verifier_service.grader  # noqa: F401  (imported before the first task's clock starts)
 
@@ -195,12 +148,8 @@ def grade_item(pred: str, gold: str, mode: str) -> tuple[int, float, tuple]:
 
 
 def rss_mb() -> float:
-    """This process's resident memory in MiB (Linux /proc; 0 where unknown)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    """This process's peak resident memory in MiB (``ru_maxrss`` is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # --------------------------------------------------------------------------- parent side
@@ -251,21 +200,15 @@ def stop_generations(gens: list[Generation]) -> None:
 
 
 class Job:
-    """One submit() call: results in order, duplicates answered from their leader, a queue to dispatch."""
+    """One submit() call: its cache plan (results, duplicates) and its queue of leaders to send."""
 
-    def __init__(self, items: list[Item]) -> None:
-        self.items = items
-        self.results: list[GradeResult | None] = [None] * len(items)
+    def __init__(self, items: list[Item], plan: Plan) -> None:
+        self.items, self.plan = items, plan
         self.future: concurrent.futures.Future[list[GradeResult]] = concurrent.futures.Future()
-        self.dups: dict[int, list[int]] = {}  # leader -> the same item again
-        self.vdups: dict[int, list[int]] = {}  # leader -> items with the same (mode, gold, answer)
-        self.keys: dict[int, bytes] = {}
-        self.vkeys: dict[int, Any] = {}
-        self.queue: collections.deque[int] = collections.deque()  # leaders not yet sent
-        self.costly: set[int] = set()
-        self.deadlines: dict[int, float] = {}  # leader -> its deadline when not the pool's default
+        self.costly = {i for i in plan.leaders if looks_costly(items[i][0])}
+        self.queue = collections.deque(sorted(plan.leaders, key=lambda i: i in self.costly))  # costly last
+        self.pending = collections.Counter(self.kind(i) for i in plan.leaders)  # queued or in flight
         self.crashes: collections.Counter[int] = collections.Counter()
-        self.pending: collections.Counter[str] = collections.Counter()  # kind -> leaders queued or in flight
         self.served = 0.0  # estimated worker-seconds sent so far (the fair-queueing key)
         self.expires: float | None = None
         self.default_expires: float | None = None  # becomes ``expires`` when an item times out
@@ -341,17 +284,12 @@ class GraderPool:
         self.retry_deadline_factor = float(retry_deadline_factor)
         self.startup_timeout_s, self.crash_retries = startup_timeout_s, crash_retries
         self.max_start_failures, self.worker_max_rss_mb = max_start_failures, worker_max_rss_mb
-        self.verdict_cache, self.inline_verdicts = verdict_cache, inline_verdicts and verdict_cache
         # pebble retires a worker after max_tasks tasks (one item each)
         self.max_tasks = worker_max_items
         # what every worker is started with (pebble's initializer arguments, minus the ready pipe);
         # the pool checks the size limits itself, so the grader's own limit must not be tighter
         self.worker_args = (worker_memory_mb, warmup, max(max_prediction_chars, max_gold_chars))
-        cache_bytes = int(cache_max_mb * 2**20)
-        # Two caches share the byte budget: whole items, and verdicts by extracted answer.
-        self.cache = ByteLRU(cache_bytes // 2 if verdict_cache else cache_bytes, cache_size)
-        self.verdicts = ByteLRU(cache_bytes // 2 if verdict_cache else 0, cache_size)
-        self.timed_out = ByteLRU(1 << 20, 4096)  # keys of items that timed out: a retry gets longer
+        self.memo = Memo(int(cache_max_mb * 2**20), cache_size, verdicts=verdict_cache, inline=inline_verdicts)
         self.stats: collections.Counter[str] = collections.Counter()
         self._start()
         _POOLS.add(self)
@@ -438,8 +376,7 @@ class GraderPool:
         sees them as ended. Nothing is sent to the parent's workers."""
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        for lru in (self.cache, self.verdicts, self.timed_out):
-            lru.reset_lock()
+        self.memo.reset_locks()
         for gen in self._gens:
             gen.dead = True
             for p in gen.ctx.procs:
@@ -489,68 +426,25 @@ class GraderPool:
         Raises :class:`PoolBusy` (too much queued work), :class:`PoolBroken`, :class:`PoolClosed`.
         """
         self._ensure_owner()
-        job = Job([as_item(x, f"items[{i}]") for i, x in enumerate(items)])
-        leaders: dict[bytes, int] = {}
-        vleaders: dict[bytes, int] = {}
-        hits = vhits = inline = too_large = 0
-        for i, item in enumerate(job.items):
-            pred, gold, mode = item
-            if len(pred) > self.max_prediction_chars or len(gold) > self.max_gold_chars:
-                job.results[i] = status_result("too_large")
-                too_large += 1
-                continue
-            key = cache_key(item)
-            if (lead := leaders.get(key)) is not None:
-                job.dups.setdefault(lead, []).append(i)
-                hits += 1
-                continue
-            cached = self.cache.get(key)
-            if cached is not None and not (explain and cached.rule is None):
-                job.results[i] = cached
-                hits += 1
-                continue
-            if self.verdict_cache and (vk := verdict_key(item)) is not None:
-                v = self.verdicts.get(vk.digest)
-                if v is not None and not (explain and v.rule is None):
-                    job.results[i] = v
-                    self.cache.put(key, v)  # the same item again skips the extraction too
-                    vhits += 1
-                    continue
-                if (vl := vleaders.get(vk.digest)) is not None:  # same gold and answer as an item above
-                    job.vdups.setdefault(vl, []).append(i)
-                    job.keys[i] = key
-                    vhits += 1
-                    continue
-                if self.inline_verdicts and not explain and (r := inline_grade(gold, mode, vk)) is not None:
-                    job.results[i] = r  # decided here: no worker round trip
-                    self.verdicts.put(vk.digest, untimed(r))
-                    self.cache.put(key, untimed(r))
-                    inline += 1
-                    continue
-                vleaders[vk.digest] = i
-                job.vkeys[i] = vk
-            leaders[key] = i
-            job.keys[i] = key
-            if self.timed_out.get(key) is not None:
-                job.deadlines[i] = self.deadline_s * self.retry_deadline_factor
-        job.costly = {i for i in leaders.values() if looks_costly(job.items[i][0])}
-        job.queue.extend(sorted(leaders.values(), key=lambda i: i in job.costly))  # costly shapes last
-        job.pending.update(job.kind(i) for i in job.queue)
+        items = [as_item(x, f"items[{i}]") for i, x in enumerate(items)]
+        plan = self.memo.plan(items, explain=explain, max_chars=(self.max_prediction_chars, self.max_gold_chars))
+        job = Job(items, plan)
         if budget_s is not None:
             job.expires = time.monotonic() + budget_s
         elif default_budget_s is not None:
             job.default_expires = time.monotonic() + default_budget_s
+        c = plan.counts
         with self._lock:
-            self.stats.update(items=len(job.items), cache_hits=hits + vhits + inline, verdict_hits=vhits)
-            self.stats.update(inline_verdicts=inline, cache_misses=len(leaders), too_large=too_large)
+            self.stats.update(c, items=len(items), cache_misses=len(plan.leaders))
+            self.stats["cache_hits"] += c["verdict_hits"] + c["inline_verdicts"]
             if self._closing:
                 raise PoolClosed("the grader pool is closed")
             if self._broken:
                 raise PoolBroken(self._broken, max(1.0, self._restart_at - time.monotonic()))
-            if not leaders:
-                job.future.set_result(job.results)  # type: ignore[arg-type]
+            if not plan.leaders:
+                job.future.set_result(plan.results)  # type: ignore[arg-type]
                 return job.future
-            if self._pending_items + len(leaders) > self.max_pending_items:
+            if self._pending_items + len(plan.leaders) > self.max_pending_items:
                 self.stats["rejected"] += 1
                 raise PoolBusy(
                     f"{self._pending_items} items already queued (max_pending_items={self.max_pending_items}); "
@@ -568,7 +462,7 @@ class GraderPool:
                 )
             self._outstanding.add(job)
             self._active[job] = None
-            self._pending_items += len(leaders)
+            self._pending_items += len(plan.leaders)
         job.future.add_done_callback(lambda f, j=weakref.ref(job): self._on_future_done(f, j))
         if budget_s is not None:
             self._wake()  # the watchdog's tick shortens while a budget runs
@@ -620,15 +514,11 @@ class GraderPool:
         with self._lock:
             return self._queued_seconds()
 
-    def item_seconds(self) -> dict[str, float]:
-        """Recent per-item grading time by mode (running mean), as used for admission."""
-        return dict(self._item_s)
-
     def cache_len(self) -> int:
-        return len(self.cache) + len(self.verdicts)
+        return len(self.memo)
 
     def cache_bytes(self) -> int:
-        return self.cache.bytes + self.verdicts.bytes
+        return self.memo.bytes
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop taking work, let queued and in-flight items finish (up to ``timeout``), stop workers."""
@@ -654,12 +544,6 @@ class GraderPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:  # best effort; close() is the real API
-        with contextlib.suppress(Exception):
-            if not self._stop and self._owner_pid == os.getpid():
-                self._stop = True
-                self._wake()
 
     # ----------------------------------------------------------------- bookkeeping
 
@@ -725,39 +609,22 @@ class GraderPool:
             self._active.setdefault(job, None)
 
     def _complete(self, job: Job, leader: int, r: GradeResult, *, count: bool = True) -> None:
-        job.results[leader] = r
-        for d in job.dups.get(leader, ()):
-            job.results[d] = r
-        key, vk = job.keys.get(leader), job.vkeys.get(leader)
-        same_answer = vk is not None and r.status == "ok" and r.extracted == vk.extracted
-        if r.status in ("ok", "no_answer"):  # never 'timeout' (a retry may succeed) nor 'error'
-            if key is not None:
-                self.cache.put(key, untimed(r))
-            if same_answer:
-                self.verdicts.put(vk.digest, untimed(r))
-        elif r.status == "timeout" and count:
-            if key is not None:
-                self.timed_out.put(key, r)
-            if job.expires is None:
-                job.expires = job.default_expires  # this request holds items the grader cannot finish
+        """A leader's result (``count`` False: a spent budget's ungraded 'timeout', not the item's fault)."""
+        followers = self.memo.settle(job.plan, leader, r, remember=count)
         if r.status in ("timeout", "error") and count:
             self.stats[r.status + "s"] += 1
-        followers = job.vdups.pop(leader, None)
-        if followers and same_answer:
-            for f in followers:
-                job.results[f] = untimed(r)
-                self.cache.put(job.keys[f], untimed(r))
-        elif followers:  # the leader's verdict does not carry over (timeout, error, other answer): grade each
-            with self._lock:
-                job.pending.update(job.kind(f) for f in followers)
-                self._pending_items += len(followers)
-            self._requeue(job, followers)
+            if r.status == "timeout" and job.expires is None:
+                job.expires = job.default_expires  # this request holds items the grader cannot finish
         with self._lock:
+            job.pending.update(job.kind(f) for f in followers)  # their leader's verdict did not carry over
+            self._pending_items += len(followers)
             self._forget_locked(job, [leader])
             done = not +job.pending
+        if followers:
+            self._requeue(job, followers)
         if done and not job.future.done():
             with contextlib.suppress(concurrent.futures.InvalidStateError):
-                job.future.set_result(job.results)  # type: ignore[arg-type]
+                job.future.set_result(job.plan.results)  # type: ignore[arg-type]
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -786,7 +653,7 @@ class GraderPool:
                 if not job.queue:
                     self._active.pop(job, None)
                 job.served += self._est_s(job.kind(i))
-                deadline = job.deadlines.get(i, self.deadline_s)
+                deadline = self.deadline_s * (self.retry_deadline_factor if i in job.plan.retried else 1)
                 if job.expires is not None:  # nothing runs past the request's budget
                     deadline = min(deadline, max(0.05, job.expires - time.monotonic()))
                 self._inflight += 1
