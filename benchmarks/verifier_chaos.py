@@ -82,6 +82,13 @@ def tree_rss_mb(server_pid: int) -> float:
     return total / 2**20
 
 
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -125,6 +132,7 @@ def main() -> None:
     probes: list[float] = []
     probe_fail = 0
     rss: list[tuple[float, float]] = []
+    seen: set[int] = set()  # every process of the service's tree seen during the run
     kills = 0
     t_start = time.monotonic()
 
@@ -171,6 +179,7 @@ def main() -> None:
         while not stop.wait(1.0):
             try:
                 rss.append((time.monotonic() - t_start, tree_rss_mb(proc.pid)))
+                seen.update(p.pid for p in psutil.Process(proc.pid).children(recursive=True))
             except psutil.Error:
                 pass
 
@@ -193,6 +202,8 @@ def main() -> None:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+    time.sleep(1.0)
+    orphans = [p for p in seen if alive(p)]
 
     sent = args.clients * args.items
     answered = sum(len(r) for r in results if r is not None)
@@ -238,6 +249,7 @@ def main() -> None:
         ("worker restarts (server)", ", ".join(f"{k} {v}" for k, v in sorted(restarts.items()))),
         ("client 429 waits", f"{busy['waits']} ({busy['wait_s']:.1f} s)"),
         ("wall time / items per s", f"{wall:.1f} s / {sent / wall:.0f}"),
+        ("processes of the service left after SIGTERM (seen during the run)", f"{len(orphans)} ({len(seen)})"),
         ("RSS of server + workers, MiB (max)", f"{rss_max:.0f}"),
         ("RSS over time (s MiB)", rss_series),
         ("load average before / after", f"{load_before:.1f} / {os.getloadavg()[0]:.1f}"),
@@ -259,7 +271,8 @@ Machine: {machine()}, shared with other jobs (load in the last row). A fresh ser
 {args.workers} workers and a {args.deadline} s deadline; {args.clients} concurrent `VerifierClient`s (retries, 429
 waits) send RL-shaped streams with {args.hostile_frac:.1%} of items replaced by inputs built to hang a grader,
 while a random worker is SIGKILLed every ~{args.kill_every} s and a prober sends a 1-item request every
-0.25 s ("small requests"). "lost" = items sent without an answer (must be 0).
+0.25 s ("small requests"). "lost" = items sent without an answer (must be 0); "left after SIGTERM" =
+processes of the service's tree (server, fork server, workers) still alive 1 s after it exited (must be 0).
 
 | measure | value |
 |---|---|

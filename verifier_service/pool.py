@@ -108,11 +108,7 @@ def status_result(status: str) -> GradeResult:
 
 # --------------------------------------------------------------------------- worker process
 
-MAX_CHARS = [100_000]
-"""Set in each worker by ``worker_init``: the grader's size limit."""
-
-
-def worker_init(ready: Any, memory_mb: int, warmup: bool, max_chars: int) -> None:
+def worker_init(ready: Any, memory_mb: int, warmup: bool) -> None:
     """pebble's initializer, run once in every worker; tells the parent it is ready (its pid)."""
     # pebble stops a worker with SIGTERM and waits 3 s for a Python-level handler; a worker stuck in
     # C code (a GMP power) never runs one. Dying at once is what a killed grader should do.
@@ -127,18 +123,17 @@ def worker_init(ready: Any, memory_mb: int, warmup: bool, max_chars: int) -> Non
 
     if warmup:  # a no-op when the fork server already imported (and so ran) it
         import stapo.verifier_service.warmup  # noqa: F401
-    MAX_CHARS[0] = max_chars
     with contextlib.suppress(OSError):  # the pool closed while this worker started: nothing to tell
         ready.send(os.getpid())
 
 
-def grade_item(pred: str, gold: str, mode: str) -> tuple[int, float, tuple]:
+def grade_item(pred: str, gold: str, mode: str, max_chars: int) -> tuple[int, float, tuple]:
     """One pebble task: (pid, resident MiB, the result's fields)."""
     from stapo.verifier_service.grader import grade
 
     t0 = time.perf_counter()
     try:
-        r = grade(pred, gold, mode, max_chars=MAX_CHARS[0])
+        r = grade(pred, gold, mode, max_chars=max_chars)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # math-verify's TimeoutException is a BaseException
@@ -181,7 +176,6 @@ class Generation:
     ctx: RecordingContext
     pool: pebble.ProcessPool
     ready: set[int] = dataclasses.field(default_factory=set)  # PIDs that finished worker_init
-    tasks_by_pid: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
     dead: bool = False  # stopped or replaced: nothing more is sent to it
 
     def live_ready(self) -> list[int]:
@@ -286,9 +280,8 @@ class GraderPool:
         self.max_start_failures, self.worker_max_rss_mb = max_start_failures, worker_max_rss_mb
         # pebble retires a worker after max_tasks tasks (one item each)
         self.max_tasks = worker_max_items
-        # what every worker is started with (pebble's initializer arguments, minus the ready pipe);
-        # the pool checks the size limits itself, so the grader's own limit must not be tighter
-        self.worker_args = (worker_memory_mb, warmup, max(max_prediction_chars, max_gold_chars))
+        self.worker_args = (worker_memory_mb, warmup)  # pebble's initializer arguments after the ready pipe
+        self.max_chars = max(max_prediction_chars, max_gold_chars)  # the pool checks the limits itself
         self.memo = Memo(int(cache_max_mb * 2**20), cache_size, verdicts=verdict_cache, inline=inline_verdicts)
         self.stats: collections.Counter[str] = collections.Counter()
         self._start()
@@ -308,7 +301,7 @@ class GraderPool:
         self._idle = threading.Condition(self._lock)  # notified when no job is outstanding
         self._active: dict[Job, None] = {}  # jobs with queued items, in arrival order
         self._outstanding: set[Job] = set()
-        self._inflight = 0  # tasks handed to pebble, not finished
+        self._running: dict[Any, tuple[Job, int, float, Generation]] = {}  # pebble future -> its item
         self._pending_items = 0  # queued + in flight
         self._item_s: dict[str, float] = {}  # mode -> running mean of per-item seconds (timeouts too)
         self._closing = self._stop = False
@@ -644,7 +637,7 @@ class GraderPool:
         while True:
             with self._lock:
                 gen = self._current()
-                if gen is None or self._broken or self._stop or self._inflight >= self.size:
+                if gen is None or self._broken or self._stop or len(self._running) >= self.size:
                     return
                 job = self._pick()
                 if job is None:
@@ -656,21 +649,23 @@ class GraderPool:
                 deadline = self.deadline_s * (self.retry_deadline_factor if i in job.plan.retried else 1)
                 if job.expires is not None:  # nothing runs past the request's budget
                     deadline = min(deadline, max(0.05, job.expires - time.monotonic()))
-                self._inflight += 1
-            try:
-                fut = gen.pool.schedule(grade_item, job.items[i], timeout=deadline)
-            except Exception as err:  # the pebble pool stopped working: the watchdog replaces it
-                log.warning("grader pool: could not send a task (%r)", err)
-                with self._lock:
-                    self._inflight -= 1
-                self._requeue(job, [i])
-                return
-            fut.add_done_callback(lambda f, a=(job, i, deadline, gen): self._on_task_done(f, *a))
+                try:
+                    fut = gen.pool.schedule(grade_item, (*job.items[i], self.max_chars), timeout=deadline)
+                except Exception as err:  # the pebble pool stopped working: the watchdog replaces it
+                    log.warning("grader pool: could not send a task (%r)", err)
+                    job.queue.appendleft(i)
+                    self._active.setdefault(job, None)
+                    return
+                self._running[fut] = (job, i, deadline, gen)
+            fut.add_done_callback(self._on_task_done)
 
-    def _on_task_done(self, fut: Any, job: Job, i: int, deadline: float, gen: Generation) -> None:
+    def _on_task_done(self, fut: Any) -> None:
         """A task's future resolved (in a pebble thread): answer the item, or send it again."""
         with self._lock:
-            self._inflight -= 1
+            task = self._running.pop(fut, None)
+        if task is None:  # settled already (its pebble pool was stopped)
+            return
+        job, i, deadline, gen = task
         try:
             err = concurrent.futures.CancelledError() if fut.cancelled() else fut.exception()
             if err is None:
@@ -679,7 +674,11 @@ class GraderPool:
                 if i not in job.costly:
                     self._observe(job.items[i][2], r.ms / 1000.0)
                 self._complete(job, i, r)
-                self._after_task(gen, pid, rss)
+                if self.worker_max_rss_mb and rss > self.worker_max_rss_mb and gen is self._current():
+                    log.info("grader worker %s: %.0f MiB resident > %d; replacing the workers", pid, rss,
+                             self.worker_max_rss_mb)  # fmt: skip
+                    self.stats["recycled_rss"] += 1
+                    self._new_generation()  # (pebble cannot retire one chosen worker)
             elif isinstance(err, concurrent.futures.TimeoutError):  # pebble killed the worker
                 self.stats["restarts_timeout"] += 1
                 if i not in job.costly:
@@ -700,28 +699,23 @@ class GraderPool:
             log.exception("grader pool: handling a finished task failed")
         self._dispatch()
 
-    def _after_task(self, gen: Generation, pid: int, rss: float) -> None:
-        """Recycling: by item count (pebble retires the worker), by memory (a new generation)."""
-        gen.tasks_by_pid[pid] += 1
-        if self.max_tasks and gen.tasks_by_pid[pid] == self.max_tasks:
-            self.stats["recycled_items"] += 1
-        if self.worker_max_rss_mb and rss > self.worker_max_rss_mb and gen is self._current():
-            log.info("grader worker %s: %.0f MiB resident > %d; replacing the workers", pid, rss,
-                     self.worker_max_rss_mb)  # fmt: skip
-            self.stats["recycled_rss"] += 1
-            self._new_generation()
-
     # ----------------------------------------------------------------- watchdog thread
 
     def _watch(self) -> None:
         """Worker start-up and deaths, restarts after failures, spent budgets."""
         try:
             while not self._stop:
-                busy = self._inflight or any(j.expires is not None for j in self._active)
+                busy = self._running or any(j.expires is not None for j in self._active)
                 if self._ready_r.poll(TICK_S if busy else 0.25):
                     while self._ready_r.poll():
-                        if pid := self._ready_r.recv():
-                            self._on_ready(pid)
+                        if (pid := self._ready_r.recv()) and (gen := self._current()) is not None:
+                            gen.ready.add(pid)  # (it may report before its Process object knows its pid)
+                            self._start_failures, self._backoff_s = 0, 1.0
+                            if self._broken and self._restart_at == math.inf:
+                                log.warning("grader pool: workers start again; the pool is back")
+                                self._broken = None
+                            if len(gen.live_ready()) >= self.size:
+                                self._ready_event.set()
                 self._check_workers()
                 now = time.monotonic()
                 for job in [j for j in list(self._active) if j.expires is not None and now > j.expires]:
@@ -733,20 +727,6 @@ class GraderPool:
             self._restart_at = math.inf
         finally:
             self._shutdown()
-
-    def _on_ready(self, pid: int) -> None:
-        gen = self._current()
-        if gen is None:
-            return
-        gen.ready.add(pid)  # (a worker may report before its Process object knows its pid)
-        self._unready_since = None
-        self._start_failures = 0
-        self._backoff_s = 1.0
-        if self._broken and self._restart_at == math.inf:
-            log.warning("grader pool: workers start again; the pool is back")
-            self._broken = None
-        if len(gen.live_ready()) >= self.size:
-            self._ready_event.set()
 
     def _check_workers(self) -> None:
         """Workers that died before they were ready count as start failures; too many break the pool."""
@@ -762,10 +742,11 @@ class GraderPool:
             return
         for p in [p for p in gen.ctx.procs if p.pid is not None and not p.is_alive()]:
             gen.ctx.procs.remove(p)
-            gen.tasks_by_pid.pop(p.pid, None)
-            if p.exitcode not in (0, None) and p.pid not in gen.ready:
+            if p.pid not in gen.ready and p.exitcode != 0:
                 self._start_failures += 1
                 self.stats["start_errors"] += 1
+            elif p.pid in gen.ready and p.exitcode == 0:  # pebble retired it after max_tasks items
+                self.stats["recycled_items"] += 1
             gen.ready.discard(p.pid)
         # time without any ready worker: since the generation started, or since its last ready
         # worker was killed or retired (replacements must report ready within the same timeout)
@@ -793,15 +774,21 @@ class GraderPool:
         )
         self._restart_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(MAX_RESTART_BACKOFF_S, self._backoff_s * 2)
-        for gen in self._gens:
-            self._retire(gen, kill=True)
         self._broken = why
         self._fail_all(PoolBroken(why, self._backoff_s))
 
     def _fail_all(self, err: Exception) -> None:
-        """Fail every outstanding job; items still in flight finish on their workers, unread."""
+        """Fail every outstanding job and stop every worker.
+
+        pebble leaves the futures of a stopped pool's running tasks pending for ever: they are
+        settled here (their jobs are failed; nothing waits for them any more)."""
+        for gen in self._gens:
+            self._retire(gen, kill=True)
         with self._lock:
             jobs = list(self._outstanding)
+            for job, i, _, _ in self._running.values():
+                self._forget_locked(job, [i])
+            self._running.clear()
             self._outstanding.clear()
             self._active.clear()
             for job in jobs:
@@ -817,7 +804,7 @@ class GraderPool:
         """Watchdog exit: fail what is left, stop the workers (they die at once on SIGTERM)."""
         self._closing = True
         self._fail_all(PoolClosed("the grader pool closed before these items were graded"))
-        stop_generations(self._gens)
+        stop_generations(self._gens)  # and wait for them
         for conn in (self._ready_r, self._ready_w):
             with contextlib.suppress(Exception):
                 conn.close()
