@@ -16,6 +16,12 @@ One step of :func:`train`::
              -> weight sync     (trainer -> rollout engine; a no-op when hf shares the model)
              -> metrics, token dump (rank 0 writes), validation, checkpoint
 
+Everything a recipe may add (asynchronous rollouts, the prompt sampler's step, DEEP-GRPO, the KL
+reference, Lp-Reg, STARE's controller, DAPO's overlong filter) is a hook with one interface, registered
+by name (``stapo.core.extras``: ``LoopHook`` phases sample / on_batch / needs_old_stats /
+before_update / after_update / after_sync / state_dict); :func:`train` calls the phases and never
+branches on a particular extra.
+
 Departures from plain GRPO are all config: the token weighting (``s2t`` is STAPO, arXiv
 2602.15620: silence tokens with A > 0, p < tau_p, H < tau_h and drop them from the denominator),
 DAPO's clip-higher / dynamic sampling / overlong shaping (arXiv 2503.14476), 20-Entropy's
@@ -43,7 +49,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -63,6 +69,9 @@ from stapo.core.update import (
     update_policy,
     weighting_params,
 )
+
+if TYPE_CHECKING:
+    from stapo.core.extras import StepState
 
 __all__ = [
     "train", "TrainResult", "derive_seed",
@@ -216,9 +225,6 @@ class _Run:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         total_updates = cfg.trainer.max_steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches
         self.backend = build_trainer_backend(cfg, self.model, total_optimizer_steps=max(total_updates, 1))
-        from stapo.core.extras import StepExtras  # reference model, Lp-Reg proxy, STARE schedule (issue 9)
-
-        self.extras = StepExtras(cfg, self.backend)
         # Data parallel (deepspeed launcher): each rank samples its share of the step's prompts; the
         # token-mean normalizer and the S2T thresholds are reduced across ranks; rank 0 writes files.
         self.rank = int(self.backend.rank)
@@ -240,21 +246,15 @@ class _Run:
         log(f"data: {len(self.train_prompts)} train / {len(self.val_prompts)} val prompts from {cfg.data.source}")
         self._encode = lambda text: encode_prompt(self.tokenizer, text, chat_template=cfg.data.chat_template)
         self._encoded: dict[str, list[int]] = {}
-        # --- stability layers (docs/stability.md): which prompts (uniform | goldilocks), DEEP-GRPO state
-        from stapo.core.deep_grpo import DeepGRPO
+        # which prompts (uniform | goldilocks: docs/stability.md); the loop's sampling asks it
         from stapo.core.sampler import build_sampler
 
         self.sampler = build_sampler(cfg, self.train_prompts, encode=self.encode, model=self.backend.model)
-        self.deep = DeepGRPO(cfg) if cfg.algorithm.deep_grpo.enabled else None
+        # every extra (async rollouts, the sampler's step, DEEP-GRPO, KL / Lp-Reg / STARE / overlong
+        # filter) is a named hook with one interface: stapo.core.extras
+        from stapo.core.extras import build_hooks
 
-    def layer_state(self) -> dict[str, Any]:
-        """The stability layers' state for the checkpoint's ``extra`` (JSON-safe)."""
-        return {"sampler": self.sampler.state_dict(), "deep_grpo": self.deep.state_dict() if self.deep else {}}
-
-    def load_layer_state(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state.get("sampler", {}))
-        if self.deep is not None:
-            self.deep.load_state_dict(state.get("deep_grpo", {}))
+        self.hooks = build_hooks(self)
 
     def encode(self, rec: Any) -> list[int]:
         if rec.id not in self._encoded:
@@ -262,7 +262,10 @@ class _Run:
         return self._encoded[rec.id]
 
     def close(self) -> None:
-        self.rewards.close()
+        try:
+            self.hooks.close()
+        finally:
+            self.rewards.close()
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -289,7 +292,7 @@ def rollout_and_grade(run: _Run, step: int, round_: int) -> tuple[list[Sequence_
         seed=derive_seed(cfg.trainer.seed, step, round_, run.rank),
         ignore_eos=cfg.rollout.ignore_eos,
     )
-    # -- issue 12: with the hf engine, a step larger than one generate call (rollout.batch_size
+    # With the hf engine, a step larger than one generate call (rollout.batch_size
     #    sequences) is sampled in waves, and each wave is graded (in a thread; the grader's work runs
     #    in its own processes or service) while the next one generates. Wave 0 keeps the step's seed,
     #    so a single-wave step samples exactly what it did before.
@@ -685,9 +688,16 @@ def dump_tokens(run: _Run, step: int, seqs: list[Sequence_], batch: Batch, rows:
 
 
 def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[str], None] = print) -> TrainResult:
-    """Run (or resume) RL training; returns where it went and validation before/after."""
+    """Run (or resume) RL training; returns where it went and validation before/after.
+
+    Each step, top to bottom: sample -> grade -> advantages (+ dynamic sampling) -> old pass (where
+    needed) -> update -> weight sync -> metrics / validation / checkpoint. The extras are hooks
+    (``stapo.core.extras``: ``run.hooks``), called at their named phases with the step's
+    :class:`~stapo.core.extras.StepState`; nothing below branches on a particular extra.
+    """
     from stapo.core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from stapo.core.distributed import DataParallel
+    from stapo.core.extras import StepState, legacy_hook_state
     from stapo.core.tracking import LiveView, Tracker, truncate_jsonl
 
     t_start = time.time()
@@ -695,6 +705,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     run = _Run(cfg, run_dir, log)
+    hooks = run.hooks
     dp = DataParallel(run.backend)
     main = run.rank == 0
     if not main:
@@ -707,89 +718,55 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
         state = load_checkpoint(ckpt, backend=run.backend)
         start = state.step
         val_before = state.extra.get("val_before")
-        run.extras.load_state_dict(state.extra.get("extras", {}))  # STARE's schedule (issue 9)
-        run.load_layer_state(state.extra.get("layers", {}))
+        hooks.load_state_dict(legacy_hook_state(state.extra))  # STARE's schedule, sampler, DEEP-GRPO's model
         log(f"resumed from {ckpt} (step {start})")
     for name in ("metrics.jsonl", "val.jsonl") if main else ():
         truncate_jsonl(run_dir / name, max_step=start if ckpt is not None else -1)
-    if cfg.rollout.engine != "hf" or getattr(run.engine, "model", None) is not run.backend.model:
-        run.engine.load_weights(run.backend.named_parameters_for_sync())
+    sync_weights(run)
     if start == 0 and run.val_prompts:
         v = validate(run)
         val_before = v["accuracy"]
         tracker.log_val(0, v)
         log(f"validation before training: accuracy {v['accuracy']:.3f} on {v['n']} prompts")
 
+    def checkpoint(step: int) -> None:
+        save_checkpoint(run_dir, step=step, backend=run.backend, cfg=cfg,
+                        extra={"val_before": val_before, "hooks": hooks.state_dict()},
+                        keep_last=cfg.checkpoint.keep_last)
+
     view = LiveView(cfg.trainer.max_steps, start, enabled=main and cfg.logging.live and sys.stderr.isatty(), log=log)
     last_val: float | None = val_before
-    # asynchronous rollouts: a producer process samples + grades round 0 of the coming steps (docs/async.md)
-    from stapo.core.async_rollout import AsyncLearner, off_policy_step
-
-    asyn = AsyncLearner(run, start) if cfg.rollout.async_.enabled else None
     try:
         for step in range(start + 1, cfg.trainer.max_steps + 1):
             t_step = time.time()
             seed_everything(derive_seed(cfg.trainer.seed, step))
             begin_rollout_step(run.backend, step)  # LR of this step when the schedule counts rollout steps (verl)
 
-            # --- rollouts + rewards (+ DAPO dynamic sampling: resample until the GLOBAL batch is full)
-            seqs, metrics = asyn.rollouts(step) if asyn is not None else rollout_and_grade(run, step, 0)
+            # --- sample + grade (a hook may supply round 0: async rollouts), advantages, DAPO's
+            #     dynamic sampling (resample until the GLOBAL batch is full: stapo.core.sampler)
+            seqs, metrics = hooks.sample(step) or rollout_and_grade(run, step, 0)
             all_seqs = list(seqs)
             kept = shape_and_advantage(cfg, seqs)
-            if cfg.algorithm.dynamic_sampling:  # verl's generation rounds, decided globally (stapo.core.sampler)
+            if cfg.algorithm.dynamic_sampling:
                 kept = dynamic_sampling_refill(run, step, kept, all_seqs, metrics, dp)
-            metrics.update(run.sampler.end_step(step))  # goldilocks: teacher update + its metrics (every rank)
-            branches, deep_m = run.deep.rollout_branches(run, step, all_seqs) if run.deep else (None, {})
-            metrics.update(deep_m)
-            kept = [s for s, k in zip(kept, run.extras.loss_rows(kept).tolist(), strict=True) if k]  # DAPO overlong filter
-            counts = dp.counts(len(kept))
+            st = StepState(step, all_seqs, kept, metrics, temperature=stats_temperature(cfg))
+            hooks.on_batch(st)  # Goldilocks' teacher, DEEP-GRPO's branches, DAPO's overlong filter
+            st.counts = dp.counts(len(st.kept))
             metrics.update(rollout_metrics(dp, all_seqs, metrics))
-            metrics["batch/sequences"] = float(sum(counts))
+            metrics["batch/sequences"] = float(sum(st.counts))
 
-            # --- old log-probs (only where needed), updates (every rank, in lockstep), token dump
+            # --- old log-probs (only where needed), update (every rank, in lockstep), token dump
             t0 = time.time()
-            if sum(counts):
-                batch = collate_with_pad_row(kept, run.pad_id, pad=dp.multi).to(run.backend.device)
-                pad_row = len(kept) if dp.multi else None
-                dumping = bool(cfg.logging.dump_tokens_every and step % cfg.logging.dump_tokens_every == 0)
-                record = UpdateRecord.empty(cfg.algorithm.ppo_epochs, batch) if dumping else None
-                if dumping:
-                    dump_rows = dump_candidates(cfg, kept)
-                    dump_dist = dump_forward(run, batch, dump_rows, dp)  # the pre-update (sampled) policy
-                # async: stale rows (or VCPO's baseline) need the proximal policy's log-probs: the old pass
-                stale = asyn is not None and any(s.version is not None and s.version < step - 1 for s in kept)
-                mvb = asyn is not None and cfg.algorithm.off_policy.min_variance_baseline
-                old_lp = old_ent = off = None
-                if stale or mvb or needs_old_pass(cfg, run.extras.needs_old_stats):
-                    spec = micro_spec(cfg)
-                    calls = old_pass_calls(dp, batch, spec, len(kept))
-                    old_lp, old_ent = token_stats_batched(run.backend, batch, spec, stats_temperature(cfg),
-                                                          calls=calls, pad_row=pad_row)
-                    # stale rows (async): behaviour weights, VCPO's ESS-scaled LR and baseline
-                    off = off_policy_step(run, kept, batch, old_lp, step, stats_temperature(cfg)) if asyn else None
-                    metrics.update(off.metrics if off is not None else {})
-                    # reference / Lp-Reg proxy log-probs, STARE schedule, KL in the reward (every rank)
-                    metrics.update(run.extras.prepare(batch, old_lp, old_ent, micro_batch=spec,
-                                                      temperature=stats_temperature(cfg), calls=calls, pad_row=pad_row))
-                    metrics.update(run.extras.apply_kl_in_reward(kept, batch, old_lp))
-                metrics["time/stats_s"] = time.time() - t0
-                local = run.deep.local_loss_hook(run, branches, step) if run.deep else None
-                hook = {"before_step": local} if local is not None else {}  # DEEP-GRPO's local loss, if any
-                metrics.update(update_policy(run, batch, old_lp, old_ent, step, counts=counts, record=record,
-                                             off_policy=off, **hook))
-                metrics.update(run.deep.local_metrics(run.backend) if run.deep else {})
-                if dumping:
-                    dump_tokens(run, step, kept, batch, dump_rows, dump_dist, record, dp)
+            if sum(st.counts):
+                update_step(run, st, dp)
             else:
                 metrics["actor/skipped_updates"] = 1.0
                 log(f"step {step}: no group with a usable advantage signal; update skipped")
             metrics["time/train_s"] = time.time() - t0
 
             # --- weight sync (the hf engine shares the trained model: nothing to copy)
-            if cfg.rollout.engine != "hf" or getattr(run.engine, "model", None) is not run.backend.model:
-                run.engine.load_weights(run.backend.named_parameters_for_sync())
-            if asyn is not None:
-                asyn.publish(step)  # version `step` to the producer
+            sync_weights(run)
+            hooks.after_sync(st)
 
             # --- validation, metrics, checkpoint
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.trainer.max_steps:
@@ -802,9 +779,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             tracker.log(step, metrics)
             view.update(metrics)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.trainer.max_steps:
-                save_checkpoint(run_dir, step=step, backend=run.backend, cfg=cfg,
-                                extra={"val_before": val_before, "extras": run.extras.state_dict(),
-                                       "layers": run.layer_state()}, keep_last=cfg.checkpoint.keep_last)
+                checkpoint(step)
 
         view.close()
         end = cfg.trainer.max_steps
@@ -814,14 +789,10 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             last_val = v["accuracy"]
             log(f"validation after training: accuracy {v['accuracy']:.3f} (before: {val_before})")
         if end > start:
-            save_checkpoint(run_dir, step=end, backend=run.backend, cfg=cfg,
-                            extra={"val_before": val_before, "extras": run.extras.state_dict(),
-                                   "layers": run.layer_state()}, keep_last=cfg.checkpoint.keep_last)
+            checkpoint(end)
         if cfg.checkpoint.export_hf:
             run.backend.export_hf(run_dir / "final", run.tokenizer)
     finally:
-        if asyn is not None:
-            asyn.close()
         view.close()
         tracker.close()
         run.close()
@@ -829,6 +800,45 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
     if main:
         _write_summary(run_dir, result)
     return result
+
+
+def sync_weights(run: _Run) -> None:
+    """Trainer -> rollout engine (a no-op when the hf engine shares the trained model)."""
+    if run.cfg.rollout.engine != "hf" or getattr(run.engine, "model", None) is not run.backend.model:
+        run.engine.load_weights(run.backend.named_parameters_for_sync())
+
+
+def update_step(run: _Run, st: StepState, dp: Any) -> None:
+    """One step's update on ``st.kept`` (every rank, also one with no row): collate, the token dump's
+    forward of the sampled policy, the old pass where the config or a hook needs it, the hooks'
+    ``before_update``, ``update_policy``, the hooks' ``after_update``, the dump. Metrics go to
+    ``st.metrics``."""
+    cfg, hooks, metrics, step = run.cfg, run.hooks, st.metrics, st.step
+    t0 = time.time()
+    st.batch = batch = collate_with_pad_row(st.kept, run.pad_id, pad=dp.multi).to(run.backend.device)
+    st.pad_row = len(st.kept) if dp.multi else None
+    dumping = bool(cfg.logging.dump_tokens_every and step % cfg.logging.dump_tokens_every == 0)
+    record = UpdateRecord.empty(cfg.algorithm.ppo_epochs, batch) if dumping else None
+    if dumping:
+        dump_rows = dump_candidates(cfg, st.kept)
+        dump_dist = dump_forward(run, batch, dump_rows, dp)  # the pre-update (sampled) policy
+    if needs_old_pass(cfg, hooks.needs_old_stats(st)):
+        st.spec = micro_spec(cfg)
+        st.calls = old_pass_calls(dp, batch, st.spec, len(st.kept))
+        st.old_lp, st.old_ent = token_stats_batched(run.backend, batch, st.spec, st.temperature,
+                                                    calls=st.calls, pad_row=st.pad_row)
+    hooks.before_update(st)  # async's off-policy weights, KL / Lp-Reg / STARE constants, DEEP-GRPO's local loss
+    metrics["time/stats_s"] = time.time() - t0
+
+    def before_step(update: int, fresh: bool) -> None:
+        for fn in st.before_step:
+            fn(update, fresh)
+
+    metrics.update(update_policy(run, batch, st.old_lp, st.old_ent, step, counts=st.counts, record=record,
+                                 off_policy=st.off_policy, before_step=before_step if st.before_step else None))
+    hooks.after_update(st)
+    if dumping:
+        dump_tokens(run, step, st.kept, batch, dump_rows, dump_dist, record, dp)
 
 
 def _quiet(msg: str) -> None:

@@ -49,9 +49,8 @@ def fixed_deep_update(backend_name: str, root_split: list[int], branch_split: li
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from stapo.core import loop
-    from stapo.core.algos.deep_grpo import suffix_mask
     from stapo.core.config import config_from_dict
-    from stapo.core.deep_grpo import BranchRollouts, DeepGRPO
+    from stapo.core.deep_grpo import BranchRollouts, DeepGRPO, suffix_mask
     from stapo.core.trainer import build_trainer_backend
 
     torch.manual_seed(0)

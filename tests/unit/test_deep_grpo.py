@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from stapo.core.algos.deep_grpo import (
+from stapo.core.deep_grpo import (
     OnlineLogistic,
     local_advantages,
     pivot_outcomes,
