@@ -12,7 +12,8 @@ rewards plus, per item, whether the reward could be computed. A reward that coul
 
 ``undecided`` (the grader found an answer but could not compare it with the gold: a gold it cannot
 read) is not retried (grading it again gives the same), but it is no verdict either: the item is
-``valid=False`` like a failure (its group is dropped, it counts toward ``reward.max_failure_frac``),
+``valid=False`` like a failure (its group is dropped; it counts in ``reward/failed`` and toward
+``reward.max_failure_frac``),
 a warning names the gold, and ``reward/rule/undecided`` logs its share of the step.
 
 ``no_answer`` and ``too_large`` are computed outcomes (the model gave no usable answer): they
