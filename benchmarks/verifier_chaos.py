@@ -82,6 +82,15 @@ def tree_rss_mb(server_pid: int) -> float:
     return total / 2**20
 
 
+def alive(pid: int, started: float) -> bool:
+    """The same process (not a reused PID) still runs."""
+    try:
+        p = psutil.Process(pid)
+        return p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -125,6 +134,7 @@ def main() -> None:
     probes: list[float] = []
     probe_fail = 0
     rss: list[tuple[float, float]] = []
+    seen: dict[int, float] = {}  # pid -> start time of every process of the service's tree seen
     kills = 0
     t_start = time.monotonic()
 
@@ -171,6 +181,7 @@ def main() -> None:
         while not stop.wait(1.0):
             try:
                 rss.append((time.monotonic() - t_start, tree_rss_mb(proc.pid)))
+                seen.update((p.pid, p.create_time()) for p in psutil.Process(proc.pid).children(recursive=True))
             except psutil.Error:
                 pass
 
@@ -193,6 +204,9 @@ def main() -> None:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+    end = time.monotonic() + 10.0  # the fork server's children die with it, within moments
+    while (orphans := [p for p, t in seen.items() if alive(p, t)]) and time.monotonic() < end:
+        time.sleep(0.2)
 
     sent = args.clients * args.items
     answered = sum(len(r) for r in results if r is not None)
@@ -238,6 +252,7 @@ def main() -> None:
         ("worker restarts (server)", ", ".join(f"{k} {v}" for k, v in sorted(restarts.items()))),
         ("client 429 waits", f"{busy['waits']} ({busy['wait_s']:.1f} s)"),
         ("wall time / items per s", f"{wall:.1f} s / {sent / wall:.0f}"),
+        ("processes of the service left 10 s after SIGTERM (seen during the run)", f"{len(orphans)} ({len(seen)})"),
         ("RSS of server + workers, MiB (max)", f"{rss_max:.0f}"),
         ("RSS over time (s MiB)", rss_series),
         ("load average before / after", f"{load_before:.1f} / {os.getloadavg()[0]:.1f}"),
@@ -259,7 +274,8 @@ Machine: {machine()}, shared with other jobs (load in the last row). A fresh ser
 {args.workers} workers and a {args.deadline} s deadline; {args.clients} concurrent `VerifierClient`s (retries, 429
 waits) send RL-shaped streams with {args.hostile_frac:.1%} of items replaced by inputs built to hang a grader,
 while a random worker is SIGKILLed every ~{args.kill_every} s and a prober sends a 1-item request every
-0.25 s ("small requests"). "lost" = items sent without an answer (must be 0).
+0.25 s ("small requests"). "lost" = items sent without an answer (must be 0); "left after SIGTERM" =
+processes of the service's tree (server, fork server, workers) still alive 10 s after it exited (must be 0).
 
 | measure | value |
 |---|---|

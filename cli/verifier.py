@@ -60,9 +60,6 @@ def serve(
         float | None,
         typer.Option(help="Hard per-item deadline in seconds [STAPO_VERIFIER_DEADLINE_S; default 5]."),
     ] = None,
-    batch_size: Annotated[
-        int | None, typer.Option(help="Items per worker message [STAPO_VERIFIER_BATCH_SIZE].")
-    ] = None,
     max_items: Annotated[
         int | None, typer.Option(help="Most items per request [STAPO_VERIFIER_MAX_ITEMS].")
     ] = None,
@@ -122,7 +119,6 @@ def serve(
         port=port,
         workers=workers,
         deadline_s=deadline,
-        batch_size=batch_size,
         max_items=max_items,
         max_prediction_chars=max_prediction_chars,
         max_gold_chars=max_gold_chars,
@@ -251,5 +247,6 @@ def explain(
     except ValueError as err:
         raise CLIError(str(err)) from err
     typer.echo(f"extracted: {res.extracted if res.extracted is not None else '(none)'}")
-    typer.echo(f"verdict:   {'correct' if res.correct else 'wrong'} (status {res.status})")
+    verdict = "correct" if res.correct else "wrong" if res.status in ("ok", "no_answer") else "none"
+    typer.echo(f"verdict:   {verdict} (status {res.status})")  # undecided, timeout, error: no verdict
     typer.echo(f"rule:      {res.rule or '(none)'}")

@@ -380,7 +380,11 @@ class KLOptions(_Section):
         "bfloat16", description="Dtype of the frozen reference copy (bf16 halves its memory; `same`: the policy's)."
     )
     offload: bool = Field(
-        False, description="Keep the reference on CPU and move it to the policy's device only for its forward."
+        False,
+        description=(
+            "Keep the reference on CPU and move it to the policy's device only for its forward (ZeRO-3: the "
+            "reference's partitions stay on CPU, DeepSpeed's `offload_param`)."
+        ),
     )
 
 
@@ -718,12 +722,6 @@ class Config(_Section):
             )
         if self.algorithm.kl.in_reward and self.algorithm.kl_coef == 0:
             raise ValueError("algorithm.kl.in_reward=true needs algorithm.kl_coef > 0")
-        a = self.algorithm
-        if a.kl_coef > 0 and a.kl.reference == "initial" and self.trainer.backend == "deepspeed" and self.trainer.zero_stage == 3:
-            raise ValueError(
-                "algorithm.kl.reference=initial is not supported with trainer.zero_stage=3 yet (the frozen copy "
-                "would need its own ZeRO-3 inference engine); use zero_stage 0-2 or kl.reference=none"
-            )
         self._async_checks()
         return self
 

@@ -257,9 +257,10 @@ class StepExtras(LoopHook):
         if backend is not None and a.kl_coef > 0 and a.kl.reference == "initial":
             from stapo.core.reference import ReferencePolicy
 
+            zero3 = getattr(backend, "zero_stage", 0) == 3  # partitioned like the policy (its own engine)
             self.reference = ReferencePolicy(
                 backend.model, dtype=a.kl.dtype, offload=a.kl.offload, device=backend.device,
-                chunk_size=cfg.trainer.logits_chunk_size,
+                chunk_size=cfg.trainer.logits_chunk_size, partitioned_copy=backend.frozen_copy if zero3 else None,
             )
         self.stare = None
         if a.token_weighting == "stare":
@@ -314,22 +315,19 @@ class StepExtras(LoopHook):
         Data parallel: every rank must call this (the metrics are all-reduced, Lp-Reg's selection
         all-gathered, in a fixed order that depends on the config only). ``pad_row`` / ``calls`` are
         those of the step's old-log-prob pass (``update.token_stats_batched``, same micro-batches): the Lp-Reg proxy pass
-        over the policy makes exactly ``calls`` forwards on every rank (ZeRO-3 gathers parameters in
-        each); the frozen reference is a plain local module (never ZeRO-3: the config refuses it), so
-        its forwards issue no collective and it runs on the real rows only.
+        over the policy and the ZeRO-3 reference (partitioned like the policy) make exactly ``calls``
+        forwards on every rank (ZeRO-3 gathers parameters in each); a plain reference copy (ZeRO 0-2,
+        one device) issues no collective and runs on the real rows only.
         """
         a, metrics = self.cfg.algorithm, {}
         mask = batch.response_mask
         self.ref_lp = self.proxy_lp = None
         if a.kl_coef > 0:
             if self.reference is not None:
-                real = batch.input_ids.shape[0] if pad_row is None else pad_row
-                self.ref_lp = torch.zeros_like(old_lp)  # [N, L]; the padding row has no response: 0
-                if real:
-                    self.ref_lp[:real] = self.reference.logprobs(
-                        batch.input_ids[:real], batch.attention_mask[:real], mask[:real],
-                        micro_batch=micro_batch, temperature=temperature,
-                    ).to(old_lp.device)
+                self.ref_lp = self.reference.logprobs(  # [N, L]; the padding row has no response: 0
+                    batch.input_ids, batch.attention_mask, mask, micro_batch=micro_batch, temperature=temperature,
+                    calls=calls, pad_row=pad_row,
+                ).to(old_lp.device)
             else:
                 self.ref_lp = old_lp  # kl.reference=none: KL to the policy that sampled
             if self.reference is not None:  # to the sampler itself the KL is 0 before the update

@@ -333,7 +333,7 @@ def rollout_and_grade(run: _Run, step: int, round_: int) -> tuple[list[Sequence_
             graded = fut.result()
             for s, r, v, c in zip(wave_seqs, graded.rewards, graded.valid, graded.correct, strict=True):
                 s.reward, s.valid, s.correct = r, v, c
-            failed += graded.statuses.get("timeout", 0) + graded.statuses.get("error", 0)
+            failed += graded.valid.count(False)  # no reward computed: timeout, error, undecided
             retried += graded.retried
             no_answer += graded.statuses.get("no_answer", 0)
     record_groups(run, idx[run.rank :: run.world_size], seqs)  # the sampler learns from observed accuracies

@@ -7,9 +7,10 @@ weights). Memory: the copy is cast to ``algorithm.kl.dtype`` (bf16 by default: h
 policy's weights, no gradients, no optimizer state) and, with ``algorithm.kl.offload``, lives on
 the CPU and visits the policy's device only for its no-grad forward, one micro-batch at a time.
 Its log-probs come from the same ``compute_token_stats`` the backends use (same positions, logit
-scale and temperature). ZeRO-3 would need the copy partitioned like the policy (its own DeepSpeed
-inference engine, as OpenRLHF and verl build for their reference workers); the config refuses that
-combination until it exists.
+scale and temperature). Under ZeRO-3 the copy is partitioned like the policy: its own DeepSpeed
+ZeRO-3 engine without an optimizer (``DeepSpeedBackend.frozen_copy``), as OpenRLHF and verl build
+for their reference workers; each rank then holds 1/world of it, and every rank makes the same
+number of reference forwards.
 
 **minp_stats_batched** - per response position, log of the probability mass that survives the
 min-p filter (p >= min_p * max p) and log of the max probability, from the hidden states and the
@@ -22,6 +23,7 @@ the batch's zero-weight row), so Lp-Reg runs under ZeRO-3 on several ranks.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,13 +37,25 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class ReferencePolicy:
-    """A frozen copy of a causal LM that answers per-token log-probs, [B, L] float32."""
+    """A frozen copy of a causal LM that answers per-token log-probs, [B, L] float32.
+
+    ``partitioned_copy`` (ZeRO-3): a callable ``(dtype, offload=...) -> engine`` that builds the copy
+    partitioned like the policy (``DeepSpeedBackend.frozen_copy``); without it the copy is a plain
+    ``deepcopy`` (one device, or every rank's full replica at ZeRO 0-2)."""
 
     def __init__(self, model: torch.nn.Module, *, dtype: str = "bfloat16", offload: bool = False,
-                 device: torch.device | None = None, chunk_size: int = 1024) -> None:
+                 device: torch.device | None = None, chunk_size: int = 1024,
+                 partitioned_copy: Callable[..., Any] | None = None) -> None:
         self.device = device if device is not None else next(model.parameters()).device
-        self.offload = offload
         self.chunk_size = chunk_size
+        self.partitioned = partitioned_copy is not None
+        if self.partitioned:
+            # DeepSpeed moves the partitions itself (offload_param); the engine must stay referenced
+            self.engine = partitioned_copy(_DTYPES.get(dtype), offload=offload)
+            self.model = self.engine.module
+            self.offload = False
+            return
+        self.offload = offload
         ref = copy.deepcopy(model)
         ref.requires_grad_(False)
         ref.eval()
@@ -51,32 +65,56 @@ class ReferencePolicy:
         self.model = ref
 
     def num_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of the copy's weights on this rank (its partitions, under ZeRO-3)."""
+        return sum(_local_numel(p) * p.element_size() for p in self.model.parameters())
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                 *, micro_batch: int | MicroSpec, temperature: float) -> torch.Tensor:
+                 *, micro_batch: int | MicroSpec, temperature: float, calls: int | None = None,
+                 pad_row: int | None = None) -> torch.Tensor:
         """log ref(o_t | context) at every response position of the batch, 0 elsewhere: [B, L].
-        Micro-batches as the update's (``MicroSpec``: packed by tokens, or rows)."""
-        from stapo.core.trainer.base import compute_token_stats
+
+        Micro-batches as the update's (``MicroSpec``: packed by tokens, or rows). Data parallel, as
+        ``update.token_stats_batched``: ``pad_row`` is the batch's zero-weight padding row and
+        ``calls`` the number of forwards every rank makes. A partitioned copy gathers its parameters
+        in every forward, so each rank makes exactly ``calls`` of them (past its real rows, on the
+        padding row); a plain copy issues no collective and runs on the real rows only. Each
+        micro-batch runs as the copy's own forward (``forward_as``), so ZeRO-3's hooks fire.
+        """
+        from stapo.core.trainer.base import compute_token_stats, forward_as
 
         if self.offload:
             self.model.to(self.device)
         try:
             batch = _rows_batch(input_ids.to(self.device), attention_mask.to(self.device), response_mask.to(self.device))
             spec = micro_batch if isinstance(micro_batch, MicroSpec) else MicroSpec(int(micro_batch))
+            real = input_ids.shape[0] if pad_row is None else pad_row
+            row_sets = split_rows(torch.arange(real), attention_mask.sum(1).cpu(), spec)
+            if self.partitioned:
+                row_sets = with_padding(row_sets, calls or 0, pad_row, "ReferencePolicy.logprobs")
             out = torch.zeros(input_ids.shape, dtype=torch.float32, device=self.device)  # [B, L]
-            for rows in split_rows(torch.arange(input_ids.shape[0]), attention_mask.sum(1).cpu(), spec):
+
+            def stats(ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor,
+                      pos: torch.Tensor | None) -> torch.Tensor:
+                lp, _ = compute_token_stats(self.model, ids, attn, resp, chunk_size=self.chunk_size,
+                                            temperature=temperature, position_ids=pos)
+                return lp
+
+            for rows in row_sets:
                 m = build_micro(batch, rows, spec.packed)
-                lp, _ = compute_token_stats(
-                    self.model, m.input_ids, m.attention_mask, m.response_mask, chunk_size=self.chunk_size,
-                    temperature=temperature, position_ids=m.position_ids,
-                )
+                with forward_as(self.model, stats):  # the root module's forward (and its hooks)
+                    lp = self.model(m.input_ids, m.attention_mask, m.response_mask, m.position_ids)
                 out[m.rows] = m.to_rows(lp.float())
             return out
         finally:
             if self.offload:
                 self.model.to("cpu")
+
+
+def _local_numel(p: torch.nn.Parameter) -> int:
+    """Elements this rank stores: a ZeRO-3 partitioned parameter's ``ds_tensor``, else the tensor."""
+    local = getattr(p, "ds_tensor", None)
+    return int(local.numel()) if local is not None else p.numel()
 
 
 @torch.no_grad()

@@ -10,6 +10,12 @@ rewards plus, per item, whether the reward could be computed. A reward that coul
 3. when the failed share of a step exceeds ``reward.max_failure_frac``, or the service stays
    unreachable, :class:`RewardError` stops the run with the reason.
 
+``undecided`` (the grader found an answer but could not compare it with the gold: a gold it cannot
+read) is not retried (grading it again gives the same), but it is no verdict either: the item is
+``valid=False`` like a failure (its group is dropped; it counts in ``reward/failed`` and toward
+``reward.max_failure_frac``),
+a warning names the gold, and ``reward/rule/undecided`` logs its share of the step.
+
 ``no_answer`` and ``too_large`` are computed outcomes (the model gave no usable answer): they
 score ``reward.scale.wrong``. Rewards are ``reward.scale.correct`` / ``reward.scale.wrong``
 (DAPO: +1 / -1; default 1 / 0).
@@ -17,6 +23,7 @@ score ``reward.scale.wrong``. Rewards are ``reward.scale.correct`` / ``reward.sc
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -28,6 +35,10 @@ from stapo.core.config import RewardConfig
 __all__ = ["RewardError", "RewardBatch", "RewardFunction", "rule_shares", "scale_reward"]
 
 _FAILED = {"timeout", "error"}
+"""Statuses of a grade that did not run to the end: retried."""
+_NO_VERDICT = _FAILED | {"undecided"}
+"""Statuses that carry no verdict: the item's reward could not be computed (``valid=False``)."""
+logger = logging.getLogger(__name__)
 
 
 class RewardError(RuntimeError):
@@ -40,7 +51,7 @@ class RewardBatch:
     valid: list[bool]  # [N] False where the reward could not be computed
     correct: list[bool]  # [N]
     extracted: list[str | None]  # [N]
-    status: list[str]  # [N] grader status per item: ok | no_answer | timeout | error | too_large
+    status: list[str]  # [N] grader status per item: ok | no_answer | undecided | timeout | error | too_large
     statuses: Counter = field(default_factory=Counter)
     retried: int = 0
     rules: Counter = field(default_factory=Counter)  # items per deciding grader rule (GradeResult.rule)
@@ -89,13 +100,24 @@ class RewardFunction:
                 results[i] = r
             pending = [i for i in pending if _status(results[i]) in _FAILED]
         n = len(items)
+        undecided = [i for i, r in enumerate(results) if _status(r) == "undecided"]
+        if undecided:
+            logger.warning(
+                "%d/%d rewards undecided: the grader could not compare the answer with the gold "
+                "(e.g. gold %r, answer %r); their groups are dropped",
+                len(undecided),
+                n,
+                items[undecided[0]]["gold"][:80],
+                _get(results[undecided[0]], "extracted"),
+            )
+        pending = pending + undecided
         if n and len(pending) / n > self.cfg.max_failure_frac:
             counts = Counter(_status(results[i]) for i in pending)
             raise RewardError(
                 f"{len(pending)}/{n} rewards could not be computed after {self.cfg.retries} retries "
                 f"({dict(counts)}); above reward.max_failure_frac={self.cfg.max_failure_frac}"
             )
-        valid = [_status(r) not in _FAILED for r in results]
+        valid = [_status(r) not in _NO_VERDICT for r in results]
         correct = [bool(_get(r, "correct")) and v for r, v in zip(results, valid, strict=True)]
         rewards = [scale_reward(c, self.cfg.scale.correct, self.cfg.scale.wrong) for c in correct]
         return RewardBatch(
@@ -124,8 +146,9 @@ def rule_shares(batches: Sequence[RewardBatch]) -> dict[str, float]:
     """``reward/rule/<name>``: the share of this step's items whose verdict each grader rule decided.
 
     So a researcher sees when a rule starts paying out (a jump in ``reward/rule/rounded-gold`` or
-    ``reward/rule/math-verify``). ``none``: no rule ran (timeouts, errors, a cached verdict that
-    does not keep its rule). Shares of this rank's items.
+    ``reward/rule/math-verify``). ``undecided``: no rule could compare (those items are invalid).
+    ``none``: no rule ran (timeouts, errors) or the result does not say (the HTTP client's plain
+    results carry no rule). Shares of this rank's items.
     """
     total: Counter = Counter()
     for b in batches:

@@ -308,7 +308,7 @@ def score(
         }
         m = summarize_benchmark(per, k=k, equivalent=equivalent)
         rows = [s for p in probs for s in done[(bench, p.id)]]
-        m["failed"] = sum(1 for s in rows if s["status"] in ("timeout", "error"))
+        m["failed"] = sum(1 for s in rows if s["status"] in ("timeout", "error", "undecided"))
         m["no_answer"] = sum(1 for s in rows if s["status"] == "no_answer")
         m["mean_tokens"] = sum(s["tokens"] for s in rows) / len(rows)
         m["truncated"] = sum(1 for s in rows if s.get("finish_reason") == "length") / len(rows)

@@ -22,7 +22,7 @@ verl 0.9 reads ``reward.custom_reward_function.path/name`` and ``reward.reward_m
 ``pkg://stapo.verifier_service.adapters`` loads this module by import (docs/integrations.md).
 
 ``compute_score`` returns ``{"score", "acc", "pred", "status", "verifier_failed"}``; an item that could
-not be graded (``timeout``, ``error``, ``too_large``) gets ``score`` = the failure value
+not be graded (``timeout``, ``error``, ``too_large``, ``undecided``) gets ``score`` = the failure value
 (``failure_score=`` reward kwarg, else ``$STAPO_VERIFIER_FAILURE_SCORE``, else 0.0) and its
 ``status`` shows in verl's logged extra info. ``compute_score_prime`` returns ``(score, status)``.
 
@@ -59,7 +59,7 @@ from typing import Any, Protocol
 
 from stapo.verifier_service.grader import GradeResult, grade
 
-FAILED = frozenset({"timeout", "error", "too_large"})
+FAILED = frozenset({"timeout", "error", "too_large", "undecided"})
 
 
 class Verifier(Protocol):

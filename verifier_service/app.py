@@ -447,7 +447,7 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
             for name, statuses in (
                 ("verifier_no_answer", ("no_answer",)),
                 ("verifier_timeout", ("timeout",)),
-                ("verifier_error", ("error", "too_large")),
+                ("verifier_error", ("error", "too_large", "undecided")),
             )
         }
         body = {
@@ -487,7 +487,8 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
 
         OpenRLHF needs a number for every sample, so an item that timed out or errored gets reward
         0 here, but it is never silent: ``extra_logs`` carries per-sample ``verifier_timeout`` /
-        ``verifier_error`` / ``verifier_no_answer`` flags and the metrics count them.
+        ``verifier_error`` (errors, oversized and undecided items) /
+        ``verifier_no_answer`` flags and the metrics count them.
         """
         return await reward_handler(req, request)
 

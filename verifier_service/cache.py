@@ -16,7 +16,7 @@ import threading
 import time
 from typing import NamedTuple
 
-from stapo.verifier_service.grader import GradeResult, dapo_line, marker_answer, quick_verdict
+from stapo.verifier_service.grader import GradeResult, dapo_line, marker_answer, quick_rule
 
 Item = tuple[str, str, str]
 """(prediction, gold, mode): what travels to a worker."""
@@ -81,7 +81,7 @@ def verdict_key(item: Item) -> VerdictKey | None:
 
 
 def inline_grade(gold: str, mode: str, vk: VerdictKey) -> GradeResult | None:
-    """The item's result when ``grader.quick_verdict`` decides it in this process, else None.
+    """The item's result, with its deciding rule, when ``grader.quick_rule`` decides it in this process, else None.
 
     Most first sights on an RL stream are integers against an integer gold (DAPO-Math-17k, GSM8K)
     or an answer equal to the gold up to markup: a worker would take microseconds to grade them,
@@ -89,12 +89,13 @@ def inline_grade(gold: str, mode: str, vk: VerdictKey) -> GradeResult | None:
     """
     t0 = time.perf_counter()
     try:
-        ok = quick_verdict(gold, vk.answer, mode)
+        quick = quick_rule(gold, vk.answer, mode)
     except Exception:  # the worker will say what went wrong
         return None
-    if ok is None:
+    if quick is None:
         return None
-    return GradeResult(ok, 1.0 if ok else 0.0, "ok", vk.extracted, (time.perf_counter() - t0) * 1e3)
+    ok, rule = quick
+    return GradeResult(ok, 1.0 if ok else 0.0, "ok", vk.extracted, (time.perf_counter() - t0) * 1e3, rule)
 
 
 def untimed(r: GradeResult) -> GradeResult:
@@ -148,3 +149,114 @@ class ByteLRU:
     def reset_lock(self) -> None:
         """After ``os.fork()`` in the child: the parent's lock may have been held by another thread."""
         self.lock = threading.Lock()
+
+
+@dataclasses.dataclass(eq=False)
+class Plan:
+    """One request after the caches answered what they could (``Memo.plan``)."""
+
+    results: list[GradeResult | None]
+    leaders: list[int] = dataclasses.field(default_factory=list)  # items to grade, first of their kind
+    dups: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # leader -> the same item again
+    vdups: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # leader -> same (mode, gold, answer)
+    keys: dict[int, bytes] = dataclasses.field(default_factory=dict)
+    vkeys: dict[int, VerdictKey] = dataclasses.field(default_factory=dict)
+    retried: set[int] = dataclasses.field(default_factory=set)  # leaders that timed out before
+    counts: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+
+class Memo:
+    """Whole results by item, verdicts by (mode, gold, extracted answer), keys of items that timed out.
+
+    The two result caches share ``max_bytes``. 'timeout' and 'error' are never remembered as
+    results (a retry re-grades); a timed-out item's key is, so that its retry gets a longer deadline.
+    ``inline``: verdicts ``grader.quick_verdict`` decides are given in this process (no round trip)."""
+
+    def __init__(self, max_bytes: int, max_entries: int, *, verdicts: bool = True, inline: bool = True) -> None:
+        self.verdict_cache, self.inline = verdicts, inline and verdicts
+        self.results = ByteLRU(max_bytes // 2 if verdicts else max_bytes, max_entries)
+        self.verdicts = ByteLRU(max_bytes // 2 if verdicts else 0, max_entries)
+        self.timed_out = ByteLRU(1 << 20, 4096)
+
+    def __len__(self) -> int:
+        return len(self.results) + len(self.verdicts)
+
+    @property
+    def bytes(self) -> int:
+        return self.results.bytes + self.verdicts.bytes
+
+    def reset_locks(self) -> None:
+        for lru in (self.results, self.verdicts, self.timed_out):
+            lru.reset_lock()
+
+    def plan(self, items: list[Item], *, explain: bool, max_chars: tuple[int, int]) -> Plan:
+        """Answer what the caches know; the rest are leaders (first of their key) with followers.
+
+        ``explain``: a result without a rule (decided by ``quick_verdict``) is not good enough."""
+        p = Plan([None] * len(items))
+        leaders: dict[bytes, int] = {}
+        vleaders: dict[bytes, int] = {}
+        for i, item in enumerate(items):
+            pred, gold, mode = item
+            if len(pred) > max_chars[0] or len(gold) > max_chars[1]:
+                p.results[i] = GradeResult(False, 0.0, "too_large", None, 0.0)
+                p.counts["too_large"] += 1
+                continue
+            key = cache_key(item)
+            if (lead := leaders.get(key)) is not None:
+                p.dups.setdefault(lead, []).append(i)
+                p.counts["cache_hits"] += 1
+                continue
+            if (r := self.results.get(key)) is not None and not (explain and r.rule is None):
+                p.results[i] = r
+                p.counts["cache_hits"] += 1
+                continue
+            if self.verdict_cache and (vk := verdict_key(item)) is not None:
+                if (v := self.verdicts.get(vk.digest)) is not None and not (explain and v.rule is None):
+                    p.results[i] = v
+                    self.results.put(key, v)  # the same item again skips the extraction too
+                    p.counts["verdict_hits"] += 1
+                    continue
+                if (vl := vleaders.get(vk.digest)) is not None:  # same gold and answer as an item above
+                    p.vdups.setdefault(vl, []).append(i)
+                    p.keys[i] = key
+                    p.counts["verdict_hits"] += 1
+                    continue
+                if self.inline and not explain and (r := inline_grade(gold, mode, vk)) is not None:
+                    p.results[i] = r
+                    self.verdicts.put(vk.digest, untimed(r))
+                    self.results.put(key, untimed(r))
+                    p.counts["inline_verdicts"] += 1
+                    continue
+                vleaders[vk.digest] = i
+                p.vkeys[i] = vk
+            leaders[key] = i
+            p.keys[i] = key
+            if self.timed_out.get(key) is not None:
+                p.retried.add(i)
+        p.leaders = list(leaders.values())
+        return p
+
+    def settle(self, p: Plan, leader: int, r: GradeResult, *, remember: bool = True) -> list[int]:
+        """A leader's result: into the plan (its duplicates too) and the caches. Returns the followers
+        whose verdict it does not decide (a timeout, an error, another answer): they are graded too.
+        ``remember`` False: a 'timeout' that was not graded (a spent budget) marks nothing."""
+        p.results[leader] = r
+        for d in p.dups.get(leader, ()):
+            p.results[d] = r
+        key, vk = p.keys.get(leader), p.vkeys.get(leader)
+        same_answer = vk is not None and r.status == "ok" and r.extracted == vk.extracted
+        if r.status in ("ok", "no_answer"):  # never 'timeout' (a retry may succeed) nor 'error'
+            if key is not None:
+                self.results.put(key, untimed(r))
+            if same_answer:
+                self.verdicts.put(vk.digest, untimed(r))
+        elif r.status == "timeout" and remember and key is not None:
+            self.timed_out.put(key, r)
+        followers = p.vdups.pop(leader, [])
+        if not same_answer:
+            return followers
+        for f in followers:
+            p.results[f] = untimed(r)
+            self.results.put(p.keys[f], untimed(r))
+        return []

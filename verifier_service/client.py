@@ -32,8 +32,7 @@ from typing import Any
 import httpx
 
 from stapo.verifier_service.grader import GradeResult
-from stapo.verifier_service.pool import as_item
-from stapo.verifier_service.schemas import VerifyItem
+from stapo.verifier_service.schemas import VerifyItem, as_item
 
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 log = logging.getLogger("stapo.verifier_service.client")

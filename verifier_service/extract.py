@@ -23,8 +23,13 @@ Extraction policy (which candidate is the answer when a response has several; do
    replace it. The value runs to the end of its sentence, and a contrast after it is dropped
    ("the answer is 5, not 4" -> 5; "rather than", "instead of" too).
 4. No marker: a short one-line prediction (``BARE_MAX_CHARS``) is the answer itself ("42",
-   "$\\frac12$"); anything else gives None and the grader may fall back to math-verify's own
-   extraction (last LaTeX span / last number) — see ``grader.py``.
+   "$\\frac12$", "28 percent", "$1,000.99"): the model wrote nothing but it. Anything else gives
+   None, and the grader falls back to math-verify's own extraction (last LaTeX span / last
+   number) -- see ``grader.py`` -- only when the response is *finished* (``response_finished``:
+   the model closed its turn, or the text closes every math delimiter and brace it opens and does
+   not stop mid-sentence). A response cut off mid-work ("... Substituting 5 into the second
+   equation, we get") has committed to nothing, and the last number it passed through is not its
+   answer.
 
 Usage::
 
@@ -331,3 +336,57 @@ def extract_answer(text: str, *, think: str = "optional") -> str | None:
     if stripped and "\n" not in stripped and len(stripped) <= BARE_MAX_CHARS:
         return _clean_tail(stripped) or None
     return None
+
+
+# what a finished statement may end with, after trailing markdown and quotes: a full stop (any
+# script), a closing math delimiter, or a value (a digit, a closing bracket, a unit sign) -- not a
+# word ("..., we get") nor an operator or separator that needs a continuation ("x = ", "a, ")
+_UNFINISHED_END_RE = re.compile(r"(?:(?<![\\\w])[^\W\d_]{2,}|[,:;=+\-*/^_&\\({\[<])$")
+_TRAILING_DECOR = " \t\r\n*_`\"'\u201d\u2019\u00bb"
+_UNESCAPED_DOLLAR_RE = re.compile(r"(?<!\\)\$")
+
+
+def _closed_turn(text: str) -> bool:
+    """A chat-template special token follows some of the response's text: the model ended its turn
+    itself (an end-of-turn token, or padding after it); a response cut at the length limit has none.
+    Tokens before any text (left padding, a system turn's tokens) do not count."""
+    if not _may_have_special(text):
+        return False
+    pos = 0
+    for m in _SPECIAL_RE.finditer(text):
+        if text[pos : m.start()].strip():
+            return True
+        pos = m.end()
+    return False
+
+
+def _delimiters_closed(body: str) -> bool:
+    """Every ``$`` pair, ``\\(...\\)``, ``\\[...\\]`` and brace opened in ``body`` is closed."""
+    if len(_UNESCAPED_DOLLAR_RE.findall(body)) % 2:
+        return False
+    if body.count("\\(") != body.count("\\)") or body.count("\\[") != body.count("\\]"):
+        return False
+    # braces as groups (escaped \\{ \\} are characters); counted in C, not walked in Python
+    return body.count("{") - body.count("\\{") == body.count("}") - body.count("\\}")
+
+
+def response_finished(text: str, *, think: str = "optional") -> bool:
+    """Did the response finish, so that a value in it may be its answer without a marker?
+
+    Yes when the model closed its turn (a special token after the text), or when the text (after
+    the ``think`` rule) closes every math delimiter and brace it opens and its last character is
+    not a word, an operator or a separator (``_UNFINISHED_END_RE``): "... is 120", "... $x=5$.",
+    "x = 5". A response cut at the length limit stops anywhere: inside ``$\\frac{``, after "we
+    get", after "the product of"; its last number is one it passed through, not one it committed
+    to. Our choice; a cut that happens to fall right after a number ("Multiplying both sides by
+    5") cannot be told from a statement ("The volume is 5") and counts as finished.
+    """
+    if _closed_turn(text):
+        return True
+    body = apply_think(text, think)
+    if body is None:
+        return False
+    tail = body.rstrip(_TRAILING_DECOR)
+    if not tail:
+        return False
+    return _delimiters_closed(body) and _UNFINISHED_END_RE.search(tail[-64:]) is None

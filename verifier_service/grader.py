@@ -56,7 +56,13 @@ from typing import Literal
 
 from stapo.verifier_service import mathverify
 from stapo.verifier_service.dapo import TAIL_CHARS, dapo_extract, dapo_is_correct, dapo_normalize
-from stapo.verifier_service.extract import THINK_MODES, apply_think, extract_answer, strip_special_tokens
+from stapo.verifier_service.extract import (
+    THINK_MODES,
+    apply_think,
+    extract_answer,
+    response_finished,
+    strip_special_tokens,
+)
 from stapo.verifier_service.normalize import (
     Num,
     canonical,
@@ -87,14 +93,25 @@ __all__ = [
     "RULES",
     "RULE_NAMES",
     "SETTINGS",
+    "UNDECIDED",
     "extract_answer",
     "final_answer",
     "get_mode",
     "grade",
+    "quick_rule",
+    "quick_verdict",
     "register_mode",
 ]
 
-Status = Literal["ok", "no_answer", "timeout", "error", "too_large"]
+Status = Literal["ok", "no_answer", "undecided", "timeout", "error", "too_large"]
+"""``ok``: compared, ``correct`` is the verdict. ``no_answer``: the response has no answer (a
+computed outcome: wrong). ``undecided``: an answer was found but no rule could compare it with the
+gold (the gold is not readable as math): no verdict, ``correct`` is False and means nothing.
+``timeout`` / ``error`` / ``too_large``: grading did not run to the end. Only ``ok`` and
+``no_answer`` are verdicts; a reward function must not turn the others into a number silently
+(``core/rewards.py`` drops their groups and counts them)."""
+UNDECIDED = "undecided"
+"""``GradeResult.rule`` of an ``undecided`` grade: the table ran out without a verdict."""
 MAX_CHARS = 20_000
 """Default per-field size limit (prediction and gold each), checked before any parsing."""
 RESULT_CACHE_SIZE = 65_536
@@ -116,8 +133,9 @@ class GradeResult:
     ms: float = 0.0
     rule: str | None = None
     """The name of the rule that decided (``RULES`` in mode ``math``, ``"dapo"`` in mode ``dapo``;
-    ``"no-answer"`` when nothing was extracted; None when no rule ran: ``too_large``, ``error``,
-    ``timeout``, or a verdict from a cache that does not keep it)."""
+    ``"no-answer"`` when nothing was extracted; ``UNDECIDED`` with status ``undecided``; None when
+    no rule ran: ``too_large``, ``error``, ``timeout``). Fresh, quick (``quick_rule``) and cached
+    verdicts all carry it."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -432,9 +450,12 @@ def _rule_base(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
 
 
 def _numbers(gold: str, pred: str, g: _Info, p: _Info) -> tuple[Num, Num] | None:
-    # decimal commas "1000,99" only when no thousands reading exists, and only in predictions:
-    # answer keys write decimals with a point, so a gold "-3,0" is a list
-    p_num = p.num or (_decimal_comma(p, pred) if g.num is not None else None)
+    # decimal commas "1000,99" only when no thousands reading exists, only in predictions (answer
+    # keys write decimals with a point, so a gold "-3,0" is a list), and only against a gold that is
+    # not an integer: against an integer the reading could only add zeros ("-3,0" for -3), which is
+    # what a two-element list looks like
+    dec_gold = g.num is not None and g.num.value.denominator != 1
+    p_num = p.num or (_decimal_comma(p, pred) if dec_gold else None)
     return (g.num, p_num) if g.num is not None and p_num is not None else None
 
 
@@ -559,10 +580,12 @@ def _rule_surely_unequal(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
 
 def _rule_math_verify(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
     # math-verify's symbolic verify on golds parsed whole; exact constants compared at 50 digits.
-    # A side that does not parse cannot be shown equal: "no".
+    # A gold that does not parse cannot be compared at all: undecided (None; the grade's status says
+    # so), never a guess. An answer that does not parse is "no", as in math-verify (``verify`` of an
+    # empty parse is False): the model's unreadable answer is its own failure, an unreadable gold is not.
     gold_exprs = _sympy_parse(gold, False)
-    if not gold_exprs:
-        return False
+    if not gold_exprs or _constant_relation(gold_exprs):
+        return None
     pred_exprs = _sympy_parse(pred, True)
     if not pred_exprs:
         return False
@@ -570,6 +593,20 @@ def _rule_math_verify(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
     ok = bool(verify(list(gold_exprs), list(pred_exprs), timeout_seconds=None, allow_set_relation_comp=True))
     exact = _exact_constants_equal(gold_exprs, pred_exprs)
     return exact if exact is not None else ok
+
+
+def _constant_relation(exprs: tuple) -> bool:
+    """A gold equation whose sides differ by a constant as parsed (``N=n``: math-verify reads ``N``
+    as ``n``, giving ``Eq(n, n)``). Solved for its symbols it has no solution list to compare, and
+    math-verify's solve-and-compare (``sympy_solve_and_compare``: ``all`` over zipped empty lists)
+    then calls it equal to any other such equation (``N = n + 1``): no comparison is possible."""
+    from sympy import Eq, Expr  # loaded already: math-verify's parse returned sympy objects
+
+    for e in exprs:  # sides that are expressions only: tuples ("(p,q)=(3,2)") and sets do not subtract
+        if isinstance(e, Eq) and isinstance(e.lhs, Expr) and isinstance(e.rhs, Expr):
+            if not (e.lhs - e.rhs).free_symbols:
+                return True
+    return False
 
 
 RULES: tuple[tuple[str, RuleFn], ...] = (
@@ -595,9 +632,10 @@ RULES: tuple[tuple[str, RuleFn], ...] = (
 )
 """The comparison of mode ``math`` as an ordered table: each rule says yes, no, or passes (None);
 the first that decides gives the verdict and its name (``GradeResult.rule``). Cheapest first.
-``math-verify`` always decides, so the table never runs out."""
+``math-verify`` decides whenever the gold parses; when it does not and no rule before it decided,
+the grade's status is ``undecided`` (rule ``UNDECIDED``)."""
 CHEAP_RULES = 7
-"""How many rules of ``RULES`` are string and exact-number tests (``quick_verdict`` runs only these)."""
+"""How many rules of ``RULES`` are string and exact-number tests (``quick_rule`` runs only these)."""
 RULE_NAMES = tuple(name for name, _ in RULES)
 
 
@@ -610,25 +648,18 @@ def _decide(gold: str, pred: str, rules: tuple[tuple[str, RuleFn], ...]) -> tupl
     return None, None
 
 
-def _equiv_cheap(gold: str, pred: str) -> bool | None:
-    """The cheap rules of :data:`RULES` only (strings and exact numbers), None when undecided.
-
-    Its own function so that the server process can run exactly these steps on short answers
-    (:func:`quick_verdict`) and leave everything else to the workers.
-    """
-    return _decide(gold, pred, RULES[:CHEAP_RULES])[0]
-
-
 @lru_cache(maxsize=RESULT_CACHE_SIZE)
-def _equiv_rule(gold: str, pred: str) -> tuple[bool, str]:
-    """(verdict, name of the rule that decided) for the extracted prediction ``pred`` against ``gold``."""
+def _equiv_rule(gold: str, pred: str) -> tuple[bool | None, str]:
+    """(verdict, name of the rule that decided) for the extracted prediction ``pred`` against ``gold``;
+    verdict None (``UNDECIDED``) when no rule could decide: the gold is not readable as math."""
     verdict, name = _decide(gold, pred, RULES)
-    return bool(verdict), name or "math-verify"
+    return (None, UNDECIDED) if verdict is None else (verdict, name or "math-verify")
 
 
 def _equiv(gold: str, pred: str) -> bool:
-    """Is the extracted prediction ``pred`` the same answer as ``gold``? (``RULES``, cheapest first)."""
-    return _equiv_rule(gold, pred)[0]
+    """Is the extracted prediction ``pred`` the same answer as ``gold``? (``RULES``, cheapest first).
+    Inside a rule (list elements, equation sides) an undecided part cannot be shown equal: no."""
+    return bool(_equiv_rule(gold, pred)[0])
 
 
 _NUM_TOKEN_RE = re.compile(r"\d+(?:\.\d+)?")
@@ -1630,6 +1661,8 @@ def _extract_math(prediction: str, think: str) -> tuple[Status, str | None]:
     if extracted is not None:
         extracted = _marker_answer_form(extracted)
     if extracted is None or _is_prose(extracted):
+        if extracted is None and not response_finished(prediction, think=think):
+            return "no_answer", None  # cut off mid-work with no marker: nothing was committed to
         body = extracted if extracted is not None else apply_think(prediction, think)
         if body is None or not body.strip():
             return "no_answer", None
@@ -1643,7 +1676,7 @@ def _extract_math(prediction: str, think: str) -> tuple[Status, str | None]:
 
 def _math_gold(gold: str) -> str:
     """Mode ``math``'s gold as compared (``gold_answer`` + ``latexify``): one definition for ``grade``
-    in the workers and ``quick_verdict`` in the server process, so the two cannot drift apart."""
+    in the workers and ``quick_rule`` in the server process, so the two cannot drift apart."""
     return latexify(gold_answer(gold))
 
 
@@ -1659,6 +1692,8 @@ def _grade_math(prediction: str, gold: str, think: str) -> tuple[bool, Status, s
         verdict, rule = _decide(gold_ans, extracted, RULES[:CHEAP_RULES])
         return verdict is True, "ok", extracted, rule if verdict is not None else "prose-as-text"
     correct, rule = _equiv_rule(gold_ans, extracted)
+    if correct is None:
+        return False, "undecided", extracted, rule
     return correct, "ok", extracted, rule
 
 
@@ -1709,32 +1744,42 @@ def dapo_line(prediction: str, *, think: str = "optional") -> str | None:
 
 
 QUICK_MAX_CHARS = 64
-"""Longest gold and answer (mode ``math``) that :func:`quick_verdict` decides; RL answers are short."""
+"""Longest gold and answer (mode ``math``) that :func:`quick_rule` decides; RL answers are short."""
 QUICK_MAX_GOLD_DAPO = 400
-"""Longest gold :func:`quick_verdict` normalizes in mode ``dapo`` (the answer line is <= 300 chars)."""
+"""Longest gold :func:`quick_rule` normalizes in mode ``dapo`` (the answer line is <= 300 chars)."""
 
 
 def quick_verdict(gold: str, answer: str, mode: str = "math") -> bool | None:
     """``grade``'s verdict for a response whose final answer is ``answer``, when string and exact-number
     steps decide it; None when only a worker can (sympy, math-verify, long strings).
+    (:func:`quick_rule` without the rule's name.)"""
+    quick = quick_rule(gold, answer, mode)
+    return None if quick is None else quick[0]
+
+
+def quick_rule(gold: str, answer: str, mode: str = "math") -> tuple[bool, str] | None:
+    """(verdict, deciding rule) of ``grade`` for a response whose final answer is ``answer``, when
+    string and exact-number steps decide it; None when only a worker can (sympy, math-verify, long
+    strings).
 
     For the service's server process: it has no deadline, so this runs only steps whose cost is
     linear in short inputs. Mode ``math``: ``answer`` is :func:`marker_answer`'s string, and the
-    verdict is ``_equiv_cheap`` -- the first steps of the grader's own comparison (equal canonical
-    strings, choice letters, text answers, numerals in a base, exact numbers) -- so a decided
-    verdict is the one a worker would return. Mode ``dapo``: ``answer`` is :func:`dapo_line`'s raw
-    text and the verdict is the DAPO normalizer's string equality (``dapo.py``), always decided.
+    verdict is ``_decide`` over the cheap rules of :data:`RULES` -- equal canonical strings, choice
+    letters, text answers, numerals in a base, exact numbers -- so a decided verdict and its rule
+    are the ones a worker would return. Mode ``dapo``: ``answer`` is :func:`dapo_line`'s raw text
+    and the verdict is the DAPO normalizer's string equality (``dapo.py``, rule ``dapo``), always decided.
     """
     if mode == "dapo":
         if len(answer) > TAIL_CHARS or len(gold) > QUICK_MAX_GOLD_DAPO:
             return None
-        return dapo_normalize(answer) == dapo_normalize(strip_special_tokens(gold))
+        return dapo_normalize(answer) == dapo_normalize(strip_special_tokens(gold)), "dapo"
     if mode != "math" or len(answer) > QUICK_MAX_CHARS or len(gold) > QUICK_MAX_CHARS:
         return None
     gold_ans = _math_gold(strip_special_tokens(gold))  # grade strips the gold's tokens before the mode
     if not strip_delims(gold_ans):
         return None  # grade says "error" (empty gold): the worker reports it
-    return _equiv_cheap(gold_ans, answer)
+    verdict, rule = _decide(gold_ans, answer, RULES[:CHEAP_RULES])
+    return None if verdict is None or rule is None else (verdict, rule)
 
 
 def final_answer(

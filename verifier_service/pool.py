@@ -1,64 +1,23 @@
 """Warm grading processes with a hard wall-clock deadline on every item, shared fairly.
 
-Why processes and an outside deadline: math-verify's timeouts use ``signal.alarm``. They work only
-on a process's main thread (uvicorn runs handlers elsewhere), and even there they cannot interrupt
-C code (a GMP factorial of ``(10^{10})!``) or ``str()`` of a parsed power tower. The only deadline
-that always holds is one enforced from outside: a worker that overruns is killed and replaced.
+math-verify's own timeouts (``signal.alarm``) work only on a main thread and cannot interrupt C
+code (a GMP factorial) or ``str()`` of a power tower: the only deadline that always holds is
+enforced from outside, by killing the worker. Each item is one task of pebble's ``ProcessPool``
+(a maintained library) with ``timeout=`` its deadline: pebble starts the workers, kills and
+replaces one whose task overruns, reports one that died (``ProcessExpired``) and retires one after
+``max_tasks`` tasks. What is stapo's own: caches and in-request duplicates (``cache.py``), fair
+queueing across requests (at most one task per worker is handed to pebble; the open request that
+has received the least estimated worker time sends next, its costly shapes last), admission in
+estimated seconds (:class:`PoolBusy`), request budgets, recycling by memory, self-healing after
+start-up failures (:class:`PoolBroken`), fork safety. Where pebble falls short (a worker dying
+while idle breaks a pebble pool; it cannot retire one chosen worker nor tell a start-up death from
+a crash), the pool replaces the whole pebble pool (a "generation"). docs/verifier.md has the why.
 
-Who does what:
-
-- the process layer is pebble's ``ProcessPool`` (a maintained library): it starts the workers,
-  kills a worker whose task is cancelled or runs past the task's timeout and starts another,
-  replaces a worker that died (the task fails with ``ProcessExpired``), and retires a worker after
-  ``max_tasks`` tasks (recycling by item count: tasks hold at most ``batch_size`` items);
-- this module keeps what is stapo's own: fair scheduling across requests, batching, the caches,
-  admission, per-item deadlines inside a batch, restart with backoff, recycling by memory, metrics.
-
-How a request flows::
-
-    submit(items) -> too_large / cache hits / verdict-cache hits / duplicates answered at once
-                  -> the rest becomes a job: a queue of items in request order
-    dispatch      -> whenever fewer tasks run than there are workers: the open job that has received
-                     the LEAST worker time so far (fair queueing by attained service: a 1-item request
-                     sent behind a 512-item flood goes next) gives a task of up to ``batch_size``
-                     items, fewer when the mode's recent per-item time says it would run longer than
-                     ``TASK_TARGET_S`` (a task never holds a worker long, so fairness needs no preemption)
-    worker        -> grades the task's items one by one; before each it writes (task, index, start
-                     time) to its slot of a shared array, so the parent knows which item runs since when
-    watchdog      -> an item running past its deadline: cancel the task's future (pebble kills the
-                     worker), answer that item 'timeout', put the task's other items back at the head
-                     of ITS OWN job's queue, one per task
-    dead worker   -> (killed from outside, out of memory) the same, but the item in flight is retried
-                     once on another worker before it answers 'error'
-
-Cancellation: cancelling the future ``submit`` returned (the service does so when the client
-disconnects) drops the job's queued items at once; a job whose ``budget_s`` is spent answers its
-still-queued items 'timeout' without grading them. Admission is measured in work: the estimated
-seconds of what is pending beyond ``max_queue_s`` raises :class:`PoolBusy` with a ``retry_after_s``.
-
-Results: 'timeout' and 'error' are never cached (a retry re-grades; an item that timed out before
-gets ``retry_deadline_factor`` x the deadline on its next try). Caches: ``cache.py``.
-
-Self-healing: workers that keep dying while starting break the pool for a while (callers get
-:class:`PoolBroken`, ``broken`` says why), then it tries again with exponential backoff. A pebble
-pool that stopped working as a whole is replaced by a fresh one. A worker above
-``worker_max_rss_mb`` resident memory gets the whole set of workers replaced (pebble cannot retire
-one chosen worker; the old set finishes its tasks and exits).
-
-Fork safety: a process forked from one that owns a pool (verl's reward workers, DataLoader
-workers) gets a fresh pool of its own on its first call, started with ``spawn`` (the parent's fork
-server is not the child's to use); the parent's workers are left alone.
-
-Workers start with ``forkserver`` (default) or ``spawn``: never plain ``fork`` of a process that
-runs uvicorn's threads. With forkserver the grader is preloaded in the fork server, so a
-replacement worker is up in milliseconds. As with any multiprocessing pool, a script that builds a
-pool at import time needs the ``if __name__ == "__main__":`` guard.
-
-Usage::
+A script that builds a pool needs ``if __name__ == "__main__":`` (workers import ``__main__``)::
 
     from stapo.verifier_service.pool import GraderPool
     with GraderPool(workers=2, deadline_s=5.0) as pool:
-        results = pool.grade_many([{"prediction": "so \\\\boxed{4}", "gold": "4"}])
+        results = pool.grade_many([{"prediction": "so \\boxed{4}", "gold": "4"}])
         # async code: results = await pool.agrade_many(items)
 """
 
@@ -76,57 +35,42 @@ import multiprocessing.util
 import operator
 import os
 import re
+import resource
 import signal
-import socket
 import threading
 import time
 import weakref
-import zlib
 from collections.abc import Iterable, Sequence
-from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 import pebble
 
-from stapo.verifier_service.cache import (
-    ByteLRU,
-    Item,
-    VerdictKey,
-    cache_key,
-    inline_grade,
-    untimed,
-    verdict_key,
-)
+from stapo.verifier_service.cache import Item, Memo, Plan, verdict_key  # noqa: F401 (verdict_key: re-export)
 from stapo.verifier_service.grader import GradeResult
-from stapo.verifier_service.schemas import MODES, VerifyItem
+from stapo.verifier_service.schemas import VerifyItem, as_item  # noqa: F401 (as_item: re-export)
 
 log = logging.getLogger("stapo.verifier_service.pool")
 
-TASK_TARGET_S = 0.05
-"""A task is cut so that, at the mode's recent per-item time, it holds a worker about this long:
-long enough to amortize IPC, short enough that a newly arrived request waits little."""
-
 EWMA_ALPHA = 0.05
-"""Weight of one item in the per-mode running mean of grading time (admission and task sizes)."""
-
+"""Weight of one item in the per-mode running mean of grading time (admission, fair queueing)."""
 INITIAL_ITEM_S = 0.005
 """Per-item time assumed for a mode before any of its items were graded."""
-
 MAX_RESTART_BACKOFF_S = 60.0
-WATCH_TICK_S = 0.05
-"""The watchdog looks at running items at least this often (a deadline holds to within this)."""
+TICK_S = 0.05
+"""How often request budgets and workers are looked at while work is pending."""
+COSTLY_KEY = "costly"
 
 COSTLY = re.compile(r"\^\s*\{[^{}]*\^|\^\s*\w+\s*\^|[\d})]\s*!|(?:[{(\[][^{}()\[\]]*){12}")
 """Shapes that can hold a worker for a whole deadline: a power tower (``5^{5^{5^5}}``), a factorial,
-brackets nested 12 deep. Only the order of work depends on it (see ``looks_costly``)."""
+brackets nested 12 deep. Only the order of work and the admission estimate depend on it."""
 
 
 def looks_costly(prediction: str) -> bool:
     """Whether the end of a response (where the answer is) has a shape that can take a deadline.
 
-    Such items go after the rest of their request, one per task: a request that mixes ordinary
-    items with pathological ones gets its ordinary items graded first, within its budget, and the
-    pathological ones overrun in parallel. Verdicts do not depend on it."""
+    Such items go after the rest of their request: a request that mixes ordinary items with
+    pathological ones gets its ordinary items graded first, within its budget. Verdicts do not
+    depend on it."""
     return COSTLY.search(prediction, max(0, len(prediction) - 2000)) is not None
 
 
@@ -138,22 +82,19 @@ class PoolClosed(RuntimeError):
     """The pool was closed; it grades nothing more."""
 
 
-class PoolBusy(RuntimeError):
-    """Too much work is queued: back off for ``retry_after_s`` and retry (the service answers 429)."""
-
+class RetryLater(RuntimeError):
     def __init__(self, msg: str, retry_after_s: float = 1.0) -> None:
         super().__init__(msg)
         self.retry_after_s = retry_after_s
 
 
-class PoolBroken(RuntimeError):
-    """Workers die while starting, again and again (an import error, a memory limit set too low).
+class PoolBusy(RetryLater):
+    """Too much work is queued: back off for ``retry_after_s`` and retry (the service answers 429)."""
 
-    ``retry_after_s``: when the pool tries to start them again."""
 
-    def __init__(self, msg: str, retry_after_s: float = 5.0) -> None:
-        super().__init__(msg)
-        self.retry_after_s = retry_after_s
+class PoolBroken(RetryLater):
+    """Workers die while starting, again and again (an import error, a memory limit set too low);
+    the pool tries again in ``retry_after_s``."""
 
 
 def timeout_result(deadline_s: float) -> GradeResult:
@@ -165,89 +106,45 @@ def status_result(status: str) -> GradeResult:
     return GradeResult(correct=False, score=0.0, status=status, extracted=None, ms=0.0)
 
 
-def as_item(x: VerifyItem | dict[str, Any] | Sequence[str], where: str = "item") -> Item:
-    """Accept a VerifyItem, a dict with prediction/gold(/mode), or a (prediction, gold[, mode]) tuple."""
-    if type(x) is tuple and len(x) == 3:  # what the service sends: validated already, skip pydantic
-        pred, gold, mode = x
-        if type(pred) is str and type(gold) is str and type(mode) is str and mode in MODES:
-            return x
-    if isinstance(x, VerifyItem):
-        return (x.prediction, x.gold, x.mode)
-    if isinstance(x, dict):
-        v = VerifyItem.model_validate(x)  # a clear error naming the bad field
-        return (v.prediction, v.gold, v.mode)
-    if isinstance(x, (tuple, list)) and len(x) in (2, 3):
-        mode = x[2] if len(x) == 3 else "math"
-        v = VerifyItem(prediction=x[0], gold=x[1], mode=mode)
-        return (v.prediction, v.gold, v.mode)
-    raise TypeError(
-        f"{where}: expected a VerifyItem, a dict or a (prediction, gold[, mode]) tuple, got {type(x).__name__}"
-    )
-
-
 # --------------------------------------------------------------------------- worker process
 
-WORKER: dict[str, Any] = {}
-"""Set in each worker by ``worker_init``: the progress array and the grader's size limit."""
-
-
-def worker_init(progress: Any, ready: Any, memory_mb: int, warmup: bool, max_chars: int) -> None:
+def worker_init(ready: Any, memory_mb: int, warmup: bool) -> None:
     """pebble's initializer, run once in every worker; tells the parent it is ready (its pid)."""
-    # pebble stops a worker with SIGTERM and waits for a Python-level handler; a worker stuck in C
-    # code (a GMP power) never runs one. Dying at once is what a killed grader should do.
+    # pebble stops a worker with SIGTERM and waits 3 s for a Python-level handler; a worker stuck in
+    # C code (a GMP power) never runs one. Dying at once is what a killed grader should do.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     with contextlib.suppress(OSError, AttributeError):  # Linux: die with the parent, leave no graders behind
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if memory_mb > 0:
-        import resource
-
         resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20, memory_mb * 2**20))
     import stapo.verifier_service.grader  # noqa: F401  (imported before the first task's clock starts)
 
     if warmup:  # a no-op when the fork server already imported (and so ran) it
         import stapo.verifier_service.warmup  # noqa: F401
-    WORKER.update(progress=progress, max_chars=max_chars)
     with contextlib.suppress(OSError):  # the pool closed while this worker started: nothing to tell
         ready.send(os.getpid())
 
 
-def grade_task(slot: int, seq: int, items: list[Item]) -> tuple[int, float, list[tuple]]:
-    """Grade a task's items in order: (pid, resident MiB, one result tuple per item).
-
-    Before each item it writes (index, start time) into the task's slot, so the parent can tell
-    which item overran and which ones finished before it (their results die with a killed worker).
-    """
+def grade_item(pred: str, gold: str, mode: str, max_chars: int) -> tuple[int, float, tuple]:
+    """One pebble task: (pid, resident MiB, the result's fields)."""
     from stapo.verifier_service.grader import grade
 
-    p, base = WORKER["progress"], 3 * slot
-    p[base] = seq
-    out = []
-    for j, (pred, gold, mode) in enumerate(items):
-        p[base + 1] = math.inf  # no deadline while the index changes
-        p[base + 2] = j
-        t0 = time.perf_counter()
-        p[base + 1] = time.monotonic()
-        try:
-            r = FIELDS(grade(pred, gold, mode, max_chars=WORKER["max_chars"]))
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as err:  # math-verify's TimeoutException is a BaseException
-            log.debug("grade raised %r", err)
-            r = FIELDS(GradeResult(False, 0.0, "error", None, (time.perf_counter() - t0) * 1000.0))
-        out.append(r)
-    p[base + 1] = math.inf
-    return os.getpid(), rss_mb(), out
+    t0 = time.perf_counter()
+    try:
+        r = grade(pred, gold, mode, max_chars=max_chars)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # math-verify's TimeoutException is a BaseException
+        log.debug("grade raised %r", err)
+        r = GradeResult(False, 0.0, "error", None, (time.perf_counter() - t0) * 1000.0)
+    return os.getpid(), rss_mb(), FIELDS(r)
 
 
 def rss_mb() -> float:
-    """This process's resident memory in MiB (Linux /proc; 0 where unknown)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    """This process's peak resident memory in MiB (``ru_maxrss`` is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # --------------------------------------------------------------------------- parent side
@@ -257,8 +154,7 @@ class RecordingContext:
     """A multiprocessing context that remembers the worker processes pebble starts through it.
 
     pebble accepts any multiprocessing context; this one lets the pool see its own workers (PIDs,
-    exit codes) without reading pebble's internals, and hand them over cleanly after a fork.
-    """
+    exit codes, sentinels) without reading pebble's internals."""
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
@@ -273,70 +169,17 @@ class RecordingContext:
         return p
 
 
+@dataclasses.dataclass(eq=False)
 class Generation:
     """One pebble pool and what is known about its workers."""
 
-    def __init__(self, ctx: RecordingContext, pool: pebble.ProcessPool) -> None:
-        self.ctx, self.pool = ctx, pool
-        self.ready: set[int] = set()  # PIDs that finished worker_init
-        self.tasks_by_pid: collections.Counter[int] = collections.Counter()
-        self.dead = False  # stopped or replaced: nothing more is sent to it
+    ctx: RecordingContext
+    pool: pebble.ProcessPool
+    ready: set[int] = dataclasses.field(default_factory=set)  # PIDs that finished worker_init
+    dead: bool = False  # stopped or replaced: nothing more is sent to it
 
     def live_ready(self) -> list[int]:
         return sorted(p.pid for p in self.ctx.procs if p.pid in self.ready and p.is_alive())
-
-
-class Job:
-    """One submit() call: results in order, duplicates answered from their leader, a queue to dispatch."""
-
-    __slots__ = (
-        "results", "dups", "keys", "vkeys", "vdups", "remaining", "future", "queue", "items", "deadlines",
-        "crashes", "served", "expires", "default_expires", "cancelled", "spread", "shard", "single",
-        "__weakref__",
-    )  # fmt: skip
-
-    def __init__(self, items: list[Item]) -> None:
-        self.items = items
-        self.results: list[GradeResult | None] = [None] * len(items)
-        self.dups: dict[int, list[int]] = {}
-        self.keys: dict[int, bytes] = {}
-        self.vkeys: dict[int, VerdictKey] = {}
-        self.vdups: dict[int, list[int]] = {}  # leader -> items with the same (mode, gold, answer)
-        self.remaining = 0  # leaders not answered yet (queued or in flight)
-        self.future: concurrent.futures.Future[list[GradeResult]] = concurrent.futures.Future()
-        self.queue: list[collections.deque[int]] = []  # leader indices not yet sent, one deque per gold shard
-        self.shard: dict[int, int] = {}  # item -> its gold shard
-        self.single: set[int] = set()  # items back from a lost worker: sent one per task
-        self.deadlines: dict[int, float] = {}  # leader -> its deadline when not the pool's default
-        self.crashes: dict[int, int] = {}
-        self.served = 0.0  # estimated worker-seconds dispatched so far (fair-queueing key)
-        self.expires: float | None = None
-        self.default_expires: float | None = None  # becomes ``expires`` when an item times out
-        self.cancelled = False
-        self.spread = 1  # most items per task so that the job's items reach every worker
-
-    def queued(self) -> list[int]:
-        return [i for d in self.queue for i in d]
-
-    def clear_queue(self) -> list[int]:
-        idx = self.queued()
-        for d in self.queue:
-            d.clear()
-        return idx
-
-
-@dataclasses.dataclass(eq=False)
-class Task:
-    """A slice of one job sent to a worker, in progress slot ``slot``."""
-
-    job: Job
-    idx: list[int]
-    deadline_s: float
-    slot: int
-    seq: int
-    gen: Generation
-    future: Any = None
-    killed: str | None = None  # why the watchdog cancelled it
 
 
 def stop_generations(gens: list[Generation]) -> None:
@@ -348,6 +191,25 @@ def stop_generations(gens: list[Generation]) -> None:
     for gen in gens:
         with contextlib.suppress(Exception):
             gen.pool.join(timeout=5.0)
+
+
+class Job:
+    """One submit() call: its cache plan (results, duplicates) and its queue of leaders to send."""
+
+    def __init__(self, items: list[Item], plan: Plan) -> None:
+        self.items, self.plan = items, plan
+        self.future: concurrent.futures.Future[list[GradeResult]] = concurrent.futures.Future()
+        self.costly = {i for i in plan.leaders if looks_costly(items[i][0])}
+        self.queue = collections.deque(sorted(plan.leaders, key=lambda i: i in self.costly))  # costly last
+        self.pending = collections.Counter(self.kind(i) for i in plan.leaders)  # queued or in flight
+        self.crashes: collections.Counter[int] = collections.Counter()
+        self.served = 0.0  # estimated worker-seconds sent so far (the fair-queueing key)
+        self.expires: float | None = None
+        self.default_expires: float | None = None  # becomes ``expires`` when an item times out
+        self.cancelled = False
+
+    def kind(self, i: int) -> str:
+        return COSTLY_KEY if i in self.costly else self.items[i][2]
 
 
 _POOLS: weakref.WeakSet[GraderPool] = weakref.WeakSet()
@@ -376,7 +238,6 @@ class GraderPool:
         workers: int | None = None,
         deadline_s: float = 5.0,
         *,
-        batch_size: int = 16,
         max_prediction_chars: int = 100_000,
         max_gold_chars: int = 10_000,
         cache_size: int = 65_536,
@@ -402,7 +263,6 @@ class GraderPool:
         for name, ok in (
             ("workers", workers >= 1),
             ("deadline_s", deadline_s > 0),
-            ("batch_size", batch_size >= 1),
             ("max_queue_s", max_queue_s > 0),
             ("retry_deadline_factor", retry_deadline_factor >= 1),
         ):
@@ -412,74 +272,50 @@ class GraderPool:
             raise ValueError(
                 f"start_method: 'forkserver' or 'spawn' (never plain fork under threads), got {start_method!r}"
             )
-        self.size = workers
-        self.deadline_s = float(deadline_s)
-        self.batch_size = batch_size
-        self.max_prediction_chars = max_prediction_chars
-        self.max_gold_chars = max_gold_chars
-        self.max_pending_items = max_pending_items
-        self.max_queue_s = float(max_queue_s)
+        self.size, self.deadline_s, self.start_method = workers, float(deadline_s), start_method
+        self.max_prediction_chars, self.max_gold_chars = max_prediction_chars, max_gold_chars
+        self.max_pending_items, self.max_queue_s = max_pending_items, float(max_queue_s)
         self.retry_deadline_factor = float(retry_deadline_factor)
-        self.startup_timeout_s = startup_timeout_s
-        self.crash_retries = crash_retries
-        self.max_start_failures = max_start_failures
-        self.worker_max_items = worker_max_items
-        self.worker_max_rss_mb = worker_max_rss_mb
-        self.verdict_cache = verdict_cache
-        self.inline_verdicts = inline_verdicts and verdict_cache
-        self.worker_memory_mb = worker_memory_mb
-        self.warmup = warmup
-        self.start_method = start_method
-        # pebble retires a worker after max_tasks tasks; a task holds at most batch_size items
-        self.max_tasks = math.ceil(worker_max_items / batch_size) if worker_max_items else 0
-        cache_bytes = int(cache_max_mb * 2**20)
-        # Two caches share the byte budget: whole items, and verdicts by extracted answer.
-        self.cache = ByteLRU(cache_bytes // 2 if verdict_cache else cache_bytes, cache_size)
-        self.verdicts = ByteLRU(cache_bytes // 2 if verdict_cache else 0, cache_size)
-        self.timed_out = ByteLRU(1 << 20, 4096)  # keys of items that timed out: a retry gets longer
+        self.startup_timeout_s, self.crash_retries = startup_timeout_s, crash_retries
+        self.max_start_failures, self.worker_max_rss_mb = max_start_failures, worker_max_rss_mb
+        # pebble retires a worker after max_tasks tasks (one item each)
+        self.max_tasks = worker_max_items
+        self.worker_args = (worker_memory_mb, warmup)  # pebble's initializer arguments after the ready pipe
+        self.max_chars = max(max_prediction_chars, max_gold_chars)  # the pool checks the limits itself
+        self.memo = Memo(int(cache_max_mb * 2**20), cache_size, verdicts=verdict_cache, inline=inline_verdicts)
         self.stats: collections.Counter[str] = collections.Counter()
         self._start()
         _POOLS.add(self)
 
     def _start(self) -> None:
-        """Everything that belongs to one process: state, locks, the progress array, workers, watchdog."""
+        """Everything that belongs to one process: state, locks, pipes, workers, the watchdog."""
         self._owner_pid = os.getpid()
         self._ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             # Only has an effect before this process's fork server starts. The warm-up module
             # imports math-verify + sympy and grades a few items once, in the fork server, so
             # every worker (and every replacement) is born warm: ~20 ms instead of ~0.5 s.
-            self._ctx.set_forkserver_preload(
-                ["stapo.verifier_service.pool"] + (["stapo.verifier_service.warmup"] if self.warmup else [])
-            )
+            warm = ["stapo.verifier_service.warmup"] if self.worker_args[1] else []
+            self._ctx.set_forkserver_preload(["stapo.verifier_service.pool", *warm])
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when no job is outstanding
         self._active: dict[Job, None] = {}  # jobs with queued items, in arrival order
         self._outstanding: set[Job] = set()
-        self._running: dict[int, Task] = {}  # slot -> task in flight
-        self._free_slots = list(range(self.size))
+        self._running: dict[Any, tuple[Job, int, float, Generation]] = {}  # pebble future -> its item
         self._pending_items = 0  # queued + in flight
-        self._pending_by_mode: collections.Counter[str] = collections.Counter()
         self._item_s: dict[str, float] = {}  # mode -> running mean of per-item seconds (timeouts too)
-        self._typical_log_s: dict[str, float] = {}  # running mean of log(seconds), no timeouts: sizes tasks
         self._closing = self._stop = False
         self._broken: str | None = None
         self._restart_at = 0.0
         self._backoff_s = 1.0
         self._start_failures = 0
-        self._seq = 0
         self._gens: list[Generation] = []  # the current one last; older ones finish their tasks
         # Stopped when this process exits: multiprocessing's exit handler runs these finalizers before
         # it joins every child, so a process that never closed its pool does not wait on its workers.
         multiprocessing.util.Finalize(self, stop_generations, args=(self._gens,), exitpriority=10)
-        self._gen_started = 0.0
         self._unready_since: float | None = None
         self._ready_event = threading.Event()
-        self._progress = self._ctx.RawArray("d", 3 * self.size)  # per slot: task seq, item start, item index
-        self._ready_r, self._ready_w = self._ctx.Pipe(duplex=False)
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        self._ready_r, self._ready_w = self._ctx.Pipe(duplex=False)  # workers' PIDs; 0 wakes the watchdog
         self._new_generation()
         self._thread = threading.Thread(target=self._watch, name="stapo-grader-pool", daemon=True)
         self._thread.start()
@@ -492,23 +328,10 @@ class GraderPool:
             self._retire(old)
         ctx = RecordingContext(self._ctx)
         pool = pebble.ProcessPool(
-            max_workers=self.size,
-            max_tasks=self.max_tasks,
-            initializer=worker_init,
-            initargs=(
-                self._progress,
-                self._ready_w,
-                self.worker_memory_mb,
-                self.warmup,
-                # The pool checks the size limits itself; the grader's own limit must not be tighter.
-                max(self.max_prediction_chars, self.max_gold_chars),
-            ),
-            context=ctx,
+            self.size, self.max_tasks, worker_init, (self._ready_w, *self.worker_args), context=ctx
         )
-        gen = Generation(ctx, pool)
-        self._gens.append(gen)
-        self._gen_started = time.monotonic()
-        self._unready_since = self._gen_started
+        self._gens.append(Generation(ctx, pool))
+        self._unready_since = time.monotonic()
         try:
             pool.active  # noqa: B018 - pebble starts its workers on first use; start them now
         except Exception as err:  # the fork server is gone, no fds left, ...: a failed start
@@ -541,13 +364,12 @@ class GraderPool:
     def _forget_parent(self) -> None:
         """In an ``os.fork()`` child: the workers, pipes and threads are the parent's; let go of them.
 
-        multiprocessing's exit handler (and pebble's) would stop or join every process it knows of,
-        the parent's workers included; each worker's sentinel is pointed at a closed pipe, so the
-        child sees them as ended. Nothing is sent to the parent's workers."""
+        multiprocessing's exit handler would stop every daemonic process it knows of, the parent's
+        workers included; each worker's (public) sentinel is pointed at a closed pipe, so the child
+        sees them as ended. Nothing is sent to the parent's workers."""
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        for lru in (self.cache, self.verdicts, self.timed_out):
-            lru.reset_lock()
+        self.memo.reset_locks()
         for gen in self._gens:
             gen.dead = True
             for p in gen.ctx.procs:
@@ -557,7 +379,7 @@ class GraderPool:
                     os.dup2(r, p.sentinel)
                     os.close(r)
         self._gens.clear()  # in place: this process's exit finalizer must not stop the parent's workers
-        for conn in (self._ready_r, self._ready_w, self._wake_r, self._wake_w):
+        for conn in (self._ready_r, self._ready_w):
             with contextlib.suppress(Exception):
                 conn.close()
 
@@ -597,77 +419,32 @@ class GraderPool:
         Raises :class:`PoolBusy` (too much queued work), :class:`PoolBroken`, :class:`PoolClosed`.
         """
         self._ensure_owner()
-        norm = [as_item(x, f"items[{i}]") for i, x in enumerate(items)]
-        job = Job(norm)
-        leaders: dict[bytes, int] = {}
-        vleaders: dict[bytes, int] = {}
-        hits = vhits = inline = too_large = 0
-        for i, item in enumerate(norm):
-            pred, gold, mode = item
-            if len(pred) > self.max_prediction_chars or len(gold) > self.max_gold_chars:
-                job.results[i] = status_result("too_large")
-                too_large += 1
-                continue
-            key = cache_key(item)
-            lead = leaders.get(key)
-            if lead is not None:
-                job.dups.setdefault(lead, []).append(i)
-                hits += 1
-                continue
-            cached = self.cache.get(key)
-            if cached is not None and not (explain and cached.rule is None):
-                job.results[i] = cached
-                hits += 1
-                continue
-            shard = zlib.crc32(gold.encode("utf-8", "surrogatepass")) % self.size
-            if self.verdict_cache and (vk := verdict_key(item)) is not None:
-                v = self.verdicts.get(vk.digest)
-                if v is not None and not (explain and v.rule is None):
-                    job.results[i] = v
-                    self.cache.put(key, v)  # the same item again skips the extraction too
-                    vhits += 1
-                    continue
-                vl = vleaders.get(vk.digest)
-                if vl is not None:  # same gold and final answer as an item sent above: its verdict
-                    job.vdups.setdefault(vl, []).append(i)
-                    job.keys[i], job.shard[i] = key, shard
-                    vhits += 1
-                    continue
-                if self.inline_verdicts and not explain and (r := inline_grade(gold, mode, vk)) is not None:
-                    job.results[i] = r  # decided here: no worker round trip
-                    self.verdicts.put(vk.digest, untimed(r))
-                    self.cache.put(key, untimed(r))
-                    inline += 1
-                    continue
-                vleaders[vk.digest] = i
-                job.vkeys[i] = vk
-            leaders[key] = i
-            job.keys[i], job.shard[i] = key, shard
-            if self.timed_out.get(key) is not None:
-                job.deadlines[i] = self.deadline_s * self.retry_deadline_factor
-        new_s = sum(self._est_item_s(norm[i][2]) for i in leaders.values()) / self.size
+        items = [as_item(x, f"items[{i}]") for i, x in enumerate(items)]
+        plan = self.memo.plan(items, explain=explain, max_chars=(self.max_prediction_chars, self.max_gold_chars))
+        job = Job(items, plan)
+        if budget_s is not None:
+            job.expires = time.monotonic() + budget_s
+        elif default_budget_s is not None:
+            job.default_expires = time.monotonic() + default_budget_s
+        c = plan.counts
         with self._lock:
-            self.stats["items"] += len(norm)
-            self.stats["cache_hits"] += hits + vhits + inline
-            self.stats["verdict_hits"] += vhits
-            self.stats["inline_verdicts"] += inline
-            self.stats["cache_misses"] += len(leaders)
-            self.stats["too_large"] += too_large
+            self.stats.update(c, items=len(items), cache_misses=len(plan.leaders))
+            self.stats["cache_hits"] += c["verdict_hits"] + c["inline_verdicts"]
             if self._closing:
                 raise PoolClosed("the grader pool is closed")
             if self._broken:
                 raise PoolBroken(self._broken, max(1.0, self._restart_at - time.monotonic()))
-            if not leaders:
-                job.future.set_result(job.results)  # type: ignore[arg-type]
+            if not plan.leaders:
+                job.future.set_result(plan.results)  # type: ignore[arg-type]
                 return job.future
-            if self._pending_items + len(leaders) > self.max_pending_items:
+            if self._pending_items + len(plan.leaders) > self.max_pending_items:
                 self.stats["rejected"] += 1
                 raise PoolBusy(
                     f"{self._pending_items} items already queued (max_pending_items={self.max_pending_items}); "
                     "retry later",
                     5.0,
                 )
-            queued_s = self._queued_seconds()
+            queued_s, new_s = self._queued_seconds(), self._job_seconds(job)
             if queued_s > 0 and queued_s + new_s > self.max_queue_s:
                 wait = max(1.0, queued_s + new_s - self.max_queue_s)
                 self.stats["rejected"] += 1
@@ -676,22 +453,12 @@ class GraderPool:
                     f"the bound is max_queue_s={self.max_queue_s:g}; retry in {wait:.0f} s",
                     wait,
                 )
-            job.remaining = len(leaders)
-            job.spread = max(1, math.ceil(len(leaders) / self.size))
-            job.queue = [collections.deque() for _ in range(self.size)]
-            costly = [i for i in leaders.values() if looks_costly(norm[i][0])]
-            job.single.update(costly)
-            for i in [*(i for i in leaders.values() if i not in job.single), *costly]:
-                job.queue[job.shard[i]].append(i)
-                self._pending_by_mode[norm[i][2]] += 1
-            if budget_s is not None:
-                job.expires = time.monotonic() + budget_s
-            elif default_budget_s is not None:
-                job.default_expires = time.monotonic() + default_budget_s
             self._outstanding.add(job)
             self._active[job] = None
-            self._pending_items += len(leaders)
+            self._pending_items += len(plan.leaders)
         job.future.add_done_callback(lambda f, j=weakref.ref(job): self._on_future_done(f, j))
+        if budget_s is not None:
+            self._wake()  # the watchdog's tick shortens while a budget runs
         self._dispatch()
         return job.future
 
@@ -740,15 +507,11 @@ class GraderPool:
         with self._lock:
             return self._queued_seconds()
 
-    def item_seconds(self) -> dict[str, float]:
-        """Recent per-item grading time by mode (running mean), as used for admission."""
-        return dict(self._item_s)
-
     def cache_len(self) -> int:
-        return len(self.cache) + len(self.verdicts)
+        return len(self.memo)
 
     def cache_bytes(self) -> int:
-        return self.cache.bytes + self.verdicts.bytes
+        return self.memo.bytes
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop taking work, let queued and in-flight items finish (up to ``timeout``), stop workers."""
@@ -775,34 +538,28 @@ class GraderPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:  # best effort; close() is the real API
-        with contextlib.suppress(Exception):
-            if not self._stop and self._owner_pid == os.getpid():
-                self._stop = True
-                self._wake()
-
     # ----------------------------------------------------------------- bookkeeping
 
-    def _est_item_s(self, mode: str) -> float:
-        return self._item_s.get(mode, INITIAL_ITEM_S)
+    def _est_s(self, kind: str) -> float:
+        return self.deadline_s if kind == COSTLY_KEY else self._item_s.get(kind, INITIAL_ITEM_S)
+
+    def _job_seconds(self, job: Job) -> float:
+        """A job's pending work in wall seconds over all workers; never more than its budget: a costly
+        shape counts a deadline, and a request without a budget gets one as soon as one times out."""
+        ordinary = sum(n * self._est_s(k) for k, n in job.pending.items() if k != COSTLY_KEY) / self.size
+        costly = job.pending[COSTLY_KEY] * self.deadline_s / self.size
+        if job.expires is not None:
+            return min(ordinary + costly, max(0.0, job.expires - time.monotonic()))
+        if job.default_expires is not None:
+            costly = min(costly, max(0.0, job.default_expires - time.monotonic()))
+        return ordinary + costly
 
     def _queued_seconds(self) -> float:
-        return sum(n * self._est_item_s(m) for m, n in self._pending_by_mode.items() if n) / self.size
+        return sum(self._job_seconds(j) for j in self._outstanding)
 
-    def _observe(self, mode: str, seconds: float, *, timed_out: bool = False) -> None:
-        """Admission counts every item's cost (arithmetic mean, timeouts at their deadline); task
-        sizing uses the typical item (geometric mean of the items that finished): grading times are
-        heavy-tailed, and one slow item in a hundred must not cut every task to a few items."""
+    def _observe(self, mode: str, seconds: float) -> None:
         old = self._item_s.get(mode)
         self._item_s[mode] = seconds if old is None else old + EWMA_ALPHA * (seconds - old)
-        if not timed_out:
-            x = math.log(max(seconds, 1e-6))
-            old = self._typical_log_s.get(mode)
-            self._typical_log_s[mode] = x if old is None else old + EWMA_ALPHA * (x - old)
-
-    def _typical_s(self, mode: str) -> float:
-        x = self._typical_log_s.get(mode)
-        return INITIAL_ITEM_S if x is None else math.exp(x)
 
     def _on_future_done(self, fut: concurrent.futures.Future, ref: Any) -> None:
         """The caller cancelled (the HTTP client went away): drop what is still queued."""
@@ -810,11 +567,12 @@ class GraderPool:
         if job is not None and fut.cancelled():
             self._drop_queued(job, cancelled=True)
 
-    def _finish_job_locked(self, job: Job, n: int) -> None:
-        """``n`` of a job's items will never complete here (dropped); under the lock."""
-        self._pending_items -= n
-        job.remaining -= n
-        if job.remaining <= 0:
+    def _forget_locked(self, job: Job, idx: Iterable[int]) -> None:
+        """These leaders of ``job`` are no longer pending here (answered or dropped); under the lock."""
+        for i in idx:
+            job.pending[job.kind(i)] -= 1
+            self._pending_items -= 1
+        if not +job.pending:
             self._outstanding.discard(job)
             if not self._outstanding:
                 self._idle.notify_all()
@@ -822,242 +580,146 @@ class GraderPool:
     def _drop_queued(self, job: Job, *, cancelled: bool) -> None:
         """Remove a job's queued items: cancelled -> forgotten; budget spent -> answered 'timeout'."""
         with self._lock:
-            idx = job.clear_queue()
+            idx = list(job.queue)
+            job.queue.clear()
             self._active.pop(job, None)
             if cancelled:
                 job.cancelled = True
-                for i in idx:
-                    self._pending_by_mode[job.items[i][2]] -= 1
-                self._finish_job_locked(job, len(idx))
+                self._forget_locked(job, idx)
                 self.stats["cancelled_items"] += len(idx)
                 return
             self.stats["expired_items"] += len(idx)
         for i in idx:
             self._complete(job, i, GradeResult(False, 0.0, "timeout", None, 0.0), count=False)
 
-    def _requeue(self, job: Job, idx: list[int], *, single: bool = False) -> None:
-        """Items back from a lost worker: the head of their own job's queue, not of everyone's.
-
-        ``single``: they go one per task, so that if the lost task held several hostile items they
-        now overrun in parallel, not one deadline after another."""
-        if not idx:
-            return
+    def _requeue(self, job: Job, idx: list[int]) -> None:
+        """Items to send again (a lost worker, a verdict that did not carry over): their job's head."""
         with self._lock:  # the cancelled flag is set under this lock too
-            if single:
-                job.single.update(idx)
             if job.cancelled:
-                for i in idx:
-                    self._pending_by_mode[job.items[i][2]] -= 1
-                self._finish_job_locked(job, len(idx))
+                self._forget_locked(job, idx)
                 return
-            for i in reversed(idx):
-                job.queue[job.shard[i]].appendleft(i)
+            job.queue.extendleft(reversed(idx))
             self._active.setdefault(job, None)
 
     def _complete(self, job: Job, leader: int, r: GradeResult, *, count: bool = True) -> None:
-        job.results[leader] = r
-        for d in job.dups.get(leader, ()):
-            job.results[d] = r
-        key = job.keys.get(leader)
-        vk = job.vkeys.get(leader)
-        same_answer = vk is not None and r.status == "ok" and r.extracted == vk.extracted
-        if r.status in ("ok", "no_answer"):  # never 'timeout' (a retry may succeed) nor 'error'
-            if key is not None:
-                self.cache.put(key, untimed(r))
-            if same_answer:
-                self.verdicts.put(vk.digest, untimed(r))
-        elif r.status == "timeout" and count:
-            if key is not None:
-                self.timed_out.put(key, r)
-            if job.expires is None and job.default_expires is not None:
-                job.expires = job.default_expires  # this request holds items the grader cannot finish
+        """A leader's result (``count`` False: a spent budget's ungraded 'timeout', not the item's fault)."""
+        followers = self.memo.settle(job.plan, leader, r, remember=count)
         if r.status in ("timeout", "error") and count:
             self.stats[r.status + "s"] += 1
-        followers = job.vdups.pop(leader, None)
-        if followers and same_answer:
-            for f in followers:
-                job.results[f] = untimed(r)
-                self.cache.put(job.keys[f], untimed(r))
-        elif followers:  # the leader's verdict does not carry over (timeout, error, other answer): grade each
-            with self._lock:
-                job.remaining += len(followers)
-                self._pending_items += len(followers)
-                for f in followers:
-                    self._pending_by_mode[job.items[f][2]] += 1
-            self._requeue(job, followers)
+            if r.status == "timeout" and job.expires is None:
+                job.expires = job.default_expires  # this request holds items the grader cannot finish
         with self._lock:
-            self._pending_by_mode[job.items[leader][2]] -= 1
-            self._finish_job_locked(job, 1)
-            done = job.remaining == 0
+            job.pending.update(job.kind(f) for f in followers)  # their leader's verdict did not carry over
+            self._pending_items += len(followers)
+            self._forget_locked(job, [leader])
+            done = not +job.pending
+        if followers:
+            self._requeue(job, followers)
         if done and not job.future.done():
             with contextlib.suppress(concurrent.futures.InvalidStateError):
-                job.future.set_result(job.results)  # type: ignore[arg-type]
+                job.future.set_result(job.plan.results)  # type: ignore[arg-type]
 
     def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            self._wake_w.send(b"x")
+        with contextlib.suppress(OSError, ValueError):
+            self._ready_w.send(0)
 
     # ----------------------------------------------------------------- scheduling
 
-    def _pick(self, slot: int) -> Job | None:
-        """The open job that has received the least worker time (ties: the oldest); expired jobs left
-        for the watchdog to drain. A job with no items of this slot's gold shard counts one task
-        target more (the worker would steal, with cold caches): fairness holds to within one short task."""
-        best: Job | None = None
-        best_key = 0.0
+    def _pick(self) -> Job | None:
+        """The open job that has received the least worker time (ties: the oldest); expired jobs are
+        left for the watchdog to answer."""
         now = time.monotonic()
-        for job in self._active:
-            if job.expires is not None and now > job.expires:
-                continue
-            key = job.served + (0.0 if job.queue[slot % self.size] else TASK_TARGET_S)
-            if best is None or key < best_key:
-                best, best_key = job, key
-        return best
-
-    def _take(self, job: Job, slot: int) -> tuple[list[int], float]:
-        """Up to batch_size items of the job (its shard of this slot first, else the fullest shard),
-        fewer when they would hold the worker too long."""
-        d = job.queue[slot % self.size] or max(job.queue, key=len)
-        first = d[0]
-        mode = job.items[first][2]
-        deadline = job.deadlines.get(first, self.deadline_s)
-        n = min(self.batch_size, max(1, int(TASK_TARGET_S / max(self._typical_s(mode), 1e-6))), job.spread)
-        if first in job.single:
-            n = 1
-        idx = [d.popleft()]
-        while (
-            d
-            and len(idx) < n
-            and d[0] not in job.single
-            and job.deadlines.get(d[0], self.deadline_s) == deadline
-        ):
-            idx.append(d.popleft())
-        if not any(job.queue):
-            self._active.pop(job, None)
-        job.served += len(idx) * self._est_item_s(mode)
-        if job.expires is not None:  # nothing runs past the request's budget
-            deadline = min(deadline, max(0.05, job.expires - time.monotonic()))
-        return idx, deadline
+        open_jobs = (j for j in self._active if j.expires is None or now <= j.expires)
+        return min(open_jobs, key=lambda j: j.served, default=None)
 
     def _dispatch(self) -> None:
-        """Send tasks while a worker is free (called on submit, on each finished task, by the watchdog)."""
+        """Hand pebble one item per free worker (on submit, on each finished task, by the watchdog)."""
         while True:
             with self._lock:
                 gen = self._current()
-                if gen is None or self._broken or self._stop or not self._free_slots or not self._active:
+                if gen is None or self._broken or self._stop or len(self._running) >= self.size:
                     return
-                slot = self._free_slots[-1]
-                job = self._pick(slot)
+                job = self._pick()
                 if job is None:
                     return
-                self._free_slots.pop()
-                idx, deadline = self._take(job, slot)
-                self._seq += 1
-                task = Task(job, idx, deadline, slot, self._seq, gen)
-                self._running[slot] = task
-                self._progress[3 * slot] = -1.0  # not started: the watchdog waits for the worker's mark
-            items = [job.items[i] for i in idx]
-            try:
-                # pebble's own timeout is the backstop (a worker that hangs before its first mark)
-                task.future = gen.pool.schedule(
-                    grade_task, (slot, task.seq, items), timeout=deadline * len(idx) + self.startup_timeout_s
-                )
-            except Exception as err:  # the pebble pool stopped working: the watchdog replaces it (not active)
-                log.warning("grader pool: could not send a task (%r)", err)
-                self._release(task)
-                self._requeue(job, idx)
-                self._wake()
-                return
-            task.future.add_done_callback(lambda f, t=task: self._on_task_done(t, f))
+                i = job.queue.popleft()
+                if not job.queue:
+                    self._active.pop(job, None)
+                job.served += self._est_s(job.kind(i))
+                deadline = self.deadline_s * (self.retry_deadline_factor if i in job.plan.retried else 1)
+                if job.expires is not None:  # nothing runs past the request's budget
+                    deadline = min(deadline, max(0.05, job.expires - time.monotonic()))
+                try:
+                    fut = gen.pool.schedule(grade_item, (*job.items[i], self.max_chars), timeout=deadline)
+                except Exception as err:  # the pebble pool stopped working: the watchdog replaces it
+                    log.warning("grader pool: could not send a task (%r)", err)
+                    job.queue.appendleft(i)
+                    self._active.setdefault(job, None)
+                    return
+                self._running[fut] = (job, i, deadline, gen)
+            fut.add_done_callback(self._on_task_done)
 
-    def _release(self, task: Task) -> None:
+    def _on_task_done(self, fut: Any) -> None:
+        """A task's future resolved (in a pebble thread): answer the item, or send it again."""
         with self._lock:
-            if self._running.get(task.slot) is task:
-                del self._running[task.slot]
-                self._free_slots.append(task.slot)
-
-    def _on_task_done(self, task: Task, fut: Any) -> None:
-        """A task's future resolved (pebble's thread, or the watchdog's when it cancelled it)."""
+            task = self._running.pop(fut, None)
+        if task is None:  # settled already (its pebble pool was stopped)
+            return
+        job, i, deadline, gen = task
         try:
-            if fut.cancelled():
-                self._lost(task, task.killed or "cancelled")
-            elif (err := fut.exception()) is not None:
-                if isinstance(err, TimeoutError):
-                    self._lost(task, "timeout")
-                elif isinstance(err, pebble.ProcessExpired):
-                    self._lost(task, "crash")
-                else:  # the pebble pool broke (BrokenProcessPool): nobody's item to blame
-                    log.warning("grader pool: task failed with %r", err)
-                    self._release(task)
-                    self._requeue(task.job, task.idx)
-                    self._wake()
-            else:
-                pid, rss, results = fut.result()
-                self._release(task)
-                self._delivered(task, pid, rss, results)
+            err = concurrent.futures.CancelledError() if fut.cancelled() else fut.exception()
+            if err is None:
+                pid, rss, fields = fut.result()
+                r = GradeResult(*fields)
+                if i not in job.costly:
+                    self._observe(job.items[i][2], r.ms / 1000.0)
+                self._complete(job, i, r)
+                if self.worker_max_rss_mb and rss > self.worker_max_rss_mb and gen is self._current():
+                    log.info("grader worker %s: %.0f MiB resident > %d; replacing the workers", pid, rss,
+                             self.worker_max_rss_mb)  # fmt: skip
+                    self.stats["recycled_rss"] += 1
+                    self._new_generation()  # (pebble cannot retire one chosen worker)
+            elif isinstance(err, concurrent.futures.TimeoutError):  # pebble killed the worker
+                self.stats["restarts_timeout"] += 1
+                if i not in job.costly:
+                    self._observe(job.items[i][2], deadline)
+                self._complete(job, i, timeout_result(deadline))
+            elif isinstance(err, pebble.ProcessExpired):  # the worker died under it (killed, out of memory)
+                self.stats["restarts_crash"] += 1
+                log.warning("grader worker died (%s); pebble replaces it", err)
+                job.crashes[i] += 1
+                if job.crashes[i] > self.crash_retries:
+                    self._complete(job, i, status_result("error"))
+                else:
+                    self._requeue(job, [i])
+            else:  # the pool is stopping, or pebble's pool broke: nobody's item to blame
+                self._requeue(job, [i])
+                self._wake()
         except Exception:  # pragma: no cover - a bug here must not hang every caller
             log.exception("grader pool: handling a finished task failed")
         self._dispatch()
 
-    def _delivered(self, task: Task, pid: int, rss: float, results: list[tuple]) -> None:
-        for i, t in zip(task.idx, results, strict=True):
-            r = GradeResult(*t)
-            self._observe(task.job.items[i][2], r.ms / 1000.0)
-            self._complete(task.job, i, r)
-        gen = task.gen
-        gen.tasks_by_pid[pid] += 1
-        if self.max_tasks and gen.tasks_by_pid[pid] == self.max_tasks:
-            self.stats["recycled_items"] += 1  # pebble retires it now
-        if self.worker_max_rss_mb and rss > self.worker_max_rss_mb and gen is self._current():
-            log.info(
-                "grader worker %s: %.0f MiB resident > %d; replacing the workers",
-                pid,
-                rss,
-                self.worker_max_rss_mb,
-            )
-            self.stats["recycled_rss"] += 1
-            self._new_generation()
-
-    def _lost(self, task: Task, reason: str) -> None:
-        """A task's worker is gone (killed for overrunning, or died): answer or re-queue its items."""
-        base = 3 * task.slot
-        started = self._progress[base] == task.seq
-        i = min(int(self._progress[base + 2]), len(task.idx) - 1) if started else 0
-        self._release(task)
-        job = task.job
-        leader = task.idx[i]
-        rest = task.idx[:i] + task.idx[i + 1 :]  # finished before it (results lost) or not started
-        if reason == "cancelled":  # the pool is closing
-            rest = task.idx
-        elif reason == "timeout":
-            self._observe(job.items[leader][2], task.deadline_s, timed_out=True)
-            self._complete(job, leader, timeout_result(task.deadline_s))
-        else:
-            job.crashes[leader] = job.crashes.get(leader, 0) + 1
-            if job.crashes[leader] > self.crash_retries:
-                self._complete(job, leader, status_result("error"))
-            else:
-                rest = task.idx[:i] + task.idx[i:]
-        self._requeue(job, rest, single=True)
-        self.stats[f"restarts_{reason}"] += 1
-        log.warning("grader worker lost (%s); pebble replaces it", reason)
-
     # ----------------------------------------------------------------- watchdog thread
 
     def _watch(self) -> None:
-        """Deadlines of running items, worker start-up, restarts after failures, spent budgets."""
+        """Worker start-up and deaths, restarts after failures, spent budgets."""
         try:
             while not self._stop:
-                ready = mp_wait([self._ready_r, self._wake_r], self._tick())
-                if self._wake_r in ready:
-                    with contextlib.suppress(BlockingIOError, OSError):
-                        while self._wake_r.recv(4096):
-                            pass
-                while self._ready_r.poll():
-                    self._on_ready(self._ready_r.recv())
-                self._check_deadlines()
+                busy = self._running or any(j.expires is not None for j in self._active)
+                if self._ready_r.poll(TICK_S if busy else 0.25):
+                    while self._ready_r.poll():
+                        if (pid := self._ready_r.recv()) and (gen := self._current()) is not None:
+                            gen.ready.add(pid)  # (it may report before its Process object knows its pid)
+                            self._start_failures, self._backoff_s = 0, 1.0
+                            if self._broken and self._restart_at == math.inf:
+                                log.warning("grader pool: workers start again; the pool is back")
+                                self._broken = None
+                            if len(gen.live_ready()) >= self.size:
+                                self._ready_event.set()
                 self._check_workers()
-                self._expire_budgets()
+                now = time.monotonic()
+                for job in [j for j in list(self._active) if j.expires is not None and now > j.expires]:
+                    self._drop_queued(job, cancelled=False)
                 self._dispatch()
         except BaseException:  # pragma: no cover - a bug here must not hang every caller
             log.exception("grader pool watchdog crashed")
@@ -1066,70 +728,37 @@ class GraderPool:
         finally:
             self._shutdown()
 
-    def _tick(self) -> float:
-        if self._running or any(j.expires is not None for j in self._active):
-            return WATCH_TICK_S
-        if self._broken and math.isfinite(self._restart_at):
-            return max(0.001, min(1.0, self._restart_at - time.monotonic()))
-        return 0.25
-
-    def _on_ready(self, pid: int) -> None:
-        gen = self._current()
-        if gen is None:
-            return
-        gen.ready.add(pid)  # (a worker may report before its Process object knows its pid)
-        self._unready_since = None
-        self._start_failures = 0
-        self._backoff_s = 1.0
-        if self._broken and self._restart_at == math.inf:
-            log.warning("grader pool: workers start again; the pool is back")
-            self._broken = None
-        if len(gen.live_ready()) >= self.size:
-            self._ready_event.set()
-
-    def _check_deadlines(self) -> None:
-        now = time.monotonic()
-        for task in list(self._running.values()):
-            base = 3 * task.slot
-            if self._progress[base] != task.seq or task.killed or task.future is None:
-                continue
-            start = self._progress[base + 1]
-            if now - start > task.deadline_s and self._progress[base] == task.seq:
-                task.killed = "timeout"
-                task.future.cancel()  # pebble stops the worker and starts another
-
     def _check_workers(self) -> None:
         """Workers that died before they were ready count as start failures; too many break the pool."""
+        now = time.monotonic()
         gen = self._current()
-        if gen is not None:
-            for p in list(gen.ctx.procs):
-                if p.pid is None or p.is_alive():  # (not started yet, or running)
-                    continue
-                gen.ctx.procs.remove(p)
-                gen.tasks_by_pid.pop(p.pid, None)
-                if p.exitcode not in (0, None) and p.pid not in gen.ready:
-                    self._start_failures += 1
-                    self.stats["start_errors"] += 1
-                gen.ready.discard(p.pid)
-            # time without any ready worker: since the generation started, or since its last ready
-            # worker was killed or retired (replacements must report ready within the same timeout)
-            if gen.ready:
-                self._unready_since = None
-            elif self._unready_since is None:
-                self._unready_since = time.monotonic()
-            starting_too_long = (
-                not gen.ready and time.monotonic() - self._unready_since > self.startup_timeout_s
-            )
-            if self._start_failures > self.max_start_failures or starting_too_long:
-                self._break_for_a_while()
-            elif not gen.pool.active:  # pebble gave up on this pool (a worker died between tasks)
-                self.stats["restarts_crash"] += 1
+        if gen is None:
+            if self._broken and now >= self._restart_at:
+                log.warning("grader pool: trying to start workers again (backoff %.0f s)", self._backoff_s)
+                self.stats["pool_restarts"] += 1
+                self._start_failures = self.max_start_failures  # one more failure breaks it again, longer
+                self._restart_at = math.inf  # until a worker reports ready or fails again
                 self._new_generation()
-        elif self._broken and time.monotonic() >= self._restart_at:
-            log.warning("grader pool: trying to start workers again (backoff %.0f s)", self._backoff_s)
-            self.stats["pool_restarts"] += 1
-            self._start_failures = self.max_start_failures  # one more failure breaks it again, longer
-            self._restart_at = math.inf  # until a worker reports ready or fails again
+            return
+        for p in [p for p in gen.ctx.procs if p.pid is not None and not p.is_alive()]:
+            gen.ctx.procs.remove(p)
+            if p.pid not in gen.ready and p.exitcode != 0:
+                self._start_failures += 1
+                self.stats["start_errors"] += 1
+            elif p.pid in gen.ready and p.exitcode == 0:  # pebble retired it after max_tasks items
+                self.stats["recycled_items"] += 1
+            gen.ready.discard(p.pid)
+        # time without any ready worker: since the generation started, or since its last ready
+        # worker was killed or retired (replacements must report ready within the same timeout)
+        if gen.ready:
+            self._unready_since = None
+        elif self._unready_since is None:
+            self._unready_since = now
+        slow = not gen.ready and now - self._unready_since > self.startup_timeout_s
+        if self._start_failures > self.max_start_failures or slow:
+            self._break_for_a_while()
+        elif not gen.pool.active:  # pebble gave up on this pool (a worker died between tasks)
+            self.stats["restarts_crash"] += 1
             self._new_generation()
 
     def _break_for_a_while(self) -> None:
@@ -1145,27 +774,26 @@ class GraderPool:
         )
         self._restart_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(MAX_RESTART_BACKOFF_S, self._backoff_s * 2)
+        self._broken = why
+        self._fail_all(PoolBroken(why, self._backoff_s))
+
+    def _fail_all(self, err: Exception) -> None:
+        """Fail every outstanding job and stop every worker.
+
+        pebble leaves the futures of a stopped pool's running tasks pending for ever: they are
+        settled here (their jobs are failed; nothing waits for them any more)."""
         for gen in self._gens:
             self._retire(gen, kill=True)
-        self._fail_all(why, PoolBroken(why, self._backoff_s))
-        self._broken = why
-
-    def _expire_budgets(self) -> None:
-        now = time.monotonic()
-        for job in [j for j in list(self._active) if j.expires is not None and now > j.expires]:
-            self._drop_queued(job, cancelled=False)
-
-    def _fail_all(self, why: str, err: Exception) -> None:
-        """Fail every outstanding job; items still in flight finish on their workers, unread."""
         with self._lock:
             jobs = list(self._outstanding)
+            for job, i, _, _ in self._running.values():
+                self._forget_locked(job, [i])
+            self._running.clear()
             self._outstanding.clear()
             self._active.clear()
             for job in jobs:
-                idx = job.clear_queue()
-                for i in idx:
-                    self._pending_by_mode[job.items[i][2]] -= 1
-                self._finish_job_locked(job, len(idx))
+                self._forget_locked(job, list(job.queue))
+                job.queue.clear()
                 job.cancelled = True
             self._idle.notify_all()
         for job in jobs:
@@ -1173,10 +801,10 @@ class GraderPool:
                 job.future.set_exception(err)
 
     def _shutdown(self) -> None:
-        """Watchdog exit: fail what is left, stop the workers (pebble: SIGTERM, then SIGKILL)."""
+        """Watchdog exit: fail what is left, stop the workers (they die at once on SIGTERM)."""
         self._closing = True
-        self._fail_all("closed", PoolClosed("the grader pool closed before these items were graded"))
-        stop_generations(self._gens)
-        for conn in (self._ready_r, self._ready_w, self._wake_r, self._wake_w):
+        self._fail_all(PoolClosed("the grader pool closed before these items were graded"))
+        stop_generations(self._gens)  # and wait for them
+        for conn in (self._ready_r, self._ready_w):
             with contextlib.suppress(Exception):
                 conn.close()

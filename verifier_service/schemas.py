@@ -15,6 +15,7 @@ not a silently stringified gold.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
 from pydantic import (
@@ -30,9 +31,9 @@ from pydantic import (
 
 Mode = Literal["math", "dapo"]
 MODES: frozenset[str] = frozenset(get_args(Mode))
-"""The modes as a set, for the hand check on the pool's hot path (pool.as_item)."""
-Status = Literal["ok", "no_answer", "timeout", "error", "too_large"]
-STATUSES: tuple[str, ...] = ("ok", "no_answer", "timeout", "error", "too_large")
+"""The modes as a set, for the hand check on the pool's hot path (``as_item``)."""
+Status = Literal["ok", "no_answer", "undecided", "timeout", "error", "too_large"]
+STATUSES: tuple[str, ...] = ("ok", "no_answer", "undecided", "timeout", "error", "too_large")
 
 
 class VerifyItem(BaseModel):
@@ -65,7 +66,8 @@ class VerifyResult(BaseModel):
     correct: bool
     score: float = Field(description="1.0 / 0.0 for the binary modes.")
     status: Status = Field(
-        description="ok | no_answer | timeout | error | too_large; only 'ok' can be correct."
+        description="ok | no_answer | undecided | timeout | error | too_large; only 'ok' can be correct; "
+        "'undecided': an answer was found but the grader could not compare it with the gold (no verdict)."
     )
     extracted: str | None = Field(
         description="The answer text taken from the prediction, when one was found."
@@ -133,3 +135,22 @@ def strip_prompt(query: str, prompt: str | None) -> str:
         if idx >= 0:
             return query[idx + len(prompt) :]
     return query
+
+
+def as_item(x: VerifyItem | dict[str, Any] | Sequence[str], where: str = "item") -> tuple[str, str, str]:
+    """Accept a VerifyItem, a dict with prediction/gold(/mode), or a (prediction, gold[, mode]) tuple."""
+    if type(x) is tuple and len(x) == 3:  # what the service sends: validated already, skip pydantic
+        pred, gold, mode = x
+        if type(pred) is str and type(gold) is str and type(mode) is str and mode in MODES:
+            return x
+    if isinstance(x, VerifyItem):
+        return (x.prediction, x.gold, x.mode)
+    if isinstance(x, dict):
+        v = VerifyItem.model_validate(x)  # a clear error naming the bad field
+        return (v.prediction, v.gold, v.mode)
+    if isinstance(x, (tuple, list)) and len(x) in (2, 3):
+        v = VerifyItem(prediction=x[0], gold=x[1], mode=x[2] if len(x) == 3 else "math")
+        return (v.prediction, v.gold, v.mode)
+    raise TypeError(
+        f"{where}: expected a VerifyItem, a dict or a (prediction, gold[, mode]) tuple, got {type(x).__name__}"
+    )

@@ -46,9 +46,6 @@ class Settings(BaseSettings):
         le=600,
         description="Hard wall-clock limit per item; an overrunning worker is killed and the item answers 'timeout'.",
     )
-    batch_size: int = Field(
-        16, ge=1, le=4096, description="Most items sent to a worker in one message (amortizes IPC)."
-    )
     max_items: int = Field(4096, ge=1, description="Most items in one request; more is answered 413.")
     max_prediction_chars: int = Field(
         100_000, ge=1, description="A longer prediction answers status 'too_large' without reaching a worker."
@@ -157,7 +154,6 @@ class Settings(BaseSettings):
         return {
             "workers": self.workers,
             "deadline_s": self.deadline_s,
-            "batch_size": self.batch_size,
             "max_prediction_chars": self.max_prediction_chars,
             "max_gold_chars": self.max_gold_chars,
             "cache_size": self.cache_size,

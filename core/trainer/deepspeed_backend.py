@@ -48,6 +48,7 @@ unset and the gloo backend is used, so no launcher or MPI is needed.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -343,6 +344,73 @@ class DeepSpeedBackend:
         pos = None if position_ids is None else position_ids.to(self.device)
         with ctx, forward_as(self.model, fn):
             return self.engine(input_ids.to(self.device), attention_mask.to(self.device), resp, pos)
+
+    # ------------------------------------------------------------------ frozen reference (KL)
+
+    def frozen_copy(self, dtype: torch.dtype | None = None, *, offload: bool = False) -> Any:
+        """A no-grad copy of the policy's current weights, partitioned like the policy (ZeRO-3 only).
+
+        Why: under ZeRO-3 no rank holds the whole model, so the KL reference cannot be a
+        ``copy.deepcopy`` of it; like the reference workers of OpenRLHF and verl, it gets its own
+        DeepSpeed ZeRO-3 engine built without an optimizer (DeepSpeed's ZeRO inference: parameters
+        partitioned over the ranks, gathered module by module in each forward and released after).
+        Built without ever holding the full model on a rank: the module is constructed inside
+        ``deepspeed.zero.Init`` (partitioned as it is made) and filled one parameter at a time,
+        gathering the policy's tensor and writing it into the reference's (rank 0's copy is
+        broadcast back into the partitions). Every rank must call this, and every forward of the
+        returned engine's module, the same number of times. ``dtype``: the copy's dtype (None: the
+        policy's). ``offload``: partitions kept on the CPU (DeepSpeed's ``offload_param``), fetched to
+        the device for each forward. Returns the engine; its ``module`` is the frozen model.
+        """
+        if self.zero_stage != 3:
+            raise ValueError(f"frozen_copy partitions like ZeRO-3; this engine runs ZeRO-{self.zero_stage}")
+        ds = self._deepspeed
+        cfg = getattr(self.model, "config", None)
+        if cfg is None:
+            raise TypeError(f"frozen_copy rebuilds the model from its config; {type(self.model).__name__} has none")
+        dtype = dtype or next(self.model.parameters()).dtype
+        zero: dict[str, Any] = {"stage": 3}
+        threshold = getattr(self.tcfg, "zero3_param_persistence_threshold", None)
+        if threshold is not None:
+            zero["stage3_param_persistence_threshold"] = int(threshold)
+        if offload:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": self.device.type != "cpu"}
+        config = {
+            "train_micro_batch_size_per_gpu": int(self.tcfg.micro_batch_size),
+            "zero_optimization": zero,
+            "bf16": {"enabled": dtype == torch.bfloat16},  # zero.Init takes the dtype from here
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"frozen_copy supports bfloat16 and float32, got {dtype}")
+        from transformers.initialization import no_init_weights
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+        # As transformers builds a model under ZeRO-3: no weight init (the partitions are empty, and
+        # every weight is copied below) and RoPE buffers kept in their own dtype.
+        with no_init_weights(), prevent_arange_dtype_change(), ds.zero.Init(config_dict_or_path=config):
+            ref = type(self.model)(copy.deepcopy(cfg))  # fp32 unless bf16 is enabled above
+        if hasattr(ref, "tie_weights"):
+            ref.tie_weights()  # tied heads share the embedding, as in the policy (weight init skipped it)
+        ref.requires_grad_(False)
+        policy = dict(self.model.named_parameters())
+        names = [n for n, _ in ref.named_parameters()]
+        if sorted(names) != sorted(policy):
+            raise RuntimeError(f"frozen_copy: the rebuilt model's parameters differ from the policy's: "
+                               f"{sorted(set(names) ^ set(policy))[:5]}")
+        for name, p in ref.named_parameters():
+            src = policy[name]
+            with self._gathered([src]), ds.zero.GatheredParameters([p], modifier_rank=0):
+                if self.rank == 0:
+                    p.data.copy_(src.data.to(p.dtype))
+        buffers = dict(self.model.named_buffers())
+        for name, b in ref.named_buffers():
+            if name in buffers:
+                b.copy_(buffers[name].to(b.dtype))
+        engine, *_ = ds.initialize(model=ref, config=config, dist_init_required=False)
+        engine.eval()
+        return engine
 
     # ------------------------------------------------------------------ update
 

@@ -7,10 +7,13 @@ rows, so every global reduction matters) and with rank 1 empty ([6, 0]: it joins
 and forward with its zero-weight padding row). The final parameters must equal the one-process
 update of the same batch to 1e-5, and each extra's own logged metrics must be the global ones:
 
-* ``kl_ref`` - KL to a frozen reference (``kl.reference=initial``, ZeRO-2: the config refuses the
-  reference under ZeRO-3). The reference copy is perturbed after it is made (seeded, identically
-  in both runs; test-only) so that the KL and its gradient are not zero at the first update.
-* ``kl_in_reward`` - the same reference, KL charged in the reward (group advantages recomputed).
+* ``kl_ref`` - KL to a frozen reference (``kl.reference=initial``) under ZeRO-3: the reference is
+  its own ZeRO-3 engine, partitioned like the policy, and rank 1 with nothing still makes every
+  reference forward. The reference copy is perturbed after it is made (seeded, identically in both
+  runs; test-only) so that the KL and its gradient are not zero at the first update. Its logged
+  ``actor/kl`` is also checked against a hand computation (plain HF forwards, k3 by its formula).
+* ``kl_in_reward`` - the same reference at ZeRO-2 (a plain replica on each rank), KL charged in the
+  reward (group advantages recomputed).
 * ``lp_reg`` - Lp-Reg under ZeRO-3 with parameters partitioned: its min-p proxy pass makes one
   forward per micro-batch, padded to the busiest rank's count (rank 1 with nothing still makes 3).
 * ``stare`` - STARE with the adaptive (W, M) schedule, fed the GLOBAL mean entropy of the step.
@@ -54,8 +57,7 @@ BASE = {
 
 # variant -> (config overrides merged into BASE, metrics that must be the global ones and nonzero)
 VARIANTS: dict[str, tuple[dict, tuple[str, ...]]] = {
-    "kl_ref": ({"trainer": {"zero_stage": 2},
-                "algorithm": {"kl_coef": 0.5, "kl": {"reference": "initial", "dtype": "float32"}}},
+    "kl_ref": ({"algorithm": {"kl_coef": 0.5, "kl": {"reference": "initial", "dtype": "float32"}}},
                ("actor/kl",)),
     "kl_in_reward": ({"trainer": {"zero_stage": 2},
                       "algorithm": {"kl_coef": 0.5, "kl": {"reference": "initial", "dtype": "float32",
@@ -98,6 +100,71 @@ def _merge(a: dict, b: dict) -> dict:
     return out
 
 
+def tiny_model() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, intermediate_size=64,
+                                        initializer_range=0.2))  # peaked enough for a min-p floor to bite
+
+
+def fixed_seqs() -> list:
+    """The fixed 6-sequence batch (3 groups of 2)."""
+    from stapo.core import loop
+
+    g = torch.Generator().manual_seed(3)
+    seqs = []
+    for i in range(6):
+        prompt = torch.randint(1, 48, (3 + i % 2,), generator=g).tolist()
+        resp = torch.randint(1, 48, (4 + i % 3,), generator=g).tolist()
+        finish = "length" if i in TRUNCATED else "stop"
+        seqs.append(loop.Sequence_(prompt, resp, finish, "", "", group=i // 2, reward=REWARDS[i],
+                                   advantage=ADVANTAGES[i]))
+    return seqs
+
+
+def perturb(model: torch.nn.Module, *, partitioned: bool) -> None:
+    """Seeded noise on every weight, the same whatever the partitioning (ZeRO-3: each parameter is
+    gathered, changed, and rank 0's values are scattered back into the partitions)."""
+    import contextlib
+
+    g = torch.Generator().manual_seed(7)
+    for p in model.parameters():
+        if partitioned:
+            import deepspeed
+
+            ctx = deepspeed.zero.GatheredParameters([p], modifier_rank=0)
+        else:
+            ctx = contextlib.nullcontext()
+        with ctx, torch.no_grad():
+            p.add_(0.1 * torch.randn(p.shape, generator=g).to(p.dtype))
+
+
+def hand_kl_mean() -> float:
+    """``actor/kl`` of the ``kl_ref`` variant computed independently of stapo's passes: one plain HF
+    forward per sequence (no padding, no chunking, no micro-batches) for the policy and the perturbed
+    reference, k3 = exp(d) - d - 1 with d = log ref - log pi (|d| is far below verl's clamp here),
+    averaged over every response token."""
+    import copy
+
+    policy = tiny_model()
+    ref = copy.deepcopy(policy)
+    perturb(ref, partitioned=False)
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for s in fixed_seqs():
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            lp_pi, lp_ref = (m(ids).logits[0, :-1].double().log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
+                             for m in (policy, ref))
+            r = len(s.response_ids)
+            d = lp_ref[-r:] - lp_pi[-r:]
+            assert d.abs().max() < 10  # inside the clamp: the formula is the whole estimator
+            total += float((d.exp() - d - 1).sum())
+            n += r
+    return total / n
+
+
 def extras_update(backend_name: str, variant: str, split: list[int]) -> tuple[dict, dict]:
     """One step of the loop's update path on the fixed batch; this rank holds rows ``split[rank]``.
 
@@ -105,18 +172,13 @@ def extras_update(backend_name: str, variant: str, split: list[int]) -> tuple[di
     """
     from types import SimpleNamespace
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from stapo.core import loop
     from stapo.core.config import config_from_dict
     from stapo.core.distributed import DataParallel
     from stapo.core.extras import StepExtras
     from stapo.core.trainer import build_trainer_backend
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=32, num_hidden_layers=2,
-                                         num_attention_heads=4, intermediate_size=64,
-                                         initializer_range=0.2))  # peaked enough for a min-p floor to bite
+    model = tiny_model()
     cfg_dict = _merge(BASE, VARIANTS[variant][0])
     cfg_dict["trainer"] = {**cfg_dict["trainer"], "backend": backend_name,
                            "device": "cpu" if backend_name == "torch" else "auto"}
@@ -124,18 +186,8 @@ def extras_update(backend_name: str, variant: str, split: list[int]) -> tuple[di
     backend = build_trainer_backend(cfg, model, total_optimizer_steps=2)
     extras = StepExtras(cfg, backend)
     if extras.reference is not None:  # test-only: a reference that differs from the policy (same in every run)
-        g = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for p in extras.reference.model.parameters():
-                p.add_(0.1 * torch.randn(p.shape, generator=g).to(p.dtype))
-    g = torch.Generator().manual_seed(3)
-    seqs = []
-    for i in range(6):
-        prompt = torch.randint(1, 48, (3 + i % 2,), generator=g).tolist()
-        resp = torch.randint(1, 48, (4 + i % 3,), generator=g).tolist()
-        finish = "length" if i in TRUNCATED else "stop"
-        s = loop.Sequence_(prompt, resp, finish, "", "", group=i // 2, reward=REWARDS[i], advantage=ADVANTAGES[i])
-        seqs.append(s)
+        perturb(extras.reference.model, partitioned=extras.reference.partitioned)
+    seqs = fixed_seqs()
     dp = DataParallel(backend)
     start = sum(split[: dp.rank])
     mine = seqs[start : start + split[dp.rank]]
@@ -173,6 +225,8 @@ def test_two_rank_extras_update_equals_one_process_update(two_rank_results, vari
         assert m1[key] != 0 and math.isfinite(m1[key]), f"{variant}: {key} = {m1[key]} (extra not exercised)"
     if variant == "overlong":
         assert m1["batch/sequences"] == 6 - len(TRUNCATED)
+    if variant == "kl_ref":  # the metric itself, by hand (float32 passes vs float64 formula)
+        assert m1["actor/kl"] == pytest.approx(hand_kl_mean(), rel=1e-4)
     for split in SPLITS:
         m2, p2 = two_rank_results[(variant, tuple(split))]
         for n in p1:

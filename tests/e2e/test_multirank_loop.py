@@ -8,7 +8,9 @@ What can fail here (each was broken before issue 8):
   micro-batches, token dumps and validation every step, a checkpoint every step. It must finish
   under a timeout (ranks whose kept batches differ used to leave the collectives out of lockstep
   and hang), log the GLOBAL reward mean (not rank 0's shard) and ``batch/sequences``, and a run
-  resumed from the step-2 checkpoint must reproduce step 3 and the final parameters exactly.
+  resumed from the step-2 checkpoint must reproduce step 3 and the final parameters exactly. The
+  run carries a KL to the frozen initial policy, itself partitioned under ZeRO-3 (``actor/kl`` is 0
+  at step 1, positive after, and reproduced by the resumed run).
 * ``test_two_rank_update_equals_one_process_update`` - the update made by 2 ranks on a fixed batch
   split unevenly (rank 1 holds NO sequence: it joins every collective with its zero-weight padding
   row) equals the one-process update of the same batch (1e-5), token diagnostics included, for both
@@ -153,9 +155,14 @@ OVERRIDES = [
     "rollout.prompts_per_step=4", "logging.dump_tokens_every=1", "logging.live=false",
     "logging.tensorboard=false", "eval.every=1", "checkpoint.every=1", "checkpoint.keep_last=3",
     "checkpoint.export_hf=false",
+    # a generous grading deadline: on a loaded machine a 5 s item deadline can expire, and a reward
+    # that needed a retry (or failed) makes two runs differ for reasons that are not training's
+    "reward.deadline_s=60",
 ]
 
-TIMING = ("time/", "perf/")
+# Keys that measure the machine, not training: timings, and grading retries (a loaded machine retries
+# items whose deadline expired; the verdicts after the retry are the same).
+TIMING = ("time/", "perf/", "reward/retried")
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -173,9 +180,15 @@ def run_loop_two_ranks(tmp_path: Path, run_dir: Path, overrides: list[str], *, r
     return [json.loads((tmp_path / f"{out.name}.rank{r}.json").read_text()) for r in range(2)]
 
 
+# The same run also carries the KL to the frozen initial policy, partitioned under ZeRO-3 like the
+# policy (its own engine): its forwards must stay in lockstep although the ranks keep different
+# numbers of rows, and the resume below must rebuild it from the initial weights, not the checkpoint's.
+KL_REF = ["algorithm.kl_coef=0.04", "algorithm.kl.reference=initial", "algorithm.kl.dtype=float32"]
+
+
 def test_two_rank_loop_completes_resumes_and_logs_global_metrics(tmp_path):
     a = tmp_path / "a"
-    seen = run_loop_two_ranks(tmp_path, a, OVERRIDES)
+    seen = run_loop_two_ranks(tmp_path, a, OVERRIDES + KL_REF)
     assert all(s["partitioned"] == s["n_params"] > 0 for s in seen), "ZeRO-3 must partition every parameter"
     rows = _rows(a)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -186,6 +199,10 @@ def test_two_rank_loop_completes_resumes_and_logs_global_metrics(tmp_path):
         assert r["batch/sequences"] == pytest.approx(r["dapo/kept_groups"] * 4)
         assert 0 < r["batch/sequences"] <= 16 and r["batch/sequences"] % 4 == 0
         assert r["stapo/silenced_count"] == pytest.approx(r["stapo/silenced_frac"] * r["tokens/valid"], abs=1e-6)
+    # step 1 samples from the initial policy, which the reference copies: KL 0 (same fp32 weights and
+    # computation); once the policy has moved it is positive (k3 >= 0 with equality only at ref == pi)
+    assert rows[0]["actor/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert all(r["actor/kl"] > 1e-9 for r in rows[1:])
     assert sorted(p.name for p in (a / "dumps").glob("step_*.json")) == [f"step_00000{i}.json" for i in (1, 2, 3)]
     val = [json.loads(line) for line in (a / "val.jsonl").read_text().splitlines()]
     assert [v["step"] for v in val] == [0, 1, 2, 3] and all(v["n"] == 4 for v in val)
@@ -194,7 +211,7 @@ def test_two_rank_loop_completes_resumes_and_logs_global_metrics(tmp_path):
     b = tmp_path / "b"
     shutil.copytree(a, b)
     shutil.rmtree(b / "checkpoints" / "step_000003")
-    run_loop_two_ranks(tmp_path, b, OVERRIDES, resume=True)
+    run_loop_two_ranks(tmp_path, b, OVERRIDES + KL_REF, resume=True)
     assert _rows(b) == rows
     pa, pb = torch.load(tmp_path / "a_out.pt"), torch.load(tmp_path / "b_out.pt")
     for n in pa:

@@ -105,19 +105,19 @@ def test_hostile_answers_are_not_worked_on_in_the_server_process():
     assert quick_verdict("1", "9^{9^{9^{9^9}}}", "math") is None  # only a worker (with a deadline) may try
 
 
-def test_service_answers_the_same_with_and_without_inline_verdicts():
-    """Two real servers, one with STAPO_VERIFIER_INLINE_VERDICTS=false: the same results item by item;
-    the inline one sends far fewer items to its workers. One request also holds two DAPO answers that
-    look alike once stripped ("5 a " and "5 a") but get different DAPO verdicts: keyed on the raw line,
+def test_service_answers_the_same_with_and_without_inline_verdicts(server):
+    """Two real servers (the session's, and one with STAPO_VERIFIER_INLINE_VERDICTS=false): the same
+    results item by item; the inline one sends far fewer items to its workers. One request also holds
+    two DAPO answers that look alike once stripped ("5 a " and "5 a") but get different DAPO verdicts: keyed on the raw line,
     neither inherits the other's verdict (keyed on the stripped text, the second would)."""
-    items = [{"prediction": p, "gold": g, "mode": m} for p, g, m in _streams()[::4]]
+    items = [{"prediction": p, "gold": g, "mode": m} for p, g, m in _streams()[::8]]
     twins = [
         {"prediction": "Work.\nAnswer: 5 a ", "gold": "5", "mode": "dapo"},
         {"prediction": "Other work.\nAnswer: 5 a", "gold": "5", "mode": "dapo"},
     ]
     out = {}
-    for name, env in (("inline", {}), ("workers", {"STAPO_VERIFIER_INLINE_VERDICTS": "false"})):
-        srv = start_server(**env)
+    for name in ("inline", "workers"):
+        srv = server if name == "inline" else start_server(STAPO_VERIFIER_INLINE_VERDICTS="false")
         try:
             with httpx.Client(base_url=srv.url, timeout=120) as c:
                 res = []
@@ -129,7 +129,8 @@ def test_service_answers_the_same_with_and_without_inline_verdicts():
                 assert [x["correct"] for x in r.json()["results"]] == [True, False]
                 metrics = c.get("/metrics").text
         finally:
-            srv.stop()
+            if srv is not server:
+                srv.stop()
         out[name] = ([(x["correct"], x["status"], x["extracted"]) for x in res], metrics)
     assert out["inline"][0] == out["workers"][0]
     inline_line = 'stapo_verifier_pool_events_total{event="inline_verdicts"}'

@@ -121,7 +121,7 @@ def test_batched_results_before_a_hang_are_not_blamed():
     items = [(f"\\boxed{{{k}}}", str(k)) for k in range(10)]
     items += [("\\boxed{5^{5^{5^{5^5}}}}", "3")]
     items += [(f"\\boxed{{{k}}}", str(k + 1)) for k in range(5)]
-    with GraderPool(workers=1, deadline_s=1.5, batch_size=64) as one:
+    with GraderPool(workers=1, deadline_s=1.5) as one:
         assert one.wait_ready(60)
         res = one.grade_many(items)
         assert one.stats["restarts_timeout"] == 1

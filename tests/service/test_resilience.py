@@ -61,6 +61,16 @@ def test_bounded_load_matches_sequential_grading(http, server):
     assert all(code == 200 for code, _ in answers)
     got = [r for _, res in answers for r in res]
     assert len(got) == len(items)
+    # A few items (3-variable equations) take ~1 s of sympy on an idle core, so on an oversubscribed
+    # machine they can meet the 2 s deadline. A client retries a 'timeout' (the retry gets twice the
+    # deadline); after one retry every answer must equal the sequential grade.
+    slow = [i for i, r in enumerate(got) if r["status"] == "timeout"]
+    assert len(slow) <= len(items) // 100, f"{len(slow)} timeouts under load"
+    if slow:
+        retry = [{"prediction": items[i][0], "gold": items[i][1], "mode": items[i][2]} for i in slow]
+        r = http.post("/v1/verify", json={"items": retry})
+        for i, again in zip(slow, r.json()["results"], strict=True):
+            got[i] = again
     expected = [grade(p, g, m) for p, g, m in items]
     mismatches = [
         (i, got[i], e)

@@ -64,6 +64,22 @@ def test_token_is_checked_before_the_body_is_read(secured):
     )
 
 
+def test_trainer_reads_the_token_from_the_environment(secured, monkeypatch):
+    """Finding 6: with no token in its config, the trainer's reward function uses STAPO_VERIFIER_TOKEN.
+    (Before the access-log test below, which stops the module's server to read its whole log.)"""
+    cfg = RewardConfig(urls=[secured.url], retries=0)
+    monkeypatch.delenv("STAPO_VERIFIER_TOKEN", raising=False)
+    rf = RewardFunction(cfg)
+    with pytest.raises(RewardError, match="401"):
+        rf(["\\boxed{2}"], ["2"])
+    rf.close()
+    monkeypatch.setenv("STAPO_VERIFIER_TOKEN", TOKEN)
+    rf = RewardFunction(cfg)
+    batch = rf(["\\boxed{2}", "\\boxed{3}"], ["2", "2"])
+    rf.close()
+    assert batch.rewards == [cfg.scale.correct, cfg.scale.wrong] and all(batch.valid)
+
+
 def test_openrlhf_query_token_and_redacted_access_log(secured):
     """Finding 6: OpenRLHF's remote reward client sends only Content-Type; ``?token=`` works on
     /get_reward (only there), and the access log never shows the token."""
@@ -85,25 +101,6 @@ def test_openrlhf_query_token_and_redacted_access_log(secured):
     )
     assert "/get_reward?token=***" in log, log[-2000:]
     assert TOKEN not in log and "token=wrong" not in log
-
-
-def test_trainer_reads_the_token_from_the_environment(monkeypatch):
-    """Finding 6: with no token in its config, the trainer's reward function uses STAPO_VERIFIER_TOKEN."""
-    srv = start_server(workers=1, STAPO_VERIFIER_TOKEN=TOKEN)
-    try:
-        cfg = RewardConfig(urls=[srv.url], retries=0)
-        monkeypatch.delenv("STAPO_VERIFIER_TOKEN", raising=False)
-        rf = RewardFunction(cfg)
-        with pytest.raises(RewardError, match="401"):
-            rf(["\\boxed{2}"], ["2"])
-        rf.close()
-        monkeypatch.setenv("STAPO_VERIFIER_TOKEN", TOKEN)
-        rf = RewardFunction(cfg)
-        batch = rf(["\\boxed{2}", "\\boxed{3}"], ["2", "2"])
-        rf.close()
-        assert batch.rewards == [cfg.scale.correct, cfg.scale.wrong] and all(batch.valid)
-    finally:
-        srv.stop()
 
 
 def _serve(

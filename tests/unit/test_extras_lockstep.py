@@ -2,12 +2,16 @@
 
 Under ZeRO-3 every policy forward all-gathers parameters, so each rank must make the same number of
 them whatever it holds: ``minp_stats_batched`` (Lp-Reg's proxy pass) pads its micro-batch loop to
-``calls`` with the batch's zero-weight padding row, like ``loop.token_stats_batched``. The frozen
-reference is a local module (never ZeRO-3) and runs on real rows only. The 2-rank equivalence of
-the whole update is tests/e2e/test_multirank_extras.py.
+``calls`` with the batch's zero-weight padding row, like ``loop.token_stats_batched``; so does the
+frozen reference when it is partitioned like the policy (ZeRO-3), while a plain reference copy
+(ZeRO 0-2) is a local module and runs on real rows only. The 2-rank equivalence of the whole update
+is tests/e2e/test_multirank_extras.py.
 """
 
 from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -89,3 +93,33 @@ def test_prepare_with_padding_row_reference_on_real_rows_and_proxy_pass_padded(n
                                      batch.response_mask[:n_real], micro_batch=1, temperature=1.0)
         torch.testing.assert_close(ex.ref_lp[:n_real], want)
         assert m["actor/kl"] > 0
+
+
+@pytest.mark.parametrize("n_real", [3, 0])
+def test_partitioned_reference_makes_exactly_calls_forwards(n_real):
+    """A partitioned reference (ZeRO-3 gathers in each forward) pads to ``calls`` like the policy's
+    passes. The partitioning itself is DeepSpeed's (tests/e2e/test_multirank_extras.py); here the
+    copy is a plain module behind the same ``partitioned_copy`` seam, so only the lockstep is tested."""
+    cfg = config_from_dict({"trainer": {"micro_batch_size": 2},
+                            "algorithm": {"kl_coef": 0.1, "kl": {"reference": "initial", "dtype": "float32"}}})
+    policy = _tiny()
+    made = []
+
+    def frozen_copy(dtype, *, offload):
+        made.append((dtype, offload))
+        return SimpleNamespace(module=copy.deepcopy(policy).to(dtype).eval())
+
+    backend = SimpleNamespace(model=policy, device=torch.device("cpu"), world_size=1, zero_stage=3,
+                              frozen_copy=frozen_copy)
+    ex = StepExtras(cfg, backend)
+    assert made == [(torch.float32, False)] and ex.reference.partitioned
+    batch = loop.collate_with_pad_row(_seqs(n_real), 0, pad=True)
+    with torch.no_grad():
+        old_lp, old_ent = compute_token_stats(policy, batch.input_ids, batch.attention_mask, batch.response_mask,
+                                              chunk_size=4)
+    ref_calls = _Counter(ex.reference.model.model)
+    ex.prepare(batch, old_lp, old_ent, micro_batch=2, temperature=1.0, calls=3, pad_row=n_real)
+    assert ref_calls.n == 3  # the busiest rank's count, whatever this rank holds
+    # the copy equals the policy here: its log-probs are the policy's, the padding row is 0
+    torch.testing.assert_close(ex.ref_lp, old_lp)
+    assert ex.ref_lp[n_real].abs().sum() == 0

@@ -48,7 +48,12 @@ FALSE_POSITIVES = [
     # a gold with a comma is a list, never a decimal comma (keys write decimals with a point)
     ("-3,0", "\\boxed{-3}", False),
     ("-3,0", "\\boxed{-3, 0}", True),
-    ("0.5", "\\boxed{0,5}", True),  # a prediction's decimal comma still reads
+    ("0.5", "\\boxed{0,5}", True),  # a prediction's decimal comma still reads against a non-integer gold
+    ("1.22", "\\boxed{1,22}", True),
+    ("\\frac{5}{2}", "\\boxed{2,5}", True),
+    ("1,22", "1.22", False),  # the gold is the list 1, 22
+    ("-3", "\\boxed{-3,0}", False),  # against an integer gold "-3,0" is a list, not -3.0
+    ("7", "\\boxed{7,0}", False),
     # rounded golds: only where the answer shows the gold was rounded (an exact value no finite
     # decimal equals, or 2+ more decimals), at the gold's precision
     ("1.5", "1.54", False),
@@ -103,6 +108,98 @@ def test_verdict(gold, response, expected):
     assert res.status == "ok" and res.correct is expected, res
 
 
+LEAD = "We begin by expanding the expression and collecting like terms.\n"
+CUT_OFF_TAILS = [
+    # cut off mid-work with no committed answer: the last number passed through is not an answer
+    ("5", LEAD + "Substituting 5 into the second equation, we get", "no_answer"),
+    ("5", LEAD + "The partial sum is 5, and the next term gives $\\boxed{", "no_answer"),
+    ("5", LEAD + "First we find that $y = 5$. Then we need to compute $\\frac{", "no_answer"),
+    ("12", LEAD + "The rectangle is $3$ by $4$, so its area is $3 \\times 4 =", "no_answer"),
+    (
+        "\\dfrac{33}{100}",
+        LEAD + "The partial sum is \\dfrac{33}{100}, and the next term gives $\\boxed{",
+        "no_answer",
+    ),
+    (
+        "\\dfrac{33}{100}",
+        LEAD + "Substituting \\dfrac{33}{100} into the second equation, we get",
+        "no_answer",
+    ),
+    # a commitment before the cut still counts
+    ("5", LEAD + "Thus $\\boxed{5}$.\n\nLet me double-check: $\\frac{", True),
+    ("\\dfrac{33}{100}", LEAD + "So the answer is $\\dfrac{33}{100}$.\n\nWait, let me re-check: $x = ", True),
+    # a response that is just an answer, or finishes on a statement of the value, is graded
+    ("5", "5", True),
+    ("5", "$x = 5$", True),
+    ("28\\%", "28 percent", True),
+    ("5", LEAD + "x = 5", True),
+    ("120", LEAD + "The volume of the box is 120", True),
+    ("120", LEAD + "The volume of the box is $120$ cubic units.", True),
+    ("\\dfrac{33}{100}", LEAD + "The probability is $\\dfrac{33}{100}$.", True),
+    ("\\dfrac{33}{100}", LEAD + "The probability is $\\frac{34}{100}$.", False),
+    # the model closed its turn (an end-of-turn token after the text): finished wherever it stops
+    ("2/3", LEAD + "Therefore the probability that Alice wins is 2/3. <|im_start|>user", True),
+]
+
+
+@pytest.mark.parametrize(("gold", "response", "expected"), CUT_OFF_TAILS)
+def test_cut_off_tails(gold, response, expected):
+    """Extraction policy: without a marker only a finished response is searched for its answer."""
+    res = grade(response, gold)
+    if expected == "no_answer":
+        assert res.status == "no_answer" and not res.correct and res.rule == "no-answer", res
+    else:
+        assert res.status == "ok" and res.correct is expected, res
+
+
+@pytest.mark.parametrize(
+    ("text", "finished"),
+    [
+        ("5", True),
+        ("so x = 5", True),
+        ("so $x = 5$.", True),
+        ("**5**", True),
+        ("y = 2x", True),
+        ("it grows by 100%.", True),
+        ("the value is \\pi", True),
+        ("|x - 3|", True),
+        ("所以答案是 5。", True),
+        ("we get", False),
+        ("the product of", False),
+        ("x^2 + ", False),
+        ("a, b,", False),
+        ("then $\\frac{1}{2", False),
+        ("so $x = 5", False),
+        ("\\[ x = 5", False),
+        ("然后我们计算", False),
+        ("<pad><pad>so we get", False),  # padding before the text is not the end of a turn
+        ("so we get<|im_end|>", True),
+        ("so we get</s><pad>", True),
+        ("<think>x = 5</think>\n\nwe get", False),
+        ("", False),
+    ],
+)
+def test_response_finished(text, finished):
+    from stapo.verifier_service.extract import response_finished
+
+    assert response_finished(text) is finished
+
+
+def test_undecided_is_a_status_not_a_verdict():
+    """A gold no rule can read: the grade says so instead of guessing "wrong"."""
+    res = grade("\\boxed{3}", "@#")
+    got = (res.status, res.correct, res.score, res.rule, res.extracted)
+    assert got == ("undecided", False, 0.0, "undecided", "3")
+    assert grade("\\boxed{@#}", "@#").correct  # equal strings still decide
+    # math-verify reads N as n: the gold "N=n" parses to Eq(n, n), which its solve-and-compare calls
+    # equal to any equation with no solutions ("N = n + 1" -> Eq(n, n + 1)): no comparison is possible
+    assert grade("\\boxed{N = n + 1}", "$N=n$").status == "undecided"
+    assert grade("\\boxed{N = n}", "$N=n$").correct
+    assert grade("no answer, and it goes on.\nand on", "@#").status == "no_answer"  # nothing to compare
+    wrong = grade("\\boxed{@#}", "\\frac{1}{2}")  # an unreadable *answer* is wrong, as in math-verify
+    assert (wrong.status, wrong.correct) == ("ok", False)
+
+
 def test_every_verdict_names_its_rule_and_answer():
     res = grade("so \\boxed{\\frac{1}{2}}", "0.5")
     assert res.correct and res.extracted == "\\frac{1}{2}" and res.rule == "exact-number"
@@ -154,6 +251,30 @@ def test_reward_function_counts_rules():
     assert out.rules == Counter({"same-string": 1, "choice-letter": 1, "exact-number": 1})
 
 
+def test_reward_function_never_pays_an_undecided_grade(caplog):
+    """An undecided grade is no reward: invalid (its group is dropped), not retried, logged, counted
+    in the rule shares and toward ``reward.max_failure_frac``."""
+    from stapo.core.config import RewardConfig
+    from stapo.core.rewards import RewardError, RewardFunction, rule_shares
+
+    calls = []
+
+    class Local:
+        def grade_many(self, items):
+            calls.append(len(items))
+            return [grade(i["prediction"], i["gold"]) for i in items]
+
+    fn = RewardFunction(RewardConfig(retries=2, max_failure_frac=0.5), grader=Local())
+    with caplog.at_level("WARNING", logger="stapo.core.rewards"):
+        out = fn(["\\boxed{3}", "\\boxed{2}", "\\boxed{5}"], ["@#", "2", "4"])
+    assert out.valid == [False, True, True] and out.correct == [False, True, False]
+    assert out.status == ["undecided", "ok", "ok"] and out.retried == 0 and calls == [3]
+    assert rule_shares([out])["reward/rule/undecided"] == pytest.approx(1 / 3)
+    assert "1/3 rewards undecided" in caplog.text and "'@#'" in caplog.text
+    with pytest.raises(RewardError, match=r"2/3 rewards could not be computed.*undecided"):
+        fn(["\\boxed{3}", "\\boxed{3}", "\\boxed{2}"], ["@#", "\\foo{3}+", "2"])
+
+
 def test_explain_cli():
     from typer.testing import CliRunner
 
@@ -164,6 +285,8 @@ def test_explain_cli():
     assert "extracted: 10\\pi" in res.output and "wrong" in res.output and "rule:" in res.output
     res = CliRunner().invoke(app, ["explain", "5", "the answer is 5, not 4"])
     assert "extracted: 5" in res.output and "correct" in res.output and "same-string" in res.output
+    res = CliRunner().invoke(app, ["explain", "@#", "\\boxed{3}"])
+    assert "verdict:   none (status undecided)" in res.output and "rule:      undecided" in res.output
     bad = CliRunner().invoke(app, ["explain", "5", "5", "--mode", "nope"])
     assert bad.exit_code != 0 and "mode" in str(bad.exception)  # main() prints a CLIError as "error: ..."
 
@@ -185,7 +308,8 @@ def test_differential_generator_splits_and_labels():
 
 
 @pytest.mark.parametrize(
-    "family", ["units", "structures", "intervals", "choices", "fracdec", "long_cot", "multilingual", "text"]
+    "family",
+    ["units", "structures", "intervals", "choices", "fracdec", "long_cot", "multilingual", "text", "cutoff"],
 )
 def test_differential_dev_split_no_false_positive(family):
     """On a small dev sample of the harness, stapo rewards no near miss in the closed families."""
@@ -197,3 +321,40 @@ def test_differential_dev_split_no_false_positive(family):
         if grade(p.response, p.gold).correct and not p.expected
     ]
     assert not wrong, wrong
+
+
+def test_quick_verdicts_name_the_rule_a_worker_would():
+    """The server process's quick path (``quick_rule`` on ``marker_answer``'s string) gives the
+    verdict *and* the rule of a full ``grade``: a cached or inline verdict is as auditable as a fresh one."""
+    import json
+    from importlib import resources
+
+    from stapo.verifier_service.grader import dapo_line, marker_answer, quick_rule
+
+    text = resources.files("stapo.verifier_service").joinpath("data/corpus_dev.jsonl").read_text("utf-8")
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()][::7]
+    decided = 0
+    for row in rows:
+        answer = marker_answer(row["prediction"])
+        quick = quick_rule(row["gold"], answer) if answer is not None else None
+        if quick is None:
+            continue
+        decided += 1
+        res = grade(row["prediction"], row["gold"])
+        assert (res.correct, res.rule) == quick, (row, res)
+    assert decided > len(rows) // 4, (decided, len(rows))
+    assert (
+        quick_rule("5", dapo_line("Work.\nAnswer: 5"), "dapo")
+        == (True, "dapo")
+        == (grade("Work.\nAnswer: 5", "5", "dapo").correct, "dapo")
+    )
+
+
+def test_framework_adapters_give_the_failure_value_for_undecided(monkeypatch):
+    """verl's adapters (in-process ``prime`` route) treat an undecided grade as a failed item, not as
+    a plain 0: the failure value and its status, as for a timeout."""
+    from stapo.verifier_service.adapters import compute_score_prime
+
+    monkeypatch.delenv("STAPO_VERIFIER_URL", raising=False)
+    assert compute_score_prime("t", "so \\boxed{3}", "@#", failure_score=-7.0) == (-7.0, "undecided")
+    assert compute_score_prime("t", "so \\boxed{3}", "3", failure_score=-7.0) == (1.0, "ok")
