@@ -77,12 +77,29 @@ def _train(cfg, run_dir: Path, seen: dict | None = None):
     return seen
 
 
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    """``get(cfg) -> (seen, run_dir)``: one training run per distinct config in this module (the
+    recipe runs double as the DEEP-GRPO lambda = 1 and fused-MASPO runs when the configs are equal)."""
+    runs: dict[str, tuple[dict, Path]] = {}
+
+    def get(cfg):
+        key = cfg.model_dump_json()
+        if key not in runs:
+            d = tmp_path_factory.mktemp("run")
+            runs[key] = (_train(cfg, d), d)
+        return runs[key]
+
+    yield get
+    runs.clear()
+
+
 @pytest.mark.parametrize("name", ["stapo-goldilocks", "stapo-deep", "stapo-maspo", "stapo-stack"])
-def test_recipe_runs_two_steps_on_tiny(name, tmp_path):
+def test_recipe_runs_two_steps_on_tiny(name, shared_run):
     cfg = _cfg(name)
     assert cfg.algorithm.name == name
-    _train(cfg, tmp_path)
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    _, run_dir = shared_run(cfg)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     for key in LAYER_KEYS[name]:
         vals = [r.get(key) for r in rows]
@@ -92,13 +109,12 @@ def test_recipe_runs_two_steps_on_tiny(name, tmp_path):
         assert sum(r["deep/branches"] for r in rows) > 0
 
 
-def test_deep_lambda_zero_is_plain_grpo_bit_for_bit(tmp_path):
-    plain = _train(_cfg("stapo-deep", "algorithm.deep_grpo.enabled=false"), tmp_path / "plain")
-    zero = _train(_cfg("stapo-deep", "algorithm.deep_grpo.lambda=0"), tmp_path / "zero")
-    one = _train(_cfg("stapo-deep", "algorithm.deep_grpo.lambda=1"), tmp_path / "one")
+def test_deep_lambda_zero_is_plain_grpo_bit_for_bit(shared_run):
+    (plain, _), (zero, zero_dir), (one, _) = (shared_run(_cfg("stapo-deep", *o)) for o in (
+        ["algorithm.deep_grpo.enabled=false"], ["algorithm.deep_grpo.lambda=0"], ["algorithm.deep_grpo.lambda=1"]))
     p0, pz, p1 = (_params(s["run"].model) for s in (plain, zero, one))
     assert torch.equal(p0, pz)  # branches were generated and graded, but lambda = 0 adds nothing
-    assert sum(r["deep/branches"] for r in read_jsonl(tmp_path / "zero" / "metrics.jsonl")) > 0
+    assert sum(r["deep/branches"] for r in read_jsonl(zero_dir / "metrics.jsonl")) > 0
     assert not torch.equal(p0, p1)  # and the local term does move the weights when it is on
 
 
@@ -202,12 +218,12 @@ def test_goldilocks_and_deep_resume_replays_the_uninterrupted_run(tmp_path):
     assert a == b
 
 
-def test_maspo_fused_and_unfused_paths_agree(tmp_path):
+def test_maspo_fused_and_unfused_paths_agree(shared_run):
     """MASPO is per-token, so the fused chunked loss serves it; the unfused path is the reference.
     Two mini-batches: the second is off-policy (w != 1), where the gate acts."""
-    fused = _train(_cfg("stapo-maspo", "trainer.fused_loss=true"), tmp_path / "fused")
-    plain = _train(_cfg("stapo-maspo", "trainer.fused_loss=false"), tmp_path / "plain")
-    clip = _train(_cfg("stapo", "trainer.fused_loss=false"), tmp_path / "clip")
+    fused, plain, clip = (shared_run(_cfg(*a))[0] for a in (
+        ("stapo-maspo", "trainer.fused_loss=true"), ("stapo-maspo", "trainer.fused_loss=false"),
+        ("stapo", "trainer.fused_loss=false")))
     pf, pp, pc = (_params(s["run"].model) for s in (fused, plain, clip))
     torch.testing.assert_close(pf, pp, rtol=1e-4, atol=1e-6)
     assert not torch.equal(pp, pc)  # and MASPO is not the hard clip

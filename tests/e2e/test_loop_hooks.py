@@ -1,0 +1,92 @@
+"""The loop's hook interface on the real tiny loop: a hook registered by name sees every phase in
+the documented order with the step's state, its ``before_step`` callables run before each optimizer
+step, its metrics are logged, and its state is saved under its name and given back on resume.
+
+What can fail here: a phase called out of order or not at all, a phase run on a step without an
+update, a state that does not reach the checkpoint or does not come back.
+"""
+
+from __future__ import annotations
+
+import json
+
+from stapo.configs import preset_path
+from stapo.core import loop
+from stapo.core.config import load_config
+from stapo.core.extras import HOOKS, LoopHook, StepState, build_hooks
+from stapo.core.tracking import read_jsonl
+
+# 2 mini-batches: two optimizer steps per training step; a checkpoint after every step
+CFG = ["model.tiny.vocab=chars", "data.arithmetic.answer_range=null", "rollout.prompts_per_step=2", "rollout.n=4",
+       "rollout.max_new_tokens=8", "trainer.micro_batch_size=4", "logging.live=false", "logging.tensorboard=false",
+       "algorithm.overlong.enabled=true", "algorithm.overlong.buffer=7", "algorithm.mini_batches=2",
+       "checkpoint.every=1", "eval.every=0", "data.val_size=0"]
+
+
+class Recorder(LoopHook):
+    name = "recorder"
+
+    def __init__(self, calls: list, loaded: list) -> None:
+        self.calls, self.loaded = calls, loaded
+
+    def sample(self, step):
+        self.calls.append(("sample", step))
+
+    def on_batch(self, st: StepState):
+        self.calls.append(("on_batch", st.step, st.batch is None and bool(st.seqs)))
+
+    def needs_old_stats(self, st):
+        self.calls.append(("needs_old_stats", st.step, st.batch is not None))
+        return False
+
+    def before_update(self, st):
+        self.calls.append(("before_update", st.step, st.old_lp is not None))  # 2 mini-batches: old pass ran
+        st.before_step.append(lambda update, fresh: self.calls.append(("before_step", st.step, update, fresh)))
+
+    def after_update(self, st):
+        self.calls.append(("after_update", st.step))
+        st.metrics["recorder/steps"] = float(st.step)
+
+    def after_sync(self, st):
+        self.calls.append(("after_sync", st.step))
+
+    def state_dict(self):
+        return {"seen": sum(c[0] == "after_sync" for c in self.calls)}
+
+    def load_state_dict(self, state):
+        self.loaded.append(state)
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+def test_registered_hook_sees_every_phase_in_order_and_resumes(tmp_path, monkeypatch):
+    calls: list = []
+    loaded: list = []
+    monkeypatch.setitem(HOOKS, "recorder", lambda run: Recorder(calls, loaded))
+    cfg = load_config(preset_path("tiny"), [*CFG, "trainer.max_steps=1"])
+    loop.train(cfg, tmp_path, log=lambda m: None)
+    step_phases = [("sample", 1), ("on_batch", 1, True), ("needs_old_stats", 1, True), ("before_update", 1, True),
+                   ("before_step", 1, 0, True), ("before_step", 1, 1, False), ("after_update", 1), ("after_sync", 1)]
+    row = read_jsonl(tmp_path / "metrics.jsonl")[0]
+    assert row["batch/sequences"] > 0  # overlong shaping gives the random model's groups an advantage
+    assert calls == [*step_phases, ("close",)]
+    assert loaded == []  # a fresh run loads nothing
+    assert row["recorder/steps"] == 1.0
+    meta = json.loads(next(tmp_path.glob("checkpoints/*/meta.json")).read_text())
+    assert meta["extra"]["hooks"]["recorder"] == {"seen": 1}
+    calls.clear()
+    loop.train(load_config(preset_path("tiny"), [*CFG, "trainer.max_steps=2"]), tmp_path, resume=True,
+               log=lambda m: None)
+    assert loaded == [{"seen": 1}]  # given back under its name before step 2
+    assert calls[0] == ("sample", 2) and calls[-1] == ("close",)
+
+
+def test_plain_recipe_builds_only_the_always_on_hooks():
+    from types import SimpleNamespace
+
+    cfg = load_config(preset_path("tiny"), [])
+    hooks = build_hooks(SimpleNamespace(cfg=cfg, sampler=None, backend=None))
+    assert list(hooks.by_name) == ["sampler", "regularizers"]  # async, deep_grpo: switched off
+    assert list(HOOKS)[:4] == ["async", "sampler", "deep_grpo", "regularizers"]  # the phase order
+    assert hooks.needs_old_stats(StepState(1, [], [], {})) is False and hooks.weighting_params() == {}
