@@ -742,7 +742,7 @@ class GraderPool:
             return
         for p in [p for p in gen.ctx.procs if p.pid is not None and not p.is_alive()]:
             gen.ctx.procs.remove(p)
-            if p.pid not in gen.ready and p.exitcode != 0:
+            if p.pid not in gen.ready and p.exitcode > 0:  # failed while starting (a signal: killed, a crash)
                 self._start_failures += 1
                 self.stats["start_errors"] += 1
             elif p.pid in gen.ready and p.exitcode == 0:  # pebble retired it after max_tasks items
