@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# One torch (OpenMP) thread for the whole run, set before torch is imported so every subprocess a test
+# starts (grader workers, the async producer, CLI runs) inherits it too. The tests' models are tiny, and
+# on 2 cores a test process plus its subprocesses at torch's default thread count oversubscribe the
+# cores: measured here, tests/e2e/test_async_loop.py + test_train_tiny.py + tests/unit/test_update.py
+# took 240 s wall / 218 s CPU with 2 threads and 70 s / 46 s with 1. A caller's own setting wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # The per-test limit of tests marked ``long`` (pyproject's ``timeout`` is everyone else's). It must
 # exceed the sum of the bounds such a test puts on its own subprocesses (a 2-rank test runs torchrun
