@@ -192,7 +192,8 @@ class Memo:
     def plan(self, items: list[Item], *, explain: bool, max_chars: tuple[int, int]) -> Plan:
         """Answer what the caches know; the rest are leaders (first of their key) with followers.
 
-        ``explain``: a result without a rule (decided by ``quick_verdict``) is not good enough."""
+        ``explain``: a cached result without a rule is not good enough (every verdict carries one
+        today, fresh, quick or cached; a result cached without one is graded again)."""
         p = Plan([None] * len(items))
         leaders: dict[bytes, int] = {}
         vleaders: dict[bytes, int] = {}
@@ -222,7 +223,7 @@ class Memo:
                     p.keys[i] = key
                     p.counts["verdict_hits"] += 1
                     continue
-                if self.inline and not explain and (r := inline_grade(gold, mode, vk)) is not None:
+                if self.inline and (r := inline_grade(gold, mode, vk)) is not None:
                     p.results[i] = r
                     self.verdicts.put(vk.digest, untimed(r))
                     self.results.put(key, untimed(r))

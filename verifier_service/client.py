@@ -69,6 +69,7 @@ def _parse_results(data: Any, n: int, url: str) -> list[GradeResult]:
                 r["status"],
                 r.get("extracted"),
                 float(r.get("ms", 0.0)),
+                r.get("rule"),
             )
             for r in res
         ]
@@ -139,7 +140,9 @@ class _Base:
         return delay
 
     def _body(self, batch: list[dict[str, str]]) -> dict[str, Any]:
-        return {"items": batch, "budget_s": self.timeout_s}
+        # explain: each result names the grader rule that decided it, so a trainer grading through
+        # the service logs reward/rule/<name> as one grading in-process does (a few bytes per item).
+        return {"items": batch, "budget_s": self.timeout_s, "explain": True}
 
     def _plan(self, k: int, attempt: int) -> str:
         """URL for batch k on this attempt: its shard first, then the others in turn (failover)."""

@@ -413,8 +413,8 @@ class GraderPool:
         have given up); nothing of the request runs past it. Without it, ``default_budget_s`` from
         now applies once one of the request's items has timed out: a request of items the grader
         cannot finish answers in bounded time, and a large batch of ordinary items is never cut.
-        ``explain``: every result names the rule that decided it; results without one (decided in
-        this process by ``quick_verdict``, which gives only the verdict) are graded by a worker.
+        ``explain``: every result names the rule that decided it (verdicts decided in this process
+        by ``quick_rule`` carry theirs too).
         Cancelling the future drops the queued items.
         Raises :class:`PoolBusy` (too much queued work), :class:`PoolBroken`, :class:`PoolClosed`.
         """

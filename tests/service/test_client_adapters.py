@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from stapo.verifier_service import adapters
+from stapo.verifier_service.grader import grade
 from stapo.verifier_service.client import (
     AsyncVerifierClient,
     VerifierClient,
@@ -73,6 +74,9 @@ def test_client_grades_and_fails_over_from_a_dead_url(server):
         assert [r.status for r in res] == ["ok", "ok", "no_answer"]
         assert [r.correct for r in res] == [True, False, False]
         assert vc.health() == {vc.urls[0]: False, vc.urls[1]: True}
+        # every verdict names its rule, as grading in this process does (training logs reward/rule/*)
+        assert [r.rule for r in res] == [grade(i["prediction"], i["gold"], "math").rule for i in ITEMS]
+        assert all(r.rule for r in res)
 
 
 def test_client_retries_429_and_5xx_then_succeeds():
