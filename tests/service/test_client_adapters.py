@@ -10,13 +10,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from stapo.verifier_service import adapters
-from stapo.verifier_service.grader import grade
 from stapo.verifier_service.client import (
     AsyncVerifierClient,
     VerifierClient,
     VerifierRequestError,
     VerifierUnavailable,
 )
+from stapo.verifier_service.grader import grade
 from tests.service.conftest import free_port
 
 ITEMS = [
