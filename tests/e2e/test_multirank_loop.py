@@ -53,9 +53,10 @@ LOOP_SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":  # the grader's workers (spawn/forkserver) import __main__ again
 
+        rank = int(os.environ["RANK"])
+        # PRELUDE: other checks sharing this launch run here, before the loop (one torchrun start)
         run_dir, out, resume = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
         cfg = load_config(preset_path("tiny"), json.loads(sys.argv[4]))
-        rank = int(os.environ["RANK"])
         seen, runs = {}, []
         orig_init, orig_roll = loop._Run.__init__, loop.rollout_and_grade
 
@@ -170,11 +171,14 @@ def _rows(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 
 
-def run_loop_two_ranks(tmp_path: Path, run_dir: Path, overrides: list[str], *, resume: bool = False) -> list[dict]:
+def run_loop_two_ranks(tmp_path: Path, run_dir: Path, overrides: list[str], *, resume: bool = False,
+                       prelude: str = "") -> list[dict]:
     """``LOOP_SCRIPT`` on 2 ranks into ``run_dir``; returns what each rank saw. Rank 0 saves the final
-    parameters to ``<tmp_path>/<run_dir.name>_out.pt``."""
+    parameters to ``<tmp_path>/<run_dir.name>_out.pt``. ``prelude``: code each rank runs first, in the
+    same processes (another check sharing the launch: starting torchrun costs seconds of CPU per rank)."""
     script = tmp_path / "run_loop.py"
-    script.write_text(LOOP_SCRIPT)
+    marker = "    # PRELUDE"
+    script.write_text(LOOP_SCRIPT.replace(marker, textwrap.indent(textwrap.dedent(prelude), " " * 4) + marker))
     out = tmp_path / f"{run_dir.name}_out"
     torchrun([str(script), str(run_dir), str(out), "1" if resume else "0", json.dumps(overrides)], tmp_path)
     return [json.loads((tmp_path / f"{out.name}.rank{r}.json").read_text()) for r in range(2)]
