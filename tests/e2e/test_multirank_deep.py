@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import textwrap
 
 import pytest
 import torch
@@ -23,21 +22,18 @@ import torch
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.long
 
-from test_multirank_loop import OVERRIDES, _rows, run_loop_two_ranks, torchrun  # noqa: E402
+from test_multirank_loop import OVERRIDES, _rows, run_loop_two_ranks  # noqa: E402
 
-FIXED_SCRIPT = textwrap.dedent(
-    """
-    import os, sys, torch
+# Runs on each rank before the loop of the lockstep test, in the same torchrun launch (one start for
+# both tests): the fixed updates, saved by rank 0.
+FIXED_PRELUDE = """
     sys.path.insert(0, {test_dir!r})
     from test_multirank_deep import fixed_deep_update
     res = [fixed_deep_update("deepspeed", root_split=r, branch_split=b) for r, b in {runs!r}]
-    if int(os.environ["RANK"]) == 0:
+    if rank == 0:
         torch.save([{{"metrics": m, "params": p}} for m, p in res], {out!r})
     torch.distributed.barrier()
-    sys.stdout.flush()
-    os._exit(0)
-    """
-)
+"""
 
 
 def fixed_deep_update(backend_name: str, root_split: list[int], branch_split: list[int]) -> tuple[dict, dict]:
@@ -111,11 +107,8 @@ def fixed_deep_update(backend_name: str, root_split: list[int], branch_split: li
 FIXED_RUNS = [([6, 0], [2, 4]), ([2, 4], [6, 0])]
 
 
-def test_two_rank_local_term_equals_one_process(tmp_path, one_thread):
-    out = tmp_path / "two.pt"
-    script = FIXED_SCRIPT.format(test_dir=os.path.dirname(__file__), runs=FIXED_RUNS, out=str(out))
-    (tmp_path / "two.py").write_text(script)
-    torchrun([str(tmp_path / "two.py")], tmp_path)
+def test_two_rank_local_term_equals_one_process(two_rank_launch, one_thread):
+    out = two_rank_launch["fixed"]
     m1, p1 = fixed_deep_update("torch", root_split=[6], branch_split=[6])
     assert m1["deep/local_tokens"] > 0
     for (roots, branches), two in zip(FIXED_RUNS, torch.load(out), strict=True):
@@ -135,9 +128,18 @@ DEEP = [o for o in OVERRIDES if not o.startswith(("logging.dump_tokens_every", "
 ]
 
 
-def test_two_rank_deep_grpo_stays_in_lockstep(tmp_path):
-    run = tmp_path / "deep"
-    seen = run_loop_two_ranks(tmp_path, run, DEEP)
+@pytest.fixture(scope="module")
+def two_rank_launch(tmp_path_factory):
+    """One torchrun launch for both tests: the fixed updates (FIXED_PRELUDE), then the DEEP-GRPO loop."""
+    tmp = tmp_path_factory.mktemp("deep")
+    fixed = tmp / "two.pt"
+    prelude = FIXED_PRELUDE.format(test_dir=os.path.dirname(__file__), runs=FIXED_RUNS, out=str(fixed))
+    seen = run_loop_two_ranks(tmp, tmp / "deep", DEEP, prelude=prelude)
+    return {"fixed": fixed, "seen": seen, "run": tmp / "deep"}
+
+
+def test_two_rank_deep_grpo_stays_in_lockstep(two_rank_launch):
+    run, seen = two_rank_launch["run"], two_rank_launch["seen"]
     assert all(s["partitioned"] == s["n_params"] > 0 for s in seen), "ZeRO-3 must partition every parameter"
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2]

@@ -53,9 +53,10 @@ LOOP_SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":  # the grader's workers (spawn/forkserver) import __main__ again
 
+        rank = int(os.environ["RANK"])
+        # PRELUDE: other checks sharing this launch run here, before the loop (one torchrun start)
         run_dir, out, resume = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
         cfg = load_config(preset_path("tiny"), json.loads(sys.argv[4]))
-        rank = int(os.environ["RANK"])
         seen, runs = {}, []
         orig_init, orig_roll = loop._Run.__init__, loop.rollout_and_grade
 
@@ -88,21 +89,16 @@ LOOP_SCRIPT = textwrap.dedent(
     """
 )
 
-UPDATE_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys, torch
+# Runs on each rank before the loop of run ``a`` below, in the same torchrun launch (one start for both
+# tests): the fixed-batch updates of UPDATE_RUNS, saved by rank 0.
+UPDATE_PRELUDE = """
     sys.path.insert(0, {test_dir!r})
     from test_multirank_loop import fixed_update
-    rank = int(os.environ.get("RANK", "0"))
-    results = [fixed_update({backend!r}, split=split, scope=scope, tokens=tokens) for split, scope, tokens in {runs!r}]
+    results = [fixed_update("deepspeed", split=split, scope=scope, tokens=tokens) for split, scope, tokens in {runs!r}]
     if rank == 0:
         torch.save([{{"metrics": m, "params": p}} for m, p in results], {out!r})
-    if {backend!r} == "deepspeed":
-        torch.distributed.barrier()
-    sys.stdout.flush()
-    os._exit(0)
-    """
-)
+    torch.distributed.barrier()
+"""
 
 
 def _free_port() -> int:
@@ -170,11 +166,14 @@ def _rows(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 
 
-def run_loop_two_ranks(tmp_path: Path, run_dir: Path, overrides: list[str], *, resume: bool = False) -> list[dict]:
+def run_loop_two_ranks(tmp_path: Path, run_dir: Path, overrides: list[str], *, resume: bool = False,
+                       prelude: str = "") -> list[dict]:
     """``LOOP_SCRIPT`` on 2 ranks into ``run_dir``; returns what each rank saw. Rank 0 saves the final
-    parameters to ``<tmp_path>/<run_dir.name>_out.pt``."""
+    parameters to ``<tmp_path>/<run_dir.name>_out.pt``. ``prelude``: code each rank runs first, in the
+    same processes (another check sharing the launch: starting torchrun costs seconds of CPU per rank)."""
     script = tmp_path / "run_loop.py"
-    script.write_text(LOOP_SCRIPT)
+    marker = "    # PRELUDE"
+    script.write_text(LOOP_SCRIPT.replace(marker, textwrap.indent(textwrap.dedent(prelude), " " * 4) + marker))
     out = tmp_path / f"{run_dir.name}_out"
     torchrun([str(script), str(run_dir), str(out), "1" if resume else "0", json.dumps(overrides)], tmp_path)
     return [json.loads((tmp_path / f"{out.name}.rank{r}.json").read_text()) for r in range(2)]
@@ -186,9 +185,23 @@ def run_loop_two_ranks(tmp_path: Path, run_dir: Path, overrides: list[str], *, r
 KL_REF = ["algorithm.kl_coef=0.04", "algorithm.kl.reference=initial", "algorithm.kl.dtype=float32"]
 
 
-def test_two_rank_loop_completes_resumes_and_logs_global_metrics(tmp_path):
-    a = tmp_path / "a"
-    seen = run_loop_two_ranks(tmp_path, a, OVERRIDES + KL_REF)
+@pytest.fixture(scope="module")
+def loop_runs(tmp_path_factory):
+    """Run ``a`` (3 steps; its launch first makes the fixed updates of UPDATE_RUNS) and run ``b``,
+    resumed from a copy of ``a`` without its step-3 checkpoint: two torchrun launches for both tests.
+    The resume runs in a fresh launch, as a user's would."""
+    tmp = tmp_path_factory.mktemp("loop")
+    a, b, updates = tmp / "a", tmp / "b", tmp / "two.pt"
+    prelude = UPDATE_PRELUDE.format(test_dir=os.path.dirname(__file__), runs=UPDATE_RUNS, out=str(updates))
+    seen = run_loop_two_ranks(tmp, a, OVERRIDES + KL_REF, prelude=prelude)
+    shutil.copytree(a, b)
+    shutil.rmtree(b / "checkpoints" / "step_000003")
+    run_loop_two_ranks(tmp, b, OVERRIDES + KL_REF, resume=True)
+    return {"a": a, "b": b, "seen": seen, "updates": updates, "tmp": tmp}
+
+
+def test_two_rank_loop_completes_resumes_and_logs_global_metrics(loop_runs):
+    a, seen = loop_runs["a"], loop_runs["seen"]
     assert all(s["partitioned"] == s["n_params"] > 0 for s in seen), "ZeRO-3 must partition every parameter"
     rows = _rows(a)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -208,12 +221,9 @@ def test_two_rank_loop_completes_resumes_and_logs_global_metrics(tmp_path):
     assert [v["step"] for v in val] == [0, 1, 2, 3] and all(v["n"] == 4 for v in val)
 
     # Resume from the step-2 checkpoint: step 3 and the final parameters are reproduced exactly.
-    b = tmp_path / "b"
-    shutil.copytree(a, b)
-    shutil.rmtree(b / "checkpoints" / "step_000003")
-    run_loop_two_ranks(tmp_path, b, OVERRIDES + KL_REF, resume=True)
+    b, tmp = loop_runs["b"], loop_runs["tmp"]
     assert _rows(b) == rows
-    pa, pb = torch.load(tmp_path / "a_out.pt"), torch.load(tmp_path / "b_out.pt")
+    pa, pb = torch.load(tmp / "a_out.pt"), torch.load(tmp / "b_out.pt")
     for n in pa:
         torch.testing.assert_close(pb[n], pa[n], atol=0, rtol=0, msg=n)
 
@@ -278,18 +288,14 @@ def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch",
 
 
 # (split, tau_h_scope, packed token budget): both ranks hold rows, unevenly / rank 1 holds none; the default scope on the
-# uneven split, where a rank-local quantile differs most from the global one. One torchrun for all.
+# uneven split, where a rank-local quantile differs most from the global one. The same launch as run ``a``.
 UPDATE_RUNS = [([2, 4], "minibatch", None), ([6, 0], "minibatch", None), ([2, 4], "step", None),
                ([2, 4], "minibatch", 12), ([6, 0], "minibatch", 12)]  # tokens 12: packed token-budget micro-batches
 
 
-def test_two_rank_update_equals_one_process_update(tmp_path, one_thread):  # reference reduces like the ranks
+def test_two_rank_update_equals_one_process_update(loop_runs, one_thread):  # reference reduces like the ranks
     """Every run of UPDATE_RUNS on 2 ranks equals the one-process update with the same scope."""
-    out2 = tmp_path / "two.pt"
-    two = UPDATE_SCRIPT.format(test_dir=os.path.dirname(__file__), backend="deepspeed", runs=UPDATE_RUNS,
-                               out=str(out2))
-    (tmp_path / "two.py").write_text(two)
-    torchrun([str(tmp_path / "two.py")], tmp_path)
+    out2 = loop_runs["updates"]
     ref = {}
     for scope in dict.fromkeys(s for _, s, _ in UPDATE_RUNS):  # the one-process references, in this process
         m1, p1 = fixed_update("torch", split=[6], scope=scope)

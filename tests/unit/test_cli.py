@@ -26,27 +26,6 @@ def test_version():
     assert out.exit_code == 0 and out.output.startswith("stapo ")
 
 
-def _stapo(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stapo.cli.main", *args], capture_output=True, text=True, timeout=120)
-
-
-def test_bad_config_fails_before_model_load(tmp_path):
-    res = _stapo("train", "--config", "tiny", "--set", "algorithm.tau_hh=1", "--run-dir", str(tmp_path / "r"))
-    assert res.returncode == 2
-    assert "algorithm.tau_hh: unknown field" in res.stderr
-    assert not (tmp_path / "r").exists()  # nothing was written, no model was loaded
-
-
-def test_unknown_preset_lists_presets(tmp_path):
-    res = _stapo("train", "--config", "nope", "--run-dir", str(tmp_path / "r"))
-    assert res.returncode == 2 and "presets:" in res.stderr and "tiny" in res.stderr
-
-
-def test_resume_needs_run_dir():
-    res = _stapo("train", "--resume")
-    assert res.returncode == 2 and "--resume needs --run-dir" in res.stderr
-
-
 # ----------------------------------------------------------------------------- errors at the boundary
 # Each case runs the real entry point in-process (`main()`, as the `stapo` script does): exit status,
 # the first line of the message, and that nothing was written.
@@ -64,6 +43,24 @@ def _main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
 
 def _first(text: str) -> str:
     return text.strip().splitlines()[0]
+
+
+def test_bad_config_fails_before_model_load(monkeypatch, capsys, tmp_path):
+    code, _out, err = _main(monkeypatch, capsys, "train", "--config", "tiny", "--set", "algorithm.tau_hh=1",
+                            "--run-dir", str(tmp_path / "r"))
+    assert code == 2
+    assert "algorithm.tau_hh: unknown field" in err
+    assert not (tmp_path / "r").exists()  # nothing was written, no model was loaded
+
+
+def test_unknown_preset_lists_presets(monkeypatch, capsys, tmp_path):
+    code, _out, err = _main(monkeypatch, capsys, "train", "--config", "nope", "--run-dir", str(tmp_path / "r"))
+    assert code == 2 and "presets:" in err and "tiny" in err
+
+
+def test_resume_needs_run_dir(monkeypatch, capsys):
+    code, _out, err = _main(monkeypatch, capsys, "train", "--resume")
+    assert code == 2 and "--resume needs --run-dir" in err
 
 
 def _train_fails(monkeypatch, capsys, tmp_path, *sets: str) -> str:
