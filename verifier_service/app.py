@@ -385,7 +385,7 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
         return p
 
     async def grade(
-        request: Request, items: list[tuple[str, str, str]], budget_s: float | None, explain: bool = False
+        request: Request, items: list[tuple[str, str, str]], budget_s: float | None
     ) -> list[GradeResult]:
         if len(items) > settings.max_items:
             raise HTTPException(
@@ -396,9 +396,7 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
         try:
             # A client that sends no budget (OpenRLHF's /get_reward, curl) gets the default one, so a
             # request of pathological items answers in bounded time whoever sends it.
-            fut = pool.submit(
-                items, budget_s=budget_s, default_budget_s=settings.request_budget_s(), explain=explain
-            )
+            fut = pool.submit(items, budget_s=budget_s, default_budget_s=settings.request_budget_s())
         except PoolBusy as err:
             retry = str(max(1, math.ceil(err.retry_after_s)))
             raise HTTPException(429, str(err), headers={"Retry-After": retry}) from err
@@ -472,7 +470,7 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
 
         With ``explain: true`` each result also names the grader's rule that decided it."""
         items = [(it.prediction, it.gold, it.mode) for it in req.items]
-        results = await grade(request, items, req.budget_s, req.explain)
+        results = await grade(request, items, req.budget_s)
         return SafeJSONResponse(results_body(results, explain=req.explain))
 
     @app.post(

@@ -189,11 +189,8 @@ class Memo:
         for lru in (self.results, self.verdicts, self.timed_out):
             lru.reset_lock()
 
-    def plan(self, items: list[Item], *, explain: bool, max_chars: tuple[int, int]) -> Plan:
-        """Answer what the caches know; the rest are leaders (first of their key) with followers.
-
-        ``explain``: a cached result without a rule is not good enough (every verdict carries one
-        today, fresh, quick or cached; a result cached without one is graded again)."""
+    def plan(self, items: list[Item], *, max_chars: tuple[int, int]) -> Plan:
+        """Answer what the caches know; the rest are leaders (first of their key) with followers."""
         p = Plan([None] * len(items))
         leaders: dict[bytes, int] = {}
         vleaders: dict[bytes, int] = {}
@@ -208,12 +205,12 @@ class Memo:
                 p.dups.setdefault(lead, []).append(i)
                 p.counts["cache_hits"] += 1
                 continue
-            if (r := self.results.get(key)) is not None and not (explain and r.rule is None):
+            if (r := self.results.get(key)) is not None:
                 p.results[i] = r
                 p.counts["cache_hits"] += 1
                 continue
             if self.verdict_cache and (vk := verdict_key(item)) is not None:
-                if (v := self.verdicts.get(vk.digest)) is not None and not (explain and v.rule is None):
+                if (v := self.verdicts.get(vk.digest)) is not None:
                     p.results[i] = v
                     self.results.put(key, v)  # the same item again skips the extraction too
                     p.counts["verdict_hits"] += 1

@@ -405,7 +405,6 @@ class GraderPool:
         *,
         budget_s: float | None = None,
         default_budget_s: float | None = None,
-        explain: bool = False,
     ) -> concurrent.futures.Future:
         """Queue items; the future resolves to ``list[GradeResult]`` in input order.
 
@@ -413,14 +412,13 @@ class GraderPool:
         have given up); nothing of the request runs past it. Without it, ``default_budget_s`` from
         now applies once one of the request's items has timed out: a request of items the grader
         cannot finish answers in bounded time, and a large batch of ordinary items is never cut.
-        ``explain``: every result names the rule that decided it (verdicts decided in this process
-        by ``quick_rule`` carry theirs too).
+        Every result names the rule that decided it (``GradeResult.rule``), cached ones too.
         Cancelling the future drops the queued items.
         Raises :class:`PoolBusy` (too much queued work), :class:`PoolBroken`, :class:`PoolClosed`.
         """
         self._ensure_owner()
         items = [as_item(x, f"items[{i}]") for i, x in enumerate(items)]
-        plan = self.memo.plan(items, explain=explain, max_chars=(self.max_prediction_chars, self.max_gold_chars))
+        plan = self.memo.plan(items, max_chars=(self.max_prediction_chars, self.max_gold_chars))
         job = Job(items, plan)
         if budget_s is not None:
             job.expires = time.monotonic() + budget_s
