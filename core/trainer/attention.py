@@ -184,17 +184,19 @@ def resolve_attn_implementation(name: str | None, *, packed: bool) -> str | None
     return name
 
 
-def use_attention(model: torch.nn.Module, name: str | None, *, packed: bool) -> None:
+def use_attention(model: torch.nn.Module, name: str | None, *, packed: bool) -> str | None:
     """Set the model's attention implementation (public ``set_attn_implementation``) per
-    :func:`resolve_attn_implementation`; models without that method keep theirs unless one was named."""
+    :func:`resolve_attn_implementation` and return the name set (None: the model keeps its own;
+    also for a model without that method, unless a name was asked for, which is then an error)."""
     chosen = resolve_attn_implementation(name, packed=packed)
     if chosen is None:
-        return
+        return None
     register_varlen_sdpa()
     setter = getattr(model, "set_attn_implementation", None)
     if setter is None:
         if name is not None:
             raise ValueError(f"trainer.attn_implementation: {type(model).__name__} cannot switch attention "
                              "(no set_attn_implementation)")
-        return
+        return None
     setter(chosen)
+    return chosen
