@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from stapo.core.trainer import attention as va
-from stapo.core.trainer.base import compute_token_stats
+from stapo.core.trainer.base import compute_token_stats, model_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -35,6 +35,11 @@ def test_segments_from_position_ids():
     kw = va.varlen_kwargs(positions())
     assert kw["cu_seq_lens_q"].tolist() == [0, 5, 6, 14, 17] and kw["max_length_q"] == 8
     assert kw["cu_seq_lens_k"] is kw["cu_seq_lens_q"]
+    # what every packed forward hands the model: no mask, positions, the same segments
+    inputs = model_inputs(torch.ones(1, sum(LENS), dtype=torch.long), positions())
+    assert inputs["attention_mask"] is None and inputs["cu_seq_lens_k"].tolist() == [0, 5, 6, 14, 17]
+    padded = model_inputs(torch.tensor([[0, 1, 1]]), None)  # padded rows: the mask, no segments
+    assert padded["position_ids"].tolist() == [[0, 0, 1]] and "cu_seq_lens_q" not in padded
     with pytest.raises(ValueError, match="one row"):
         va.cu_seq_lens_from_position_ids(torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="start at 0"):
