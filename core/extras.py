@@ -51,9 +51,10 @@ floating-point sum depends on its order; this is the order the tested numerics w
 and ``kl_in_reward`` needs the target ``kl_reference`` published in ``StepState.ref_lp`` and rewrites
 the advantages only after the layers before it have read them (Lp-Reg logs its selection on the
 sampled advantages). ``tests/unit/test_hooks.py`` checks this table against the registry.
-A new extra is a subclass of :class:`LoopHook` plus
-``@register_hook("name")`` on its factory; ``train()`` does not change. :class:`StepExtras` builds the
-stability layers' hooks of a config without a run (for callers that drive the update themselves).
+
+A new extra is a subclass of :class:`LoopHook` plus ``@register_hook("name")`` on its factory;
+``train()`` does not change. :class:`StepExtras` builds the stability layers' hooks of a config
+without a run (for callers that drive the update themselves).
 """
 
 from __future__ import annotations
@@ -286,8 +287,9 @@ def _global_mean(backend: Any, values: torch.Tensor, mask: torch.Tensor) -> floa
 
 class OverlongFilter(LoopHook):
     """DAPO's overlong filtering (arXiv 2503.14476, Section 3.4; ``algorithm.overlong.filter``):
-    truncated responses (finish reason ``length``) leave the loss, because a cut-off answer's reward
-    says nothing about its reasoning. ``on_batch`` drops them from ``st.kept`` before the global
+    truncated responses (finish reason ``length``) leave the loss, because the punishment a truncated
+    response gets for its length alone is reward noise (sound reasoning may just have run long, as the
+    paper puts it). ``on_batch`` drops them from ``st.kept`` before the global
     counts, so the mini-batch plan and the padding rows of every rank see the filtered batch."""
 
     name: ClassVar[str] = "overlong_filter"
@@ -454,8 +456,8 @@ class KLInReward(LoopHook):
     :class:`KLReference` published this step) and the group advantages are computed again; the
     batch's advantages are rewritten in place before the update.
 
-    Registered last of the stability layers, so the layers before it (Lp-Reg's logged selection)
-    read the step's advantages before the penalty, as they always have. Data parallel: every rank
+    Registered last of the stability layers, so the layers before it read the step's advantages as
+    sampled, before the penalty (Lp-Reg's logged selection). Data parallel: every rank
     joins the one all_reduce of the logged mean penalty; groups never span ranks (whole groups are
     kept), so the advantages are recomputed locally. Groups are the step's groups as collated:
     dynamic sampling already chose them (on accuracy), and with DAPO's overlong filter the truncated
