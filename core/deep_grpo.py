@@ -50,9 +50,10 @@ lambda = 0 the hook is None and the update is plain GRPO's, bit for bit.
 Micro-batching: the branch rows' no-grad pass and the local loss's forwards/backwards are split as
 the policy update's (``stapo.core.update``'s ``split_rows`` / ``build_micro``): with
 ``trainer.micro_batch_tokens`` rows are packed without padding into token-budget forwards (position
-ids restart at each sequence), else ``trainer.micro_batch_size`` rows per forward. The weighting and
-the normalizer see the whole mini-batch, so the gradient is the same either way
-(tests/unit/test_deep_grpo.py compares them).
+ids restart at each sequence), else ``trainer.micro_batch_size`` rows per forward. The local loss
+takes the update's ``MiniBatch`` weights and loss: p and H come from its gradient forwards (no
+no-grad forward), and the weighting and the normalizer see the whole mini-batch, so the gradient is
+the same either way (tests/unit/test_deep_grpo.py compares them).
 
 Data parallel (DeepSpeed, ZeRO 0-3): each rank picks pivots among its own failed rollouts, so
 counts differ, while ZeRO-3 gathers parameters in every generate step and forward. So every
@@ -78,7 +79,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from stapo.core.algos import TokenContext
 from stapo.core.extras import LoopHook, StepState
 
 __all__ = ["DeepGRPO", "BranchRollouts", "set_local_advantages",
@@ -397,26 +397,29 @@ class DeepGRPO(LoopHook):
     def local_loss_hook(self, run: Any, br: BranchRollouts | None, step: int) -> Callable[[int, bool], None] | None:
         """``before_step(update_index, fresh)`` for ``update_policy``, or None (no branches / lambda = 0).
 
-        Each call runs the local term of one optimizer mini-batch: its branch rows split into
-        micro-batches exactly as the policy update splits its rows (``stapo.core.update``:
-        ``split_rows`` / ``build_micro``; with ``trainer.micro_batch_tokens`` packed into token-budget
-        forwards without padding, position ids restarting per sequence), every rank making the
-        busiest rank's number of forwards. The token weighting and the global normalizer see the
-        whole mini-batch, so the gradient does not depend on the micro-batching."""
+        Each call runs the local term of one optimizer mini-batch the way the policy update runs a
+        mini-batch (``stapo.core.update``): its branch rows split into the same micro-batches
+        (``split_rows`` / ``build_micro``; with ``trainer.micro_batch_tokens`` packed into
+        token-budget forwards without padding, position ids restarting per sequence), every rank
+        making the busiest rank's number of forwards, and the same ``MiniBatch`` weights and loss:
+        a weighting that reads p / H gets them from the gradient forwards themselves (graphs kept
+        until the weights are known, then one backward), one that reads none gets its weights from
+        the mask and each micro-batch runs forward + backward at once. No no-grad forward runs. The
+        weighting and the global normalizer see the whole mini-batch, so the gradient does not
+        depend on the micro-batching."""
         lam = float(self.opts.lambda_)
         self._local = {}
         if br is None or lam == 0.0:
             return None
         from stapo.core.distributed import DataParallel, minibatch_rows
         from stapo.core.loop import Batch, derive_seed
-        from stapo.core.update import build_micro, lockstep, split_rows, update_parts, with_padding
+        from stapo.core.update import MiniBatch, build_micro, lockstep, split_rows, update_parts, with_padding
 
         cfg, backend = self.cfg, run.backend
         a = cfg.algorithm
         parts = update_parts(cfg)  # the configured weighting, loss, aggregation, micro-batching, temperature
         counts = br.counts or [br.batch.input_ids.shape[0]]
         rank = int(getattr(backend, "rank", 0))
-        gather, reduce = getattr(backend, "all_gather_1d", None), getattr(backend, "all_reduce_sum", None)
         dp = DataParallel(backend)
         # the forwards' rows: the local term's tokens (the continuation) are their response positions
         local = Batch(br.batch.input_ids, br.batch.attention_mask, br.suffix, br.batch.advantages)
@@ -424,7 +427,12 @@ class DeepGRPO(LoopHook):
         plan: list[list[torch.Tensor]] = []  # this rank's micro-batches (batch rows) per mini-batch
         calls: list[int] = []  # forwards per mini-batch (every rank's max)
 
-        def before_step(update: int, fresh: bool) -> None:
+        def forward(m: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            lp, ent = backend.token_stats(m.input_ids, m.attention_mask, m.response_mask, grad=True,
+                                          temperature=parts.temperature, position_ids=m.position_ids)
+            return m.to_rows(lp), m.to_rows(ent)  # [b, L] each, graph kept
+
+        def before_step(update: int, fresh: bool) -> None:  # (fresh: unused, the forwards give p and H)
             epoch, mb = divmod(update, a.mini_batches)
             if mb == 0:  # a new pass over the GLOBAL branch rows, split like the root rows
                 g = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch, 0xB7))
@@ -439,31 +447,27 @@ class DeepGRPO(LoopHook):
             for m in micros:
                 bounds.append(bounds[-1] + int(m.rows.numel()))
             slices = [slice(s0, s1) for s0, s1 in zip(bounds[:-1], bounds[1:], strict=True)]
-            mask, adv, old = local.response_mask[idx], local.advantages[idx], br.old_lp[idx]  # [b, L] each
-            if fresh:
-                cur_lp, cur_ent = old, br.old_ent[idx]
-            else:  # one no-grad forward per micro-batch: the same count on every rank
-                with torch.no_grad():
-                    stats = [(m, backend.token_stats(m.input_ids, m.attention_mask, m.response_mask, grad=False,
-                                                     temperature=parts.temperature, position_ids=m.position_ids))
-                             for m in micros]
-                cur_lp = torch.cat([m.to_rows(lp.float()) for m, (lp, _) in stats])
-                cur_ent = torch.cat([m.to_rows(ent.float()) for m, (_, ent) in stats])
-            ctx = TokenContext(logprobs=cur_lp, entropy=cur_ent, advantages=adv, mask=mask,
-                               gather=gather, all_reduce_sum=reduce)
-            tw = parts.weigh(ctx, **parts.params)
-            norm = parts.agg.normalizer(tw, mask)
-            norm = reduce(norm) if reduce is not None else norm  # the global normalizer, as the root update's
-            total = 0.0
-            for m, r in zip(micros, slices, strict=True):
-                lp, _ = backend.token_stats(m.input_ids, m.attention_mask, m.response_mask, grad=True,
-                                            temperature=parts.temperature, position_ids=m.position_ids)
-                per_tok, _ = parts.loss_fn(m.to_rows(lp), old[r], adv[r], mask[r], **parts.loss_kw)
-                loss = lam * parts.agg.aggregate(per_tok, tw.select(r), normalizer=norm)
-                backend.backward(loss)
-                total += float(loss.detach())
+            mbatch = MiniBatch(parts, parts.params, local.advantages[idx], local.response_mask[idx], br.old_lp[idx],
+                               backend.all_gather_1d, backend.all_reduce_sum)  # (no entropy bonus, no terms)
+            losses: list[torch.Tensor] = []
+            if parts.reads_stats:  # statistics first: every forward's graph kept until the weights are known
+                graphs = [forward(m) for m in micros]
+                _, tw, norm = mbatch.weights(torch.cat([lp.detach().float() for lp, _ in graphs]),
+                                             torch.cat([ent.detach().float() for _, ent in graphs]))
+                losses = [lam * mbatch.loss(r, lp, ent, tw, norm, [])[0] for r, (lp, ent) in zip(slices, graphs,
+                                                                                                   strict=True)]
+                backend.backward(torch.stack(losses).sum())
+                del graphs
+            else:  # weights from the mask alone: each micro-batch forward + backward at once
+                zeros = torch.zeros(mbatch.mask.shape, dtype=torch.float32, device=mbatch.mask.device)
+                _, tw, norm = mbatch.weights(zeros, zeros)
+                for m, r in zip(micros, slices, strict=True):
+                    lp, ent = forward(m)
+                    losses.append(lam * mbatch.loss(r, lp, ent, tw, norm, [])[0])
+                    backend.backward(losses[-1])
+            total = float(sum(float(x.detach()) for x in losses))
             self._local["deep/local_loss"] = self._local.get("deep/local_loss", 0.0) + total
-            self._local["deep/local_tokens"] = self._local.get("deep/local_tokens", 0.0) + float(mask.sum())
+            self._local["deep/local_tokens"] = self._local.get("deep/local_tokens", 0.0) + float(mbatch.mask.sum())
 
         return before_step
 

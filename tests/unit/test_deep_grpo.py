@@ -183,9 +183,9 @@ LOCAL_TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_
 
 
 def _local_loss_grads(micro: dict, algorithm: dict) -> tuple[list[dict[str, torch.Tensor]], object]:
-    """The gradient the local (branch) loss adds at updates 0 (fresh: the sampling statistics) and
-    1 (a no-grad forward for the statistics), on 6 branch rows of uneven lengths and prefixes; and
-    the sequences per forward of every gradient forward (from the position ids; rows: padded)."""
+    """The gradient the local (branch) loss adds at updates 0 and 1 (fresh, and not: the policy
+    update's ``before_step`` flag), on 6 branch rows of uneven lengths and prefixes; and the sequences
+    per forward of every forward (from the position ids; rows: minus the padded rows; no grad: 0)."""
     from types import SimpleNamespace
 
     from stapo.core import loop
@@ -215,8 +215,8 @@ def _local_loss_grads(micro: dict, algorithm: dict) -> tuple[list[dict[str, torc
     forwards, token_stats = [], backend.token_stats
 
     def spy(ids, attn, resp, *, grad, temperature, position_ids=None):
-        if grad:
-            forwards.append(int((position_ids == 0).sum()) if position_ids is not None else -ids.shape[0])
+        n = int((position_ids == 0).sum()) if position_ids is not None else -ids.shape[0]
+        forwards.append(n if grad else 0)
         return token_stats(ids, attn, resp, grad=grad, temperature=temperature, position_ids=position_ids)
 
     backend.token_stats = spy
@@ -236,13 +236,15 @@ def test_local_loss_gradient_packed_equals_row_micro_batches(algorithm):
     forwards and the 22-token row gets one of its own) vs 2 padded rows per forward: the same
     gradient (1e-5). With weighting ``none`` and one mini-batch the gradient is also checked against
     an independent computation: each row alone through the model's own logits, lambda * sum over
-    continuation tokens of -A d(log p) / (continuation tokens), the PPO ratio being 1 at the sampler."""
+    continuation tokens of -A d(log p) / (continuation tokens), the PPO ratio being 1 at the sampler.
+    The local loss runs no no-grad forward (p and H of s2t come from its gradient forwards)."""
     packed, (_, _, fw_packed) = _local_loss_grads({"micro_batch_tokens": 20}, algorithm)
     rows, (model, kept, fw_rows) = _local_loss_grads({"micro_batch_size": 2}, algorithm)
     if algorithm["mini_batches"] == 1:  # first-fit decreasing of lengths 22, 12, 11, 11, 8, 8 into 20 tokens
         assert sorted(fw_packed) == [1, 1, 1, 1, 2, 2, 2, 2] and fw_rows == [-2, -2, -2] * 2  # per update
     else:
         assert max(fw_packed) == 2 and min(fw_rows) == -2
+    assert 0 not in fw_packed + fw_rows
     for gp, gr in zip(packed, rows, strict=True):
         assert gp.keys() == gr.keys() and gp
         for n in gr:
