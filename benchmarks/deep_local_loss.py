@@ -9,7 +9,7 @@ and this process's CPU seconds (on a shared machine the CPU seconds are the work
 
     python benchmarks/deep_local_loss.py                            # prints a markdown table
     python benchmarks/deep_local_loss.py --rows 32 --mini-batches 4 --tokens 2048 --repeat 3
-    python benchmarks/deep_local_loss.py --before 06b4f65          # also the local loss of that commit
+    python benchmarks/deep_local_loss.py --before 58aafe3          # also the local loss of that commit
 
 ``--before COMMIT`` loads ``core/deep_grpo.py`` of that commit (``git show``) and runs its local loss
 on the same rows with row micro-batches (the branch rows' statistics from a row-micro-batched no-grad
