@@ -23,7 +23,9 @@ Extraction policy (which candidate is the answer when a response has several; do
    replace it. The value runs to the end of its sentence, and a contrast after it is dropped
    ("the answer is 5, not 4" -> 5; "rather than", "instead of" too).
 4. No marker: a short one-line prediction (``BARE_MAX_CHARS``) is the answer itself ("42",
-   "$\\frac12$", "28 percent", "$1,000.99"): the model wrote nothing but it. Anything else gives
+   "$\\frac12$", "28 percent", "$1,000.99"): the model wrote nothing but it -- unless the line
+   stops inside a math span or a brace ("By the theorem, $c^2 = 6", cut at the length limit) and
+   the model did not close its turn. Anything else gives
    None, and the grader falls back to math-verify's own extraction (last LaTeX span / last
    number) -- see ``grader.py`` -- only when the response is *finished* (``response_finished``:
    the model closed its turn, or the text closes every math delimiter and brace it opens and does
@@ -337,8 +339,11 @@ def extract_answer(text: str, *, think: str = "optional") -> str | None:
         if ans:
             return ans
     stripped = body.strip()
+    # ... unless the line stops inside a math span or a brace ("By the theorem, $c^2 = 6"): a
+    # response cut at the length limit just after its reasoning, whose last number is no answer
     if stripped and "\n" not in stripped and len(stripped) <= BARE_MAX_CHARS:
-        return _clean_tail(stripped) or None
+        if _delimiters_closed(stripped) or _closed_turn(text):
+            return _clean_tail(stripped) or None
     return None
 
 
