@@ -3,16 +3,13 @@
 math-verify's own timeouts (``signal.alarm``) work only on a main thread and cannot interrupt C
 code (a GMP factorial) or ``str()`` of a power tower: the only deadline that always holds is
 enforced from outside, by killing the worker. Each item is one task of pebble's ``ProcessPool``
-(a maintained library) with ``timeout=`` its deadline: pebble starts the workers, kills and
-replaces one whose task overruns, reports one that died under its task (``ProcessExpired``) and
-retires one after ``max_tasks`` tasks. What is stapo's own: caches and in-request duplicates
-(``cache.py``), fair queueing across requests (at most one task per worker is handed to pebble;
-the open request that has received the least estimated worker time sends next, its costly shapes
-last), admission in estimated seconds (:class:`PoolBusy`), request budgets, and what pebble 5
-does not do (docs/verifier.md): it gives up on the whole pool when a worker dies while no task
-runs (then the pool starts a fresh pebble pool; start-up failures back off, :class:`PoolBroken`),
-it cannot retire one worker by memory (the pebble pool is replaced), and an ``os.fork()`` child
-must let go of the parent's workers (fork safety).
+with ``timeout=`` its deadline: pebble starts the workers, kills and replaces one whose task
+overruns, reports one that died under its task (``ProcessExpired``) and retires one after
+``max_tasks`` tasks. stapo's own: caches (``cache.py``), fair queueing across requests (pebble
+gets at most one task per worker), admission (:class:`PoolBusy`), request budgets, and what
+pebble 5 does not do (docs/verifier.md): replacing the pebble pool when it gave up (a worker died
+while no task ran) or a worker's memory grew, backing off after start-up failures
+(:class:`PoolBroken`), and fork safety.
 
 A script that builds a pool needs ``if __name__ == "__main__":`` (workers import ``__main__``)::
 
@@ -283,7 +280,6 @@ class GraderPool:
             warm = ["stapo.verifier_service.warmup"] if self.worker_args[1] else []
             self._ctx.set_forkserver_preload(["stapo.verifier_service.pool", *warm])
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)  # notified when no job is outstanding
         self._active: dict[Job, None] = {}  # jobs with queued items, in arrival order
         self._outstanding: set[Job] = set()
         self._running: dict[Any, tuple[Job, int, float]] = {}  # pebble future -> its item
@@ -336,9 +332,6 @@ class GraderPool:
         except Exception:  # the fork server is gone, no fds left, ...
             return False
 
-    def _live_ready(self) -> list[int]:
-        return sorted(p.pid for p in list(self._ctx.procs) if p.pid in self._ready and p.is_alive())
-
     # ----------------------------------------------------------------- fork safety
 
     def _forget_parent(self) -> None:
@@ -348,7 +341,6 @@ class GraderPool:
         parent's included; each worker's (public) sentinel is pointed at a closed pipe, so the
         child sees them as ended. Nothing is sent to the parent's workers."""
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
         self.memo.reset_locks()
         self._pebble = None
         for p in self._ctx.procs:
@@ -357,9 +349,6 @@ class GraderPool:
                 os.close(w)
                 os.dup2(r, p.sentinel)
                 os.close(r)
-        for conn in (self._ready_r, self._ready_w):
-            with contextlib.suppress(Exception):
-                conn.close()
 
     def _ensure_owner(self) -> None:
         """Rebuild the pool in a forked child on first use (new workers, new watchdog)."""
@@ -457,7 +446,8 @@ class GraderPool:
         return self._ready_event.wait(timeout)
 
     def worker_pids(self) -> list[int]:
-        return self._live_ready() if self._pebble is not None else []
+        """Workers that finished ``worker_init`` and are alive."""
+        return sorted(p.pid for p in list(self._ctx.procs) if p.pid in self._ready and p.is_alive())
 
     def ready_workers(self) -> int:
         return len(self.worker_pids())
@@ -494,16 +484,12 @@ class GraderPool:
             self._closing = self._stop = True
             return
         with self._lock:
-            if self._closing and self._stop:
+            if self._stop:
                 return
             self._closing = True
-            end = None if timeout is None else time.monotonic() + timeout
-            while self._outstanding and not self._broken:
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self._idle.wait(0.5 if left is None else min(left, 0.5))
-            self._stop = True
+            jobs = [j.future for j in self._outstanding]
+        concurrent.futures.wait(jobs, timeout)  # (a broken pool fails them)
+        self._stop = True
         self._wake()
         self._thread.join(timeout=10.0)
 
@@ -549,8 +535,6 @@ class GraderPool:
             self._pending_items -= 1
         if not +job.pending:
             self._outstanding.discard(job)
-            if not self._outstanding:
-                self._idle.notify_all()
 
     def _drop_queued(self, job: Job, *, cancelled: bool) -> None:
         """Remove a job's queued items: cancelled -> forgotten; budget spent -> answered 'timeout'."""
@@ -705,7 +689,7 @@ class GraderPool:
         if self._broken and self._restart_at == math.inf:
             log.warning("grader pool: workers start again; the pool is back")
             self._broken = None
-        if len(self._live_ready()) >= self.size:
+        if len(self.worker_pids()) >= self.size:
             self._ready_event.set()
 
     def _check_workers(self) -> None:
@@ -727,7 +711,7 @@ class GraderPool:
             self._ready.discard(p.pid)
         # time without any ready worker: since the pebble pool started, or since its last ready
         # worker was killed or retired (replacements must report ready within the same timeout)
-        if self._live_ready():
+        if self.worker_pids():
             self._unready_since = None
         elif self._unready_since is None:
             self._unready_since = now
@@ -767,7 +751,6 @@ class GraderPool:
                 self._forget_locked(job, list(job.queue))
                 job.queue.clear()
                 job.cancelled = True
-            self._idle.notify_all()
         for job in jobs:
             if not job.future.done():
                 job.future.set_exception(err)
