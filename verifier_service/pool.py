@@ -134,9 +134,7 @@ def grade_item(pred: str, gold: str, mode: str, max_chars: int) -> tuple[int, in
     t0 = time.perf_counter()
     try:
         r = grade(pred, gold, mode, max_chars=max_chars)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as err:  # math-verify's TimeoutException is a BaseException
+    except BaseException as err:  # math-verify's TimeoutException is a BaseException; never requeued
         log.debug("grade raised %r", err)
         r = GradeResult(False, 0.0, "error", None, (time.perf_counter() - t0) * 1000.0)
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
@@ -307,7 +305,7 @@ class GraderPool:
         """Stop the pebble pool (its running items go back to the head of their jobs' queues, no
         fault of theirs) and, ``start``, start a fresh one. Called by the watchdog thread only."""
         with self._lock:
-            old, self._pebble = self._pebble, None
+            old, self._pebble, self._recycle = self._pebble, None, False
             lost = list(self._running.values())
             self._running.clear()
         if old is not None:
@@ -707,7 +705,7 @@ class GraderPool:
             self._ctx.procs.remove(p)
             if p.pid not in self._ready and p.exitcode > 0:  # failed while starting (a signal: killed, a crash)
                 self._start_failures += 1
-                self.stats["start_errors"] += 1
+                self.stats["restarts_startup"] += 1  # the metric worker_restarts_total{reason="startup"}
             self._ready.discard(p.pid)
         # time without any ready worker: since the pebble pool started, or since its last ready
         # worker was killed or retired (replacements must report ready within the same timeout)
@@ -718,7 +716,6 @@ class GraderPool:
         if self._start_failures > self.max_start_failures or now - (self._unready_since or now) > self.startup_timeout_s:
             self._break_for_a_while()
         elif self._recycle:  # a worker's memory passed worker_max_rss_mb
-            self._recycle = False
             self._replace_pebble()
         elif not self._pebble_active(self._pebble):  # pebble gave up: a worker died while no task ran
             self.stats["restarts_crash"] += 1
