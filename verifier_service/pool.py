@@ -278,8 +278,7 @@ class GraderPool:
             warm = ["stapo.verifier_service.warmup"] if self.worker_args[1] else []
             self._ctx.set_forkserver_preload(["stapo.verifier_service.pool", *warm])
         self._lock = threading.Lock()
-        self._active: dict[Job, None] = {}  # jobs with queued items, in arrival order
-        self._outstanding: set[Job] = set()
+        self._outstanding: dict[Job, None] = {}  # jobs with items queued or in flight, in arrival order
         self._running: dict[Any, tuple[Job, int, float]] = {}  # pebble future -> its item
         self._pending_items = 0  # queued + in flight
         self._item_s: dict[str, float] = {}  # mode -> running mean of per-item seconds (timeouts too)
@@ -416,8 +415,7 @@ class GraderPool:
                     f"the bound is max_queue_s={self.max_queue_s:g}; retry in {wait:.0f} s",
                     wait,
                 )
-            self._outstanding.add(job)
-            self._active[job] = None
+            self._outstanding[job] = None
             self._pending_items += len(plan.leaders)
         job.future.add_done_callback(lambda f, j=weakref.ref(job): self._on_future_done(f, j))
         if budget_s is not None:
@@ -532,14 +530,13 @@ class GraderPool:
             job.pending[job.kind(i)] -= 1
             self._pending_items -= 1
         if not +job.pending:
-            self._outstanding.discard(job)
+            self._outstanding.pop(job, None)
 
     def _drop_queued(self, job: Job, *, cancelled: bool) -> None:
         """Remove a job's queued items: cancelled -> forgotten; budget spent -> answered 'timeout'."""
         with self._lock:
             idx = list(job.queue)
             job.queue.clear()
-            self._active.pop(job, None)
             if cancelled:
                 job.cancelled = True
                 self._forget_locked(job, idx)
@@ -556,7 +553,6 @@ class GraderPool:
                 self._forget_locked(job, idx)
                 return
             job.queue.extendleft(reversed(idx))
-            self._active.setdefault(job, None)
 
     def _complete(self, job: Job, leader: int, r: GradeResult, *, count: bool = True) -> None:
         """A leader's result (``count`` False: a spent budget's ungraded 'timeout', not the item's fault)."""
@@ -586,7 +582,7 @@ class GraderPool:
         """The open job that has received the least worker time (ties: the oldest); expired jobs are
         left for the watchdog to answer."""
         now = time.monotonic()
-        open_jobs = (j for j in self._active if j.expires is None or now <= j.expires)
+        open_jobs = (j for j in self._outstanding if j.queue and (j.expires is None or now <= j.expires))
         return min(open_jobs, key=lambda j: j.served, default=None)
 
     def _dispatch(self) -> None:
@@ -600,8 +596,6 @@ class GraderPool:
                 if job is None:
                     return
                 i = job.queue.popleft()
-                if not job.queue:
-                    self._active.pop(job, None)
                 job.served += self._est_s(job.kind(i))
                 deadline = self.deadline_s * (self.retry_deadline_factor if i in job.plan.retried else 1)
                 if job.expires is not None:  # nothing runs past the request's budget
@@ -611,7 +605,6 @@ class GraderPool:
                 except Exception as err:  # the pebble pool stopped working: the watchdog replaces it
                     log.warning("grader pool: could not send a task (%r)", err)
                     job.queue.appendleft(i)
-                    self._active.setdefault(job, None)
                     return
                 self._running[fut] = (job, i, deadline)
             fut.add_done_callback(self._on_task_done)
@@ -664,15 +657,16 @@ class GraderPool:
         """Worker start-up and deaths, restarts after failures, memory recycling, spent budgets."""
         try:
             while not self._stop:
-                busy = self._running or any(j.expires is not None for j in self._active)
+                busy = self._running or any(j.expires is not None for j in list(self._outstanding))
                 if self._ready_r.poll(TICK_S if busy else 0.25):
                     while self._ready_r.poll():
                         if pid := self._ready_r.recv():
                             self._on_ready(pid)
                 self._check_workers()
                 now = time.monotonic()
-                for job in [j for j in list(self._active) if j.expires is not None and now > j.expires]:
-                    self._drop_queued(job, cancelled=False)
+                for job in list(self._outstanding):
+                    if job.queue and job.expires is not None and now > job.expires:
+                        self._drop_queued(job, cancelled=False)
                 self._dispatch()
         except BaseException:  # pragma: no cover - a bug here must not hang every caller
             log.exception("grader pool watchdog crashed")
@@ -743,7 +737,6 @@ class GraderPool:
         with self._lock:
             jobs = list(self._outstanding)
             self._outstanding.clear()
-            self._active.clear()
             for job in jobs:
                 self._forget_locked(job, list(job.queue))
                 job.queue.clear()
