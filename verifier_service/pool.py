@@ -590,7 +590,8 @@ class GraderPool:
         while True:
             with self._lock:
                 pool = self._pebble
-                if pool is None or self._broken or self._stop or self._recycle or len(self._running) >= self.size:
+                full = len(self._running) >= self.size
+                if pool is None or full or self._broken or self._stop or self._recycle:
                     return
                 job = self._pick()
                 if job is None:
@@ -629,7 +630,7 @@ class GraderPool:
                     log.info("grader worker %s: %.0f MiB resident > %d; replacing the workers", pid, rss,
                              self.worker_max_rss_mb)  # fmt: skip
                     self.stats["recycled_rss"] += 1
-                    self._recycle = True  # the watchdog replaces the pebble pool (it retires no chosen worker)
+                    self._recycle = True  # the watchdog replaces the pebble pool (no chosen worker retires)
                     self._wake()
             elif isinstance(err, concurrent.futures.TimeoutError):  # pebble killed the worker
                 self.stats["restarts_timeout"] += 1
@@ -697,7 +698,7 @@ class GraderPool:
             return
         for p in [p for p in list(self._ctx.procs) if p.pid is not None and not p.is_alive()]:
             self._ctx.procs.remove(p)
-            if p.pid not in self._ready and p.exitcode > 0:  # failed while starting (a signal: killed, a crash)
+            if p.pid not in self._ready and p.exitcode > 0:  # failed while starting (not killed by a signal)
                 self._start_failures += 1
                 self.stats["restarts_startup"] += 1  # the metric worker_restarts_total{reason="startup"}
             self._ready.discard(p.pid)
@@ -707,7 +708,8 @@ class GraderPool:
             self._unready_since = None
         elif self._unready_since is None:
             self._unready_since = now
-        if self._start_failures > self.max_start_failures or now - (self._unready_since or now) > self.startup_timeout_s:
+        slow = now - (self._unready_since or now) > self.startup_timeout_s
+        if self._start_failures > self.max_start_failures or slow:
             self._break_for_a_while()
         elif self._recycle:  # a worker's memory passed worker_max_rss_mb
             self._replace_pebble()
