@@ -232,7 +232,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mini-batches", type=int, default=4, help="optimizer steps per learner step")
     ap.add_argument("--rows", type=int, default=4,
                     help="stapo padded and TRL: rows per forward (TRL per_device_train_batch_size)")
-    ap.add_argument("--tokens", type=int, default=2048, help="stapo packed: token budget per forward")
+    ap.add_argument("--tokens", type=int, default=4096,
+                    help="stapo packed: token budget per forward (attention per sequence: trainer.attn_implementation auto)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
