@@ -19,9 +19,9 @@ the step to rounding: tests/unit/test_update.py checks 1e-5). The last columns g
 ``sdpa_varlen`` layout's speed-up over each layout. The header prints the model's body/head split
 of the per-token matmul FLOPs next to Qwen2.5-1.5B's, and the load average before and after.
 
-TRL's GRPOTrainer is not run here: its install (trl==1.16.*, a separate venv) and its own
-generation-driven step do not fit this harness's learner-only timing; benchmarks/vs_trl.py compares
-whole steps on the demo workload.
+TRL's GRPOTrainer on the same batch and learner step: benchmarks/longtail_trl.py (it imports this
+file's workload; run it from a venv with trl==1.16.*). benchmarks/vs_trl.py compares whole steps on
+the demo workload.
 """
 
 from __future__ import annotations
