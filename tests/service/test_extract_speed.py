@@ -22,7 +22,8 @@ from stapo.verifier_service.normalize import strip_delims
 def _old_extract_answer(text: str, *, think: str = "optional") -> str | None:
     """extract_answer as of commit 13a7952 (regex ``finditer`` scans), verbatim but for the names and
     the marker filters of the extraction policy (line-opening ``Answer:``, no markdown headings, the
-    phrase that holds math, contrasts dropped), which both sides share."""
+    phrase that holds math, contrasts dropped, one-liners cut inside a math span), which both sides
+    share."""
     body = E.apply_think(text, think)
     if body is None:
         return None
@@ -59,7 +60,8 @@ def _old_extract_answer(text: str, *, think: str = "optional") -> str | None:
             return ans
     stripped = body.strip()
     if stripped and "\n" not in stripped and len(stripped) <= E.BARE_MAX_CHARS:
-        return E._clean_tail(stripped) or None
+        if E._delimiters_closed(stripped) or E._closed_turn(text):  # the policy's cut-off one-liners
+            return E._clean_tail(stripped) or None
     return None
 
 
