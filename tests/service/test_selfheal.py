@@ -184,6 +184,11 @@ def test_pool_is_fork_safe():
                 os.close(r)
                 signal.alarm(90)  # a hang kills the child; the parent sees no answer
                 res = pool.grade_many([("\\boxed{3}", "3"), ("so \\boxed{4}", "5")])
+                # a worker reports its pid on the ready pipe, read by the pool's thread: under load
+                # that report can come after the worker's first result
+                until = time.monotonic() + 20
+                while not pool.worker_pids() and time.monotonic() < until:
+                    time.sleep(0.05)
                 out = {"res": [[x.correct, x.status] for x in res], "workers": pool.worker_pids()}
                 os.write(w, json.dumps(out).encode())
                 from multiprocessing import util
