@@ -36,7 +36,13 @@ test: setup lint
 # A minor whose interpreter is missing fails the target, naming what was looked for; set
 # VERIFIER_MINORS= (empty) to skip on purpose.
 VERIFIER_MINORS ?= 3.13
-VERIFIER_TESTS ?= tests/service $(wildcard tests/unit/test_grader*.py)
+# The service's whole suite (processes, signals, fork, asyncio, uvicorn: what moves between minors)
+# and the grader's unit, math-verify seam, numeric, tolerance and audit tests. The grader's large
+# verdict tables (cases, held-out, corpus, rejections, prose: ~12 min on a busy machine) run on the
+# main minor only; `make test-verifier VERIFIER_TESTS="tests/service tests/unit/test_grader*.py"`
+# runs them too.
+VERIFIER_TESTS ?= tests/service $(wildcard $(addprefix tests/unit/test_grader,.py _mathverify.py _numeric.py \
+	_tolerances.py _special_tokens.py _audit.py))
 PYENV_ROOT ?= $(HOME)/.pyenv
 # The interpreter of one minor: the newest pyenv build, else pythonX.Y on PATH if it runs (pyenv's
 # shims are on PATH for every version but run only the selected ones).
@@ -44,8 +50,7 @@ find_python = $(or $(lastword $(sort $(wildcard $(PYENV_ROOT)/versions/$(1).*/bi
 
 .venv-py%/.installed: requirements/verifier.txt requirements/verifier-test.txt pyproject.toml
 	@test -n "$(call find_python,$*)" || { echo "test-verifier: no Python $* (looked in $(PYENV_ROOT)/versions/$*.* and for python$* on PATH); install it, or set VERIFIER_MINORS to the minors you have"; exit 1; }
-	rm -rf .venv-py$*
-	$(call find_python,$*) -m venv .venv-py$*
+	test -x .venv-py$*/bin/python || $(call find_python,$*) -m venv .venv-py$*
 	.venv-py$*/bin/pip install -q -r requirements/verifier-test.txt
 	.venv-py$*/bin/pip install -q --no-deps -e .
 	touch $@
