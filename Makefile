@@ -50,7 +50,7 @@ find_python = $(or $(lastword $(sort $(wildcard $(PYENV_ROOT)/versions/$(1).*/bi
 
 .venv-py%/.installed: requirements/verifier.txt requirements/verifier-test.txt pyproject.toml
 	@test -n "$(call find_python,$*)" || { echo "test-verifier: no Python $* (looked in $(PYENV_ROOT)/versions/$*.* and for python$* on PATH); install it, or set VERIFIER_MINORS to the minors you have"; exit 1; }
-	test -x .venv-py$*/bin/python || $(call find_python,$*) -m venv .venv-py$*
+	test -x .venv-py$*/bin/python || { $(call find_python,$*) -m venv .venv-py$* && .venv-py$*/bin/pip install -q --upgrade pip; }
 	.venv-py$*/bin/pip install -q -r requirements/verifier-test.txt
 	.venv-py$*/bin/pip install -q --no-deps -e .
 	touch $@
