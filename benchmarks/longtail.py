@@ -7,13 +7,17 @@ pass the off-policy mini-batches need + ``update_policy``) and counts the tokens
 computes, so the useful-token fraction (real tokens / computed tokens) is exact, not estimated:
 
     python benchmarks/longtail.py                      # defaults below; prints a markdown table
-    python benchmarks/longtail.py --prompts 8 --n 4 --mini-batches 4 --tokens 4096 --rows 4 --repeat 2
-    python benchmarks/longtail.py --threads 1     # CPU seconds comparable on a shared machine
+    python benchmarks/longtail.py --prompts 8 --n 4 --mini-batches 4 --tokens 4096 --rows 2 4 8 --repeat 2
+    OMP_NUM_THREADS=1 nice -n 5 python benchmarks/longtail.py --threads 1 --attn sdpa_varlen sdpa
 
-``padded`` is ``trainer.micro_batch_size`` rows per forward, padded to the longest (the mini-batch's
-random order, as the update draws it); ``packed`` is ``trainer.micro_batch_tokens`` (first-fit
-decreasing, no padding, attention within each sequence through position ids). Both run the same
-update (same weights after the step to rounding: tests/unit/test_update.py checks 1e-5).
+``padded (k rows)`` is ``trainer.micro_batch_size`` = k rows per forward, padded to the longest (the
+mini-batch's random order, as the update draws it); ``packed`` is ``trainer.micro_batch_tokens``
+(first-fit decreasing, no padding) with the attention named after it: ``sdpa_varlen`` (our default
+when packing: sdpa per sequence, :mod:`stapo.core.trainer.attention`) or ``sdpa`` (transformers'
+block-diagonal [T, T] mask over the whole packed row). All run the same update (same weights after
+the step to rounding: tests/unit/test_update.py checks 1e-5). The last columns give the packed
+``sdpa_varlen`` layout's speed-up over each layout. The header prints the model's body/head split
+of the per-token matmul FLOPs next to Qwen2.5-1.5B's, and the load average before and after.
 
 TRL's GRPOTrainer is not run here: its install (trl==1.16.*, a separate venv) and its own
 generation-driven step do not fit this harness's learner-only timing; benchmarks/vs_trl.py compares
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import os
 import platform
 import statistics
 import time
@@ -53,6 +58,23 @@ def make_batch(args: argparse.Namespace, vocab: int):
             s.advantage = float(torch.randn(1, generator=g))
             seqs.append(s)
     return loop.collate(seqs, pad_id=0), resp_lens
+
+
+# Qwen2.5-1.5B (its config.json on the Hugging Face hub): hidden 1536, 28 layers, MLP 8960, 12 query
+# and 2 key/value heads of 128, vocabulary 151,936: the real model the body/head split is compared with
+QWEN25_15B = {"hidden": 1536, "layers": 28, "intermediate": 8960, "heads": 12, "kv_heads": 2, "vocab": 151936}
+
+
+def matmul_flops_per_token(hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
+                           vocab: int) -> tuple[int, int]:
+    """(body, LM head) multiply-adds per token of the weight matmuls (q, k, v, o, gated MLP; head).
+
+    Attention's score/value products (~2 x context x hidden per layer) are left out: they grow with
+    the context, and at a few hundred tokens they are a few percent of the body here and in Qwen."""
+    head_dim = hidden // heads
+    attn = 2 * hidden * hidden + 2 * hidden * kv_heads * head_dim  # q, o + k, v
+    mlp = 3 * hidden * intermediate  # gate, up, down
+    return layers * (attn + mlp), hidden * vocab
 
 
 def setup(args: argparse.Namespace, model: torch.nn.Module, micro: dict):
@@ -100,11 +122,14 @@ def main() -> None:
     ap.add_argument("--median", type=float, default=300.0)
     ap.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of the response lengths")
     ap.add_argument("--mini-batches", type=int, default=4)
-    ap.add_argument("--rows", type=int, default=4, help="padded: rows per forward")
+    ap.add_argument("--rows", type=int, nargs="+", default=[4], help="padded: rows per forward (one layout each)")
     ap.add_argument("--tokens", type=int, default=4096, help="packed: token budget per forward")
+    ap.add_argument("--attn", nargs="+", default=["sdpa_varlen"],
+                    help="packed: attention implementations (one layout each; trainer.attn_implementation)")
     ap.add_argument("--weighting", default="none")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -112,24 +137,31 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                                         num_attention_heads=4, num_key_value_heads=4,
+                                         num_attention_heads=4, num_key_value_heads=args.kv_heads,
                                          intermediate_size=4 * args.hidden, max_position_embeddings=4096))
     batch, resp = make_batch(args, args.vocab)
     q = sorted(resp)
+    body, head = matmul_flops_per_token(args.hidden, args.layers, 4 * args.hidden, 4, args.kv_heads, args.vocab)
+    q_body, q_head = matmul_flops_per_token(**QWEN25_15B)
     print(f"# {len(resp)} responses: min {q[0]}, median {q[len(q) // 2]}, p90 {q[int(0.9 * len(q))]}, max {q[-1]}; "
           f"prompt {args.prompt_len}; vocab {args.vocab}, hidden {args.hidden}, layers {args.layers}; "
           f"{args.mini_batches} mini-batches, weighting {args.weighting}; torch {torch.__version__}, "
           f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
-    # the two layouts alternate, step by step, so a change in the machine's load hits both alike; CPU
+    print(f"# body share of the per-token matmul FLOPs: this model {body / (body + head):.1%} "
+          f"(body {body:,}, head {head:,}); Qwen2.5-1.5B {q_body / (q_body + q_head):.1%}")
+    # the layouts alternate, step by step, so a change in the machine's load hits all alike; CPU
     # seconds (this process's) are reported next to wall seconds: on a shared machine they are the
     # steadier measure of the work each layout does
-    names = {f"padded ({args.rows} rows)": {"micro_batch_size": args.rows},
-             f"packed ({args.tokens} tokens)": {"micro_batch_size": args.rows, "micro_batch_tokens": args.tokens}}
+    names = {f"padded ({r} rows)": {"micro_batch_size": r} for r in args.rows}
+    for attn in args.attn:
+        names[f"packed ({args.tokens} tokens, {attn})"] = {"micro_batch_size": 1, "micro_batch_tokens": args.tokens,
+                                                           "attn_implementation": attn}
     setups = {name: setup(args, model, micro) for name, micro in names.items()}
     wall: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
@@ -141,14 +173,19 @@ def main() -> None:
             cpu[name].append(c)
             computed[name] = tokens
     real = int(batch.attention_mask.sum()) * 2  # the old pass + one epoch of gradient forwards
-    base_w, base_c = (statistics.median(x[next(iter(names))]) for x in (wall, cpu))
-    print("| micro-batches | computed tokens | useful-token fraction | learner step s (wall) | CPU s | "
-          "speed-up (wall) | speed-up (CPU) |")
+    ref = next((n for n in names if n.endswith(f", {args.attn[0]})")), next(iter(names)))
+    ref_w, ref_c = statistics.median(wall[ref]), statistics.median(cpu[ref])
+    print(f"| micro-batches | computed tokens | useful-token fraction | learner step s (wall) | CPU s | "
+          f"{ref.split(' (')[0]} {args.attn[0]} speed-up over it (wall) | (CPU) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name in names:
         w, c = statistics.median(wall[name]), statistics.median(cpu[name])
         print(f"| {name} | {computed[name]} | {real / computed[name]:.1%} | {w:.2f} | {c:.2f} | "
-              f"{base_w / w:.2f}x | {base_c / c:.2f}x |")
+              f"{w / ref_w:.2f}x | {c / ref_c:.2f}x |")
+    after = os.getloadavg()
+    print(f"# load average (1, 5, 15 min) before {load_before[0]:.1f} {load_before[1]:.1f} {load_before[2]:.1f}, "
+          f"after {after[0]:.1f} {after[1]:.1f} {after[2]:.1f}; medians of {args.repeat} steps per layout")
+
 
 if __name__ == "__main__":
     main()

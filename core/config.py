@@ -573,6 +573,16 @@ class TrainerConfig(_Section):
             "padded to the longest. See docs/performance.md."
         ),
     )
+    attn_implementation: str | None = Field(
+        None,
+        description=(
+            "The policy's attention in training forwards (transformers' `attn_implementation`): null (auto) = "
+            "`sdpa_varlen` when `micro_batch_tokens` packs rows (torch sdpa per packed sequence, any device: "
+            "cost per sequence, no [T, T] mask), else what transformers chose at load time. Or name one: "
+            "`flash_attention_2` (GPU, flash-attn installed: varlen kernels on the same sequence boundaries), "
+            "`sdpa`, `eager` (packed rows: a block-diagonal mask over the whole packed row). See docs/performance.md."
+        ),
+    )
     logits_chunk_size: int = Field(1024, gt=0, description="Tokens per chunk when computing log-probs and entropy.")
     entropy_grad: bool = Field(False, description="Let gradient flow through entropies (needed by entropy bonuses).")
     fused_loss: bool = Field(

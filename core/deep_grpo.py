@@ -47,13 +47,21 @@ authors' released code instead pools both streams under one token-mean normalize
 (sum_main + lambda sum_branch) / (N_main + lambda N_branch) — see docs/algorithms.md). With
 lambda = 0 the hook is None and the update is plain GRPO's, bit for bit.
 
+Micro-batching: the branch rows' no-grad pass and the local loss's forwards/backwards are split as
+the policy update's (``stapo.core.update``'s ``split_rows`` / ``build_micro``): with
+``trainer.micro_batch_tokens`` rows are packed without padding into token-budget forwards (position
+ids restart at each sequence), else ``trainer.micro_batch_size`` rows per forward. The local loss
+takes the update's ``MiniBatch`` weights and loss: p and H come from its gradient forwards (no
+no-grad forward), and the weighting and the normalizer see the whole mini-batch, so the gradient is
+the same either way (tests/unit/test_deep_grpo.py compares them).
+
 Data parallel (DeepSpeed, ZeRO 0-3): each rank picks pivots among its own failed rollouts, so
 counts differ, while ZeRO-3 gathers parameters in every generate step and forward. So every
 decision is global: every rank makes max-over-ranks pivot generate calls (a rank with fewer makes
 one-token throwaway calls; transformers' ``synced_gpus`` keeps the steps in step), the branch
 rows' old log-probs run the same number of forwards (a zero-weight padding row fills in), the
-local loss splits the GLOBAL branch rows into mini-batches with ``plan_update`` as the root update
-does, its token weighting reads global statistics and its normalizer is all-reduced, and the
+local loss splits the GLOBAL branch rows into mini-batches with ``minibatch_rows`` as the root
+update does (the busiest rank's number of micro-batches on every rank), its token weighting reads global statistics and its normalizer is all-reduced, and the
 recoverability model is updated with every rank's outcomes in rank order (one model on every
 rank). Tested on 2 CPU ranks under ZeRO-3 (tests/e2e/test_multirank_deep.py): it finishes in
 lockstep; equality with one process is not tested (each rank samples its branches with its own seed).
@@ -61,7 +69,6 @@ lockstep; equality with one process is not tested (each rank samples its branche
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -258,6 +265,27 @@ class BranchRollouts:
     pad_row: int | None = None  # this rank's zero-weight padding row (data parallel)
 
 
+def collate_branches(run: Any, kept: list[Any], counts: list[int]) -> BranchRollouts:
+    """The kept branch rows as the local loss needs them: collated (plus the zero-weight padding row
+    under data parallelism), their continuation mask and the sampling policy's statistics from a
+    no-grad pass micro-batched as the update's (``trainer.micro_batch_tokens``: packed), with the
+    busiest rank's number of forwards on every rank. ``counts``: kept branch rows of every rank."""
+    from stapo.core.distributed import DataParallel
+    from stapo.core.loop import collate_with_pad_row
+    from stapo.core.update import micro_spec, old_pass_calls, stats_temperature, token_stats_batched
+
+    cfg, dp = run.cfg, DataParallel(run.backend)
+    batch = collate_with_pad_row(kept, run.pad_id, pad=dp.multi).to(run.backend.device)
+    pad_row = len(kept) if dp.multi else None
+    prefix_len = torch.tensor([b.prefix_len for b in kept] + ([0] if dp.multi else []),
+                              device=batch.response_mask.device)
+    suffix = suffix_mask(batch.response_mask, prefix_len)  # [N, L]; the padding row has none
+    spec = micro_spec(cfg)
+    old_lp, old_ent = token_stats_batched(run.backend, batch, spec, stats_temperature(cfg),
+                                          calls=old_pass_calls(dp, batch, spec, len(kept)), pad_row=pad_row)
+    return BranchRollouts(kept, batch, suffix, old_lp, old_ent, counts, pad_row)
+
+
 class DeepGRPO(LoopHook):
     """Holds the online recoverability model across steps (saved with checkpoints); the loop's
     ``deep_grpo`` hook when built with the ``run``."""
@@ -291,14 +319,7 @@ class DeepGRPO(LoopHook):
 
     def rollout_branches(self, run: Any, step: int, seqs: list[Any]) -> tuple[BranchRollouts | None, dict[str, float]]:
         from stapo.core.distributed import DataParallel
-        from stapo.core.loop import (
-            Sequence_,
-            collate_with_pad_row,
-            derive_seed,
-            shape_and_advantage,
-            stats_temperature,
-            token_stats_batched,
-        )
+        from stapo.core.loop import Sequence_, derive_seed, shape_and_advantage
         from stapo.core.rollout import SamplingParams
 
         cfg, o = self.cfg, self.opts
@@ -367,91 +388,86 @@ class DeepGRPO(LoopHook):
         counts = dp.counts(len(kept))
         if not sum(counts):
             return None, metrics
-        batch = collate_with_pad_row(kept, run.pad_id, pad=dp.multi).to(run.backend.device)
-        pad_row = len(kept) if dp.multi else None
-        prefix_len = torch.tensor([b.prefix_len for b in kept] + ([0] if dp.multi else []),
-                                  device=batch.response_mask.device)
-        suffix = suffix_mask(batch.response_mask, prefix_len)  # [N, L]; the padding row has none
-        micro = cfg.trainer.micro_batch_size
-        old_lp, old_ent = token_stats_batched(run.backend, batch, micro, stats_temperature(cfg),
-                                              calls=max(1, math.ceil(max(counts) / micro)), pad_row=pad_row)
+        br = collate_branches(run, kept, counts)
         metrics["time/deep_total_s"] = time.time() - t0
-        return BranchRollouts(kept, batch, suffix, old_lp, old_ent, counts, pad_row), metrics
+        return br, metrics
 
     # ----------------------------------------------------------------------------- local loss
 
     def local_loss_hook(self, run: Any, br: BranchRollouts | None, step: int) -> Callable[[int, bool], None] | None:
-        """``before_step(update_index, fresh)`` for ``update_policy``, or None (no branches / lambda = 0)."""
+        """``before_step(update_index, fresh)`` for ``update_policy``, or None (no branches / lambda = 0).
+
+        Each call runs the local term of one optimizer mini-batch the way the policy update runs a
+        mini-batch (``stapo.core.update``): its branch rows split into the same micro-batches
+        (``split_rows`` / ``build_micro``; with ``trainer.micro_batch_tokens`` packed into
+        token-budget forwards without padding, position ids restarting per sequence), every rank
+        making the busiest rank's number of forwards, and the same ``MiniBatch`` weights and loss:
+        a weighting that reads p / H gets them from the gradient forwards themselves (graphs kept
+        until the weights are known, then one backward), one that reads none gets its weights from
+        the mask and each micro-batch runs forward + backward at once. No no-grad forward runs. The
+        weighting and the global normalizer see the whole mini-batch, so the gradient does not
+        depend on the micro-batching."""
         lam = float(self.opts.lambda_)
         self._local = {}
         if br is None or lam == 0.0:
             return None
-        from stapo.core.algos import TokenContext, get_aggregation, get_policy_loss, get_token_weighting
         from stapo.core.distributed import DataParallel, minibatch_rows
-        from stapo.core.loop import (
-            derive_seed,
-            policy_loss_params,
-            stats_temperature,
-            weighting_params,
-        )
-        from stapo.core.update import lockstep, with_padding
+        from stapo.core.loop import Batch, derive_seed
+        from stapo.core.update import MiniBatch, build_micro, lockstep, split_rows, update_parts, with_padding
 
         cfg, backend = self.cfg, run.backend
         a = cfg.algorithm
-        weigh, loss_fn, agg = get_token_weighting(a.token_weighting), get_policy_loss(a.policy_loss), get_aggregation(
-            a.aggregation)
-        loss_kw = {"eps_low": a.eps_low, "eps_high": a.eps_high, "dual_clip_c": a.dual_clip_c,
-                   **policy_loss_params(cfg)}
-        micro, temp = cfg.trainer.micro_batch_size, stats_temperature(cfg)
+        parts = update_parts(cfg)  # the configured weighting, loss, aggregation, micro-batching, temperature
         counts = br.counts or [br.batch.input_ids.shape[0]]
         rank = int(getattr(backend, "rank", 0))
-        gather, reduce = getattr(backend, "all_gather_1d", None), getattr(backend, "all_reduce_sum", None)
         dp = DataParallel(backend)
-        plan: list[Any] = []  # [this rank's rows per mini-batch, forwards per mini-batch (every rank's max)]
+        # the forwards' rows: the local term's tokens (the continuation) are their response positions
+        local = Batch(br.batch.input_ids, br.batch.attention_mask, br.suffix, br.batch.advantages)
+        lengths = local.attention_mask.sum(1).cpu()  # [N] real tokens per row
+        plan: list[list[torch.Tensor]] = []  # this rank's micro-batches (batch rows) per mini-batch
+        calls: list[int] = []  # forwards per mini-batch (every rank's max)
 
-        def before_step(update: int, fresh: bool) -> None:
+        def forward(m: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            lp, ent = backend.token_stats(m.input_ids, m.attention_mask, m.response_mask, grad=True,
+                                          temperature=parts.temperature, position_ids=m.position_ids)
+            return m.to_rows(lp), m.to_rows(ent)  # [b, L] each, graph kept
+
+        def before_step(update: int, fresh: bool) -> None:  # (fresh: unused, the forwards give p and H)
             epoch, mb = divmod(update, a.mini_batches)
             if mb == 0:  # a new pass over the GLOBAL branch rows, split like the root rows
                 g = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch, 0xB7))
-                rows_mb = minibatch_rows(counts, rank, a.mini_batches, g)
-                plan[:] = [rows_mb, lockstep(dp, [math.ceil(int(r.numel()) / micro) for r in rows_mb])]
-            rows_mb, calls = plan
-            if mb >= len(rows_mb) or calls[mb] == 0:  # no branch row in this mini-batch on any rank
+                plan[:] = [split_rows(r, lengths, parts.spec) for r in minibatch_rows(counts, rank, a.mini_batches, g)]
+                calls[:] = lockstep(dp, [len(sets) for sets in plan])
+            if mb >= len(plan) or calls[mb] == 0:  # no branch row in this mini-batch on any rank
                 return
-            mine = rows_mb[mb]
-            sets = list(mine.split(micro)) if mine.numel() else []  # (an empty tensor splits into one empty set)
-            sets = with_padding(sets, calls[mb], br.pad_row, "DEEP-GRPO local loss")
-            dev = br.suffix.device
-            idx = torch.cat(sets).to(dev)  # [b] this rank's rows (padding-row forwards included)
-            rows = br.batch.rows(idx)
-            mask = br.suffix[idx]  # [b, L]: the shared prefix (and the padding row) is out of the local term
+            sets = with_padding(plan[mb], calls[mb], br.pad_row, "DEEP-GRPO local loss")
+            micros = [build_micro(local, rows, parts.spec.packed) for rows in sets]
+            idx = torch.cat([m.rows for m in micros])  # [b] this rank's rows, in micro-batch order
             bounds = [0]
-            for st in sets:
-                bounds.append(bounds[-1] + int(st.numel()))
+            for m in micros:
+                bounds.append(bounds[-1] + int(m.rows.numel()))
             slices = [slice(s0, s1) for s0, s1 in zip(bounds[:-1], bounds[1:], strict=True)]
-            if fresh:
-                cur_lp, cur_ent = br.old_lp[idx], br.old_ent[idx]
-            else:  # one no-grad forward per micro-batch: the same count on every rank
-                with torch.no_grad():
-                    stats = [backend.token_stats(rows.input_ids[r], rows.attention_mask[r], mask[r], grad=False,
-                                                 temperature=temp) for r in slices]
-                cur_lp = torch.cat([x[0] for x in stats]).float()
-                cur_ent = torch.cat([x[1] for x in stats]).float()
-            ctx = TokenContext(logprobs=cur_lp, entropy=cur_ent, advantages=rows.advantages, mask=mask,
-                               gather=gather, all_reduce_sum=reduce)
-            tw = weigh(ctx, **weighting_params(cfg))
-            norm = agg.normalizer(tw, mask)
-            norm = reduce(norm) if reduce is not None else norm  # the global normalizer, as the root update's
-            total = 0.0
-            for r in slices:
-                lp, _ = backend.token_stats(rows.input_ids[r], rows.attention_mask[r], mask[r], grad=True,
-                                            temperature=temp)
-                per_tok, _ = loss_fn(lp, br.old_lp[idx][r], rows.advantages[r], mask[r], **loss_kw)
-                loss = lam * agg.aggregate(per_tok, tw.select(r), normalizer=norm)
-                backend.backward(loss)
-                total += float(loss.detach())
+            mbatch = MiniBatch(parts, parts.params, local.advantages[idx], local.response_mask[idx], br.old_lp[idx],
+                               backend.all_gather_1d, backend.all_reduce_sum)  # (no entropy bonus, no terms)
+            losses: list[torch.Tensor] = []
+            if parts.reads_stats:  # statistics first: every forward's graph kept until the weights are known
+                graphs = [forward(m) for m in micros]
+                _, tw, norm = mbatch.weights(torch.cat([lp.detach().float() for lp, _ in graphs]),
+                                             torch.cat([ent.detach().float() for _, ent in graphs]))
+                losses = [lam * mbatch.loss(r, lp, ent, tw, norm, [])[0] for r, (lp, ent) in zip(slices, graphs,
+                                                                                                   strict=True)]
+                backend.backward(torch.stack(losses).sum())
+                del graphs
+            else:  # weights from the mask alone: each micro-batch forward + backward at once
+                zeros = torch.zeros(mbatch.mask.shape, dtype=torch.float32, device=mbatch.mask.device)
+                _, tw, norm = mbatch.weights(zeros, zeros)
+                for m, r in zip(micros, slices, strict=True):
+                    lp, ent = forward(m)
+                    losses.append(lam * mbatch.loss(r, lp, ent, tw, norm, [])[0])
+                    backend.backward(losses[-1])
+            total = float(sum(float(x.detach()) for x in losses))
             self._local["deep/local_loss"] = self._local.get("deep/local_loss", 0.0) + total
-            self._local["deep/local_tokens"] = self._local.get("deep/local_tokens", 0.0) + float(mask.sum())
+            self._local["deep/local_tokens"] = self._local.get("deep/local_tokens", 0.0) + float(mbatch.mask.sum())
 
         return before_step
 

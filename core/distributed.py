@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from stapo.core.trainer.base import TrainerBackend
 
-__all__ = ["DataParallel", "UpdatePlan", "balanced_quota", "minibatch_rows", "plan_update", "even_shard"]
+__all__ = ["DataParallel", "balanced_quota", "minibatch_rows", "even_shard"]
 
 
 class DataParallel:
@@ -128,39 +127,3 @@ def minibatch_rows(counts: Sequence[int], rank: int, mini_batches: int,
     mini-batch (the busiest rank's count, padding-row forwards elsewhere) is ``stapo.core.update``'s
     business."""
     return [local_rows(c, counts, rank) for c in global_minibatches(counts, mini_batches, generator)]
-
-
-@dataclass(frozen=True)
-class UpdatePlan:
-    """One PPO epoch's mini-batches on this rank, as fixed row-count micro-batches.
-
-    ``rows[m]`` are this rank's local row indices of global mini-batch m (padded with ``pad_row``
-    so that there are exactly ``micro_counts[m]`` non-empty micro-batches of ``micro`` rows), and
-    ``real[m]`` how many of them are real. (DEEP-GRPO's local loss; the policy update plans its
-    micro-batches in ``stapo.core.update``, packed or by rows.)
-    """
-
-    rows: list[torch.Tensor]
-    real: list[int]
-    micro_counts: list[int]
-
-
-def plan_update(counts: Sequence[int], rank: int, *, mini_batches: int, micro: int, generator: torch.Generator,
-                pad_row: int | None) -> UpdatePlan:
-    """The mini-batches of :func:`global_minibatches` as row-count micro-batches in lockstep: every
-    rank gets ``max_r ceil(rows_r(m) / micro)`` (at least 1) micro-batches of ``micro`` rows in
-    mini-batch m, its missing rows filled with ``pad_row`` (None only where no padding is needed)."""
-    rows, real, micro_counts = [], [], []
-    for chunk in global_minibatches(counts, mini_batches, generator):
-        per_rank = [int(local_rows(chunk, counts, r).numel()) for r in range(len(counts))]
-        k = max(1, max(math.ceil(c / micro) for c in per_rank))
-        mine = local_rows(chunk, counts, rank)
-        need = (k - 1) * micro + 1  # fewest rows that make k non-empty micro-batches
-        if mine.numel() < need:
-            if pad_row is None:
-                raise ValueError("plan_update: padding needed but no pad_row given")
-            mine = torch.cat([mine, torch.full((need - mine.numel(),), pad_row, dtype=mine.dtype)])
-        rows.append(mine)
-        real.append(per_rank[rank])
-        micro_counts.append(k)
-    return UpdatePlan(rows, real, micro_counts)

@@ -1,4 +1,4 @@
-"""The loop's extras: one typed hook interface, a registry by name, and the regularizers' hook.
+"""The loop's extras: one typed hook interface, a registry by name, and the stability layers' hooks.
 
 ``stapo.core.loop.train`` is a straight line (sample -> grade -> advantages -> old pass -> update ->
 sync -> log/checkpoint). Everything some recipes need and others do not is a :class:`LoopHook`,
@@ -31,24 +31,37 @@ phase               when / what a hook may do there
 ==================  =====================================================================
 
 Registered, in this order (the order of every phase, hence of every collective under data
-parallelism): ``async`` (producer process + off-policy corrections), ``sampler`` (the prompt
-sampler's per-step update and state: Goldilocks), ``deep_grpo`` (pivot branches and their local
-loss), ``regularizers`` (:class:`StepExtras`: the frozen KL reference, Lp-Reg's proxy, STARE's
-controller, DAPO's overlong filter). A new extra is a subclass of :class:`LoopHook` plus
-``@register_hook("name")`` on its factory; ``train()`` does not change.
+parallelism; each built only when its own config keys switch it on):
 
-``StepExtras`` holds the regularizers' per-run state: the frozen reference model
-(``algorithm.kl.reference: initial``) and each step's reference log-probs, for the KL penalty (in the
-loss, or in the reward with ``algorithm.kl.in_reward``); Lp-Reg's proxy log-probs of the sampled
-tokens (``algorithm.lp_reg.enabled``); STARE's closed-loop controller (gate and adaptive W, M),
-advanced once per step; DAPO's overlong filter. They share the old pass's statistics, so they are
-one hook.
+====================  ===============================  ==============================================
+hook                  switched on by                   what
+====================  ===============================  ==============================================
+``async``             ``rollout.async.enabled``        producer process + off-policy corrections
+``sampler``           always                           the prompt sampler's step and state (Goldilocks)
+``deep_grpo``         ``algorithm.deep_grpo.enabled``  pivot branches and their local loss
+``overlong_filter``   ``algorithm.overlong.filter``    DAPO: truncated rows leave the loss
+``kl_reference``      ``algorithm.kl_coef > 0``        reference log-probs, ``actor/kl``, the KL term
+``lp_reg``            ``algorithm.lp_reg.enabled``     Lp-Reg's min-p proxy and its term
+``stare``             ``token_weighting: stare``       STARE's gate and adaptive (W, M)
+``kl_in_reward``      ``algorithm.kl.in_reward``       the KL charged to the reward instead
+====================  ===============================  ==============================================
+
+Why this order: the update sums the additive terms in registry order, KL then Lp-Reg (a
+floating-point sum depends on its order; this is the order the tested numerics were fixed with),
+and ``kl_in_reward`` needs the target ``kl_reference`` published in ``StepState.ref_lp`` and rewrites
+the advantages only after the layers before it have read them (Lp-Reg logs its selection on the
+sampled advantages). ``tests/unit/test_hooks.py`` checks this table against the registry.
+
+A new extra is a subclass of :class:`LoopHook` plus ``@register_hook("name")`` on its factory;
+``train()`` does not change. :class:`StepExtras` builds the stability layers' hooks of a config
+without a run (for callers that drive the update themselves).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
@@ -66,7 +79,10 @@ from stapo.core.algos.stare import StareSchedule
 from stapo.core.config import Config
 from stapo.core.update import MicroSpec
 
-__all__ = ["HOOKS", "Hooks", "LoopHook", "StepExtras", "StepState", "build_hooks", "extras_of", "register_hook"]
+__all__ = [
+    "HOOKS", "STABILITY_HOOKS", "Hooks", "KLInReward", "KLReference", "LoopHook", "LpReg", "OverlongFilter",
+    "StareController", "StepExtras", "StepState", "build_hooks", "extras_of", "legacy_hook_state", "register_hook",
+]
 
 
 # ----------------------------------------------------------------------------- the hook interface
@@ -90,6 +106,7 @@ class StepState:
     old_ent: torch.Tensor | None = None  # [N, L] its entropies
     before_step: list[Callable[[int, bool], None]] = field(default_factory=list)  # before each optimizer step
     off_policy: Any = None  # async_rollout.OffPolicyStep: stale rows' corrections for the update
+    ref_lp: torch.Tensor | None = None  # [N, L] the step's KL target (kl_reference's before_update)
 
 
 class LoopHook:
@@ -230,31 +247,79 @@ def build_hooks(run: Any) -> Hooks:
 
 
 def legacy_hook_state(extra: dict[str, Any]) -> dict[str, Any]:
-    """Hook states from a checkpoint written before the hooks had names (``extras`` / ``layers``)."""
+    """Hook states by name from a checkpoint's ``extra``, also one written by an older layout.
+
+    Older checkpoints kept the states under ``extras`` / ``layers`` (before the hooks had names), or
+    under ``hooks`` with one ``regularizers`` hook bundling the KL reference, Lp-Reg, STARE and the
+    overlong filter; of those only STARE's controller had state (``{"stare": {w, m, ...}}``), which
+    is now the ``stare`` hook's own."""
     if "hooks" in extra:
-        return dict(extra["hooks"])
-    layers = extra.get("layers", {})
-    return {"regularizers": extra.get("extras", {}), "sampler": layers.get("sampler", {}),
-            "deep_grpo": layers.get("deep_grpo", {})}
+        hooks = dict(extra["hooks"])
+    else:
+        layers = extra.get("layers", {})
+        hooks = {"regularizers": extra.get("extras", {}), "sampler": layers.get("sampler", {}),
+                 "deep_grpo": layers.get("deep_grpo", {})}
+    bundled = hooks.pop("regularizers", None) or {}
+    if bundled.get("stare") and not hooks.get("stare"):
+        hooks["stare"] = dict(bundled["stare"])
+    return hooks
 
 
-class StepExtras(LoopHook):
-    """Reference model, Lp-Reg proxy, STARE schedule and overlong filter of one run (hook ``regularizers``).
+# ----------------------------------------------------------------------------- shared helpers
 
-    Its phases: ``on_batch`` drops the rows DAPO's overlong filter leaves out of the loss;
-    ``needs_old_stats`` asks for the old pass when any of KL / Lp-Reg / STARE is on;
-    ``before_update`` runs :meth:`prepare` and :meth:`apply_kl_in_reward` on the old pass's
-    statistics; inside the update :meth:`weighting_params` and :meth:`terms`.
+
+def _multi(backend: Any) -> bool:
+    """Several data-parallel ranks (the backend's collectives are then needed)."""
+    return backend is not None and backend.world_size > 1
+
+
+def _global_mean(backend: Any, values: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of ``values`` [N, L] over ``mask`` and every rank (one all_reduce under data parallelism)."""
+    m = mask.bool()
+    stats = torch.stack([values.detach().double()[m].sum(), m.sum().double()])
+    if _multi(backend):
+        stats = backend.all_reduce_sum(stats)
+    return float(stats[0] / stats[1].clamp_min(1.0))
+
+
+# ----------------------------------------------------------------------------- the stability layers
+
+
+class OverlongFilter(LoopHook):
+    """DAPO's overlong filtering (arXiv 2503.14476, Section 3.4; ``algorithm.overlong.filter``):
+    truncated responses (finish reason ``length``) leave the loss, because the punishment a truncated
+    response gets for its length alone is reward noise (sound reasoning may just have run long, as the
+    paper puts it). ``on_batch`` drops them from ``st.kept`` before the global
+    counts, so the mini-batch plan and the padding rows of every rank see the filtered batch."""
+
+    name: ClassVar[str] = "overlong_filter"
+
+    def keep(self, seqs: Sequence[Any]) -> torch.Tensor:
+        """[N] bool: rows that stay in the loss."""
+        return overlong_filter_keep([s.finish_reason for s in seqs])
+
+    def on_batch(self, st: StepState) -> None:
+        st.kept = [s for s, k in zip(st.kept, self.keep(st.kept).tolist(), strict=True) if k]
+
+
+class KLReference(LoopHook):
+    """The KL penalty toward a reference policy (``algorithm.kl_coef > 0``; ``algorithm.kl``).
+
+    GRPO's beta * KL(pi || ref) (arXiv 2402.03300, eq. 3; verl ``use_kl_loss`` with
+    ``kl_loss_type``): ``kl.reference: initial`` keeps a frozen copy of the policy as loaded (its
+    log-probs of the step's batch are taken in ``before_update``, from the old pass's micro-batches),
+    ``none`` takes the KL to the policy that sampled the batch. The per-token term
+    ``kl_coef * k(logp, ref)`` joins the loss before aggregation (``terms``), unless
+    ``kl.in_reward``: then :class:`KLInReward` charges it to the reward instead. It publishes the
+    step's target as ``st.ref_lp`` and logs ``actor/kl`` (the sampler's KL to the frozen reference).
     """
 
-    name: ClassVar[str] = "regularizers"
+    name: ClassVar[str] = "kl_reference"
 
     def __init__(self, cfg: Config, backend: Any | None = None) -> None:
-        self.cfg = cfg
         a = cfg.algorithm
-        self.backend = backend
-        self.reference = None
-        if backend is not None and a.kl_coef > 0 and a.kl.reference == "initial":
+        self.cfg, self.backend, self.reference = cfg, backend, None
+        if backend is not None and a.kl.reference == "initial":
             from stapo.core.reference import ReferencePolicy
 
             zero3 = getattr(backend, "zero_stage", 0) == 3  # partitioned like the policy (its own engine)
@@ -262,112 +327,164 @@ class StepExtras(LoopHook):
                 backend.model, dtype=a.kl.dtype, offload=a.kl.offload, device=backend.device,
                 chunk_size=cfg.trainer.logits_chunk_size, partitioned_copy=backend.frozen_copy if zero3 else None,
             )
-        self.stare = None
-        if a.token_weighting == "stare":
-            s = a.stare
-            self.stare = StareSchedule(w=s.w, m=s.m, target_entropy=s.target_entropy, adaptive=s.adaptive,
-                                       alpha=s.alpha, w_max=s.w_max, m_min=s.m_min)
         self.ref_lp: torch.Tensor | None = None  # [N, L] this step's KL target (reference or sampler)
-        self.proxy_lp: torch.Tensor | None = None  # [N, L] Lp-Reg proxy log-probs of the sampled tokens
-
-    # ------------------------------------------------------------------ what the update must provide
 
     def needs_old_stats(self, st: StepState | None = None) -> bool:
-        """The step's extras read the sampling policy's statistics before the update (the KL
-        penalty and its metric, Lp-Reg's proxy, STARE's controller): the step runs the no-grad pass."""
-        a = self.cfg.algorithm
-        return a.kl_coef > 0 or a.lp_reg.enabled or self.stare is not None
-
-    @property  # type: ignore[override]
-    def terms_read_stats(self) -> bool:
-        """The additive terms read the current policy's p (Lp-Reg's selection): the update takes
-        every micro-batch's statistics before the mini-batch's backward, as for such weightings."""
-        return self.cfg.algorithm.lp_reg.enabled
-
-    # ------------------------------------------------------------------ loop phases
-
-    def on_batch(self, st: StepState) -> None:
-        """DAPO's overlong filter: truncated rows leave ``st.kept`` (no-op unless configured)."""
-        if self.cfg.algorithm.overlong.filter:
-            st.kept = [s for s, k in zip(st.kept, self.loss_rows(st.kept).tolist(), strict=True) if k]
+        """The penalty's target (kl.reference=none) and its metric read the sampling policy."""
+        return True
 
     def before_update(self, st: StepState) -> None:
-        """The step's constants from the old pass's statistics (every rank; nothing without an old pass)."""
+        """The reference's log-probs of the step batch (ZeRO-3: exactly ``st.calls`` forwards, the
+        padding row's included; a plain copy runs the real rows only) and ``actor/kl``."""
         if st.old_lp is None or st.old_ent is None:
             return
-        assert st.spec is not None
-        st.metrics.update(self.prepare(st.batch, st.old_lp, st.old_ent, micro_batch=st.spec,
-                                       temperature=st.temperature, calls=st.calls, pad_row=st.pad_row))
-        st.metrics.update(self.apply_kl_in_reward(st.kept, st.batch, st.old_lp))
+        a, batch = self.cfg.algorithm, st.batch
+        if self.reference is not None:
+            self.ref_lp = self.reference.logprobs(  # [N, L]; the padding row has no response: 0
+                batch.input_ids, batch.attention_mask, batch.response_mask, micro_batch=st.spec,
+                temperature=st.temperature, calls=st.calls, pad_row=st.pad_row,
+            ).to(st.old_lp.device)
+            k = get_kl_estimator(a.kl.estimator)(st.old_lp, self.ref_lp)
+            st.metrics["actor/kl"] = _global_mean(self.backend, k, batch.response_mask)
+        else:  # kl.reference=none: KL to the policy that sampled (0 before the update: no metric)
+            self.ref_lp = st.old_lp
+        st.ref_lp = self.ref_lp
 
-    # ------------------------------------------------------------------ per step
-
-    def loss_rows(self, seqs: Sequence[Any]) -> torch.Tensor:
-        """[N] bool: rows that stay in the loss (DAPO overlong filtering drops truncated ones)."""
-        if not self.cfg.algorithm.overlong.filter:
-            return torch.ones(len(seqs), dtype=torch.bool)
-        return overlong_filter_keep([s.finish_reason for s in seqs])
-
-    def prepare(self, batch: Any, old_lp: torch.Tensor, old_ent: torch.Tensor, *, micro_batch: int | MicroSpec,
-                temperature: float, calls: int | None = None, pad_row: int | None = None) -> dict[str, float]:
-        """Compute this step's constants (reference / proxy log-probs, STARE state); return metrics.
-
-        Data parallel: every rank must call this (the metrics are all-reduced, Lp-Reg's selection
-        all-gathered, in a fixed order that depends on the config only). ``pad_row`` / ``calls`` are
-        those of the step's old-log-prob pass (``update.token_stats_batched``, same micro-batches): the Lp-Reg proxy pass
-        over the policy and the ZeRO-3 reference (partitioned like the policy) make exactly ``calls``
-        forwards on every rank (ZeRO-3 gathers parameters in each); a plain reference copy (ZeRO 0-2,
-        one device) issues no collective and runs on the real rows only.
-        """
-        a, metrics = self.cfg.algorithm, {}
-        mask = batch.response_mask
-        self.ref_lp = self.proxy_lp = None
-        if a.kl_coef > 0:
-            if self.reference is not None:
-                self.ref_lp = self.reference.logprobs(  # [N, L]; the padding row has no response: 0
-                    batch.input_ids, batch.attention_mask, mask, micro_batch=micro_batch, temperature=temperature,
-                    calls=calls, pad_row=pad_row,
-                ).to(old_lp.device)
-            else:
-                self.ref_lp = old_lp  # kl.reference=none: KL to the policy that sampled
-            if self.reference is not None:  # to the sampler itself the KL is 0 before the update
-                k = get_kl_estimator(a.kl.estimator)(old_lp, self.ref_lp)
-                metrics["actor/kl"] = self._global_mean(k, mask)
-        if a.lp_reg.enabled:
-            from stapo.core.reference import minp_stats_batched
-
-            kept, pmax = minp_stats_batched(
-                self.backend.model, batch.input_ids, batch.attention_mask, mask, min_p=a.lp_reg.min_p,
-                micro_batch=micro_batch, temperature=temperature, chunk_size=self.cfg.trainer.logits_chunk_size,
-                calls=calls, pad_row=pad_row,
-            )
-            self.proxy_lp = minp_proxy_logprobs(old_lp, kept, pmax, min_p=a.lp_reg.min_p)
-            metrics["lp_reg/below_floor_frac"] = self._global_mean((self.proxy_lp <= -1e3).double(), mask)
-            # what the first update regularizes (the sampling policy is the current one then)
-            sel = lp_reg_select(old_lp, batch.advantages, mask, rho=a.lp_reg.rho, gather=self._gather())
-            metrics["lp_reg/regularized_frac"] = self._global_mean((sel & (old_lp < self.proxy_lp)).double(), mask)
-        if self.stare is not None:
-            self.stare.update(self._global_mean(old_ent, mask))
-            metrics.update(self.stare.metrics())
-        return metrics
-
-    def apply_kl_in_reward(self, seqs: Sequence[Any], batch: Any, old_lp: torch.Tensor) -> dict[str, float]:
-        """``kl.in_reward``: reward_i -= kl_coef * sum_t k(old, ref); group advantages again; the
-        batch's advantages rewritten in place. No-op otherwise. Call after :meth:`prepare`.
-
-        Data parallel: every rank calls it (the logged mean penalty is all-reduced); groups never
-        span ranks (whole groups are kept), so the advantages are recomputed locally. Groups are the
-        step's groups as collated: dynamic sampling already chose them (on accuracy),
-        and with DAPO's overlong filter the truncated rows are no longer in the batch, so they do not
-        enter the recomputed group statistics (our choice: their tokens have no KL to charge).
-        """
+    def terms(self, ctx: Any, rows: torch.Tensor, old_lp: torch.Tensor | None) -> list[TokenTerm]:
+        """``kl_coef * k(logp, ref)`` on the mini-batch ``rows`` (none with ``kl.in_reward``)."""
         a = self.cfg.algorithm
-        if not (a.kl.in_reward and a.kl_coef > 0 and self.ref_lp is not None):
-            return {}
+        if a.kl.in_reward:
+            return []
+        ref = self.ref_lp if self.ref_lp is not None else old_lp  # unprepared: kl.reference=none
+        return [kl_token_term(ref[rows], ctx.mask, coef=a.kl_coef, estimator=a.kl.estimator)]
+
+
+class LpReg(LoopHook):
+    """Lp-Reg (Huang et al. 2025, arXiv 2510.03222; authors' code github.com/CarlanLark/Lp-Reg-dev,
+    ``compute_policy_loss_lp_reg``; ``algorithm.lp_reg.enabled``): a KL pull toward a min-p proxy of
+    the sampling policy on the lowest-probability negative-advantage tokens, so the negative update
+    does not crush rare "reasoning sparks" (``stapo.core.algos.lpreg``).
+
+    ``before_update``: the proxy pass over the policy (exactly ``st.calls`` forwards, as the old
+    pass) gives the proxy log-probs of the sampled tokens; ``terms``: the selection among the
+    mini-batch's tokens at the CURRENT policy (so ``terms_read_stats``: the update takes each
+    mini-batch's statistics before its backward) and the term itself.
+    """
+
+    name: ClassVar[str] = "lp_reg"
+    terms_read_stats: bool = True
+
+    def __init__(self, cfg: Config, backend: Any | None = None) -> None:
+        self.cfg, self.backend = cfg, backend
+        self.proxy_lp: torch.Tensor | None = None  # [N, L] proxy log-probs of the sampled tokens
+
+    def needs_old_stats(self, st: StepState | None = None) -> bool:
+        """The proxy is built from the sampling policy's log-probs."""
+        return True
+
+    def before_update(self, st: StepState) -> None:
+        if st.old_lp is None or st.old_ent is None:
+            return
+        from stapo.core.reference import minp_stats_batched
+
+        o, batch, old_lp = self.cfg.algorithm.lp_reg, st.batch, st.old_lp
+        mask = batch.response_mask
+        kept, pmax = minp_stats_batched(
+            self.backend.model, batch.input_ids, batch.attention_mask, mask, min_p=o.min_p,
+            micro_batch=st.spec, temperature=st.temperature, chunk_size=self.cfg.trainer.logits_chunk_size,
+            calls=st.calls, pad_row=st.pad_row,
+        )
+        self.proxy_lp = minp_proxy_logprobs(old_lp, kept, pmax, min_p=o.min_p)
+        st.metrics["lp_reg/below_floor_frac"] = _global_mean(self.backend, (self.proxy_lp <= -1e3).double(), mask)
+        # what the first update regularizes (the sampling policy is the current one then)
+        gather = self.backend.all_gather_1d if _multi(self.backend) else None
+        sel = lp_reg_select(old_lp, batch.advantages, mask, rho=o.rho, gather=gather)
+        st.metrics["lp_reg/regularized_frac"] = _global_mean(
+            self.backend, (sel & (old_lp < self.proxy_lp)).double(), mask)
+
+    def terms(self, ctx: Any, rows: torch.Tensor, old_lp: torch.Tensor | None) -> list[TokenTerm]:
+        """The proxy KL on the selected tokens of the mini-batch ``rows`` (selection: global over ranks)."""
+        if self.proxy_lp is None:
+            return []
+        o = self.cfg.algorithm.lp_reg
+        sel = lp_reg_select(ctx.logprobs, ctx.advantages, ctx.mask, rho=o.rho, gather=ctx.gather)
+        return [lp_reg_token_term(self.proxy_lp[rows], sel, coef=o.coef, estimator=o.estimator)]
+
+
+class StareController(LoopHook):
+    """STARE's closed-loop controller (arXiv 2606.19236, Sections 4.3-4.4; authors' code
+    github.com/hp-luo/STARE; ``algorithm.token_weighting: stare``): once per step, before the update,
+    the step's GLOBAL mean entropy at the sampling policy (the old pass's) sets the target-entropy
+    gate and, with ``stare.adaptive``, steps the weights (W, M) (``stapo.core.algos.stare``). The
+    ``stare`` weighting reads them through ``weighting_params``; they survive a resume
+    (``state_dict``)."""
+
+    name: ClassVar[str] = "stare"
+
+    def __init__(self, cfg: Config, backend: Any | None = None) -> None:
+        s = cfg.algorithm.stare
+        self.backend = backend
+        self.stare = StareSchedule(w=s.w, m=s.m, target_entropy=s.target_entropy, adaptive=s.adaptive,
+                                   alpha=s.alpha, w_max=s.w_max, m_min=s.m_min)
+
+    def needs_old_stats(self, st: StepState | None = None) -> bool:
+        """The gate reads the step's entropy before the update."""
+        return True
+
+    def before_update(self, st: StepState) -> None:
+        if st.old_lp is None or st.old_ent is None:
+            return
+        self.stare.update(_global_mean(self.backend, st.old_ent, st.batch.response_mask))
+        st.metrics.update(self.stare.metrics())
+
+    def weighting_params(self) -> dict[str, float]:
+        """STARE's scheduled W, M and the gate's entropy, as keywords of the ``stare`` weighting."""
+        return self.stare.params()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"w": self.stare.w, "m": self.stare.m, "current_entropy": self.stare.current_entropy}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            self.stare.w, self.stare.m = float(state["w"]), float(state["m"])
+            self.stare.current_entropy = float(state.get("current_entropy", float("nan")))
+
+
+class KLInReward(LoopHook):
+    """KL in the reward (verl ``use_kl_in_reward``; ``algorithm.kl.in_reward`` with ``kl_coef > 0``):
+    each response's reward loses ``kl_coef * sum_t k(old_t, ref_t)`` (the target ``st.ref_lp`` that
+    :class:`KLReference` published this step) and the group advantages are computed again; the
+    batch's advantages are rewritten in place before the update.
+
+    Registered last of the stability layers, so the layers before it read the step's advantages as
+    sampled, before the penalty (Lp-Reg's logged selection). Data parallel: every rank
+    joins the one all_reduce of the logged mean penalty; groups never span ranks (whole groups are
+    kept), so the advantages are recomputed locally. Groups are the step's groups as collated:
+    dynamic sampling already chose them (on accuracy), and with DAPO's overlong filter the truncated
+    rows are no longer in the batch, so they do not enter the recomputed group statistics (our
+    choice: their tokens have no KL to charge)."""
+
+    name: ClassVar[str] = "kl_in_reward"
+
+    def __init__(self, cfg: Config, backend: Any | None = None) -> None:
+        self.cfg, self.backend = cfg, backend
+
+    def needs_old_stats(self, st: StepState | None = None) -> bool:
+        """The penalty is a KL of the sampling policy."""
+        return True
+
+    def before_update(self, st: StepState) -> None:
+        if st.old_lp is None or st.old_ent is None or st.ref_lp is None:
+            return
+        st.metrics.update(self.apply(st.kept, st.batch, st.old_lp, st.ref_lp))
+
+    def apply(self, seqs: Sequence[Any], batch: Any, old_lp: torch.Tensor, ref_lp: torch.Tensor) -> dict[str, float]:
+        """Rewrite the rewards, advantages and ``batch.advantages`` of ``seqs``; return the metric."""
         from stapo.core.algos import get_advantage
 
+        a = self.cfg.algorithm
         n = len(seqs)  # data parallel: the batch may end with a zero-weight padding row (not a sequence)
-        pen = kl_reward_penalty(old_lp[:n], self.ref_lp[:n], batch.response_mask[:n], coef=a.kl_coef,
+        pen = kl_reward_penalty(old_lp[:n], ref_lp[:n], batch.response_mask[:n], coef=a.kl_coef,
                                 estimator=a.kl.estimator)
         by_group: dict[int, list[int]] = {}
         for i, (s, p) in enumerate(zip(seqs, pen.tolist(), strict=True)):
@@ -384,68 +501,97 @@ class StepExtras(LoopHook):
         batch.advantages[:n] = torch.where(batch.response_mask[:n], adv_bl, torch.zeros_like(adv_bl))
         # global mean over every rank's sequences (a rank may hold none); every rank joins the reduce
         stats = torch.stack([pen.detach().double().sum(), torch.tensor(float(n), dtype=torch.float64)])
-        if self._multi():
+        if _multi(self.backend):
             stats = self.backend.all_reduce_sum(stats)
         return {"actor/kl_reward_penalty": float(stats[0] / stats[1].clamp_min(1.0))}
 
-    # ------------------------------------------------------------------ inside update_policy
 
-    def weighting_params(self) -> dict[str, float]:
-        """Live keywords for the token weighting (STARE's scheduled W, M and gate entropy)."""
-        return self.stare.params() if self.stare is not None else {}
+#: The stability layers' hooks (each switched on by its own config keys), in registry order.
+STABILITY_HOOKS = ("overlong_filter", "kl_reference", "lp_reg", "stare", "kl_in_reward")
 
-    def terms(self, ctx: Any, rows: torch.Tensor, old_lp: torch.Tensor | None) -> list[TokenTerm]:
-        """Additive per-token terms for the mini-batch ``rows`` (``ctx``: its TokenContext at the
-        current policy; ``old_lp``: the whole step batch's sampling log-probs, [N, L])."""
-        a, out = self.cfg.algorithm, []
-        if a.kl_coef > 0 and not a.kl.in_reward:
-            ref = self.ref_lp if self.ref_lp is not None else old_lp  # unprepared: kl.reference=none
-            out.append(kl_token_term(ref[rows], ctx.mask, coef=a.kl_coef, estimator=a.kl.estimator))
-        if self.proxy_lp is not None:
-            sel = lp_reg_select(ctx.logprobs, ctx.advantages, ctx.mask, rho=a.lp_reg.rho, gather=ctx.gather)
-            out.append(lp_reg_token_term(self.proxy_lp[rows], sel, coef=a.lp_reg.coef, estimator=a.lp_reg.estimator))
-        return out
 
-    # ------------------------------------------------------------------ checkpoint state
+class StepExtras(Hooks):
+    """The stability layers' hooks of one config, built without a run (``backend`` optional): for
+    callers that drive the old pass and ``update_policy`` themselves (tests, benchmarks). The same
+    hook objects the loop builds, driven phase by phase: :meth:`loss_rows` is ``on_batch``'s filter,
+    :meth:`prepare` the ``before_update`` of KL reference / Lp-Reg / STARE, :meth:`apply_kl_in_reward`
+    that of the KL in the reward; inside the update it is a :class:`Hooks` like the run's."""
 
-    def state_dict(self) -> dict[str, Any]:
-        """What must survive a resume: STARE's scheduled W, M (JSON-able; in the checkpoint's meta)."""
-        if self.stare is None:
+    def __init__(self, cfg: Config, backend: Any | None = None) -> None:
+        run = SimpleNamespace(cfg=cfg, backend=backend)
+        built = {name: HOOKS[name](run) for name in STABILITY_HOOKS}
+        super().__init__({name: h for name, h in built.items() if h is not None})
+        self.cfg = cfg
+        self._ref_lp: torch.Tensor | None = None  # the KL target without a kl_reference hook (set by hand)
+
+    @property
+    def reference(self) -> Any:
+        """The frozen reference policy (``kl.reference: initial`` with a backend), else None."""
+        kl = self.get("kl_reference")
+        return kl.reference if isinstance(kl, KLReference) else None
+
+    @property
+    def ref_lp(self) -> torch.Tensor | None:
+        kl = self.get("kl_reference")
+        return kl.ref_lp if isinstance(kl, KLReference) else self._ref_lp
+
+    @ref_lp.setter
+    def ref_lp(self, value: torch.Tensor | None) -> None:
+        kl = self.get("kl_reference")
+        if isinstance(kl, KLReference):
+            kl.ref_lp = value
+        else:
+            self._ref_lp = value
+
+    @property
+    def proxy_lp(self) -> torch.Tensor | None:
+        lp = self.get("lp_reg")
+        return lp.proxy_lp if isinstance(lp, LpReg) else None
+
+    @proxy_lp.setter
+    def proxy_lp(self, value: torch.Tensor | None) -> None:
+        lp = self.get("lp_reg")
+        if not isinstance(lp, LpReg):
+            raise ValueError("proxy_lp: algorithm.lp_reg.enabled is false (no lp_reg hook)")
+        lp.proxy_lp = value
+
+    def loss_rows(self, seqs: Sequence[Any]) -> torch.Tensor:
+        """[N] bool: rows that stay in the loss (DAPO's overlong filter drops truncated ones)."""
+        f = self.get("overlong_filter")
+        return f.keep(seqs) if isinstance(f, OverlongFilter) else torch.ones(len(seqs), dtype=torch.bool)
+
+    def prepare(self, batch: Any, old_lp: torch.Tensor, old_ent: torch.Tensor, *, micro_batch: int | MicroSpec,
+                temperature: float, calls: int | None = None, pad_row: int | None = None) -> dict[str, float]:
+        """The step's constants (reference / proxy log-probs, STARE's state) from the old pass's
+        statistics; returns their metrics. Data parallel: every rank calls it, with ``calls`` /
+        ``pad_row`` of the old pass (``update.token_stats_batched``, same micro-batches)."""
+        spec = micro_batch if isinstance(micro_batch, MicroSpec) else MicroSpec(int(micro_batch))
+        st = StepState(0, [], [], {}, batch=batch, pad_row=pad_row, spec=spec, calls=calls,
+                       temperature=temperature, old_lp=old_lp, old_ent=old_ent)
+        for name in ("kl_reference", "lp_reg", "stare"):
+            h = self.get(name)
+            if h is not None:
+                h.before_update(st)
+        return st.metrics
+
+    def apply_kl_in_reward(self, seqs: Sequence[Any], batch: Any, old_lp: torch.Tensor) -> dict[str, float]:
+        """``kl.in_reward``: the :class:`KLInReward` rewrite with this step's target (after
+        :meth:`prepare`); no-op otherwise."""
+        h = self.get("kl_in_reward")
+        if not isinstance(h, KLInReward) or self.ref_lp is None:
             return {}
-        return {"stare": {"w": self.stare.w, "m": self.stare.m, "current_entropy": self.stare.current_entropy}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        st = state.get("stare")
-        if self.stare is not None and st:
-            self.stare.w, self.stare.m = float(st["w"]), float(st["m"])
-            self.stare.current_entropy = float(st.get("current_entropy", float("nan")))
-
-    # ------------------------------------------------------------------ helpers
-
-    def _gather(self) -> Any:
-        return self.backend.all_gather_1d if self._multi() else None
-
-    def _multi(self) -> bool:
-        """Several data-parallel ranks (the backend's collectives are then needed)."""
-        return self.backend is not None and self.backend.world_size > 1
-
-    def _global_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
-        m = mask.bool()
-        stats = torch.stack([values.detach().double()[m].sum(), m.sum().double()])
-        if self._multi():
-            stats = self.backend.all_reduce_sum(stats)
-        return float(stats[0] / stats[1].clamp_min(1.0))
+        return h.apply(seqs, batch, old_lp, self.ref_lp)
 
 
-def extras_of(run: Any) -> Hooks | StepExtras:
+def extras_of(run: Any) -> Hooks:
     """What the update asks for its in-update phases: the run's hooks; a run-like object without
-    them (tests drive update_policy directly) may carry a ``StepExtras`` as ``extras``, else none."""
+    them (tests drive update_policy directly) may carry a ``StepExtras`` as ``extras``, else the
+    stability hooks of its config."""
     hooks = getattr(run, "hooks", None)
     if hooks is not None:
         return hooks
     ex = getattr(run, "extras", None)
     return ex if ex is not None else StepExtras(run.cfg, None)
-
 
 # ----------------------------------------------------------------------------- the registered hooks
 
@@ -535,6 +681,27 @@ def _deep_grpo_hook(run: Any) -> LoopHook | None:
     return DeepGRPO(run.cfg, run) if run.cfg.algorithm.deep_grpo.enabled else None
 
 
-@register_hook("regularizers")
-def _regularizers_hook(run: Any) -> LoopHook | None:
-    return StepExtras(run.cfg, run.backend)
+@register_hook("overlong_filter")
+def _overlong_filter_hook(run: Any) -> LoopHook | None:
+    return OverlongFilter() if run.cfg.algorithm.overlong.filter else None
+
+
+@register_hook("kl_reference")
+def _kl_reference_hook(run: Any) -> LoopHook | None:
+    return KLReference(run.cfg, run.backend) if run.cfg.algorithm.kl_coef > 0 else None
+
+
+@register_hook("lp_reg")
+def _lp_reg_hook(run: Any) -> LoopHook | None:
+    return LpReg(run.cfg, run.backend) if run.cfg.algorithm.lp_reg.enabled else None
+
+
+@register_hook("stare")
+def _stare_hook(run: Any) -> LoopHook | None:
+    return StareController(run.cfg, run.backend) if run.cfg.algorithm.token_weighting == "stare" else None
+
+
+@register_hook("kl_in_reward")
+def _kl_in_reward_hook(run: Any) -> LoopHook | None:
+    a = run.cfg.algorithm
+    return KLInReward(run.cfg, run.backend) if a.kl.in_reward and a.kl_coef > 0 else None

@@ -163,13 +163,13 @@ def minp_stats_batched(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     def micro_stats(ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor,
                     pos_in: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(log kept mass [n], log max prob [n]) at the micro-batch's target positions, in order."""
-        mask_in, pos = model_inputs(attn, pos_in)  # packed rows: no 2-D mask (position ids)
+        inputs = model_inputs(attn, pos_in)  # packed rows: no 2-D mask, positions + segments
         tgt = stat_targets(attn, resp)[:, 1:]  # [b, L-1]
         if needs_logits:  # soft-capped heads: the model's own logits, row chunk by row chunk
-            logits = type(model).forward(model, input_ids=ids, attention_mask=mask_in, position_ids=pos,
+            logits = type(model).forward(model, input_ids=ids, **inputs,
                                          use_cache=False).logits[:, :-1][tgt]  # [n, V]
             return _stats_in_chunks(lambda x: x, logits, min_p, temperature, chunk_size)
-        h = _final_hidden(model, ids, mask_in, pos)[:, :-1][tgt]  # [n, D]
+        h = _final_hidden(model, ids, inputs)[:, :-1][tgt]  # [n, D]
         with forward_as(head, _run):
             return head(h)
 

@@ -29,8 +29,9 @@ runs none, its ratio is exp(lp - sg(lp)) = 1 with gradient d lp (tests/unit/test
 tokens, no padding) go into forwards of at most that many tokens, longest first, each into the first
 forward with room (first-fit decreasing; a row longer than the budget gets a forward of its own).
 A packed forward is ONE row of concatenated sequences whose position ids restart at 0 at each
-sequence (:func:`stapo.core.trainer.base.model_inputs`: no 2-D mask, transformers builds the
-block-diagonal causal mask from the position ids on sdpa/eager, varlen kernels on flash-attention).
+sequence (:func:`stapo.core.trainer.base.model_inputs`: no 2-D mask, the sequence boundaries as
+``cu_seq_lens``; attention runs per sequence with ``sdpa_varlen``, our default when packing, and
+with flash-attention's varlen kernels: :mod:`stapo.core.trainer.attention`).
 Per-token results go back to the batch's [rows, L] layout (``Micro.to_rows``, an index_put that
 keeps the graph), so weightings, losses and aggregations see exactly the tensors of the padded
 path, and every aggregation's global normalizer stays exact under any packing and rank count.

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import NamedTuple
 
-from stapo.verifier_service.grader import GradeResult, dapo_line, marker_answer, quick_rule
+from stapo.verifier_service.grader import GradeResult, dapo_line, marker_answer, quick_no_answer, quick_rule
 
 Item = tuple[str, str, str]
 """(prediction, gold, mode): what travels to a worker."""
@@ -98,6 +98,21 @@ def inline_grade(gold: str, mode: str, vk: VerdictKey) -> GradeResult | None:
     return GradeResult(ok, 1.0 if ok else 0.0, "ok", vk.extracted, (time.perf_counter() - t0) * 1e3, rule)
 
 
+def inline_no_answer(item: Item) -> GradeResult | None:
+    """The item's 'no_answer' result when ``grader.quick_no_answer`` decides it in this process (a
+    response cut off before any marker), else None: the same result a worker would return."""
+    pred, gold, mode = item
+    if len(pred) > VERDICT_MAX_CHARS:
+        return None
+    t0 = time.perf_counter()
+    try:
+        if not quick_no_answer(pred, gold, mode):
+            return None
+    except Exception:  # the worker will say what went wrong
+        return None
+    return GradeResult(False, 0.0, "no_answer", None, (time.perf_counter() - t0) * 1e3, "no-answer")
+
+
 def untimed(r: GradeResult) -> GradeResult:
     """The result as a cache serves it: same verdict (and every other field), ``ms`` 0."""
     return dataclasses.replace(r, ms=0.0)
@@ -158,7 +173,9 @@ class Plan:
     results: list[GradeResult | None]
     leaders: list[int] = dataclasses.field(default_factory=list)  # items to grade, first of their kind
     dups: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # leader -> the same item again
-    vdups: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # leader -> same (mode, gold, answer)
+    vdups: dict[int, list[int]] = dataclasses.field(
+        default_factory=dict
+    )  # leader -> same (mode, gold, answer)
     keys: dict[int, bytes] = dataclasses.field(default_factory=dict)
     vkeys: dict[int, VerdictKey] = dataclasses.field(default_factory=dict)
     retried: set[int] = dataclasses.field(default_factory=set)  # leaders that timed out before
@@ -172,7 +189,9 @@ class Memo:
     results (a retry re-grades); a timed-out item's key is, so that its retry gets a longer deadline.
     ``inline``: verdicts ``grader.quick_verdict`` decides are given in this process (no round trip)."""
 
-    def __init__(self, max_bytes: int, max_entries: int, *, verdicts: bool = True, inline: bool = True) -> None:
+    def __init__(
+        self, max_bytes: int, max_entries: int, *, verdicts: bool = True, inline: bool = True
+    ) -> None:
         self.verdict_cache, self.inline = verdicts, inline and verdicts
         self.results = ByteLRU(max_bytes // 2 if verdicts else max_bytes, max_entries)
         self.verdicts = ByteLRU(max_bytes // 2 if verdicts else 0, max_entries)
@@ -228,6 +247,11 @@ class Memo:
                     continue
                 vleaders[vk.digest] = i
                 p.vkeys[i] = vk
+            elif self.inline and (r := inline_no_answer(item)) is not None:
+                p.results[i] = r
+                self.results.put(key, untimed(r))
+                p.counts["inline_verdicts"] += 1
+                continue
             leaders[key] = i
             p.keys[i] = key
             if self.timed_out.get(key) is not None:

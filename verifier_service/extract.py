@@ -23,7 +23,9 @@ Extraction policy (which candidate is the answer when a response has several; do
    replace it. The value runs to the end of its sentence, and a contrast after it is dropped
    ("the answer is 5, not 4" -> 5; "rather than", "instead of" too).
 4. No marker: a short one-line prediction (``BARE_MAX_CHARS``) is the answer itself ("42",
-   "$\\frac12$", "28 percent", "$1,000.99"): the model wrote nothing but it. Anything else gives
+   "$\\frac12$", "28 percent", "$1,000.99"): the model wrote nothing but it -- unless the line
+   stops inside a math span or a brace ("By the theorem, $c^2 = 6", cut at the length limit) and
+   the model did not close its turn. Anything else gives
    None, and the grader falls back to math-verify's own extraction (last LaTeX span / last
    number) -- see ``grader.py`` -- only when the response is *finished* (``response_finished``:
    the model closed its turn, or the text closes every math delimiter and brace it opens and does
@@ -196,6 +198,10 @@ def _match_brace(text: str, open_idx: int) -> int:
 def find_boxes(text: str) -> list[tuple[int, int, str]]:
     """All ``\\boxed``/``\\fbox`` contents as (start, end, content), in order; unclosed ones are skipped."""
     out: list[tuple[int, int, str]] = []
+    if "boxed" not in text and "fbox" not in text:
+        # Every match of _BOX_RE contains one of these words; ``in`` finds them in C, while the
+        # regex stops at each backslash of a LaTeX-heavy response (~10 us per 500 characters).
+        return out
     pos = 0
     while True:
         m = _BOX_RE.search(text, pos)
@@ -310,7 +316,7 @@ def extract_answer(text: str, *, think: str = "optional") -> str | None:
     if line_matches:
         m = line_matches[-1]
         candidates.append((m.start(), m.group(1)))
-    gsm = [m for m in _GSM8K_RE.finditer(body) if _is_gsm8k_marker(m)]
+    gsm = [m for m in _GSM8K_RE.finditer(body) if _is_gsm8k_marker(m)] if "####" in body else []
     if gsm:
         candidates.append((gsm[-1].start(), gsm[-1].group(1)))
     if candidates:
@@ -333,8 +339,11 @@ def extract_answer(text: str, *, think: str = "optional") -> str | None:
         if ans:
             return ans
     stripped = body.strip()
+    # ... unless the line stops inside a math span or a brace ("By the theorem, $c^2 = 6"): a
+    # response cut at the length limit just after its reasoning, whose last number is no answer
     if stripped and "\n" not in stripped and len(stripped) <= BARE_MAX_CHARS:
-        return _clean_tail(stripped) or None
+        if _delimiters_closed(stripped) or _closed_turn(text):
+            return _clean_tail(stripped) or None
     return None
 
 

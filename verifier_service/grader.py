@@ -1640,27 +1640,32 @@ def _strip_unit_words(ans: str) -> str:
 _INNER_DOLLAR_RE = re.compile(r"(?<!\\)\$")
 
 
-def _marker_answer_form(extracted: str) -> str:
-    """A marker's answer in the form the comparison reads: LaTeX notation, "and"/"or" lists as comma
-    lists, trailing unit words dropped."""
+def _marker_answer_form(extracted: str) -> tuple[str, bool]:
+    """A marker's answer in the form the comparison reads (LaTeX notation, "and"/"or" lists as comma
+    lists, trailing unit words dropped), and whether that form is still prose (``_is_prose``).
+
+    The prose check is returned rather than repeated by the caller: it is most of this function's
+    cost on the service's server-process path, which runs it on every first-seen response."""
     extracted = join_and_or(latexify(extracted))
-    if _is_prose(extracted) and "$" in extracted:
+    if not _is_prose(extracted):
+        return extracted, False
+    if "$" in extracted:
         # math delimiters inside a box ("\\boxed{12 $ and $13}"): without them it may be a list
-        bare = " ".join(_INNER_DOLLAR_RE.sub(" ", extracted).split()).strip('\\"\' ')  # quotes around it too
+        bare = " ".join(_INNER_DOLLAR_RE.sub(" ", extracted).split()).strip("\\\"' ")  # quotes around it too
         bare = join_and_or(bare)
         if not _is_prose(bare):
-            return bare
-    if _is_prose(extracted):
-        extracted = _strip_unit_words(extracted)
-    return extracted
+            return bare, False
+    extracted = _strip_unit_words(extracted)
+    return extracted, _is_prose(extracted)
 
 
 def _extract_math(prediction: str, think: str) -> tuple[Status, str | None]:
     """Mode ``math``'s final answer: marker extraction, then math-verify's search for prose or no marker."""
     extracted = extract_answer(prediction, think=think)
+    prose = False
     if extracted is not None:
-        extracted = _marker_answer_form(extracted)
-    if extracted is None or _is_prose(extracted):
+        extracted, prose = _marker_answer_form(extracted)
+    if extracted is None or prose:
         if extracted is None and not response_finished(prediction, think=think):
             return "no_answer", None  # cut off mid-work with no marker: nothing was committed to
         body = extracted if extracted is not None else apply_think(prediction, think)
@@ -1729,8 +1734,8 @@ def marker_answer(prediction: str, mode: str = "math", *, think: str = "optional
     extracted = extract_answer(prediction, think=think)
     if extracted is None:
         return None
-    extracted = _marker_answer_form(extracted)
-    return None if _is_prose(extracted) else extracted
+    extracted, prose = _marker_answer_form(extracted)
+    return None if prose else extracted
 
 
 def dapo_line(prediction: str, *, think: str = "optional") -> str | None:
@@ -1780,6 +1785,20 @@ def quick_rule(gold: str, answer: str, mode: str = "math") -> tuple[bool, str] |
         return None  # grade says "error" (empty gold): the worker reports it
     verdict, rule = _decide(gold_ans, answer, RULES[:CHEAP_RULES])
     return None if verdict is None or rule is None else (verdict, rule)
+
+
+def quick_no_answer(prediction: str, gold: str, mode: str = "math") -> bool:
+    """Does :func:`grade` answer 'no_answer' (rule ``no-answer``) for this item from the cut-off rule
+    alone? Mode ``math`` only: the response has no marker and did not finish
+    (``extract.response_finished``), and the gold is not empty (an empty gold is an 'error').
+
+    For the service's server process, next to :func:`quick_rule`: a response cut off mid-work is
+    ~2% of an RL stream, and a round trip to a worker for it costs more than this linear check."""
+    if mode != "math" or len(gold) > QUICK_MAX_CHARS:
+        return False
+    if not strip_delims(_math_gold(strip_special_tokens(gold))):
+        return False
+    return extract_answer(prediction) is None and not response_finished(prediction)
 
 
 def final_answer(

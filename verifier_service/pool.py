@@ -3,15 +3,13 @@
 math-verify's own timeouts (``signal.alarm``) work only on a main thread and cannot interrupt C
 code (a GMP factorial) or ``str()`` of a power tower: the only deadline that always holds is
 enforced from outside, by killing the worker. Each item is one task of pebble's ``ProcessPool``
-(a maintained library) with ``timeout=`` its deadline: pebble starts the workers, kills and
-replaces one whose task overruns, reports one that died (``ProcessExpired``) and retires one after
-``max_tasks`` tasks. What is stapo's own: caches and in-request duplicates (``cache.py``), fair
-queueing across requests (at most one task per worker is handed to pebble; the open request that
-has received the least estimated worker time sends next, its costly shapes last), admission in
-estimated seconds (:class:`PoolBusy`), request budgets, recycling by memory, self-healing after
-start-up failures (:class:`PoolBroken`), fork safety. Where pebble falls short (a worker dying
-while idle breaks a pebble pool; it cannot retire one chosen worker nor tell a start-up death from
-a crash), the pool replaces the whole pebble pool (a "generation"). docs/verifier.md has the why.
+with ``timeout=`` its deadline: pebble starts the workers, kills and replaces one whose task
+overruns, reports one that died under its task (``ProcessExpired``) and retires one after
+``max_tasks`` tasks. stapo's own: caches (``cache.py``), fair queueing across requests (pebble
+gets at most one task per worker), admission (:class:`PoolBusy`), request budgets, and what
+pebble 5 does not do (docs/verifier.md): replacing the pebble pool when it gave up (a worker died
+while no task ran) or a worker's memory grew, backing off after start-up failures
+(:class:`PoolBroken`), and fork safety.
 
 A script that builds a pool needs ``if __name__ == "__main__":`` (workers import ``__main__``)::
 
@@ -24,10 +22,12 @@ A script that builds a pool needs ``if __name__ == "__main__":`` (workers import
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import multiprocessing as mp
@@ -97,16 +97,16 @@ class PoolBroken(RetryLater):
     the pool tries again in ``retry_after_s``."""
 
 
-def timeout_result(deadline_s: float) -> GradeResult:
-    return GradeResult(correct=False, score=0.0, status="timeout", extracted=None, ms=deadline_s * 1000.0)
-
-
 def status_result(status: str) -> GradeResult:
     """A result that carries only a status (too_large, error): never correct, score 0."""
     return GradeResult(correct=False, score=0.0, status=status, extracted=None, ms=0.0)
 
 
 # --------------------------------------------------------------------------- worker process
+
+TASKS = itertools.count(1)
+"""Tasks this worker has run (each worker is a fresh process: it counts from 1)."""
+
 
 def worker_init(ready: Any, memory_mb: int, warmup: bool) -> None:
     """pebble's initializer, run once in every worker; tells the parent it is ready (its pid)."""
@@ -127,24 +127,18 @@ def worker_init(ready: Any, memory_mb: int, warmup: bool) -> None:
         ready.send(os.getpid())
 
 
-def grade_item(pred: str, gold: str, mode: str, max_chars: int) -> tuple[int, float, tuple]:
-    """One pebble task: (pid, resident MiB, the result's fields)."""
+def grade_item(pred: str, gold: str, mode: str, max_chars: int) -> tuple[int, int, float, tuple]:
+    """One pebble task: (pid, tasks this worker ran, its peak resident MiB, the result's fields)."""
     from stapo.verifier_service.grader import grade
 
     t0 = time.perf_counter()
     try:
         r = grade(pred, gold, mode, max_chars=max_chars)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as err:  # math-verify's TimeoutException is a BaseException
+    except BaseException as err:  # math-verify's TimeoutException is a BaseException; never requeued
         log.debug("grade raised %r", err)
         r = GradeResult(False, 0.0, "error", None, (time.perf_counter() - t0) * 1000.0)
-    return os.getpid(), rss_mb(), FIELDS(r)
-
-
-def rss_mb() -> float:
-    """This process's peak resident memory in MiB (``ru_maxrss`` is KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return os.getpid(), next(TASKS), rss_mb, FIELDS(r)
 
 
 # --------------------------------------------------------------------------- parent side
@@ -169,30 +163,6 @@ class RecordingContext:
         return p
 
 
-@dataclasses.dataclass(eq=False)
-class Generation:
-    """One pebble pool and what is known about its workers."""
-
-    ctx: RecordingContext
-    pool: pebble.ProcessPool
-    ready: set[int] = dataclasses.field(default_factory=set)  # PIDs that finished worker_init
-    dead: bool = False  # stopped or replaced: nothing more is sent to it
-
-    def live_ready(self) -> list[int]:
-        return sorted(p.pid for p in self.ctx.procs if p.pid in self.ready and p.is_alive())
-
-
-def stop_generations(gens: list[Generation]) -> None:
-    """Stop every worker of these pebble pools (SIGTERM; they die at once) and wait for them."""
-    for gen in gens:
-        gen.dead = True
-        with contextlib.suppress(Exception):
-            gen.pool.stop()
-    for gen in gens:
-        with contextlib.suppress(Exception):
-            gen.pool.join(timeout=5.0)
-
-
 class Job:
     """One submit() call: its cache plan (results, duplicates) and its queue of leaders to send."""
 
@@ -213,6 +183,7 @@ class Job:
 
 
 _POOLS: weakref.WeakSet[GraderPool] = weakref.WeakSet()
+_REBUILD_LOCK = threading.Lock()
 
 
 def _after_fork_in_child() -> None:
@@ -221,8 +192,17 @@ def _after_fork_in_child() -> None:
             pool._forget_parent()
 
 
+def _stop_at_exit(ref: Any = None) -> None:
+    """Stop the workers of one pool (``ref``: a weak reference) or of every pool of this process;
+    their watchdogs start no new ones."""
+    for pool in [ref()] if ref is not None else list(_POOLS):
+        if pool is not None and pool._owner_pid == os.getpid():
+            pool._closing = pool._stop = True
+            pool._replace_pebble(start=False)
+
+
 os.register_at_fork(after_in_child=_after_fork_in_child)
-_REBUILD_LOCK = threading.Lock()
+atexit.register(_stop_at_exit)  # runs before pebble's exit handler (registered earlier)
 
 
 class GraderPool:
@@ -290,7 +270,7 @@ class GraderPool:
     def _start(self) -> None:
         """Everything that belongs to one process: state, locks, pipes, workers, the watchdog."""
         self._owner_pid = os.getpid()
-        self._ctx = mp.get_context(self.start_method)
+        self._ctx = RecordingContext(mp.get_context(self.start_method))  # every worker this process starts
         if self.start_method == "forkserver":
             # Only has an effect before this process's fork server starts. The warm-up module
             # imports math-verify + sympy and grades a few items once, in the fork server, so
@@ -298,90 +278,74 @@ class GraderPool:
             warm = ["stapo.verifier_service.warmup"] if self.worker_args[1] else []
             self._ctx.set_forkserver_preload(["stapo.verifier_service.pool", *warm])
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)  # notified when no job is outstanding
-        self._active: dict[Job, None] = {}  # jobs with queued items, in arrival order
-        self._outstanding: set[Job] = set()
-        self._running: dict[Any, tuple[Job, int, float, Generation]] = {}  # pebble future -> its item
+        self._outstanding: dict[Job, None] = {}  # jobs with items queued or in flight, in arrival order
+        self._running: dict[Any, tuple[Job, int, float]] = {}  # pebble future -> its item
         self._pending_items = 0  # queued + in flight
         self._item_s: dict[str, float] = {}  # mode -> running mean of per-item seconds (timeouts too)
-        self._closing = self._stop = False
+        self._closing = self._stop = self._recycle = False
         self._broken: str | None = None
         self._restart_at = 0.0
         self._backoff_s = 1.0
         self._start_failures = 0
-        self._gens: list[Generation] = []  # the current one last; older ones finish their tasks
-        # Stopped when this process exits: multiprocessing's exit handler runs these finalizers before
-        # it joins every child, so a process that never closed its pool does not wait on its workers.
-        multiprocessing.util.Finalize(self, stop_generations, args=(self._gens,), exitpriority=10)
-        self._unready_since: float | None = None
+        self._ready: set[int] = set()  # PIDs of workers that finished worker_init
         self._ready_event = threading.Event()
         self._ready_r, self._ready_w = self._ctx.Pipe(duplex=False)  # workers' PIDs; 0 wakes the watchdog
-        self._new_generation()
+        self._pebble: pebble.ProcessPool | None = None
+        # multiprocessing's exit handler runs this before it joins every child (a forked child may
+        # call that handler directly, without the interpreter's atexit)
+        multiprocessing.util.Finalize(self, _stop_at_exit, args=(weakref.ref(self),), exitpriority=10)
+        self._replace_pebble()
         self._thread = threading.Thread(target=self._watch, name="stapo-grader-pool", daemon=True)
         self._thread.start()
 
     # ----------------------------------------------------------------- workers (pebble)
 
-    def _new_generation(self) -> None:
-        """Start a fresh pebble pool; the previous one (if any) finishes its tasks and exits."""
-        for old in self._gens:
-            self._retire(old)
-        ctx = RecordingContext(self._ctx)
-        pool = pebble.ProcessPool(
-            self.size, self.max_tasks, worker_init, (self._ready_w, *self.worker_args), context=ctx
-        )
-        self._gens.append(Generation(ctx, pool))
-        self._unready_since = time.monotonic()
-        try:
-            pool.active  # noqa: B018 - pebble starts its workers on first use; start them now
-        except Exception as err:  # the fork server is gone, no fds left, ...: a failed start
-            log.warning("grader workers could not start: %r", err)
-            self.stats["start_errors"] += 1
-            self._start_failures += 1
-
-    def _retire(self, gen: Generation, *, kill: bool = False) -> None:
-        """Send nothing more to ``gen``; its running tasks finish (or die, ``kill``), then its workers exit."""
-        if gen.dead and not kill:
-            return
-        gen.dead = True
-        with contextlib.suppress(Exception):
-            gen.pool.stop() if kill else gen.pool.close()
-        threading.Thread(target=self._join, args=(gen,), daemon=True).start()
-
-    def _join(self, gen: Generation) -> None:
-        with contextlib.suppress(Exception):
-            gen.pool.join()
+    def _replace_pebble(self, *, start: bool = True) -> None:
+        """Stop the pebble pool (its running items go back to the head of their jobs' queues, no
+        fault of theirs) and, ``start``, start a fresh one. Called by the watchdog thread only."""
         with self._lock:
-            if gen in self._gens and gen is not self._gens[-1]:
-                self._gens.remove(gen)
+            old, self._pebble, self._recycle = self._pebble, None, False
+            lost = list(self._running.values())
+            self._running.clear()
+        if old is not None:
+            old.stop()
+            with contextlib.suppress(Exception):
+                old.join(timeout=5.0)  # pebble stops the workers (they die at once) and settles the futures
+        for job, i, _ in lost:
+            self._requeue(job, [i])
+        self._unready_since = time.monotonic()
+        if start:
+            pool = pebble.ProcessPool(
+                self.size, self.max_tasks, worker_init, (self._ready_w, *self.worker_args), context=self._ctx
+            )
+            self._pebble_active(pool)  # pebble starts its workers on first use: start them now
+            self._pebble = pool
 
-    def _current(self) -> Generation | None:
-        gen = self._gens[-1] if self._gens else None
-        return None if gen is None or gen.dead else gen
+    @staticmethod
+    def _pebble_active(pool: pebble.ProcessPool | None) -> bool:
+        """Whether pebble runs ``pool`` (False once it gave up, or when starting its workers failed)."""
+        try:
+            return pool is not None and pool.active
+        except Exception:  # the fork server is gone, no fds left, ...
+            return False
 
     # ----------------------------------------------------------------- fork safety
 
     def _forget_parent(self) -> None:
         """In an ``os.fork()`` child: the workers, pipes and threads are the parent's; let go of them.
 
-        multiprocessing's exit handler would stop every daemonic process it knows of, the parent's
-        workers included; each worker's (public) sentinel is pointed at a closed pipe, so the child
-        sees them as ended. Nothing is sent to the parent's workers."""
+        pebble's and multiprocessing's exit handlers stop and join every worker they know of, the
+        parent's included; each worker's (public) sentinel is pointed at a closed pipe, so the
+        child sees them as ended. Nothing is sent to the parent's workers."""
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
         self.memo.reset_locks()
-        for gen in self._gens:
-            gen.dead = True
-            for p in gen.ctx.procs:
-                with contextlib.suppress(Exception):
-                    r, w = os.pipe()
-                    os.close(w)
-                    os.dup2(r, p.sentinel)
-                    os.close(r)
-        self._gens.clear()  # in place: this process's exit finalizer must not stop the parent's workers
-        for conn in (self._ready_r, self._ready_w):
+        self._pebble = None
+        for p in self._ctx.procs:
             with contextlib.suppress(Exception):
-                conn.close()
+                r, w = os.pipe()
+                os.close(w)
+                os.dup2(r, p.sentinel)
+                os.close(r)
 
     def _ensure_owner(self) -> None:
         """Rebuild the pool in a forked child on first use (new workers, new watchdog)."""
@@ -451,8 +415,7 @@ class GraderPool:
                     f"the bound is max_queue_s={self.max_queue_s:g}; retry in {wait:.0f} s",
                     wait,
                 )
-            self._outstanding.add(job)
-            self._active[job] = None
+            self._outstanding[job] = None
             self._pending_items += len(plan.leaders)
         job.future.add_done_callback(lambda f, j=weakref.ref(job): self._on_future_done(f, j))
         if budget_s is not None:
@@ -479,8 +442,8 @@ class GraderPool:
         return self._ready_event.wait(timeout)
 
     def worker_pids(self) -> list[int]:
-        gen = self._current()
-        return gen.live_ready() if gen is not None else []
+        """Workers that finished ``worker_init`` and are alive."""
+        return sorted(p.pid for p in list(self._ctx.procs) if p.pid in self._ready and p.is_alive())
 
     def ready_workers(self) -> int:
         return len(self.worker_pids())
@@ -517,16 +480,12 @@ class GraderPool:
             self._closing = self._stop = True
             return
         with self._lock:
-            if self._closing and self._stop:
+            if self._stop:
                 return
             self._closing = True
-            end = None if timeout is None else time.monotonic() + timeout
-            while self._outstanding and not self._broken:
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self._idle.wait(0.5 if left is None else min(left, 0.5))
-            self._stop = True
+            jobs = [j.future for j in self._outstanding]
+        concurrent.futures.wait(jobs, timeout)  # (a broken pool fails them)
+        self._stop = True
         self._wake()
         self._thread.join(timeout=10.0)
 
@@ -571,16 +530,13 @@ class GraderPool:
             job.pending[job.kind(i)] -= 1
             self._pending_items -= 1
         if not +job.pending:
-            self._outstanding.discard(job)
-            if not self._outstanding:
-                self._idle.notify_all()
+            self._outstanding.pop(job, None)
 
     def _drop_queued(self, job: Job, *, cancelled: bool) -> None:
         """Remove a job's queued items: cancelled -> forgotten; budget spent -> answered 'timeout'."""
         with self._lock:
             idx = list(job.queue)
             job.queue.clear()
-            self._active.pop(job, None)
             if cancelled:
                 job.cancelled = True
                 self._forget_locked(job, idx)
@@ -597,7 +553,6 @@ class GraderPool:
                 self._forget_locked(job, idx)
                 return
             job.queue.extendleft(reversed(idx))
-            self._active.setdefault(job, None)
 
     def _complete(self, job: Job, leader: int, r: GradeResult, *, count: bool = True) -> None:
         """A leader's result (``count`` False: a spent budget's ungraded 'timeout', not the item's fault)."""
@@ -627,61 +582,61 @@ class GraderPool:
         """The open job that has received the least worker time (ties: the oldest); expired jobs are
         left for the watchdog to answer."""
         now = time.monotonic()
-        open_jobs = (j for j in self._active if j.expires is None or now <= j.expires)
+        open_jobs = (j for j in self._outstanding if j.queue and (j.expires is None or now <= j.expires))
         return min(open_jobs, key=lambda j: j.served, default=None)
 
     def _dispatch(self) -> None:
         """Hand pebble one item per free worker (on submit, on each finished task, by the watchdog)."""
         while True:
             with self._lock:
-                gen = self._current()
-                if gen is None or self._broken or self._stop or len(self._running) >= self.size:
+                pool = self._pebble
+                full = len(self._running) >= self.size
+                if pool is None or full or self._broken or self._stop or self._recycle:
                     return
                 job = self._pick()
                 if job is None:
                     return
                 i = job.queue.popleft()
-                if not job.queue:
-                    self._active.pop(job, None)
                 job.served += self._est_s(job.kind(i))
                 deadline = self.deadline_s * (self.retry_deadline_factor if i in job.plan.retried else 1)
                 if job.expires is not None:  # nothing runs past the request's budget
                     deadline = min(deadline, max(0.05, job.expires - time.monotonic()))
                 try:
-                    fut = gen.pool.schedule(grade_item, (*job.items[i], self.max_chars), timeout=deadline)
+                    fut = pool.schedule(grade_item, (*job.items[i], self.max_chars), timeout=deadline)
                 except Exception as err:  # the pebble pool stopped working: the watchdog replaces it
                     log.warning("grader pool: could not send a task (%r)", err)
                     job.queue.appendleft(i)
-                    self._active.setdefault(job, None)
                     return
-                self._running[fut] = (job, i, deadline, gen)
+                self._running[fut] = (job, i, deadline)
             fut.add_done_callback(self._on_task_done)
 
     def _on_task_done(self, fut: Any) -> None:
         """A task's future resolved (in a pebble thread): answer the item, or send it again."""
         with self._lock:
             task = self._running.pop(fut, None)
-        if task is None:  # settled already (its pebble pool was stopped)
+        if task is None:  # settled already (its pebble pool was replaced)
             return
-        job, i, deadline, gen = task
+        job, i, deadline = task
         try:
             err = concurrent.futures.CancelledError() if fut.cancelled() else fut.exception()
             if err is None:
-                pid, rss, fields = fut.result()
+                pid, tasks, rss, fields = fut.result()
                 r = GradeResult(*fields)
                 if i not in job.costly:
                     self._observe(job.items[i][2], r.ms / 1000.0)
                 self._complete(job, i, r)
-                if self.worker_max_rss_mb and rss > self.worker_max_rss_mb and gen is self._current():
+                self.stats["recycled_items"] += tasks == self.max_tasks  # pebble retires the worker now
+                if self.worker_max_rss_mb and rss > self.worker_max_rss_mb and not self._recycle:
                     log.info("grader worker %s: %.0f MiB resident > %d; replacing the workers", pid, rss,
                              self.worker_max_rss_mb)  # fmt: skip
                     self.stats["recycled_rss"] += 1
-                    self._new_generation()  # (pebble cannot retire one chosen worker)
+                    self._recycle = True  # the watchdog replaces the pebble pool (no chosen worker retires)
+                    self._wake()
             elif isinstance(err, concurrent.futures.TimeoutError):  # pebble killed the worker
                 self.stats["restarts_timeout"] += 1
                 if i not in job.costly:
                     self._observe(job.items[i][2], deadline)
-                self._complete(job, i, timeout_result(deadline))
+                self._complete(job, i, GradeResult(False, 0.0, "timeout", None, deadline * 1000.0))
             elif isinstance(err, pebble.ProcessExpired):  # the worker died under it (killed, out of memory)
                 self.stats["restarts_crash"] += 1
                 log.warning("grader worker died (%s); pebble replaces it", err)
@@ -700,24 +655,19 @@ class GraderPool:
     # ----------------------------------------------------------------- watchdog thread
 
     def _watch(self) -> None:
-        """Worker start-up and deaths, restarts after failures, spent budgets."""
+        """Worker start-up and deaths, restarts after failures, memory recycling, spent budgets."""
         try:
             while not self._stop:
-                busy = self._running or any(j.expires is not None for j in self._active)
+                busy = self._running or any(j.expires is not None for j in list(self._outstanding))
                 if self._ready_r.poll(TICK_S if busy else 0.25):
                     while self._ready_r.poll():
-                        if (pid := self._ready_r.recv()) and (gen := self._current()) is not None:
-                            gen.ready.add(pid)  # (it may report before its Process object knows its pid)
-                            self._start_failures, self._backoff_s = 0, 1.0
-                            if self._broken and self._restart_at == math.inf:
-                                log.warning("grader pool: workers start again; the pool is back")
-                                self._broken = None
-                            if len(gen.live_ready()) >= self.size:
-                                self._ready_event.set()
+                        if pid := self._ready_r.recv():
+                            self._on_ready(pid)
                 self._check_workers()
                 now = time.monotonic()
-                for job in [j for j in list(self._active) if j.expires is not None and now > j.expires]:
-                    self._drop_queued(job, cancelled=False)
+                for job in list(self._outstanding):
+                    if job.queue and job.expires is not None and now > job.expires:
+                        self._drop_queued(job, cancelled=False)
                 self._dispatch()
         except BaseException:  # pragma: no cover - a bug here must not hang every caller
             log.exception("grader pool watchdog crashed")
@@ -726,38 +676,46 @@ class GraderPool:
         finally:
             self._shutdown()
 
+    def _on_ready(self, pid: int) -> None:
+        self._ready.add(pid)  # (it may report before its Process object knows its pid)
+        self._start_failures, self._backoff_s = 0, 1.0
+        if self._broken and self._restart_at == math.inf:
+            log.warning("grader pool: workers start again; the pool is back")
+            self._broken = None
+        if len(self.worker_pids()) >= self.size:
+            self._ready_event.set()
+
     def _check_workers(self) -> None:
         """Workers that died before they were ready count as start failures; too many break the pool."""
         now = time.monotonic()
-        gen = self._current()
-        if gen is None:
+        if self._pebble is None:
             if self._broken and now >= self._restart_at:
                 log.warning("grader pool: trying to start workers again (backoff %.0f s)", self._backoff_s)
                 self.stats["pool_restarts"] += 1
                 self._start_failures = self.max_start_failures  # one more failure breaks it again, longer
                 self._restart_at = math.inf  # until a worker reports ready or fails again
-                self._new_generation()
+                self._replace_pebble()
             return
-        for p in [p for p in gen.ctx.procs if p.pid is not None and not p.is_alive()]:
-            gen.ctx.procs.remove(p)
-            if p.pid not in gen.ready and p.exitcode > 0:  # failed while starting (a signal: killed, a crash)
+        for p in [p for p in list(self._ctx.procs) if p.pid is not None and not p.is_alive()]:
+            self._ctx.procs.remove(p)
+            if p.pid not in self._ready and p.exitcode > 0:  # failed while starting (not killed by a signal)
                 self._start_failures += 1
-                self.stats["start_errors"] += 1
-            elif p.pid in gen.ready and p.exitcode == 0:  # pebble retired it after max_tasks items
-                self.stats["recycled_items"] += 1
-            gen.ready.discard(p.pid)
-        # time without any ready worker: since the generation started, or since its last ready
+                self.stats["restarts_startup"] += 1  # the metric worker_restarts_total{reason="startup"}
+            self._ready.discard(p.pid)
+        # time without any ready worker: since the pebble pool started, or since its last ready
         # worker was killed or retired (replacements must report ready within the same timeout)
-        if gen.ready:
+        if self.worker_pids():
             self._unready_since = None
         elif self._unready_since is None:
             self._unready_since = now
-        slow = not gen.ready and now - self._unready_since > self.startup_timeout_s
+        slow = now - (self._unready_since or now) > self.startup_timeout_s
         if self._start_failures > self.max_start_failures or slow:
             self._break_for_a_while()
-        elif not gen.pool.active:  # pebble gave up on this pool (a worker died between tasks)
+        elif self._recycle:  # a worker's memory passed worker_max_rss_mb
+            self._replace_pebble()
+        elif not self._pebble_active(self._pebble):  # pebble gave up: a worker died while no task ran
             self.stats["restarts_crash"] += 1
-            self._new_generation()
+            self._replace_pebble()
 
     def _break_for_a_while(self) -> None:
         """Workers keep dying while starting: fail what is queued, try again after a backoff."""
@@ -776,24 +734,15 @@ class GraderPool:
         self._fail_all(PoolBroken(why, self._backoff_s))
 
     def _fail_all(self, err: Exception) -> None:
-        """Fail every outstanding job and stop every worker.
-
-        pebble leaves the futures of a stopped pool's running tasks pending for ever: they are
-        settled here (their jobs are failed; nothing waits for them any more)."""
-        for gen in self._gens:
-            self._retire(gen, kill=True)
+        """Stop the workers and fail every outstanding job with ``err``."""
+        self._replace_pebble(start=False)
         with self._lock:
             jobs = list(self._outstanding)
-            for job, i, _, _ in self._running.values():
-                self._forget_locked(job, [i])
-            self._running.clear()
             self._outstanding.clear()
-            self._active.clear()
             for job in jobs:
                 self._forget_locked(job, list(job.queue))
                 job.queue.clear()
                 job.cancelled = True
-            self._idle.notify_all()
         for job in jobs:
             if not job.future.done():
                 job.future.set_exception(err)
@@ -802,7 +751,6 @@ class GraderPool:
         """Watchdog exit: fail what is left, stop the workers (they die at once on SIGTERM)."""
         self._closing = True
         self._fail_all(PoolClosed("the grader pool closed before these items were graded"))
-        stop_generations(self._gens)  # and wait for them
         for conn in (self._ready_r, self._ready_w):
             with contextlib.suppress(Exception):
                 conn.close()

@@ -102,7 +102,8 @@ class Settings(BaseSettings):
         50_000, ge=0, description="Recycle a worker after grading this many items (0: never)."
     )
     worker_max_rss_mb: int = Field(
-        1024, ge=0, description="Recycle an idle worker whose resident memory exceeds this (MiB; 0: never)."
+        1024, ge=0, description="Replace the workers once one's resident memory exceeds this after a task (MiB; 0: never); "
+        "items still running are graded again."
     )
     start_method: Literal["forkserver", "spawn"] = Field(
         "forkserver",

@@ -294,23 +294,28 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
 
 
-def model_inputs(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(attention mask, position ids) to hand the model.
+def model_inputs(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, Any]:
+    """Keyword arguments that tell the model where each sequence is: mask, position ids, segments.
 
     Padded rows: the 0/1 mask and positions counted over real tokens (:func:`position_ids_from_mask`).
-    Packed rows (``position_ids`` given: several sequences concatenated in one row, positions
-    restarting at 0 at each sequence's first token, no padding): NO 2-D mask, so transformers derives
-    the sequence boundaries from the position ids (``masking_utils.find_packed_sequence_indices``,
-    used when the mask is None and no KV cache is passed) and keeps attention within each sequence:
-    a block-diagonal causal mask on the sdpa / eager paths (CPU and GPU), variable-length kernels
-    (``cu_seqlens`` from the position ids) with flash-attention on GPU.
+    Packed rows (``position_ids`` given, [1, T]: several sequences back to back, positions restarting
+    at 0 at each sequence's first token, no padding): NO 2-D mask, plus the sequence boundaries as
+    ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``
+    (:func:`stapo.core.trainer.attention.varlen_kwargs`), which the models hand to their attention
+    function. Attention then stays within each sequence on every implementation: ``sdpa_varlen``
+    (our default when packing, CPU or GPU) runs sdpa per sequence; ``flash_attention_2`` (GPU) runs
+    its varlen kernel on the same boundaries; ``sdpa`` / ``eager`` ignore them and build a
+    block-diagonal causal [T, T] mask from the position ids (correct, cost T^2 per layer).
     """
     if position_ids is None:
-        return attention_mask, position_ids_from_mask(attention_mask)
+        return {"attention_mask": attention_mask, "position_ids": position_ids_from_mask(attention_mask)}
     if position_ids.shape != attention_mask.shape:
         raise ValueError(f"position_ids shape {tuple(position_ids.shape)} != attention_mask shape "
                          f"{tuple(attention_mask.shape)}")
-    return None, position_ids.to(attention_mask.device)
+    from stapo.core.trainer.attention import varlen_kwargs
+
+    pos = position_ids.to(attention_mask.device)
+    return {"attention_mask": None, "position_ids": pos, **varlen_kwargs(pos)}
 
 
 def head_logit_transform(model: torch.nn.Module) -> tuple[float, bool]:
@@ -382,26 +387,22 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
         )
 
 
-def _final_hidden(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
-) -> torch.Tensor:
+def _final_hidden(model: torch.nn.Module, input_ids: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
     """Final (post-norm) hidden states [B, L, D] without running the LM head.
 
     HF causal LMs keep their decoder under ``model.base_model`` (``LlamaForCausalLM.model``); its
     ``last_hidden_state`` is what the LM head consumes. Models without a separate base model fall
     back to ``output_hidden_states=True`` (which also computes the logits: slower, same numbers).
+    ``inputs`` are :func:`model_inputs`' keywords.
     """
     base = getattr(model, "base_model", None)
     if base is not None and base is not model:
-        out = base(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        )
+        out = base(input_ids=input_ids, **inputs, use_cache=False)
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     out = type(model).forward(  # the class's forward: the instance's may be overridden (forward_as)
         model,
         input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
+        **inputs,
         use_cache=False,
         output_hidden_states=True,
     )
@@ -449,7 +450,7 @@ def compute_token_stats(
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     B, L = input_ids.shape
     attention_mask = attention_mask.to(input_ids.device)
-    model_mask, position_ids = model_inputs(attention_mask, position_ids)  # [B, L] (mask None: packed)
+    inputs = model_inputs(attention_mask, position_ids)  # mask [B, L] / packed: positions + segments
     target = stat_targets(attention_mask, response_mask)  # [B, L]
     scale, needs_logits = head_logit_transform(model)
     eff_temperature = temperature / scale
@@ -462,19 +463,13 @@ def compute_token_stats(
 
     if needs_logits:
         # The class's own forward: `model.forward` may be overridden on the instance (see forward_as).
-        out = type(model).forward(
-            model,
-            input_ids=input_ids,
-            attention_mask=model_mask,
-            position_ids=position_ids,
-            use_cache=False,
-        )
+        out = type(model).forward(model, input_ids=input_ids, **inputs, use_cache=False)
         logits = out.logits[:, :-1][tgt]  # [N, V]
         lp, ent = ts.token_logprobs_entropy_from_logits(
             logits, labels, chunk_size=chunk_size, entropy_grad=entropy_grad, temperature=temperature
         )
     else:
-        hidden = _final_hidden(model, input_ids, model_mask, position_ids)  # [B, L, D]
+        hidden = _final_hidden(model, input_ids, inputs)  # [B, L, D]
         h = hidden[:, :-1][tgt]  # [N, D]
         head = model.get_output_embeddings()
         if head is None:
@@ -551,8 +546,8 @@ def compute_token_loss(
             raise ValueError(f"token_loss_fn must return shape {tuple(lp.shape)}, got {tuple(per_tok.shape)}")
         return per_tok.sum(), lp_bl.detach(), ent_bl.detach()
 
-    model_mask, position_ids = model_inputs(attention_mask, position_ids)  # [B, L] (mask None: packed)
-    hidden = _final_hidden(model, input_ids, model_mask, position_ids)  # [B, L, D]
+    inputs = model_inputs(attention_mask, position_ids)  # mask [B, L] / packed: positions + segments
+    hidden = _final_hidden(model, input_ids, inputs)  # [B, L, D]
     tgt = target[:, 1:]  # [B, L-1] target t+1 predicted from position t
     h = hidden[:, :-1][tgt]  # [N, D]
     labels = input_ids[:, 1:][tgt]  # [N]
@@ -611,7 +606,7 @@ def compute_token_distribution(
         raise ValueError(f"top_k must be >= 0, got {top_k}")
     B, L = input_ids.shape
     attention_mask = attention_mask.to(input_ids.device)
-    model_mask, position_ids = model_inputs(attention_mask, position_ids)  # [B, L] (mask None: packed)
+    inputs = model_inputs(attention_mask, position_ids)  # mask [B, L] / packed: positions + segments
     target = stat_targets(attention_mask, response_mask)  # [B, L]
     tgt = target[:, 1:]  # [B, L-1]
     labels = input_ids[:, 1:][tgt]  # [N]
@@ -642,13 +637,11 @@ def compute_token_distribution(
 
     n = int(labels.shape[0])
     if needs_logits:
-        out = type(model).forward(
-            model, input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids, use_cache=False
-        )
+        out = type(model).forward(model, input_ids=input_ids, **inputs, use_cache=False)
         logits = out.logits[:, :-1][tgt]  # [N, V]
         lp, ent, q2, tv, ti = from_logits(lambda s, e: logits[s:e], n, temperature)
     else:
-        hidden = _final_hidden(model, input_ids, model_mask, position_ids)  # [B, L, D]
+        hidden = _final_hidden(model, input_ids, inputs)  # [B, L, D]
         h = hidden[:, :-1][tgt]  # [N, D]
         head = model.get_output_embeddings()
         if head is None:

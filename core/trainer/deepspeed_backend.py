@@ -60,6 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stapo.core.trainer.attention import use_attention
 from stapo.core.trainer.base import (
     adamw_param_groups,
     compute_token_distribution,
@@ -212,6 +213,8 @@ class DeepSpeedBackend:
         bf16 = not cpu
         if cpu and any(p.dtype != torch.float32 for p in model.parameters()):
             model = model.float()  # CPU runs fp32 (DeepSpeed's bf16 path needs an accelerator)
+        # the attention set on the model (None: its own), see stapo.core.trainer.attention
+        self.attn_implementation = use_attention(model, self.tcfg.attn_implementation, packed=self.tcfg.micro_batch_tokens is not None)
         if cfg.model.gradient_checkpointing:
             enable_activation_checkpointing(model)
         if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):

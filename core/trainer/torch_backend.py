@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from stapo.core.trainer.attention import use_attention
 from stapo.core.trainer.base import (
     adamw_param_groups,
     check_token_batch,
@@ -69,6 +70,8 @@ class TorchBackend:
             )
             model = model.float()
         self.model = model.to(self.device)
+        # the attention set on the model (None: its own), see stapo.core.trainer.attention
+        self.attn_implementation = use_attention(model, self.tcfg.attn_implementation, packed=self.tcfg.micro_batch_tokens is not None)
         if cfg.model.gradient_checkpointing:
             enable_activation_checkpointing(model)
         if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):

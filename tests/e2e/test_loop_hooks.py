@@ -13,7 +13,7 @@ import json
 from stapo.configs import preset_path
 from stapo.core import loop
 from stapo.core.config import load_config
-from stapo.core.extras import HOOKS, LoopHook, StepState, build_hooks
+from stapo.core.extras import HOOKS, LoopHook, StepState
 from stapo.core.tracking import read_jsonl
 
 # 2 mini-batches: two optimizer steps per training step; a checkpoint after every step
@@ -81,12 +81,3 @@ def test_registered_hook_sees_every_phase_in_order_and_resumes(tmp_path, monkeyp
     assert loaded == [{"seen": 1}]  # given back under its name before step 2
     assert calls[0] == ("sample", 2) and calls[-1] == ("close",)
 
-
-def test_plain_recipe_builds_only_the_always_on_hooks():
-    from types import SimpleNamespace
-
-    cfg = load_config(preset_path("tiny"), [])
-    hooks = build_hooks(SimpleNamespace(cfg=cfg, sampler=None, backend=None))
-    assert list(hooks.by_name) == ["sampler", "regularizers"]  # async, deep_grpo: switched off
-    assert list(HOOKS)[:4] == ["async", "sampler", "deep_grpo", "regularizers"]  # the phase order
-    assert hooks.needs_old_stats(StepState(1, [], [], {})) is False and hooks.weighting_params() == {}

@@ -7,8 +7,8 @@ recoverability model must learn from every rank's outcomes, and the logged DEEP-
 be global. The run must finish under the timeout with branches trained on at least one step.
 Whole runs cannot equal a one-process run (each rank samples its pivots and branches with its own
 seed), so the local term's arithmetic is checked on FIXED root and branch rows instead: split
-unevenly over 2 ranks (both holding branch rows, or rank 1 none), the update equals the one-process
-one (1e-5).
+unevenly over 2 ranks (both holding branch rows, or rank 1 none; row or packed token-budget
+micro-batches), the update equals the one-process one (1e-5).
 """
 
 from __future__ import annotations
@@ -29,24 +29,25 @@ from test_multirank_loop import OVERRIDES, _rows, run_loop_two_ranks  # noqa: E4
 FIXED_PRELUDE = """
     sys.path.insert(0, {test_dir!r})
     from test_multirank_deep import fixed_deep_update
-    res = [fixed_deep_update("deepspeed", root_split=r, branch_split=b) for r, b in {runs!r}]
+    res = [fixed_deep_update("deepspeed", root_split=r, branch_split=b, micro_tokens=t) for r, b, t in {runs!r}]
     if rank == 0:
         torch.save([{{"metrics": m, "params": p}} for m, p in res], {out!r})
     torch.distributed.barrier()
 """
 
 
-def fixed_deep_update(backend_name: str, root_split: list[int], branch_split: list[int]) -> tuple[dict, dict]:
+def fixed_deep_update(backend_name: str, root_split: list[int], branch_split: list[int],
+                      micro_tokens: int | None = None) -> tuple[dict, dict]:
     """``update_policy`` on 6 fixed root rows plus DEEP-GRPO's local term on 6 fixed branch rows (two
     pivots of K = 3, prefixes of 2 and 3 tokens); this rank holds ``root_split[rank]`` / ``branch_split[rank]``
-    of them. 2 mini-batches, micro-batches of 2, S2T, lambda 1."""
+    of them. 2 mini-batches, micro-batches of 2 rows (or packed into ``micro_tokens``), S2T, lambda 1."""
     from types import SimpleNamespace
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from stapo.core import loop
     from stapo.core.config import config_from_dict
-    from stapo.core.deep_grpo import BranchRollouts, DeepGRPO, suffix_mask
+    from stapo.core.deep_grpo import DeepGRPO, collate_branches
     from stapo.core.trainer import build_trainer_backend
 
     torch.manual_seed(0)
@@ -55,7 +56,7 @@ def fixed_deep_update(backend_name: str, root_split: list[int], branch_split: li
     cfg = config_from_dict({
         "trainer": {"backend": backend_name, "device": "cpu" if backend_name == "torch" else "auto",
                     "zero_stage": 3, "zero3_param_persistence_threshold": 0, "lr": 1e-3,
-                    "micro_batch_size": 2, "logits_chunk_size": 7},
+                    "micro_batch_size": 2, "micro_batch_tokens": micro_tokens, "logits_chunk_size": 7},
         "rollout": {"prompts_per_step": 2, "n": 3},
         "algorithm": {"token_weighting": "s2t", "mini_batches": 2, "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.6},
                       "deep_grpo": {"enabled": True, "k_branches": 3, "lambda": 1.0}},
@@ -89,11 +90,8 @@ def fixed_deep_update(backend_name: str, root_split: list[int], branch_split: li
         return batch, pad_row, lp, ent
 
     batch, _, old_lp, old_ent = stats(roots, root_split)
-    bbatch, bpad, blp, bent = stats(branches, branch_split)
-    prefix = torch.tensor([s.prefix_len for s in branches] + ([0] if pad else []))
-    br = BranchRollouts(branches, bbatch, suffix_mask(bbatch.response_mask, prefix), blp, bent,
-                        counts=branch_split, pad_row=bpad)
-    run = SimpleNamespace(cfg=cfg, backend=backend)
+    run = SimpleNamespace(cfg=cfg, backend=backend, pad_id=0)
+    br = collate_branches(run, branches, branch_split)  # the branch rows' old pass: micro-batched as configured
     deep = DeepGRPO(cfg)
     m = loop.update_policy(run, batch, old_lp, old_ent, step=1, counts=root_split,
                            before_step=deep.local_loss_hook(run, br, step=1))
@@ -102,17 +100,20 @@ def fixed_deep_update(backend_name: str, root_split: list[int], branch_split: li
     return m, params
 
 
-# (root rows per rank, branch rows per rank): both ranks hold branch rows (a rank-local normalizer or
-# weighting statistic would differ), and rank 1 holds none (it joins every forward with its padding row)
-FIXED_RUNS = [([6, 0], [2, 4]), ([2, 4], [6, 0])]
+# (root rows per rank, branch rows per rank, token budget): both ranks hold branch rows (a rank-local
+# normalizer or weighting statistic would differ), and rank 1 holds none (it joins every forward with its
+# padding row); packed into 20-token forwards (rows of 8-11 tokens, two to a forward where they fit)
+FIXED_RUNS = [([6, 0], [2, 4], None), ([2, 4], [6, 0], None), ([2, 4], [4, 2], 20)]
 
 
 def test_two_rank_local_term_equals_one_process(two_rank_launch, one_thread):
     out = two_rank_launch["fixed"]
-    m1, p1 = fixed_deep_update("torch", root_split=[6], branch_split=[6])
-    assert m1["deep/local_tokens"] > 0
-    for (roots, branches), two in zip(FIXED_RUNS, torch.load(out), strict=True):
-        case = f"roots {roots}, branches {branches}"
+    one = {t: fixed_deep_update("torch", root_split=[6], branch_split=[6], micro_tokens=t)
+           for t in sorted({t for *_, t in FIXED_RUNS}, key=str)}
+    assert all(m["deep/local_tokens"] > 0 for m, _ in one.values())
+    for (roots, branches, tokens), two in zip(FIXED_RUNS, torch.load(out), strict=True):
+        case = f"roots {roots}, branches {branches}, tokens {tokens}"
+        m1, p1 = one[tokens]
         for k in ("deep/local_loss", "deep/local_tokens", "actor/grad_norm"):
             assert two["metrics"][k] == pytest.approx(m1[k], rel=1e-5, abs=1e-6), (case, k)
         for n in p1:

@@ -95,7 +95,11 @@ def test_lone_surrogate_in_dapo_mode_is_not_a_500(http):
     bad = '{"items": [{"prediction": 5, "gold": "\\ud800"}]}'
     r = http.post("/v1/verify", content=bad.encode(), headers={"content-type": "application/json"})
     # pydantic's JSON parser rejects the lone surrogate itself (json_invalid); either reason is named
-    assert r.status_code == 422 and ("prediction" in r.text or "json_invalid" in r.text) and "\\ud800" not in r.text
+    assert (
+        r.status_code == 422
+        and ("prediction" in r.text or "json_invalid" in r.text)
+        and "\\ud800" not in r.text
+    )
 
 
 def _random_text(rng: random.Random, n: int) -> str:
@@ -189,6 +193,42 @@ def test_verdict_key_agrees_with_the_grader():
         r = grade(p, g, m)
         assert r.status == "ok" and r.extracted == k[1], (p[-80:], g, m, k[1], r)
     assert keyed > 0.8 * len(items)
+
+
+def test_inline_no_answer_agrees_with_the_grader():
+    """The server process answers a response cut off before any marker itself ('no_answer'); that must
+    be exactly what a worker's ``grade`` returns, and never taken for a response that finished or for
+    an empty gold (the grader says 'error' there)."""
+    from stapo.verifier_service.cache import inline_no_answer
+
+    items = build_stream(800, seed=11, cutoff_frac=0.3) + build_stream(
+        300, seed=12, cutoff_frac=0.3, style="answer_line"
+    )
+    items += [
+        ("Let me compute $x^2 +", "5", "math"),  # cut inside a math span
+        ("Multiplying both sides by 6, we get", "612", "math"),  # cut on a word
+        ("Let me compute $x^2 +", "", "math"),  # empty gold: an error, not a no_answer
+        ("Let me compute $x^2 +", "5", "dapo"),  # mode dapo: left to the worker
+        ("so the total is 5.", "5", "math"),  # finished: math-verify's search may find 5
+        ("5", "5", "math"),
+    ]
+    fired = 0
+    for p, g, m in items:
+        r = inline_no_answer((p, g, m))
+        if r is None:
+            continue
+        fired += 1
+        w = grade(p, g, m)
+        assert (r.correct, r.score, r.status, r.extracted, r.rule) == (
+            w.correct,
+            w.score,
+            w.status,
+            w.extracted,
+            w.rule,
+        ), (p[-80:], g, m, r, w)
+    assert fired >= 2 + 0.1 * len(items)
+    assert inline_no_answer(("Let me compute $x^2 +", "", "math")) is None
+    assert inline_no_answer(("so the total is 5.", "5", "math")) is None
 
 
 def test_admission_in_work_answers_429_and_the_client_waits_as_told():

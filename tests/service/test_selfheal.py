@@ -6,6 +6,7 @@ too small for a spawned worker to import the grader), not a mocked crash.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import select
 import signal
@@ -14,6 +15,7 @@ import sys
 import time
 
 import httpx
+import pebble
 
 from stapo.verifier_service.grader import GradeResult
 from stapo.verifier_service.pool import GraderPool, PoolBroken
@@ -50,7 +52,7 @@ def test_pool_that_cannot_start_workers_is_retried_with_backoff(monkeypatch):
         monkeypatch.delenv("PYTHONHOME")  # the operator fixed the cause
         _wait(lambda: pool.broken is None and pool.ready_workers() == 1, 60, "pool never healed")
         assert pool.grade("\\boxed{2}", "2").correct
-        assert pool.stats["pool_restarts"] >= 1
+        assert pool.stats["pool_restarts"] >= 1 and pool.stats["restarts_startup"] >= 2  # (the metric's counter)
     finally:
         pool.close()
 
@@ -129,6 +131,30 @@ def test_workers_are_recycled_after_n_items_and_above_rss():
         _wait(lambda: pool.stats["recycled_rss"] >= 1, 10, "a worker over the RSS bound was not recycled")
         _wait(lambda: pool.ready_workers() == 1, 30, "no worker after recycling")
         assert pool.grade("\\boxed{8}", "8").correct
+
+
+def test_pebble_gives_up_when_an_idle_worker_dies():
+    """Why the pool replaces its pebble pool: pebble 5 replaces a worker that died while others ran
+    tasks, but one that dies while *no* task runs makes it give up on the whole pool ("All workers
+    expired"). The day this fails, pebble heals such a pool itself and the replacement can go."""
+    pool = pebble.ProcessPool(1, context=multiprocessing.get_context("forkserver"))
+    try:
+        victim = pool.schedule(os.getpid).result(timeout=60)
+        os.kill(victim, signal.SIGKILL)
+        _wait(lambda: not pool.active, 10, "pebble kept the pool")
+    finally:
+        pool.stop()
+        pool.join()
+
+
+def test_a_worker_killed_while_idle_is_replaced():
+    with GraderPool(workers=1, deadline_s=5.0, inline_verdicts=False) as pool:
+        assert pool.wait_ready(60)
+        victim = pool.worker_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        _wait(lambda: pool.worker_pids() not in ([], [victim]), 30, "no worker after the idle one was killed")
+        assert pool.submit([("\\boxed{5}", "5")]).result(timeout=30)[0].correct
+        assert pool.stats["restarts_crash"] == 1  # (one that died under a task would count too; none did)
 
 
 def test_caches_are_bounded_in_bytes():

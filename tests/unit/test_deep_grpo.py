@@ -175,3 +175,89 @@ def test_set_local_advantages_on_branch_sequences() -> None:
     assert [s.group for s in out] == [0, 0, 0, 1, 1, 1]
     assert [s.advantage for s in out] == pytest.approx([4 / 3, -2 / 3, -2 / 3, -2 / 3, -2 / 3, 4 / 3])
     assert cfg.algorithm.deep_grpo.outcome == "any_of_k"
+
+
+# ----------------------------------------------------------------------------- the local loss's micro-batching
+
+LOCAL_TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64, "seed": 0}
+
+
+def _local_loss_grads(micro: dict, algorithm: dict) -> tuple[list[dict[str, torch.Tensor]], object]:
+    """The gradient the local (branch) loss adds at updates 0 and 1 (fresh, and not: the policy
+    update's ``before_step`` flag), on 6 branch rows of uneven lengths and prefixes; and the sequences
+    per forward of every forward (from the position ids; rows: minus the padded rows; no grad: 0)."""
+    from types import SimpleNamespace
+
+    from stapo.core import loop
+    from stapo.core.config import config_from_dict
+    from stapo.core.deep_grpo import DeepGRPO, collate_branches
+    from stapo.core.models import load_policy
+    from stapo.core.trainer.torch_backend import TorchBackend
+
+    alg = {"token_weighting": "none", "policy_loss": "ppo_clip", "aggregation": "token-mean",
+           "deep_grpo": {"enabled": True, "lambda": 0.5}, **algorithm}
+    cfg = config_from_dict({"model": {"name_or_path": "tiny-random", "dtype": "float32", "tiny": LOCAL_TINY},
+                            "rollout": {"temperature": 1.0},
+                            "trainer": {"device": "cpu", "logits_chunk_size": 7, **micro}, "algorithm": alg})
+    model, _ = load_policy(cfg.model, device="cpu")
+    backend = TorchBackend(cfg, model, total_optimizer_steps=4)
+    g = torch.Generator().manual_seed(0)
+    kept = []
+    for i, (p, r) in enumerate([(3, 9), (6, 2), (4, 7), (5, 3), (3, 19), (6, 5)]):  # prompt, response lengths
+        ids = torch.randint(3, model.config.vocab_size, (p + r,), generator=g).tolist()
+        s = loop.Sequence_(ids[:p], ids[p:], "stop", "", "0", group=i // 3)
+        s.prefix_len = [1, 0, 3, 1, 6, 2][i]
+        s.advantage = [1.2, -0.4, -0.8, 0.9, 0.3, -0.9][i]
+        kept.append(s)
+    run = SimpleNamespace(cfg=cfg, backend=backend, pad_id=0)
+    br = collate_branches(run, kept, [len(kept)])
+    before_step = DeepGRPO(cfg, run).local_loss_hook(run, br, step=1)
+    forwards, token_stats = [], backend.token_stats
+
+    def spy(ids, attn, resp, *, grad, temperature, position_ids=None):
+        n = int((position_ids == 0).sum()) if position_ids is not None else -ids.shape[0]
+        forwards.append(n if grad else 0)
+        return token_stats(ids, attn, resp, grad=grad, temperature=temperature, position_ids=position_ids)
+
+    backend.token_stats = spy
+    grads = []
+    for update, fresh in ((0, True), (1, False)):
+        backend.zero_grad()
+        before_step(update, fresh)
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+    return grads, (model, kept, forwards)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("algorithm", [{"mini_batches": 1}, {"mini_batches": 2, "token_weighting": "s2t",
+                                                               "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.5}}])
+def test_local_loss_gradient_packed_equals_row_micro_batches(algorithm):
+    """Packed token-budget micro-batches (``trainer.micro_batch_tokens``: 20 tokens, so rows share
+    forwards and the 22-token row gets one of its own) vs 2 padded rows per forward: the same
+    gradient (1e-5). With weighting ``none`` and one mini-batch the gradient is also checked against
+    an independent computation: each row alone through the model's own logits, lambda * sum over
+    continuation tokens of -A d(log p) / (continuation tokens), the PPO ratio being 1 at the sampler.
+    The local loss runs no no-grad forward (p and H of s2t come from its gradient forwards)."""
+    packed, (_, _, fw_packed) = _local_loss_grads({"micro_batch_tokens": 20}, algorithm)
+    rows, (model, kept, fw_rows) = _local_loss_grads({"micro_batch_size": 2}, algorithm)
+    if algorithm["mini_batches"] == 1:  # first-fit decreasing of lengths 22, 12, 11, 11, 8, 8 into 20 tokens
+        assert sorted(fw_packed) == [1, 1, 1, 1, 2, 2, 2, 2] and fw_rows == [-2, -2, -2] * 2  # per update
+    else:
+        assert max(fw_packed) == 2 and min(fw_rows) == -2
+    assert 0 not in fw_packed + fw_rows
+    for gp, gr in zip(packed, rows, strict=True):
+        assert gp.keys() == gr.keys() and gp
+        for n in gr:
+            torch.testing.assert_close(gp[n], gr[n], atol=1e-5, rtol=0, msg=n)
+    if algorithm["mini_batches"] != 1:
+        return
+    model.zero_grad(set_to_none=True)
+    n_tok = sum(len(s.response_ids) - s.prefix_len for s in kept)
+    for s in kept:  # one sequence at a time, no padding, no packing
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        cont = lp[len(s.prompt_ids) - 1 + s.prefix_len:]  # log p of the continuation tokens
+        (0.5 * (-s.advantage * torch.exp(cont - cont.detach())).sum() / n_tok).backward()
+    for g in rows:  # both updates: the parameters did not move (no optimizer step here)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(g[n], p.grad, atol=1e-5, rtol=0, msg=n)

@@ -125,6 +125,10 @@ CUT_OFF_TAILS = [
         LEAD + "Substituting \\dfrac{33}{100} into the second equation, we get",
         "no_answer",
     ),
+    # the short final section after a closed </think>, cut inside a math span or brace: no answer
+    ("6", "<think>\nc^2 = 36, so c = 6.\n</think>\n\nBy the Pythagorean theorem, $c^2 = 6", "no_answer"),
+    ("255", "<think>\nok\n</think>\n\nLet me double-check: $\\frac{255", "no_answer"),
+    ("6", "By the Pythagorean theorem, $c = 6$<|im_end|>", True),  # closed turn: an answer
     # a commitment before the cut still counts
     ("5", LEAD + "Thus $\\boxed{5}$.\n\nLet me double-check: $\\frac{", True),
     ("\\dfrac{33}{100}", LEAD + "So the answer is $\\dfrac{33}{100}$.\n\nWait, let me re-check: $x = ", True),
