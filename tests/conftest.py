@@ -10,12 +10,11 @@ import os
 # cores: measured here, tests/e2e/test_async_loop.py + test_train_tiny.py + tests/unit/test_update.py
 # took 240 s wall / 218 s CPU with 2 threads and 70 s / 46 s with 1. A caller's own setting wins.
 # (On 7 unit files, 107 tests: 20 s user CPU with 1 thread vs 140 s with 2, under load.)
+# torch reads the variable when it is first imported, in this process too. torch itself is not
+# imported here: the verifier's tests also run on Pythons without it (`make test-verifier`).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
-
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # The per-test limit of tests marked ``long`` (pyproject's ``timeout`` is everyone else's). It must
 # exceed the sum of the bounds such a test puts on its own subprocesses (a 2-rank test runs torchrun
@@ -37,6 +36,8 @@ def one_thread():
     an equivalence check against torchrun's ranks (which start with OMP_NUM_THREADS=1) must reduce in
     the same order: otherwise AdamW (m / sqrt(v) ~ sign(g) for tiny g) can turn 1e-9 of float noise
     in a gradient into a parameter difference near the learning rate."""
+    import torch
+
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
