@@ -14,6 +14,7 @@ is recorded because other work on a small machine moves them.
 
 Variants of the service, each started fresh on the same stream in the same run: ``after`` (this
 tree), ``no-inline`` (this tree without inline verdicts: every first-seen answer goes to a worker),
+``switch-5ms`` (this tree with Python's default GIL switch interval instead of the service's 0.5 ms),
 ``no-verdict`` (this tree with the verdict cache off: what the fairness/cancellation/admission
 machinery costs by itself), ``after+httpx`` (this tree, measured with the httpx client instead of
 the lean one) and, with ``--before REV``, ``before`` (the service of that git revision, unpacked with
@@ -138,6 +139,7 @@ def write_section(text: str) -> None:
 VARIANT_ENV: dict[str, dict[str, str]] = {
     "no-verdict": {"STAPO_VERIFIER_VERDICT_CACHE": "false"},
     "no-inline": {"STAPO_VERIFIER_INLINE_VERDICTS": "false"},
+    "switch-5ms": {"STAPO_VERIFIER_SWITCH_INTERVAL_MS": "5"},
 }
 """Environment of a service variant (``before`` and ``after`` run as shipped)."""
 

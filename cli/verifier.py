@@ -131,7 +131,11 @@ def serve(
         max_queue_s=max_queue_s,
     )
     check_exposure(settings)
+    import sys
+
     import uvicorn
+
+    sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
 
     from stapo.verifier_service.app import create_app, redact_access_log
 

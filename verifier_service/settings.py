@@ -126,6 +126,14 @@ class Settings(BaseSettings):
     graceful_shutdown_s: float = Field(
         30.0, ge=0, description="How long shutdown waits for in-flight requests."
     )
+    switch_interval_ms: float = Field(
+        0.5,
+        gt=0,
+        description="The server process's GIL switch interval (sys.setswitchinterval; Python's default is "
+        "5 ms). The event loop grades cached and quick items on the CPU while pebble's threads wait for "
+        "the GIL to hand a worker's result back; a shorter interval shortens that wait. Set by "
+        "`stapo verifier serve` only, never in a training process.",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="uvicorn log level."
     )
