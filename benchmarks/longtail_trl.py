@@ -47,7 +47,7 @@ ratio compares the same function. On CPU TRL's fused head projects EVERY positio
 stapo projects response tokens only; "computed tokens" counts the transformer body's tokens
 (rows x width per forward), the head's share shows in the time.
 
-    /work/venvs/trl/bin/python benchmarks/longtail_trl.py                 # defaults; one torch thread
+    .venv-trl/bin/python benchmarks/longtail_trl.py                 # defaults; one torch thread
     python benchmarks/longtail_trl.py --prompts 4 --n 4 --repeat 1 --hidden 128   # smaller
 
 TRL is a benchmark-only dependency (``pip install "trl==1.16.*"`` in a separate venv, next to the

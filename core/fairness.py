@@ -58,7 +58,7 @@ KEY_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("execution", (
         "logging.", "checkpoint.", "eval.every", "reward.urls", "reward.token", "reward.workers", "reward.retries",
         "reward.max_failure_frac", "trainer.micro_batch_size", "trainer.logits_chunk_size", "trainer.fused_loss",
-        "trainer.micro_batch_tokens", "trainer.share_prompt_prefix", "trainer.device", "trainer.backend",
+        "trainer.micro_batch_tokens", "trainer.attn_implementation", "trainer.share_prompt_prefix", "trainer.device", "trainer.backend",
         "trainer.zero_stage", "trainer.offload_optimizer", "trainer.zero3_param_persistence_threshold",
         "trainer.skip_nonfinite", "model.gradient_checkpointing", "model.cache_dir", "rollout.engine",
         "rollout.batch_size", "rollout.share_prefix", "rollout.vllm.", "algorithm.kl.offload",

@@ -342,7 +342,7 @@ def extract_answer(text: str, *, think: str = "optional") -> str | None:
     # ... unless the line stops inside a math span or a brace ("By the theorem, $c^2 = 6"): a
     # response cut at the length limit just after its reasoning, whose last number is no answer
     if stripped and "\n" not in stripped and len(stripped) <= BARE_MAX_CHARS:
-        if _delimiters_closed(stripped) or _closed_turn(text):
+        if _one_line_closed(stripped) or _closed_turn(text):
             return _clean_tail(stripped) or None
     return None
 
@@ -367,6 +367,16 @@ def _closed_turn(text: str) -> bool:
             return True
         pos = m.end()
     return False
+
+
+# a dollar sign next to a digit is a currency sign ("$1,000.99", "2,74 $"), not a math delimiter
+_CURRENCY_DOLLAR_RE = re.compile(r"(?<!\\)\$(?=\s?\d)|(?<=\d)\s?\$")
+
+
+def _one_line_closed(line: str) -> bool:
+    """A one-line answer's math spans and braces are closed, counting a ``$`` next to a digit as
+    currency when that is what leaves one unpaired ("$1,000.99" is closed, "$c^2 = 6" is not)."""
+    return _delimiters_closed(line) or _delimiters_closed(_CURRENCY_DOLLAR_RE.sub("", line))
 
 
 def _delimiters_closed(body: str) -> bool:

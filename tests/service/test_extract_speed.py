@@ -60,7 +60,7 @@ def _old_extract_answer(text: str, *, think: str = "optional") -> str | None:
             return ans
     stripped = body.strip()
     if stripped and "\n" not in stripped and len(stripped) <= E.BARE_MAX_CHARS:
-        if E._delimiters_closed(stripped) or E._closed_turn(text):  # the policy's cut-off one-liners
+        if E._one_line_closed(stripped) or E._closed_turn(text):  # the policy's cut-off one-liners
             return E._clean_tail(stripped) or None
     return None
 
