@@ -173,9 +173,7 @@ class Plan:
     results: list[GradeResult | None]
     leaders: list[int] = dataclasses.field(default_factory=list)  # items to grade, first of their kind
     dups: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # leader -> the same item again
-    vdups: dict[int, list[int]] = dataclasses.field(
-        default_factory=dict
-    )  # leader -> same (mode, gold, answer)
+    vdups: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # leader -> same (mode, gold, answer)
     keys: dict[int, bytes] = dataclasses.field(default_factory=dict)
     vkeys: dict[int, VerdictKey] = dataclasses.field(default_factory=dict)
     retried: set[int] = dataclasses.field(default_factory=set)  # leaders that timed out before
@@ -187,11 +185,10 @@ class Memo:
 
     The two result caches share ``max_bytes``. 'timeout' and 'error' are never remembered as
     results (a retry re-grades); a timed-out item's key is, so that its retry gets a longer deadline.
-    ``inline``: verdicts ``grader.quick_verdict`` decides are given in this process (no round trip)."""
+    ``inline``: verdicts ``grader.quick_rule`` decides, and the 'no_answer' of a response cut off
+    before any marker (``grader.quick_no_answer``), are given in this process (no round trip)."""
 
-    def __init__(
-        self, max_bytes: int, max_entries: int, *, verdicts: bool = True, inline: bool = True
-    ) -> None:
+    def __init__(self, max_bytes: int, max_entries: int, *, verdicts: bool = True, inline: bool = True) -> None:
         self.verdict_cache, self.inline = verdicts, inline and verdicts
         self.results = ByteLRU(max_bytes // 2 if verdicts else max_bytes, max_entries)
         self.verdicts = ByteLRU(max_bytes // 2 if verdicts else 0, max_entries)

@@ -1754,6 +1754,16 @@ QUICK_MAX_GOLD_DAPO = 400
 """Longest gold :func:`quick_rule` normalizes in mode ``dapo`` (the answer line is <= 300 chars)."""
 
 
+def _quick_math_gold(gold: str) -> str | None:
+    """Mode ``math``'s gold as ``grade`` compares it, for the server-process checks (:func:`quick_rule`,
+    :func:`quick_no_answer`); None when they leave the item to a worker: a gold longer than
+    ``QUICK_MAX_CHARS``, or an empty one (``grade`` says "error" there: the worker reports it)."""
+    if len(gold) > QUICK_MAX_CHARS:
+        return None
+    gold_ans = _math_gold(strip_special_tokens(gold))  # grade strips the gold's tokens before the mode
+    return gold_ans if strip_delims(gold_ans) else None
+
+
 def quick_verdict(gold: str, answer: str, mode: str = "math") -> bool | None:
     """``grade``'s verdict for a response whose final answer is ``answer``, when string and exact-number
     steps decide it; None when only a worker can (sympy, math-verify, long strings).
@@ -1778,11 +1788,11 @@ def quick_rule(gold: str, answer: str, mode: str = "math") -> tuple[bool, str] |
         if len(answer) > TAIL_CHARS or len(gold) > QUICK_MAX_GOLD_DAPO:
             return None
         return dapo_normalize(answer) == dapo_normalize(strip_special_tokens(gold)), "dapo"
-    if mode != "math" or len(answer) > QUICK_MAX_CHARS or len(gold) > QUICK_MAX_CHARS:
+    if mode != "math" or len(answer) > QUICK_MAX_CHARS:
         return None
-    gold_ans = _math_gold(strip_special_tokens(gold))  # grade strips the gold's tokens before the mode
-    if not strip_delims(gold_ans):
-        return None  # grade says "error" (empty gold): the worker reports it
+    gold_ans = _quick_math_gold(gold)
+    if gold_ans is None:
+        return None
     verdict, rule = _decide(gold_ans, answer, RULES[:CHEAP_RULES])
     return None if verdict is None or rule is None else (verdict, rule)
 
@@ -1794,9 +1804,7 @@ def quick_no_answer(prediction: str, gold: str, mode: str = "math") -> bool:
 
     For the service's server process, next to :func:`quick_rule`: a response cut off mid-work is
     ~2% of an RL stream, and a round trip to a worker for it costs more than this linear check."""
-    if mode != "math" or len(gold) > QUICK_MAX_CHARS:
-        return False
-    if not strip_delims(_math_gold(strip_special_tokens(gold))):
+    if mode != "math" or _quick_math_gold(gold) is None:
         return False
     return extract_answer(prediction) is None and not response_finished(prediction)
 
