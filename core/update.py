@@ -335,7 +335,7 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
     the phase cells sum over every mini-batch of every PPO epoch; ``stapo/tau_h`` is the mean of the
     thresholds used; ``tau_h_scope=step`` fixes tau_h once from the step's pre-update entropies.
     """
-    from stapo.core.distributed import DataParallel, minibatch_rows
+    from stapo.core.distributed import DataParallel, check_minibatches, minibatch_rows
     from stapo.core.extras import extras_of
     from stapo.core.loop import (
         add_loss_sums,
@@ -357,6 +357,7 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
     n = batch.input_ids.shape[0]
     counts = [n] if counts is None else [int(c) for c in counts]
     pad_row = counts[dp.rank] if n > counts[dp.rank] else None
+    check_minibatches(sum(counts), a.mini_batches)
     gather, reduce = backend.all_gather_1d, backend.all_reduce_sum
     lengths = batch.attention_mask.sum(1).cpu()  # [N] real tokens per row
     p05, tau_step = (step_entropy_thresholds(cfg, old_ent, batch.response_mask, gather) if old_ent is not None
