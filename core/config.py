@@ -142,7 +142,14 @@ class GoldilocksOptions(_Section):
         0.1, ge=0, le=1,
         description="Epsilon-greedy: each slot keeps the uniform sampler's prompt with this probability (1: uniform).",
     )
-    pool_size: int = Field(64, gt=0, description="Candidate prompts scored by the teacher each step (our choice).")
+    pool_factor: float = Field(
+        4.0, ge=1,
+        description=(
+            "Candidates scored by the teacher per prompt slot: each generation round scores ceil(pool_factor x its "
+            "prompts) candidates (prompts_per_step, times algorithm.gen_batch_multiplier with dynamic sampling), "
+            "so the teacher rejects the same share whatever the round's size (our choice: 4)."
+        ),
+    )
     buffer_size: int = Field(512, gt=0, description="Sliding-window replay buffer of (prompt, observed utility).")
     train_steps: int = Field(8, ge=0, description="Teacher optimizer steps per RL step (mini-batches from the buffer).")
     train_batch_size: int = Field(64, gt=0, description="Replay samples per teacher optimizer step.")
