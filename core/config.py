@@ -445,8 +445,9 @@ class DeepGRPOOptions(_Section):
 
 
 class OffPolicyOptions(_Section):
-    """VCPO's variance controls for stale rollouts (arXiv 2602.17616; docs/async.md). Active only
-    where a batch is off-policy (asynchronous rollouts); a no-op on on-policy batches."""
+    """VCPO's variance controls for asynchronous rollouts (arXiv 2602.17616; docs/async.md). They need
+    ``rollout.async.enabled``; the ESS scale is 1 on a fresh batch, the baseline applies to fresh
+    batches too (it weighs each sequence by its gradient norm)."""
 
     ess_lr_scaling: bool = Field(
         False, description="Scale the LR by min(1, ESS/N / ess_base_ratio)^(1/2) (sequence-level ESS, VCPO)."
@@ -456,9 +457,16 @@ class OffPolicyOptions(_Section):
     min_variance_baseline: bool = Field(
         False,
         description=(
-            "Replace the group-mean baseline by VCPO's b = sum w^2 |g|^2 R / sum w^2 |g|^2 (one extra backward "
-            "per sequence for |g|^2; trainer.backend=torch)."
+            "Replace the group-mean baseline by VCPO's b = sum W R / sum W, W = w^2 |g|^2, as the authors' code "
+            "computes it: g the gradient of the sequence's loss at advantage 1 with its truncated importance weight, "
+            "at the current weights of each optimizer mini-batch (whole groups per mini-batch), A = (R - b) / "
+            "population std for grpo. One extra forward + backward per sequence and mini-batch; trainer.backend=torch."
         ),
+    )
+    baseline_is_cap: float = Field(
+        8.0, gt=0,
+        description="C in min(w, C), the truncated sequence importance weight inside the baseline's gradient "
+                    "(VCPO's scripts: rollout_is_threshold=8.0).",
     )
     behaviour_weight_cap: float | None = Field(
         None, gt=1, description="AReaL's cap: tokens with pi_prox/mu above it get no gradient (None: no cap)."

@@ -28,7 +28,7 @@ import torch
 
 from stapo.core.trainer.base import TrainerBackend
 
-__all__ = ["DataParallel", "balanced_quota", "check_minibatches", "minibatch_rows", "even_shard"]
+__all__ = ["DataParallel", "balanced_quota", "check_minibatches", "group_minibatches", "minibatch_rows", "even_shard"]
 
 
 class DataParallel:
@@ -116,6 +116,26 @@ def global_minibatches(counts: Sequence[int], mini_batches: int, generator: torc
     mini-batches the last parts are empty; the policy update refuses that (:func:`check_minibatches`)."""
     perm = torch.randperm(int(sum(counts)), generator=generator)  # [N]
     return list(torch.tensor_split(perm, mini_batches))  # K parts, sizes ceil(N/K) then floor(N/K)
+
+
+def group_minibatches(groups: Sequence[int], mini_batches: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """Row indices of each optimizer mini-batch with every prompt group whole in one (VCPO's
+    baseline weighs a group's rows against each other at one set of weights; one process): a
+    seeded permutation of the groups split into exactly ``mini_batches`` parts of as equal a group
+    count as possible, each part's rows in group order. Fewer groups than mini-batches is refused."""
+    ids = list(dict.fromkeys(int(g) for g in groups))  # distinct groups, first-seen order
+    if len(ids) < mini_batches:
+        raise ValueError(
+            f"the step's batch has {len(ids)} prompt groups for algorithm.mini_batches={mini_batches}: "
+            "algorithm.off_policy.min_variance_baseline keeps each group in one mini-batch; lower "
+            "algorithm.mini_batches or raise rollout.prompts_per_step"
+        )
+    rows: dict[int, list[int]] = {g: [] for g in ids}
+    for i, g in enumerate(groups):
+        rows[int(g)].append(i)
+    order = torch.randperm(len(ids), generator=generator)  # [P]
+    return [torch.tensor([i for k in part.tolist() for i in rows[ids[k]]], dtype=torch.long)
+            for part in torch.tensor_split(order, mini_batches)]
 
 
 def check_minibatches(rows: int, mini_batches: int) -> None:

@@ -335,7 +335,7 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
     the phase cells sum over every mini-batch of every PPO epoch; ``stapo/tau_h`` is the mean of the
     thresholds used; ``tau_h_scope=step`` fixes tau_h once from the step's pre-update entropies.
     """
-    from stapo.core.distributed import DataParallel, check_minibatches, minibatch_rows
+    from stapo.core.distributed import DataParallel, check_minibatches, group_minibatches, minibatch_rows
     from stapo.core.extras import extras_of
     from stapo.core.loop import (
         add_loss_sums,
@@ -381,7 +381,10 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
     fresh = True  # parameters unchanged since the step's statistics were taken
     for epoch in range(a.ppo_epochs):
         gen = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch))
-        plan = [split_rows(r, lengths, parts.spec) for r in minibatch_rows(counts, dp.rank, a.mini_batches, gen)]
+        baseline = off_policy.baseline if off_policy is not None else None  # VCPO's: whole groups per mini-batch
+        rows = (group_minibatches(baseline.groups, a.mini_batches, gen) if baseline is not None
+                else minibatch_rows(counts, dp.rank, a.mini_batches, gen))
+        plan = [split_rows(r, lengths, parts.spec) for r in rows]
         calls = lockstep(dp, [max(1, len(p)) for p in plan])
         for sets, k in zip(plan, calls, strict=True):
             n_real = sum(int(s.numel()) for s in sets)
@@ -392,6 +395,8 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
             for m in micros:
                 bounds.append(bounds[-1] + m.rows.numel())
             slices = [slice(s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+            if baseline is not None:  # VCPO: this mini-batch's advantages at the current weights
+                baseline.advantages(backend, batch, mb_rows[:n_real].tolist(), old_lp, parts)
             mb = MiniBatch(parts, params, batch.advantages[mb_rows], batch.response_mask[mb_rows],
                            old_lp[mb_rows] if old_lp is not None else None, gather, reduce, a.entropy_coef)
             if keep_graphs:  # statistics first: every forward's graph kept until the weights are known
