@@ -546,7 +546,11 @@ class AlgorithmConfig(_Section):
     off_policy: OffPolicyOptions = Field(
         default_factory=OffPolicyOptions, description="VCPO variance controls for stale (asynchronous) rollouts."
     )
-    mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass (the batch split into mini-batches).")
+    mini_batches: int = Field(
+        1, ge=1,
+        description="Optimizer steps per pass: the step's rows split into exactly this many mini-batches, sizes "
+                    "differing by at most one (a step left with fewer rows than this is refused).",
+    )
 
 
 # ----------------------------------------------------------------------------- trainer
