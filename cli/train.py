@@ -57,6 +57,17 @@ def command(
             "(without it, --resume refuses).",
         ),
     ] = False,
+    plan: Annotated[
+        bool, typer.Option("--plan", help="Print the per-GPU memory plan of the config and exit (docs/gpu.md).")
+    ] = False,
+    world_size: Annotated[
+        int | None, typer.Option("--world-size", min=1, help="--plan: ranks to plan for (default: the launch's).")
+    ] = None,
+    card_gib: Annotated[
+        float | None, typer.Option("--card-gib", min=0.1, help="GPU memory in GiB (default: trainer.gpu_memory_gib, "
+                                   "the GPU's own, or 80).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="--plan: one JSON object.")] = False,
 ) -> None:
     """Train a policy with STAPO or a baseline (GRPO, DAPO, 20-Entropy, JustRL, STARE, Lp-Reg, GSPO, ...).
 
@@ -98,6 +109,9 @@ def command(
         raise CLIError(f"--recipe {recipe}: {err}" if recipe and "invalid config" in str(err) else str(err)) from None
     for warning in name_mismatch(cfg):
         typer.echo(f"warning: {warning}", err=True)
+    if plan or as_json or world_size is not None:
+        _print_plan(cfg, world_size, card_gib, as_json)
+        return
     if run_dir is None:
         run_dir = Path("runs") / f"{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if not resume and (run_dir / "metrics.jsonl").exists():
@@ -105,6 +119,7 @@ def command(
     if resume:
         _check_resumable(run_dir, fresh)
     check_inputs(cfg)
+    cfg = _plan_at_start(cfg, card_gib)
     quiet_known_noise(cfg.trainer.backend)
 
     from stapo.core.loop import train
@@ -189,6 +204,36 @@ def name_mismatch(cfg: Config) -> list[str]:
         return []
     return [f"algorithm.name={name}, but {'; '.join(diffs)}: the name is only a label. "
             f"`--recipe {name}` takes the {name} recipe's method keys."]
+
+
+def _print_plan(cfg: Config, world_size: int | None, card: float | None, as_json: bool) -> None:
+    """``--plan``: the memory plan at ``world_size`` ranks (default: the launcher's WORLD_SIZE, or 1)."""
+    import json
+    import os
+
+    from stapo.core.plan import PlanError, card_gib, plan_run
+
+    ranks = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        result = plan_run(cfg, ranks, card_gib(cfg, card))
+    except PlanError as err:
+        raise CLIError(str(err)) from None
+    typer.echo(json.dumps(result.to_json()) if as_json else "\n".join(result.report()))
+
+
+def _plan_at_start(cfg: Config, card: float | None) -> Config:
+    """On a GPU: refuse a config that cannot fit, print the plan's line (rank 0), resolve the update's path."""
+    import os
+
+    from stapo.core.plan import PlanError, plan_at_start
+
+    try:
+        cfg2, result = plan_at_start(cfg, int(os.environ.get("WORLD_SIZE", "1")), card)
+    except PlanError as err:
+        raise CLIError(str(err)) from None
+    if os.environ.get("RANK", "0") == "0":
+        typer.echo(result.line() if result else "memory plan: skipped (CPU run; `stapo train --plan` plans a GPU run)")
+    return cfg2
 
 
 def _check_resumable(run_dir: Path, fresh: bool) -> None:
