@@ -91,6 +91,8 @@ def command(
     overrides = list(set_ or [])
     if fresh and not resume:
         raise CLIError("--fresh goes with --resume (it says what to do when the run dir has no checkpoint)")
+    if (as_json or world_size is not None) and not plan:
+        raise CLIError("--json and --world-size go with --plan (they shape the memory plan's output)")
     try:
         if resume:
             if run_dir is None:
@@ -109,7 +111,7 @@ def command(
         raise CLIError(f"--recipe {recipe}: {err}" if recipe and "invalid config" in str(err) else str(err)) from None
     for warning in name_mismatch(cfg):
         typer.echo(f"warning: {warning}", err=True)
-    if plan or as_json or world_size is not None:
+    if plan:
         _print_plan(cfg, world_size, card_gib, as_json)
         return
     if run_dir is None:

@@ -108,9 +108,9 @@ def model_config(model_cfg: ModelConfig) -> tuple[Any, str]:
 
     name = model_cfg.name_or_path
     if name == "tiny-random":
-        from stapo.core.models import build_tiny_model
-
         import torch
+
+        from stapo.core.models import build_tiny_model
 
         with torch.device("meta"):
             return build_tiny_model(model_cfg.tiny).config, "tiny-random (model.tiny)"

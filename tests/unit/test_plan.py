@@ -245,3 +245,45 @@ def test_measured_cpu_peak_of_one_update_is_within_15_percent_of_the_plan(mode):
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["path"] == mode
     assert r["measured"] == pytest.approx(r["planned"], rel=0.15), r
+
+
+def _stub_train(monkeypatch) -> list:
+    from stapo.core import loop
+
+    seen = []
+
+    def finishes(cfg, run_dir, *, resume=False, log=print):
+        seen.append(cfg)
+        return loop.TrainResult(run_dir, cfg.trainer.max_steps, None, None, 0.0)
+
+    monkeypatch.setattr(loop, "train", finishes)
+    return seen
+
+
+def test_train_checks_the_plan_at_start(monkeypatch, capsys, tmp_path):
+    """On CPU the check is skipped and says so; a GPU config that cannot fit is refused before anything
+    loads (trainer.device=cuda: the plan needs no GPU, the card is the config's), one that needs the
+    bounded path trains with it."""
+    seen = _stub_train(monkeypatch)
+    res = CliRunner().invoke(app, ["train", "--config", "tiny", "--run-dir", str(tmp_path / "a")])
+    assert res.exit_code == 0, res.output
+    assert "memory plan: skipped (CPU run" in res.stdout and len(seen) == 1
+    gpu = ["--set", "trainer.device=cuda", "--set", "model.name_or_path=Qwen/Qwen3-14B-Base", "--set",
+           "trainer.backend=deepspeed", "--set", "trainer.zero_stage=3", "--set", "trainer.micro_batch_size=4",
+           "--set", "data.max_prompt_tokens=1024", "--set", "rollout.max_new_tokens=8192"]
+    monkeypatch.setattr(plan, "card_gib", lambda cfg, given=None: 80.0)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setattr(sys, "argv", ["stapo", "train", "--config", str(STAPO), "--run-dir", str(tmp_path / "b"), *gpu])
+    from stapo.cli.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main()
+    err = capsys.readouterr().err
+    assert exc.value.code != 0 and len(seen) == 1
+    assert "per-GPU peak:" in err and "--set trainer.offload_optimizer=true" in err
+    assert not (tmp_path / "b").exists()
+
+
+def test_plan_flags_go_with_plan():
+    res = CliRunner().invoke(app, ["train", "--config", "tiny", "--json"])
+    assert res.exit_code != 0 and "--json and --world-size go with --plan" in str(res.exception)
