@@ -154,9 +154,13 @@ def test_documented_plan_command_runs_offline_and_agrees_with_deepspeed(monkeypa
 def test_a_config_that_does_not_fit_names_the_setting_that_fits_it(shapes):
     s = shapes["Qwen/Qwen3-14B-Base"]
     p = plan.plan_run(cfg_for("Qwen/Qwen3-14B-Base"), 8, 80.0, s)
-    assert not p.fits and "--set trainer.offload_optimizer=true" in p.fix
-    fixed = plan.plan_run(cfg_for("Qwen/Qwen3-14B-Base", "trainer.offload_optimizer=true"), 8, 80.0, s)
+    # 14B: model states 33.8 GiB + 48 GiB of vLLM do not fit 80; a 0.55 share (44 GiB) does
+    assert not p.fits and "--set rollout.vllm.gpu_memory_utilization=0.55" in p.fix
+    fixed = plan.plan_run(cfg_for("Qwen/Qwen3-14B-Base", "rollout.vllm.gpu_memory_utilization=0.55"), 8, 80.0, s)
     assert fixed.fits
+    # on a 60 GiB card no vLLM share leaves room for its weights: the optimizer goes to the CPU
+    p60 = plan.plan_run(cfg_for("Qwen/Qwen3-14B-Base"), 8, 60.0, s)
+    assert not p60.fits and "--set trainer.offload_optimizer=true" in p60.fix
     # ZeRO-2 at 8B on 80 GB: 2 B/param whole + the rest partitioned, plus vLLM's 48 GiB, is too much
     p2 = plan.plan_run(cfg_for("Qwen/Qwen3-8B-Base", "trainer.zero_stage=2"), 8, 80.0, shapes["Qwen/Qwen3-8B-Base"])
     assert not p2.fits and "--set trainer.zero_stage=3" in p2.fix
@@ -178,7 +182,7 @@ def test_start_check_on_a_gpu_refuses_or_resolves_the_path(shapes):
     """plan_at_start with trainer.device=cuda (the plan itself needs no GPU; the card is the config's)."""
     cfg, p = plan.plan_at_start(cfg_for("Qwen/Qwen3-8B-Base", "trainer.device=cuda", "trainer.gpu_memory_gib=64"), 8)
     assert p is not None and cfg.trainer.update_memory == "bounded"
-    with pytest.raises(plan.PlanError, match=r"per-GPU peak: .*--set trainer.offload_optimizer=true"):
+    with pytest.raises(plan.PlanError, match=r"per-GPU peak: .*--set rollout.vllm.gpu_memory_utilization=0.55"):
         plan.plan_at_start(cfg_for("Qwen/Qwen3-14B-Base", "trainer.device=cuda", "trainer.gpu_memory_gib=80"), 8)
     cfg, p = plan.plan_at_start(cfg_for("Qwen/Qwen3-8B-Base", "trainer.device=cpu"), 8)
     assert p is None  # on CPU the check is skipped (stapo train says so)
@@ -280,7 +284,7 @@ def test_train_checks_the_plan_at_start(monkeypatch, capsys, tmp_path):
         main()
     err = capsys.readouterr().err
     assert exc.value.code != 0 and len(seen) == 1
-    assert "per-GPU peak:" in err and "--set trainer.offload_optimizer=true" in err
+    assert "per-GPU peak:" in err and "--set rollout.vllm.gpu_memory_utilization=0.55" in err
     assert not (tmp_path / "b").exists()
 
 
