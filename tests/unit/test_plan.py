@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -132,23 +133,48 @@ def test_model_states_agree_with_deepspeeds_estimators(shapes, stage, offload):
     assert p.weights_gib + p.gradients_gib + p.optimizer_gib == pytest.approx(ds / GIB, rel=0.01)
 
 
-def test_documented_plan_command_runs_offline_and_agrees_with_deepspeed(monkeypatch):
-    """docs/gpu.md: stapo train --config configs/stapo.yaml --plan --world-size 8 --json"""
+def memory_plan_section() -> str:
+    text = (REPO / "docs" / "gpu.md").read_text()
+    start = text.index("## The memory plan")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def test_documented_plan_commands_run_offline_and_agree_with_deepspeed(monkeypatch):
+    """Every command of docs/gpu.md's memory plan section, as written; the --json one's model states
+    against DeepSpeed's ZeRO-3 estimator for its own params."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.chdir(REPO)
-    res = CliRunner().invoke(app, ["train", "--config", "configs/stapo.yaml", "--plan", "--world-size", "8", "--json"])
-    assert res.exit_code == 0, res.output
-    out = json.loads(res.stdout)  # stdout is the one JSON object and nothing else
-    for key in ("params", "largest_layer_params", "model_states_gib", "peak_gib", "card_gib", "fits"):
-        assert key in out
-    ds = estimate_zero3_model_states_mem_needs(out["params"], out["largest_layer_params"], 8, 1, cpu_offload=False,
-                                               cpu_offload_params=False)[1]
-    assert out["model_states_gib"] == pytest.approx(ds / GIB, rel=0.10)
-    text = CliRunner().invoke(app, ["train", "--config", "configs/stapo.yaml", "--plan", "--world-size", "8"])
-    assert text.exit_code == 0, text.output
-    assert sum(line.startswith("per-GPU peak:") for line in text.stdout.splitlines()) == 1
+    block = memory_plan_section().split("```")[1]
+    commands = [shlex.split(line) for line in block.strip().splitlines()]
+    assert len(commands) == 3 and all(c[0] == "stapo" for c in commands)
+    for argv in commands:
+        res = CliRunner().invoke(app, argv[1:])
+        assert res.exit_code == 0, (argv, res.output)
+        if "--json" in argv:
+            out = json.loads(res.stdout)  # stdout is the one JSON object and nothing else
+            for key in ("params", "largest_layer_params", "model_states_gib", "peak_gib", "card_gib", "fits"):
+                assert key in out
+            ds = estimate_zero3_model_states_mem_needs(out["params"], out["largest_layer_params"], 8, 1,
+                                                       cpu_offload=False, cpu_offload_params=False)[1]
+            assert out["model_states_gib"] == pytest.approx(ds / GIB, rel=0.10)
+        else:
+            assert sum(line.startswith("per-GPU peak:") for line in res.stdout.splitlines()) == 1
+
+
+def test_documented_recipe_table_is_the_plans_output(shapes):
+    rows = [line.split(" | ") for line in memory_plan_section().splitlines() if line.startswith("| Qwen3-")]
+    assert len(rows) == 3
+    for model, params, states, kept, path, peak, verdict in rows:
+        name = "Qwen/" + model.strip("| ")
+        p = plan.plan_run(cfg_for(name), 8, 80.0, shapes[name])
+        assert params == f"{p.params / 1e9:.3f}B"
+        assert states == f"{p.model_states_gib:.1f} GiB" and kept == f"{p.kept_graphs_gib:.1f} GiB"
+        assert path == p.update_path and peak == f"{p.peak_gib:.1f} GiB ({p.peak_phase})"
+        verdict = verdict.strip("| ")
+        assert verdict == "fits" if p.fits else verdict.replace("`", "") in p.fix
 
 
 def test_a_config_that_does_not_fit_names_the_setting_that_fits_it(shapes):
