@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from stapo.cli.common import CLIError, ConfigOpt, SetOpt, check_inputs, quiet_known_noise, resolve_config_path
+from stapo.cli.train_plan import plan_at_start, print_plan
 
 if TYPE_CHECKING:
     from stapo.core.config import Config
@@ -112,7 +113,7 @@ def command(
     for warning in name_mismatch(cfg):
         typer.echo(f"warning: {warning}", err=True)
     if plan:
-        _print_plan(cfg, world_size, card_gib, as_json)
+        print_plan(cfg, world_size, card_gib, as_json)
         return
     if run_dir is None:
         run_dir = Path("runs") / f"{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -121,7 +122,7 @@ def command(
     if resume:
         _check_resumable(run_dir, fresh)
     check_inputs(cfg)
-    cfg = _plan_at_start(cfg, card_gib)
+    cfg = plan_at_start(cfg, card_gib)
     quiet_known_noise(cfg.trainer.backend)
 
     from stapo.core.loop import train
@@ -206,36 +207,6 @@ def name_mismatch(cfg: Config) -> list[str]:
         return []
     return [f"algorithm.name={name}, but {'; '.join(diffs)}: the name is only a label. "
             f"`--recipe {name}` takes the {name} recipe's method keys."]
-
-
-def _print_plan(cfg: Config, world_size: int | None, card: float | None, as_json: bool) -> None:
-    """``--plan``: the memory plan at ``world_size`` ranks (default: the launcher's WORLD_SIZE, or 1)."""
-    import json
-    import os
-
-    from stapo.core.plan import PlanError, card_gib, plan_run
-
-    ranks = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        result = plan_run(cfg, ranks, card_gib(cfg, card))
-    except PlanError as err:
-        raise CLIError(str(err)) from None
-    typer.echo(json.dumps(result.to_json()) if as_json else "\n".join(result.report()))
-
-
-def _plan_at_start(cfg: Config, card: float | None) -> Config:
-    """On a GPU: refuse a config that cannot fit, print the plan's line (rank 0), resolve the update's path."""
-    import os
-
-    from stapo.core.plan import PlanError, plan_at_start
-
-    try:
-        cfg2, result = plan_at_start(cfg, int(os.environ.get("WORLD_SIZE", "1")), card)
-    except PlanError as err:
-        raise CLIError(str(err)) from None
-    if os.environ.get("RANK", "0") == "0":
-        typer.echo(result.line() if result else "memory plan: skipped (CPU run; `stapo train --plan` plans a GPU run)")
-    return cfg2
 
 
 def _check_resumable(run_dir: Path, fresh: bool) -> None:
