@@ -345,16 +345,16 @@ def plan_memory(cfg: Config, world_size: int, card_gib: float, shape: ModelShape
     from stapo.core.algos import get_token_weighting, reads_stats
 
     reads = reads_stats(get_token_weighting(a.token_weighting)) or a.lp_reg.enabled
-    kept = micro.count * mem["graph"] + mem["work"]  # every graph alive, then one backward's working set
+    kept = micro.count * mem["graph"]  # every micro-batch's graph alive until the mini-batch's weights are known
     runtime = int(RUNTIME_GIB * GIB) if cuda else 0
     card = card_gib * GIB
     base = states["total"] + ref + runtime
     if not reads:
         path, train = "per_micro_batch", mem["activations"]
-    elif t.update_memory == "bounded" or (t.update_memory == "auto" and base + kept > card):
+    elif t.update_memory == "bounded" or (t.update_memory == "auto" and base + kept + mem["work"] > card):
         path, train = "bounded", mem["activations"]
     else:
-        path, train = "keep_graphs", kept
+        path, train = "keep_graphs", kept + mem["work"]  # then one backward's working set on top
     tp = r.vllm.tensor_parallel_size
     notes: list[str] = []
     if r.engine == "vllm":
