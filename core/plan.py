@@ -123,9 +123,14 @@ def model_config(model_cfg: ModelConfig) -> tuple[Any, str]:
         if not path.is_file():
             path = _shipped_config(name) or path
     if not path.is_file():
+        try:  # a hub model already in the local Hugging Face cache (never the network)
+            return AutoConfig.from_pretrained(name, local_files_only=True), f"{name} (Hugging Face cache)"
+        except (OSError, ValueError):
+            pass
         raise PlanError(
             f"model.name_or_path={name}: the plan needs the model's config.json; shipped: Qwen/Qwen3-1.7B-Base, "
-            "Qwen/Qwen3-8B-Base, Qwen/Qwen3-14B-Base; otherwise point it at a local model folder"
+            "Qwen/Qwen3-8B-Base, Qwen/Qwen3-14B-Base, or models in the local Hugging Face cache; otherwise point "
+            "it at a local model folder"
         )
     data = json.loads(path.read_text())
     return AutoConfig.for_model(data.pop("model_type"), **data), str(path)
