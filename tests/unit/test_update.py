@@ -309,4 +309,3 @@ def test_waves_are_graded_while_the_next_wave_generates(tmp_path, monkeypatch):
     assert all(e[1] for e in events if e[0] == "grade_start")  # graded off the main thread
     rows = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert '"time/reward_total_s"' in rows[0]
-
