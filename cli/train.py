@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from stapo.cli.common import CLIError, ConfigOpt, SetOpt, check_inputs, quiet_known_noise, resolve_config_path
+from stapo.cli.train_plan import plan_at_start, print_plan
 
 if TYPE_CHECKING:
     from stapo.core.config import Config
@@ -57,6 +58,17 @@ def command(
             "(without it, --resume refuses).",
         ),
     ] = False,
+    plan: Annotated[
+        bool, typer.Option("--plan", help="Print the per-GPU memory plan of the config and exit (docs/gpu.md).")
+    ] = False,
+    world_size: Annotated[
+        int | None, typer.Option("--world-size", min=1, help="--plan: ranks to plan for (default: the launch's).")
+    ] = None,
+    card_gib: Annotated[
+        float | None, typer.Option("--card-gib", min=0.1, help="GPU memory in GiB (default: trainer.gpu_memory_gib, "
+                                   "the GPU's own, or 80).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="--plan: one JSON object.")] = False,
 ) -> None:
     """Train a policy with STAPO or a baseline (GRPO, DAPO, 20-Entropy, JustRL, STARE, Lp-Reg, GSPO, ...).
 
@@ -80,6 +92,8 @@ def command(
     overrides = list(set_ or [])
     if fresh and not resume:
         raise CLIError("--fresh goes with --resume (it says what to do when the run dir has no checkpoint)")
+    if (as_json or world_size is not None) and not plan:
+        raise CLIError("--json and --world-size go with --plan (they shape the memory plan's output)")
     try:
         if resume:
             if run_dir is None:
@@ -98,6 +112,9 @@ def command(
         raise CLIError(f"--recipe {recipe}: {err}" if recipe and "invalid config" in str(err) else str(err)) from None
     for warning in name_mismatch(cfg):
         typer.echo(f"warning: {warning}", err=True)
+    if plan:
+        print_plan(cfg, world_size, card_gib, as_json)
+        return
     if run_dir is None:
         run_dir = Path("runs") / f"{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if not resume and (run_dir / "metrics.jsonl").exists():
@@ -105,6 +122,7 @@ def command(
     if resume:
         _check_resumable(run_dir, fresh)
     check_inputs(cfg)
+    cfg = plan_at_start(cfg, card_gib)
     quiet_known_noise(cfg.trainer.backend)
 
     from stapo.core.loop import train

@@ -630,6 +630,22 @@ class TrainerConfig(_Section):
             "whole on every rank (null: DeepSpeed's default, 1e5). 0 partitions every parameter (tests)."
         ),
     )
+    update_memory: Literal["auto", "keep_graphs", "bounded"] = Field(
+        "auto",
+        description=(
+            "How an update whose weighting reads p / H (s2t, top_entropy, stare, Lp-Reg) gets them: "
+            "`keep_graphs` keeps every micro-batch's graph until the mini-batch's statistics are known (one "
+            "forward per micro-batch); `bounded` runs a no-grad statistics pass first, then forward + "
+            "backward per micro-batch (one graph alive). `auto`: keep_graphs unless the memory plan (at start "
+            "on a GPU) finds the kept graphs do not fit. See docs/gpu.md."
+        ),
+    )
+    gpu_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        description="Memory of one GPU for the memory plan (`stapo train --plan`). Null: the GPU's own; "
+        "80 when planning without one.",
+    )
     seed: int = Field(0, description="Seed of sampling, shuffling and initialization.")
     skip_nonfinite: bool = Field(True, description="Skip (and log) an update whose loss or grad norm is not finite.")
 

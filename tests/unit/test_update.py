@@ -193,6 +193,36 @@ def test_no_nograd_forward_inside_the_update(tiny, weighting):
     assert not update.needs_old_pass(make_cfg(weighting))  # on-policy: none at all
 
 
+@pytest.mark.parametrize(("weighting", "spec", "algorithm"), [
+    ("s2t", "padded", {"mini_batches": 4, "ppo_epochs": 2}),
+    ("top_entropy", "packed", {"mini_batches": 1}),
+    ("stare", "padded", {"mini_batches": 4}),
+    ("s2t", "packed", {"mini_batches": 2}),
+])
+def test_bounded_update_matches_kept_graphs(tiny, weighting, spec, algorithm):
+    """trainer.update_memory=bounded (a no-grad statistics pass, then forward + backward per
+    micro-batch) gives the kept-graphs update: same parameters, same diagnostics; it runs one no-grad
+    forward per micro-batch more, and never more than one graph at a time."""
+    model, batch = tiny
+    runs = {}
+    for mode in ("keep_graphs", "bounded"):
+        cfg = make_cfg(weighting, algorithm=algorithm, share_prompt_prefix=False, update_memory=mode,
+                       fused_loss=False, **SPECS[spec])
+        b = sgd_backend(cfg, model)
+        old_lp, old_ent = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)
+        calls = count_nograd(b)
+        m = update.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, old_lp, old_ent, step=1)
+        runs[mode] = (m, {n: p.detach().clone() for n, p in b.model.named_parameters()}, dict(calls))
+    (m_k, p_k, c_k), (m_b, p_b, c_b) = runs["keep_graphs"], runs["bounded"]
+    assert c_k["nograd"] == 0 and c_b["grad"] == c_k["grad"]
+    assert c_b["nograd"] == c_b["grad"]  # one statistics forward per gradient forward
+    for n in p_k:
+        torch.testing.assert_close(p_b[n], p_k[n], atol=1e-5, rtol=0, msg=n)
+    for k in ("stapo/silenced_count", "tokens/valid", "actor/loss", "actor/clip_frac_low"):
+        if k in m_k:
+            assert m_b[k] == pytest.approx(m_k[k], abs=1e-6), k
+
+
 def test_prefix_sharing_matches_full_rows_values_and_gradients():
     cfg = make_cfg()
     model, _ = load_policy(cfg.model, device="cpu")
