@@ -205,6 +205,13 @@ class VLLMOptions(_Section):
     enable_sleep_mode: bool = Field(True, description="Free vLLM's memory while the learner trains (colocated).")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs (slower, starts faster).")
     max_model_len: int | None = Field(None, gt=0, description="Context length for vLLM (default: prompt + response).")
+    per_request_seeds: bool = Field(
+        False,
+        description=(
+            "Give every request its own seed (per-sample reproducibility, e.g. across resumes) instead of one "
+            "seed per engine; vLLM then samples on its slower per-request generator path."
+        ),
+    )
 
 
 # --- asynchronous rollouts (docs/async.md) ---------------------------------------------------
@@ -609,6 +616,15 @@ class TrainerConfig(_Section):
         description=(
             "DeepSpeed ZeRO-3 `stage3_param_persistence_threshold`: parameters with fewer elements stay "
             "whole on every rank (null: DeepSpeed's default, 1e5). 0 partitions every parameter (tests)."
+        ),
+    )
+    sync_bucket_mb: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "DeepSpeed ZeRO-3 weight sync to the rollout engine: parameters gathered per bucket of this many "
+            "MiB (fewer, larger all-gathers; this much memory beyond the model at the peak). 0: one parameter "
+            "at a time, as TRL's colocated vLLM sync does."
         ),
     )
     seed: int = Field(0, description="Seed of sampling, shuffling and initialization.")
