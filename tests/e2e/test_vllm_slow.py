@@ -8,7 +8,8 @@ CI environment (its pins clash), so run it from a venv of its own, e.g. with ``v
 What it checks, against transformers on the same weights (independent reference):
 generate (greedy tokens equal HF argmax decoding, log-probs equal HF's, n / seed / finish reasons),
 then a weight push from a perturbed learner (outputs change and match HF on the new weights), then a
-push of the original weights (outputs restored), bad names rejected, sleep/wake harmless.
+push of the original weights (outputs restored), bad names rejected, sleep -> sync -> generate
+harmless; one seed per engine unless per-request seeds are asked for.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -103,11 +105,15 @@ def test_generate_matches_transformers_greedy(setup):
             assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
 
 
-def test_sampling_counts_seed_and_logprobs(setup):
+def test_sampling_counts_seed_and_logprobs(setup, monkeypatch):
     from stapo.core.rollout import SamplingParams
 
     engine, model, tok, prompts = setup
     sp = SamplingParams(n=4, temperature=0.8, top_p=1.0, max_new_tokens=MAX_NEW, seed=7)
+    # one seed per engine: requests carry none, so two calls sample differently
+    assert engine._sampling_params(sp, n=4).seed is None
+    assert engine._sampling_params(replace(sp, logprobs=False), n=4).logprobs is None
+    monkeypatch.setattr(engine, "per_request_seeds", True)  # rollout.vllm.per_request_seeds
     a = engine.generate(prompts, sp)
     b = engine.generate(prompts, sp)
     assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
@@ -166,10 +172,11 @@ def test_unknown_names_are_rejected_and_sleep_wake_are_harmless(setup):
     from stapo.core.rollout import SamplingParams
 
     engine, model, tok, prompts = setup
-    with pytest.raises(ValueError, match=r"unknown parameter names: module\.model\.norm\.weight"):
+    with pytest.raises(ValueError, match=r"unknown parameter name 'module\.model\.norm\.weight'"):
         engine.load_weights([("module.model.norm.weight", torch.zeros(2))])
+    engine.load_weights(model.named_parameters())  # the rejected push stopped half way: push them all
     sp = SamplingParams(temperature=0, max_new_tokens=4)
     a = engine.generate(prompts, sp)
-    engine.sleep()
-    engine.wake()
+    engine.sleep()  # level 2 where sleep mode exists (GPU); a no-op on CPU
+    engine.load_weights(model.named_parameters())  # wakes weights -> stream -> KV cache
     assert engine.generate(prompts, sp) == a
