@@ -181,10 +181,16 @@ def rank_placement(requested: str = "auto", *, tp_size: int = 1) -> Placement:
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
-    """``trainer.device`` -> this process's ``torch.device`` (``auto``/``cuda``: ``cuda:LOCAL_RANK``)."""
+    """A device name -> ``torch.device``: ``auto`` / ``cuda`` as :func:`place` decides for this process
+    (``cuda:LOCAL_RANK`` under a launcher), an explicit one (``cpu``, ``cuda:1``) as given."""
     if isinstance(name, torch.device):
         return name
-    try:
+    if name in ("auto", "cuda"):
         return torch.device(place(os.environ, cuda_devices=_cuda_devices(), requested=name).device)
+    try:
+        dev = torch.device(name)
     except RuntimeError as err:
         raise ValueError(f"trainer.device: cannot parse {name!r} ({err})") from None
+    if dev.type == "cuda" and not _cuda_devices():
+        raise ValueError(f"trainer.device is {name!r} but CUDA is not available here; use `cpu` or `auto`")
+    return dev

@@ -85,15 +85,32 @@ def test_set_device_comes_before_the_policy_loads(monkeypatch, tmp_path):
     for k, v in LAUNCH2.items():
         monkeypatch.setenv(k, v)
 
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+
     def fake_load(model_cfg, *, device="cpu", compute_device=None):
         events.append(f"load_policy on {device} for {compute_device}")
+        assert models.resolve_dtype(model_cfg, compute_device) == torch.bfloat16  # `auto` on a GPU
         raise _Stop
 
     monkeypatch.setattr(models, "load_policy", fake_load)
-    cfg = load_config(preset_path("tiny"), ["trainer.device=auto"])
+    cfg = load_config(preset_path("tiny"), ["trainer.device=auto", "model.dtype=auto"])
     with pytest.raises(_Stop):
         loop._Run(cfg, tmp_path, log=lambda m: None)
     assert events == ["set_device cuda:1", "load_policy on cpu for cuda:1"]
+
+
+def test_resolve_device_under_a_launcher(monkeypatch):
+    """Fake ``torch.cuda`` with 2 devices (no GPU here); this process is local rank 1 of 2."""
+    from stapo.core.placement import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for k, v in LAUNCH2.items():
+        monkeypatch.setenv(k, v)
+    assert [resolve_device(n) for n in ("auto", "cuda", "cuda:1", "cpu")] == [
+        torch.device("cuda:1"), torch.device("cuda:1"), torch.device("cuda:1"), torch.device("cpu")]
+    with pytest.raises(ValueError, match="cannot parse 'gpu'"):
+        resolve_device("gpu")
 
 
 def test_record_writes_where_the_rank_landed(tmp_path):
