@@ -120,3 +120,13 @@ def test_record_writes_where_the_rank_landed(tmp_path):
     row = json.loads(p.record(tmp_path).read_text())
     assert (row["rank"], row["local_rank"], row["device"], row["physical_gpu"]) == (3, 1, "cuda:1", "5")
     assert row["host"] and row["pid"] > 0
+
+
+def test_a_tensor_parallel_rank_keeps_its_own_share_of_the_group_outputs():
+    """The group generates every rank's prompts in rank order; each rank keeps its own slice."""
+    from stapo.core.rollout.vllm import own_share
+
+    outputs = ["a0", "a1", "b0", "b1", "b2"]  # rank 0 sent 2 prompts, rank 1 sent 3
+    assert own_share(outputs, [2, 3], 0) == ["a0", "a1"]
+    assert own_share(outputs, [2, 3], 1) == ["b0", "b1", "b2"]
+    assert own_share(outputs, [0, 5], 0) == []
