@@ -71,6 +71,7 @@ import json
 import os
 import random
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -266,18 +267,24 @@ class VLLMRolloutEngine:
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         check_prompts(prompt_token_ids, vocab_size=self.vocab_size)
-        if not prompt_token_ids:
+        if not prompt_token_ids and self.tp_group is None:
             return []
         if self._asleep:
             self.wake()
         from vllm.inputs import TokensPrompt
 
-        shares = [prompt_token_ids]
-        if self.tp_group is not None:  # the group's engines must see the same requests: all of them
+        shares = [list(prompt_token_ids)]
+        if self.tp_group is not None:
+            # the group's engines must see the same requests: every rank's prompts, and (per-request
+            # seeds) the group's first rank's seed
             import torch.distributed as dist
 
-            shares = [[] for _ in range(self.tp_size)]
-            dist.all_gather_object(shares, list(prompt_token_ids), group=self.tp_group)
+            gathered: list[Any] = [None] * self.tp_size
+            dist.all_gather_object(gathered, (list(prompt_token_ids), sampling.seed), group=self.tp_group)
+            shares = [g[0] for g in gathered]
+            sampling = replace(sampling, seed=gathered[0][1])
+            if not any(shares):
+                return []
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for share in shares for p in share]
         # vLLM rejects n > 1 with greedy decoding; greedy samples are identical, so sample once and copy.
         copies = 1 if sampling.greedy else sampling.n
