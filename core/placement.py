@@ -3,7 +3,8 @@
 Under a launcher (``deepspeed``, ``torchrun``, ``srun`` with the variables exported) every process
 of a node sees the same GPUs; the rank with ``LOCAL_RANK = i`` takes ``cuda:i``. A launcher that
 gives each process exactly one visible GPU (``CUDA_VISIBLE_DEVICES`` with one id per task, as
-Slurm's ``--gpus-per-task=1`` does) leaves every rank ``cuda:0``, which is then its own GPU.
+Slurm's ``--gpus-per-task=1`` does) leaves every rank ``cuda:0``, which is then its own GPU; any other
+node with fewer GPUs than ranks is refused rather than stacking ranks on one GPU.
 Everything of the rank lives on that device or shares it: the policy (loaded on the CPU, moved by
 the trainer backend), the KL reference model (built by the backend beside the policy), the
 colocated vLLM engine (vLLM's ``external_launcher`` executor reads the same ``RANK`` /
@@ -152,8 +153,8 @@ def place(env: Mapping[str, str], *, cuda_devices: int, requested: str = "auto",
         index = int(requested.split(":", 1)[1])
     elif cuda_devices >= local_world:
         index = local_rank
-    elif cuda_devices == 1:
-        index = 0  # one GPU made visible to each process: it is this rank's own
+    elif cuda_devices == 1 and visible is not None and len(visible) == 1:
+        index = 0  # one GPU made visible to each process (CUDA_VISIBLE_DEVICES per task): its own
     else:
         raise ValueError(f"{local_world} ranks on this node but {cuda_devices} GPUs visible "
                          f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r}): launch one rank per GPU")

@@ -56,6 +56,7 @@ def test_tensor_parallel_groups_are_consecutive_ranks():
         ({"RANK": "1", "WORLD_SIZE": "2"}, 2, "auto", 1, "LOCAL_RANK is unset"),
         ({**LAUNCH2, "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "3", "RANK": "1"}, 2, "auto", 1, "4 ranks on this node but 2 GPUs"),
         (LAUNCH2, 2, "cuda:1", 1, "pins one GPU"),
+        (LAUNCH2, 1, "auto", 1, "2 ranks on this node but 1 GPUs"),  # two ranks would share GPU 0
         (LAUNCH2, 0, "cuda", 1, "CUDA is not available"),
         ({**LAUNCH2, "WORLD_SIZE": "3", "RANK": "1"}, 2, "auto", 2, "rollout.vllm.tensor_parallel_size (2) must divide"),
         ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 2, "auto", 4, "stays on one node"),
