@@ -201,7 +201,10 @@ class VLLMOptions(_Section):
     """Options of the vLLM engine (ignored by `hf`)."""
 
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="Share of GPU memory vLLM may take.")
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel degree.")
+    tensor_parallel_size: int = Field(
+        1, ge=1,
+        description="vLLM tensor parallel degree: groups of this many consecutive ranks on one node share an engine.",
+    )
     enable_sleep_mode: bool = Field(True, description="Free vLLM's memory while the learner trains (colocated).")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs (slower, starts faster).")
     max_model_len: int | None = Field(None, gt=0, description="Context length for vLLM (default: prompt + response).")
