@@ -257,15 +257,15 @@ class _ProducerRun:
     def __init__(self, cfg: Any) -> None:
         from stapo.core.data import encode_prompt, load_prompts
         from stapo.core.models import load_policy
+        from stapo.core.placement import rank_placement
         from stapo.core.rewards import RewardFunction
         from stapo.core.rollout import build_rollout_engine
         from stapo.core.sampler import build_sampler
 
         self.cfg = cfg
         self.rank, self.world_size = 0, 1
-        device = cfg.trainer.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        # rank 0's variables are inherited: the producer shares rank 0's GPU (stapo.core.placement)
+        device = rank_placement(cfg.trainer.device).device
         self.model, self.tokenizer = load_policy(cfg.model, device=device)
         self.engine = _RecordingEngine(build_rollout_engine(cfg, model=self.model, tokenizer=self.tokenizer))
         self.rewards = RewardFunction(cfg.reward)

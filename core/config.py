@@ -208,10 +208,20 @@ class VLLMOptions(_Section):
     """Options of the vLLM engine (ignored by `hf`)."""
 
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="Share of GPU memory vLLM may take.")
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel degree.")
+    tensor_parallel_size: int = Field(
+        1, ge=1,
+        description="vLLM tensor parallel degree: groups of this many consecutive ranks on one node share an engine.",
+    )
     enable_sleep_mode: bool = Field(True, description="Free vLLM's memory while the learner trains (colocated).")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs (slower, starts faster).")
     max_model_len: int | None = Field(None, gt=0, description="Context length for vLLM (default: prompt + response).")
+    per_request_seeds: bool = Field(
+        False,
+        description=(
+            "Give every request its own seed (per-sample reproducibility, e.g. across resumes) instead of one "
+            "seed per engine; vLLM then samples on its slower per-request generator path."
+        ),
+    )
 
 
 # --- asynchronous rollouts (docs/async.md) ---------------------------------------------------
@@ -645,6 +655,15 @@ class TrainerConfig(_Section):
         gt=0,
         description="Memory of one GPU for the memory plan (`stapo train --plan`). Null: the GPU's own; "
         "80 when planning without one.",
+    )
+    sync_bucket_mb: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "DeepSpeed ZeRO-3 weight sync to the rollout engine: parameters gathered per bucket of this many "
+            "MiB (fewer, larger all-gathers; this much memory beyond the model at the peak). 0: one parameter "
+            "at a time, as TRL's colocated vLLM sync does."
+        ),
     )
     seed: int = Field(0, description="Seed of sampling, shuffling and initialization.")
     skip_nonfinite: bool = Field(True, description="Skip (and log) an update whose loss or grad norm is not finite.")

@@ -358,7 +358,6 @@ class DeepGRPO(LoopHook):
             raise TypeError(f"algorithm.deep_grpo needs a rollout engine with generate_from_prefix; "
                             f"{type(run.engine).__name__} has none")
         branch_seqs: list[Any] = []
-        run.engine.wake()
         for p in range(max(n_pivots)):  # data parallel: a rank with fewer pivots makes a throwaway call
             real = p < len(chosen)
             s, t = (chosen[p], pivots[p]) if real else (seqs[0], 1 if len(seqs[0].response_ids) > 1 else 0)
@@ -378,7 +377,6 @@ class DeepGRPO(LoopHook):
                 b.prefix_len = t  # type: ignore[attr-defined]
                 b.ratio = branch_ratio(t, len(s.response_ids))  # type: ignore[attr-defined]
                 branch_seqs.append(b)
-        run.engine.sleep()
         t_gen = time.time() - t0
         if branch_seqs:
             graded = run.rewards([b.text for b in branch_seqs], [b.gold for b in branch_seqs])

@@ -32,7 +32,7 @@ LM head under ZeRO-3: the head weight is partitioned; :func:`stapo.core.trainer.
 runs the chunked log-softmax as the head module's forward, so ZeRO-3's module hooks gather the
 weight before the forward and again before the backward (gradients reach it and are
 reduce-scattered as usual). :meth:`named_parameters_for_sync` and :meth:`export_hf` gather full
-tensors one parameter at a time.
+tensors one parameter (or one ``trainer.sync_bucket_mb`` bucket) at a time.
 
 Checkpoints: ``engine.save_checkpoint`` / ``load_checkpoint`` (tag ``state``) at every stage: each
 rank writes its own ZeRO shards, the LR scheduler state rides along, and resuming on the same world
@@ -71,7 +71,7 @@ from stapo.core.trainer.base import (
     make_lr_scheduler,
 )
 
-__all__ = ["DeepSpeedBackend", "build_ds_config", "init_distributed"]
+__all__ = ["DeepSpeedBackend", "build_ds_config", "init_distributed", "sync_buckets"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,21 @@ def init_distributed(deepspeed: Any, *, cpu: bool) -> None:
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo" if cpu else None, auto_mpi_discovery=False)
+
+
+def sync_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive parameter indices grouped so that each group's bytes stay within ``bucket_bytes``
+    (a parameter larger than that is a group of its own; ``bucket_bytes <= 0``: one per group)."""
+    buckets: list[list[int]] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if buckets and bucket_bytes > 0 and used + size <= bucket_bytes:
+            buckets[-1].append(i)
+            used += size
+        else:
+            buckets.append([i])
+            used = size
+    return buckets
 
 
 def build_ds_config(trainer_cfg: Any, *, bf16: bool, offload: bool, own_clip: bool) -> dict[str, Any]:
@@ -453,14 +468,25 @@ class DeepSpeedBackend:
         return self._deepspeed.zero.GatheredParameters(params, enabled=self.zero_stage == 3)
 
     def named_parameters_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors. Under ZeRO-3 each is gathered, copied and released in turn."""
-        for name, p in self.model.named_parameters():
-            if self.zero_stage == 3:
-                with self._gathered([p]):
-                    full = p.detach().clone()
-                yield name, full
-            else:
+        """HF-named full tensors, streamed: never the whole model gathered at once.
+
+        Under ZeRO-3 the parameters are gathered one bucket at a time (``trainer.sync_bucket_mb``;
+        0: one parameter at a time, as TRL's colocated sync does), each yielded without a copy and
+        released when the next bucket is drawn: a yielded tensor is valid until the consumer asks
+        for the next one beyond its bucket, so a consumer copies what it keeps (vLLM copies into its
+        own weights). Every rank must draw the whole stream (each gather is a collective). At the
+        peak one bucket (or the largest parameter) is alive beyond the partitions.
+        """
+        named = list(self.model.named_parameters())
+        if self.zero_stage != 3:
+            for name, p in named:
                 yield name, p.detach()
+            return
+        sizes = [int(getattr(p, "ds_numel", p.numel())) * p.element_size() for _, p in named]
+        for bucket in sync_buckets(sizes, int(self.tcfg.sync_bucket_mb * 2**20)):
+            with self._gathered([named[i][1] for i in bucket]):
+                for i in bucket:
+                    yield named[i][0], named[i][1].detach()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict on CPU (gathered under ZeRO-3), on every rank."""
