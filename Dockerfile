@@ -80,7 +80,7 @@ COPY evals ./evals
 COPY verifier_service ./verifier_service
 COPY configs ./configs
 # vllm first: it pins the CUDA torch build the rest must share.
-RUN pip install "vllm>=0.32,<0.33" && pip install ".[train,vllm]" && rm -rf build
+RUN pip install "vllm>=0.32,<0.34" && pip install ".[train,vllm]" && rm -rf build
 RUN useradd --create-home --uid 10001 stapo && mkdir -p /runs /data /opt/hf-cache && chown stapo /runs /data /opt/hf-cache
 USER stapo
 VOLUME ["/runs", "/data"]
