@@ -55,8 +55,8 @@ CMD ["stapo", "verifier", "serve"]
 
 # --------------------------------------------------------------------------- trainer
 # The learner: CUDA, torch (pulled by vllm at the version it pins), vllm for rollouts, deepspeed for
-# ZeRO. Multi-GPU: `docker run --gpus all stapo-trainer deepspeed --num_gpus 8 -m stapo.cli.main train ...`
-# (see docs/training-backends.md for multi-node hostfiles). The data ships in the package; /runs and
+# ZeRO. The entrypoint is `stapo`; a launcher replaces it (docs/gpu.md has every scale), e.g. 8 GPUs:
+#   docker run --gpus all --shm-size 16g --entrypoint deepspeed stapo-trainer --num_gpus 8 --no_local_rank --module stapo.cli.main train --config stapo --run-dir /runs/stapo The data ships in the package; /runs and
 # /data (outputs of `stapo prepare`) are volumes owned by the unprivileged user.
 FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04 AS trainer
 
