@@ -116,10 +116,15 @@ def check_inputs(cfg: Config) -> None:
 
 
 def check_launch(cfg: Config, environ: Mapping[str, str] = os.environ) -> None:
-    """What the launch already knows, checked before the model loads (minutes at 8B): the prompts
-    split evenly over the ranks (``WORLD_SIZE``), the vLLM engine imports, and every ``reward.urls``
+    """What the launch already knows, checked before the model loads (minutes at 8B): a backend that
+    spans the ranks, the prompts split evenly over them (``WORLD_SIZE``), the vLLM engine imports, and every ``reward.urls``
     entry resolves and answers ``/readyz``. Each failure is one :class:`JobError` naming the key."""
     world = int(environ.get("WORLD_SIZE") or 1)
+    if world > 1 and cfg.trainer.backend == "torch":
+        raise JobError(
+            f"trainer.backend=torch trains in one process, but this launch has {world} ranks: "
+            "--set trainer.backend=deepspeed (ZeRO over the ranks), or start one process"
+        )
     if cfg.rollout.prompts_per_step % world:
         raise JobError(
             f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be divisible by the number of ranks "

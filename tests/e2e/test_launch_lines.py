@@ -343,7 +343,7 @@ def test_a_launch_whose_ranks_do_not_divide_the_prompts_says_so_once(tmp_path: P
     """3 ranks, 8 prompts per step: one line naming the key, before any model loads; no "unexpected"."""
     argv = _launcher("torchrun") + ["--nproc_per_node", "3", "--master_addr", "127.0.0.1", "--master_port",
                                     str(_free_port()), "-m", "stapo.cli.main", "train", "--config", "tiny",
-                                    "--run-dir", str(tmp_path / "run")]
+                                    "--run-dir", str(tmp_path / "run"), "--set", "trainer.backend=deepspeed"]
     codes, out = run_all([(argv, {})], tmp_path)
     assert codes != [0]
     hits = [ln for ln in out.splitlines() if "must be divisible by the number of ranks (3)" in ln]

@@ -1,7 +1,7 @@
 """What `stapo train` checks before anything loads, and how a launch of several ranks reports it.
 
 - each check of :func:`stapo.cli.common.check_launch` fails with one line naming its config key:
-  ranks that do not divide ``rollout.prompts_per_step``, a vLLM that does not import, a
+  the one-process torch backend under a launcher, ranks that do not divide ``rollout.prompts_per_step``, a vLLM that does not import, a
   ``reward.urls`` entry that does not resolve, does not answer, or answers ``/readyz`` with 503
   (a real HTTP server on loopback); a ready one passes;
 - the overlong buffer longer than the response is a config error naming ``algorithm.overlong.buffer``;
@@ -36,11 +36,18 @@ def tiny(*overrides: str):
 
 
 def test_ranks_must_divide_the_prompts_per_step() -> None:
-    cfg = tiny("rollout.prompts_per_step=8")
+    cfg = tiny("rollout.prompts_per_step=8", "trainer.backend=deepspeed")
     check_launch(cfg, {"WORLD_SIZE": "2"})
     check_launch(cfg, {})  # one process
     with pytest.raises(JobError, match=r"^rollout\.prompts_per_step \(8\) must be divisible by the number of ranks \(3\)"):
         check_launch(cfg, {"WORLD_SIZE": "3"})
+
+
+def test_several_ranks_need_a_backend_that_spans_them() -> None:
+    """The torch backend is one process: under a launcher each rank would train its own copy."""
+    check_launch(tiny(), {})
+    with pytest.raises(JobError, match=r"^trainer\.backend=torch trains in one process, but this launch has 2 ranks"):
+        check_launch(tiny(), {"WORLD_SIZE": "2"})
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
@@ -108,7 +115,7 @@ def _run_main(monkeypatch, capsys, env: dict[str, str], *args: str) -> tuple[int
 def test_a_job_wide_error_prints_once_per_node(monkeypatch, capsys, tmp_path) -> None:
     """3 ranks on one node (the launchers' variables): rank 0 prints the line; ranks 1 and 2 exit 2
     silently. A second node's first rank (RANK 3, LOCAL_RANK 0) prints it for its node."""
-    args = ("train", "--config", "tiny", "--run-dir", str(tmp_path / "run"))
+    args = ("train", "--config", "tiny", "--run-dir", str(tmp_path / "run"), "--set", "trainer.backend=deepspeed")
     outputs = []
     for rank, local in ((0, 0), (1, 1), (2, 2), (3, 0)):
         code, err = _run_main(monkeypatch, capsys, {"WORLD_SIZE": "3", "RANK": str(rank), "LOCAL_RANK": str(local)}, *args)
