@@ -106,8 +106,9 @@ def command(
         cfg = load_config(path, overrides)
     except ConfigError as err:
         raise JobError(f"--recipe {recipe}: {err}" if recipe and "invalid config" in str(err) else str(err)) from None
+    say = typer.echo if os.environ.get("RANK", "0") == "0" else _silent  # start-up lines once per job
     for warning in name_mismatch(cfg):
-        typer.echo(f"warning: {warning}", err=True)
+        say(f"warning: {warning}", err=True)
     if run_dir is None:
         run_dir = Path("runs") / f"{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if not resume and (run_dir / "metrics.jsonl").exists():
@@ -117,7 +118,6 @@ def command(
     check_inputs(cfg)
     check_launch(cfg)
     quiet_known_noise(cfg.trainer.backend)
-    say = typer.echo if os.environ.get("RANK", "0") == "0" else _silent  # start-up lines once per job
 
     from stapo.core.loop import train
     from stapo.core.rewards import RewardError
