@@ -14,6 +14,7 @@ checkpoint and the exact command that resumes it.
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import time
@@ -22,7 +23,16 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from stapo.cli.common import CLIError, ConfigOpt, SetOpt, check_inputs, quiet_known_noise, resolve_config_path
+from stapo.cli.common import (
+    CLIError,
+    ConfigOpt,
+    JobError,
+    SetOpt,
+    check_inputs,
+    check_launch,
+    quiet_known_noise,
+    resolve_config_path,
+)
 from stapo.cli.train_plan import plan_at_start, print_plan
 
 if TYPE_CHECKING:
@@ -109,9 +119,10 @@ def command(
             overrides = method_overrides(resolve_config_path(Path(recipe)), base) + overrides
         cfg = load_config(path, overrides)
     except ConfigError as err:
-        raise CLIError(f"--recipe {recipe}: {err}" if recipe and "invalid config" in str(err) else str(err)) from None
+        raise JobError(f"--recipe {recipe}: {err}" if recipe and "invalid config" in str(err) else str(err)) from None
+    say = typer.echo if os.environ.get("RANK", "0") == "0" else _silent  # start-up lines once per job
     for warning in name_mismatch(cfg):
-        typer.echo(f"warning: {warning}", err=True)
+        say(f"warning: {warning}", err=True)
     if plan:
         print_plan(cfg, world_size, card_gib, as_json)
         return
@@ -122,6 +133,7 @@ def command(
     if resume:
         _check_resumable(run_dir, fresh)
     check_inputs(cfg)
+    check_launch(cfg)
     cfg = plan_at_start(cfg, card_gib)
     quiet_known_noise(cfg.trainer.backend)
 
@@ -129,9 +141,9 @@ def command(
     from stapo.core.rewards import RewardError
 
     created = not run_dir.exists()
-    typer.echo(f"run dir: {run_dir}  (config: {path})")
+    say(f"run dir: {run_dir}  (config: {path})")
     try:
-        result = train(cfg, run_dir, resume=resume, log=typer.echo)
+        result = train(cfg, run_dir, resume=resume, log=say)
     except KeyboardInterrupt:
         _quiet_grader_shutdown()
         _interrupted(cfg, run_dir)
@@ -143,7 +155,7 @@ def command(
         if created:
             _remove_if_empty_run(run_dir)
         raise
-    typer.echo(
+    say(
         f"done: {result.steps} steps in {result.wall_s:.0f}s; validation accuracy "
         f"{_fmt(result.val_before)} -> {_fmt(result.val_after)}; run dir {result.run_dir}"
     )
@@ -265,6 +277,10 @@ def _remove_if_empty_run(run_dir: Path) -> None:
     remove it, so that a failed start leaves nothing behind."""
     if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {"config.yaml"}:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _silent(message: str = "", **_: object) -> None:
+    """Ranks other than 0 under a launcher: rank 0 prints the job's start-up and progress lines."""
 
 
 def _fmt(x: float | None) -> str:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from stapo.cli.common import CLIError
+from stapo.cli.common import CLIError, JobError
 
 if TYPE_CHECKING:
     from stapo.core.config import Config
@@ -37,7 +37,7 @@ def plan_at_start(cfg: Config, card: float | None) -> Config:
     try:
         cfg2, result = plan_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")), card)
     except PlanError as err:
-        raise CLIError(str(err)) from None
+        raise JobError(str(err)) from None
     if os.environ.get("RANK", "0") == "0":
         typer.echo(result.line() if result else "memory plan: skipped (CPU run; `stapo train --plan` plans a GPU run)")
     return cfg2

@@ -666,6 +666,14 @@ class TrainerConfig(_Section):
         ),
     )
     seed: int = Field(0, description="Seed of sampling, shuffling and initialization.")
+    dist_timeout_s: float = Field(
+        3600.0, gt=0, description=(
+            "Timeout of one collective across ranks (the process group's `timeout`; DeepSpeed's default is 10 "
+            "min). Ranks meet only between phases: one generation round of a rank's rollouts (768 responses of "
+            "up to 8k tokens per rank at 256 x 8 x 3 over 8 ranks: ~10 min at 8B) or rank 0 writing a checkpoint "
+            "can exceed 10 minutes; 1 hour leaves room and still ends a truly hung job."
+        ),
+    )
     skip_nonfinite: bool = Field(True, description="Skip (and log) an update whose loss or grad norm is not finite.")
 
 
@@ -704,7 +712,9 @@ class RewardConfig(_Section):
         description="Verifier service URLs (sharded, with failover). Empty: grade in a local worker pool.",
     )
     token: str | None = Field(None, description="Bearer token of the verifier service (unset: `$STAPO_VERIFIER_TOKEN` from the environment).")
-    workers: int | None = Field(None, gt=0, description="Local grader processes (default: one per core).")
+    workers: int | None = Field(None, gt=0, description=(
+        "Local grader processes per rank (default: the node's cores divided by the ranks on the node, "
+        "`LOCAL_WORLD_SIZE`; one per core for a single process)."))
     deadline_s: float = Field(5.0, gt=0, description="Per-item grading deadline.")
     think: Literal["optional", "required", "ignore"] = Field(
         "optional", description="How `</think>` is treated when extracting the answer."
@@ -778,6 +788,10 @@ class Config(_Section):
                 f"rollout.prompts_per_step * rollout.n ({batch}) must be divisible by algorithm.mini_batches "
                 f"({self.algorithm.mini_batches})"
             )
+        o = self.algorithm.overlong
+        if o.enabled and o.buffer > self.rollout.max_new_tokens:
+            raise ValueError(f"algorithm.overlong.buffer ({o.buffer}) must be at most rollout.max_new_tokens "
+                             f"({self.rollout.max_new_tokens}): the penalty ramps over the last `buffer` tokens")
         if self.algorithm.dynamic_sampling and self.rollout.n < 2:
             raise ValueError("algorithm.dynamic_sampling needs rollout.n >= 2")
         if self.algorithm.entropy_coef > 0 and not self.trainer.entropy_grad:

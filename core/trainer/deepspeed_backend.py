@@ -54,6 +54,7 @@ import math
 import os
 import socket
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +85,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_distributed(deepspeed: Any, *, cpu: bool) -> None:
+def init_distributed(deepspeed: Any, *, cpu: bool, timeout_s: float = 3600.0) -> None:
     """Join (or create) the process group. Under the launcher the env is set; alone, default to 1 rank.
 
     Without these variables DeepSpeed falls back to MPI discovery, which fails on a missing mpi4py.
     On CPU the backend is gloo (DeepSpeed's CPU accelerator would otherwise ask for oneCCL).
+    ``timeout_s``: every collective's timeout (``trainer.dist_timeout_s``: ranks generate apart for
+    minutes between collectives, longer than DeepSpeed's 10-minute default).
     """
     if dist.is_available() and dist.is_initialized():
         # A group made earlier in this process (another engine, a test) whose launcher variables are
@@ -108,7 +111,8 @@ def init_distributed(deepspeed: Any, *, cpu: bool) -> None:
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo" if cpu else None, auto_mpi_discovery=False)
+    deepspeed.init_distributed(dist_backend="gloo" if cpu else None, auto_mpi_discovery=False,
+                               timeout=timedelta(seconds=timeout_s))
 
 
 def sync_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
@@ -221,7 +225,7 @@ class DeepSpeedBackend:
                 f"trainer.device={tcfg.device!r} but DeepSpeed's accelerator is "
                 f"{get_accelerator().device_name()!r}; with deepspeed use `auto` (or set DS_ACCELERATOR)"
             )
-        init_distributed(deepspeed, cpu=cpu)
+        init_distributed(deepspeed, cpu=cpu, timeout_s=tcfg.dist_timeout_s)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.zero_stage = int(tcfg.zero_stage)
