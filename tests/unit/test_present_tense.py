@@ -2,7 +2,7 @@
 
 A reader of a docstring, a test or a doc wants what the code does now, not which tracker item
 changed it; the history is in git. This scans the text files of the folders a user reads and fails
-naming each ``file:line`` that cites an issue by number. Data files (``*.jsonl``: graded model
+naming each ``file:line`` that cites an issue by number (this file excluded). Data files (``*.jsonl``: graded model
 outputs, benchmark problems) are not prose of ours and are skipped.
 """
 
@@ -39,5 +39,6 @@ def test_no_issue_numbers_in_code_tests_or_docs():
 def test_the_scan_finds_a_reference(tmp_path):
     """The scan can fail: a planted reference is reported with its file and line."""
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "x.md").write_text("fine\nas of Issue 12 this works\n", "utf-8")
-    assert issue_references(tmp_path) == ["docs/x.md:2: as of Issue 12 this works"]
+    planted = "as of Issue " + "12 this works"  # split so that a grep of this file finds nothing
+    (tmp_path / "docs" / "x.md").write_text(f"fine\n{planted}\n", "utf-8")
+    assert issue_references(tmp_path) == [f"docs/x.md:2: {planted}"]
