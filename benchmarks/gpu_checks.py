@@ -1,4 +1,4 @@
-"""CUDA correctness checks of issue 14, one process, one JSON report (run by benchmarks/gpu_suite.sh).
+"""CUDA correctness checks, one process, one JSON report (run by benchmarks/gpu_suite.sh).
 
 Each check compares a CUDA path against an independent reference and records its errors and a
 verdict; a failing check does not stop the others (the report says which broke, for
@@ -201,7 +201,7 @@ def check_deepspeed(dev: torch.device, tiny: bool) -> dict[str, Any]:
             # CUDA (torch: autocast, DeepSpeed: its bf16 engine): the updates agree to 5% of their size.
             passed = abs_err <= 1e-5 if dev.type == "cpu" else err <= 5e-2
             out[f"zero{stage}"] = {"max_rel_update_err": err, "max_abs_weight_err": abs_err, "ok": passed}
-        except Exception as err:  # report and go on: this is what the GPU findings section needs
+        except Exception as err:  # report and go on: the GPU results section needs every check's outcome
             out[f"zero{stage}"] = {"ok": False, "error": f"{type(err).__name__}: {err}",
                                    "trace": traceback.format_exc()[-2000:]}
         ok &= out[f"zero{stage}"]["ok"]

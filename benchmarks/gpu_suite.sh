@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14 in one command: every CUDA check and GPU benchmark, results under $OUT (default runs/gpu_suite).
+# One command: every CUDA check and GPU benchmark, results under $OUT (default runs/gpu_suite).
 #
 #   benchmarks/gpu_suite.sh              # on the GPU machine (see docs/training-backends.md, "GPU checklist")
 #   benchmarks/gpu_suite.sh --dry-run    # here, on the CPU, tiny shapes: proves the script end to end

@@ -195,7 +195,7 @@ def _k_of(m: dict[str, Any], kind: str) -> int | None:
 
 
 def training_summary(run: RunData) -> dict[str, float | None]:
-    """One row of numbers per training run: validation before/after/best, steps, final metrics.
+    """One row of numbers per training run: validation at start, end and best, steps, final metrics.
 
     "final" values are the mean of the last 10% of steps (at least 1), which is steadier than the
     very last step of a noisy RL curve.

@@ -1,13 +1,13 @@
 """The real RL loop on 2 CPU ranks (gloo, launched with torchrun) under DeepSpeed ZeRO-3.
 
-What can fail here (each was broken before issue 8):
+What each test checks:
 
 * ``test_two_rank_loop_completes_resumes_and_logs_global_metrics`` - ``loop.train`` with parameters
   actually partitioned (persistence threshold 0), dynamic sampling on, rewards that vary within
   groups (DAPO overlong shaping on a tiny random model: response lengths differ), 2 mini-batches of
   micro-batches, token dumps and validation every step, a checkpoint every step. It must finish
-  under a timeout (ranks whose kept batches differ used to leave the collectives out of lockstep
-  and hang), log the GLOBAL reward mean (not rank 0's shard) and ``batch/sequences``, and a run
+  under a timeout (ranks whose kept batches differ must still run the same collectives in
+  lockstep, or they hang), log the GLOBAL reward mean (not rank 0's shard) and ``batch/sequences``, and a run
   resumed from the step-2 checkpoint must reproduce step 3 and the final parameters exactly. The
   run carries a KL to the frozen initial policy, itself partitioned under ZeRO-3 (``actor/kl`` is 0
   at step 1, positive after, and reproduced by the resumed run).
@@ -133,8 +133,8 @@ def torchrun(args: list[str], tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- the real loop
 
-# configs/tiny.yaml as it was when this test was calibrated (character vocabulary, 2 prompts x 4
-# responses of up to 8 tokens); the preset now answers with one token from a digits-only vocabulary.
+# The shape this test is calibrated on: a character vocabulary, 2 prompts x 4 responses of up to 8
+# tokens (the tiny preset itself answers with one token from a digits-only vocabulary).
 TINY_SHAPE = ["model.tiny.vocab=chars", "data.arithmetic.answer_range=null", "rollout.prompts_per_step=2",
               "rollout.n=4", "rollout.max_new_tokens=8", "trainer.micro_batch_size=4"]
 
