@@ -494,11 +494,11 @@ def drive(a: argparse.Namespace) -> int:
     for p in chosen:
         cost = p.dry_s if a.dry_run else p.gpu_s
         res: dict[str, Any]
-        if p.needs_model and not (Path(a.model_dir) / "config.json").exists():
-            res = {"ok": False, "skipped": "no model (the random-model step failed or was skipped)"}
-        elif left() < cost:
+        if left() < cost:
             res = {"ok": None, "skipped": f"needs ~{cost} s ({'measured' if a.dry_run else 'stated'}), "
                                          f"{max(left(), 0):.0f} s left"}
+        elif p.needs_model and not (Path(a.model_dir) / "config.json").exists():
+            res = {"ok": False, "error": "no model: the random-model step failed (parts.log)"}
         else:
             js, log = work / f"{p.name}.json", work / f"{p.name}.log"
             js.unlink(missing_ok=True)

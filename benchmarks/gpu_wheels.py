@@ -179,15 +179,18 @@ def fetch_one(name: str, spec, python: str) -> Path:
     if norm(name) in SOURCE_ONLY:
         env = {**os.environ, **SOURCE_ONLY[norm(name)]}
         cmd = [*nice, sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(CACHE), want]
-        subprocess.run(cmd, check=True, env=env)
+        done = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
     else:
         plat = [a for p in PLATFORMS for a in ("--platform", p)]
         cmd = [*nice, sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                "--python-version", python, "--implementation", "cp", *plat, "-d", str(CACHE), want]
-        subprocess.run(cmd, check=True)
+        done = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise LookupError(f"gpu_wheels: no wheel of {want} for Python {python}: "
+                          + " ".join(done.stderr.strip().splitlines()[-1:]))
     hit = _cached(name, spec, python)
     if hit is None:
-        raise SystemExit(f"gpu_wheels: pip fetched no wheel for {want} (Python {python})")
+        raise LookupError(f"gpu_wheels: pip fetched no wheel for {want} (Python {python})")
     return hit
 
 
@@ -276,7 +279,7 @@ def cmd_standin(args: argparse.Namespace) -> None:
             pass
         try:
             replaced[n] = fetch_one(n, SpecifierSet(f"=={ver}"), "3.11")
-        except (subprocess.CalledProcessError, SystemExit):
+        except LookupError:
             unfetched.append(f"{n}=={ver}")
     site = Path(metadata.distribution("pip").locate_file(""))
     linked = set()
@@ -412,7 +415,10 @@ def main() -> None:
             s.add_argument("--modules", default="stapo.verifier_service.app,stapo.verifier_service.pool,"
                            "stapo.core.rewards,stapo.cli.main", help="stapo modules imported first")
     args = p.parse_args()
-    {"fetch": cmd_fetch, "standin": cmd_standin, "imports": cmd_imports, "check": cmd_check}[args.cmd](args)
+    try:
+        {"fetch": cmd_fetch, "standin": cmd_standin, "imports": cmd_imports, "check": cmd_check}[args.cmd](args)
+    except LookupError as err:  # a wheel pip could not find: one line, not a traceback
+        raise SystemExit(str(err)) from None
 
 
 if __name__ == "__main__":
