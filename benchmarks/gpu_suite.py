@@ -37,6 +37,7 @@ Parts, in priority order:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -96,13 +97,13 @@ def _vs_trl(a: argparse.Namespace, out: Path) -> list[str]:
 
 PARTS = [
     Part("train_resume", "3 stapo train steps, SIGKILL after step 2's checkpoint, --resume: step 3 equal",
-         180, 150, True, _self("train_resume")),
+         180, 200, True, _self("train_resume")),
     Part("checks", "CUDA numerics vs same-precision references (benchmarks/gpu_checks.py)", 60, 60, False, _checks),
     Part("update_memory", "peak memory of one update, 8 x 8,192 tokens, checkpointing, kept graphs; vs --plan",
-         60, 25, True, _self("update_memory")),
+         60, 50, True, _self("update_memory")),
     Part("attention", "packed sdpa_varlen vs row-padded vs packed sdpa: time, memory, log-probs to 1e-2",
-         60, 30, True, _self("attention")),
-    Part("tokenstats", "fused vs chunked vs naive token statistics at vocab 151,936", 40, 25, False, _tokenstats),
+         60, 45, True, _self("attention")),
+    Part("tokenstats", "fused vs chunked vs naive token statistics at vocab 151,936", 40, 30, False, _tokenstats),
     Part("vs_trl", "stapo vs TRL GRPOTrainer, 16 prompts x 8 x 512 tokens", 240, 120, True, _vs_trl),
 ]
 MODEL_COST = {"gpu": 25, "dry": 10}
@@ -224,10 +225,8 @@ def _scratch(a: argparse.Namespace, need_gib: float) -> Path:
 
 
 def part_train_resume(a: argparse.Namespace) -> dict[str, Any]:
-    import torch  # noqa: F401  (the CUDA check below)
-
-    from stapo.core.config import load_config
     from stapo.configs import preset_path
+    from stapo.core.config import load_config
 
     over = _train_overrides(a)
     cfg = load_config(preset_path("stapo"), over)  # checked here, before any process starts
@@ -342,7 +341,7 @@ def part_update_memory(a: argparse.Namespace) -> dict[str, Any]:
     _sync(dev)
     out = {"device": dev, "responses": n_resp, "response_tokens": resp_len, "prompt_tokens": prompt_len,
            "micro_batch_tokens": budget, "keeps_graphs": bool(parts.reads_stats), "gradient_checkpointing": True,
-           "weights_and_grads_before_gib": before, "peak_gib": _peak_gib(dev),
+           "allocated_before_update_gib": before, "peak_gib": _peak_gib(dev),
            "update_s": round(time.perf_counter() - t0, 2), "loss": metrics.get("actor/loss")}
     over = [f"model.name_or_path={a.model_dir}", "model.gradient_checkpointing=true", "trainer.backend=torch",
             "rollout.engine=hf", f"rollout.max_new_tokens={resp_len}", "rollout.n=4", "rollout.prompts_per_step=2",
@@ -360,8 +359,9 @@ def part_update_memory(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def part_attention(a: argparse.Namespace) -> dict[str, Any]:
-    import torch
     from types import SimpleNamespace
+
+    import torch
 
     from stapo.core import update
     from stapo.core.models import load_policy
@@ -414,8 +414,9 @@ def part_attention(a: argparse.Namespace) -> dict[str, Any]:
         else:
             row["max_abs_logprob_diff_vs_packed_varlen"] = float((lp - ref_lp).abs().max())
         out["layouts"][name] = row
-        del b
+        del b  # its AdamW moments: 2 x fp32 weights
         model.zero_grad(set_to_none=True)
+        gc.collect()
         if dev == "cuda":
             torch.cuda.empty_cache()
     out["logprob_tolerance"] = tol
@@ -507,15 +508,15 @@ def drive(a: argparse.Namespace) -> int:
             res = _result(js, log)
             res.setdefault("ok", rc == 0)
             res.update(rc=rc, seconds=round(s, 1), cost_s=cost)
-            if rc == 124:
-                res.update(ok=False, error="stopped at the budget's end")
+            if rc == 124:  # its cost was underestimated: cut like a skipped part, and said
+                res.update(ok=None, cut=f"stopped at the budget's end after {s:.0f} s (cost {cost} s)")
             elif rc != 0 and "error" not in res:
                 res["ok"] = False
                 res["error"] = f"exit {rc}: " + _tail(log, 600).strip().splitlines()[-1] if _tail(log, 600).strip() else ""
         report["parts"][p.name] = res
-        state = "skipped" if "skipped" in res else ("ok" if res.get("ok") else "FAILED")
+        state = "skipped" if "skipped" in res else "cut" if "cut" in res else ("ok" if res.get("ok") else "FAILED")
         print(f"{p.name:14s} {state:8s} {res.get('seconds', 0):7.1f} s  "
-              f"{res.get('skipped') or res.get('verdict') or res.get('error') or ''}", flush=True)
+              f"{res.get('skipped') or res.get('cut') or res.get('verdict') or res.get('error') or ''}", flush=True)
     train_log = work / "train_resume.runs.log"
     if train_log.exists():
         logs.append(train_log)
