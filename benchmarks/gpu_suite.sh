@@ -36,8 +36,8 @@ WORK=${WORK:-/tmp/stapo-gpu-suite}
 mkdir -p "$OUT" "$WORK"
 exec > >(tee "$OUT/suite.log") 2>&1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-EXTRAS=train
-case " ${PARTS:-vs_trl} " in *" vs_trl "*) EXTRAS=train,bench ;; esac
+EXTRAS=train  # + bench (TRL) when the TRL part is asked for
+case " ${PARTS//,/ } " in *" vs_trl "*) EXTRAS=train,bench ;; esac
 pip_target() {  # pip_target PYTHON DIR WHEEL...: a fresh folder holding exactly these wheels
   local py=$1 dir=$2; shift 2
   rm -rf "$dir" && "$py" -m pip install -q --root-user-action=ignore --no-index --no-deps --no-compile --no-cache-dir --target "$dir" "$@"

@@ -194,14 +194,14 @@ def fetch_one(name: str, spec, python: str) -> Path:
     return hit
 
 
-def plan(extras: list[str]) -> tuple[dict[str, Path], list[str], dict[str, str]]:
-    """(carried wheels by name, notes, device packages kept with a known version) for the device."""
+def plan(extras: list[str]) -> tuple[dict[str, Path], list[str], dict[str, str | None]]:
+    """(carried wheels by name, notes, the device's own packages relied on -> their version if known)."""
     from packaging.specifiers import SpecifierSet
 
     env = _env(DEVICE_PYTHON)
     specs: dict[str, SpecifierSet] = {}
     carried: dict[str, Path] = {}
-    kept: dict[str, str] = {}
+    kept: dict[str, str | None] = {}
     notes: list[str] = []
     queue = [(r, "stapo") for r in requirements(extras)]
     while queue:
@@ -218,8 +218,7 @@ def plan(extras: list[str]) -> tuple[dict[str, Path], list[str], dict[str, str]]
             continue
         keep, why = device_keeps(n, specs[n])
         if keep:
-            if n in DEVICE_VERSIONS:
-                kept[n] = DEVICE_VERSIONS[n]
+            kept[n] = DEVICE_VERSIONS.get(n)
             continue
         kept.pop(n, None)
         whl = fetch_one(req.name, specs[n], DEVICE_PYTHON)
@@ -250,6 +249,14 @@ def cmd_fetch(args: argparse.Namespace) -> None:
         raise SystemExit(f"gpu_wheels: {total / 2**20:.1f} MiB is over the {LIMIT_MIB} MiB the device carries")
 
 
+def _version(name: str) -> str | None:
+    """This venv's version of ``name`` (None: not installed)."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _binary(whl: Path) -> bool:
     """The wheel is built for one Python (a cp312 extension, a py312-only package): the dry run needs its twin."""
     from packaging.utils import parse_wheel_filename
@@ -263,24 +270,36 @@ def cmd_standin(args: argparse.Namespace) -> None:
     from packaging.utils import parse_wheel_filename
 
     dest = Path(args.dest)
-    dest.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(dest, ignore_errors=True)  # its links are removed, not followed
+    dest.mkdir(parents=True)
     carried = sorted(Path(args.carried).glob("*.whl"))
     carried_names = {norm(parse_wheel_filename(p.name)[0]) for p in carried}
     _, _, kept = plan(args.extras)
-    replaced: dict[str, Path] = {}
-    unfetched: list[str] = []  # not on the index this machine reaches: the venv's version stands in
-    for n, ver in kept.items():  # the device's own version where the venv's differs
-        if n in NOT_REPLACED:
+    replaced: dict[str, Path] = {}  # the device's version instead of the venv's
+    unfetched: list[str] = []  # not on the index this machine reaches
+    for n, ver in kept.items():
+        if ver is None or n in NOT_REPLACED or _version(n) in (ver, None):
             continue
-        try:
-            if metadata.version(n) == ver:
-                continue
-        except metadata.PackageNotFoundError:
-            pass
         try:
             replaced[n] = fetch_one(n, SpecifierSet(f"=={ver}"), "3.11")
         except LookupError:
             unfetched.append(f"{n}=={ver}")
+    # what the device has and the venv lacks (pandas for TRL's datasets, say), with what it needs
+    queue, added = [n for n, v in kept.items() if _version(n) is None], {}
+    while queue:
+        n = queue.pop()
+        if n in added or n in replaced or n in carried_names or _version(n) is not None:
+            continue
+        ver = DEVICE_VERSIONS.get(n)
+        try:
+            added[n] = fetch_one(n, SpecifierSet(f"=={ver}" if ver else ""), "3.11")
+        except LookupError:
+            unfetched.append(n)
+            continue
+        for sub in _wheel_meta(added[n])[2]:
+            req = _req(sub)
+            if req.marker is None or req.marker.evaluate(_env("3.11")):
+                queue.append(norm(req.name))
     site = Path(metadata.distribution("pip").locate_file(""))
     linked = set()
     for dist in metadata.distributions():
@@ -293,8 +312,8 @@ def cmd_standin(args: argparse.Namespace) -> None:
             src, dst = site / top, dest / top
             if src.exists() and not dst.exists() and top not in ("bin", "__pycache__"):
                 dst.symlink_to(src)
-    if replaced:
-        _pip_target(sys.executable, dest, list(replaced.values()))
+    if replaced or added:
+        _pip_target(sys.executable, dest, [*replaced.values(), *added.values()])
     py311 = []
     for whl in carried:
         name, ver, _, _ = parse_wheel_filename(whl.name)
@@ -305,8 +324,9 @@ def cmd_standin(args: argparse.Namespace) -> None:
     for w in py311:
         shutil.copy2(w, Path(args.py311) / w.name)
     print(f"stand-in {dest}: {len(linked)} device packages from this venv, device versions of "
-          f"{', '.join(f'{n}=={kept[n]}' for n in sorted(replaced)) or 'none'}"
-          f"{' (not to be had here, the venv version instead: ' + ', '.join(unfetched) + ')' if unfetched else ''}; "
+          f"{', '.join(f'{n}=={kept[n]}' for n in sorted(replaced)) or 'none'}, "
+          f"from the index: {', '.join(sorted(added)) or 'none'}"
+          f"{'; not on the index here (the venv has its own, or none): ' + ', '.join(unfetched) if unfetched else ''}; "
           f"cp311 twins of {sum(_binary(w) for w in carried)} binary wheels in {args.py311}")
 
 

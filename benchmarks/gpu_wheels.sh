@@ -8,16 +8,16 @@
 # ($STAPO_WHEEL_CACHE, default ~/.cache/stapo-gpu-wheels), niced.
 #
 #   benchmarks/gpu_wheels.sh                          # .whl/ for the device: run(..., carry=[".whl"])
-#   benchmarks/gpu_wheels.sh --dest DIR --extras train   # another folder; without the TRL part's wheels
+#   benchmarks/gpu_wheels.sh --extras train,bench     # also TRL and its needs, for the TRL part (--parts vs_trl)
 set -eu
 cd "$(dirname "$0")/.."
 DEST=.whl
-EXTRAS=train,bench
+EXTRAS=train
 while [ $# -gt 0 ]; do
   case $1 in
     --dest) DEST=$2; shift 2 ;;
     --extras) EXTRAS=$2; shift 2 ;;
-    *) echo "usage: benchmarks/gpu_wheels.sh [--dest DIR] [--extras train,bench]" >&2; exit 2 ;;
+    *) echo "usage: benchmarks/gpu_wheels.sh [--dest DIR] [--extras train[,bench]]" >&2; exit 2 ;;
   esac
 done
 PY=${PY:-.venv/bin/python}
