@@ -14,7 +14,7 @@
 # very wheels the device gets (built by gpu_wheels.sh into $WORK/whl) into an empty folder with Python
 # 3.12 (the device's) and imports every carried module and stapo's torch-free modules from there; this
 # machine has torch only for the venv's Python 3.11, so the parts then run on a bare Python 3.11 whose
-# path holds the same wheels (cp311 builds of the 4 binary ones) and a stand-in for the device's own
+# path holds the same wheels (cp311 builds of the binary ones) and a stand-in for the device's own
 # packages (the venv's copies, the device's versions where known and fetchable): a wheel missing from
 # the carried set fails here, not on the device.
 set -u
