@@ -17,6 +17,7 @@
 # path holds the same wheels (cp311 builds of the binary ones) and a stand-in for the device's own
 # packages (the venv's copies, the device's versions where known and fetchable): a wheel missing from
 # the carried set fails here, not on the device.
+{  # read whole before it runs: an edit to this file during a run cannot change the run
 set -u
 cd "$(dirname "$0")/.."
 DRY=0
@@ -77,3 +78,4 @@ say "parts"
 status=$?
 say "done, exit $status; results in $OUT"
 exit $status
+}
