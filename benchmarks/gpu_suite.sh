@@ -46,7 +46,10 @@ pip_target() {  # pip_target PYTHON DIR WHEEL...: a fresh folder holding exactly
 say() { echo "== $* ($((SECONDS - T0)) s)"; }
 if [ $DRY = 1 ]; then
   BUILD_PY=${PY:-.venv/bin/python}
-  PY312=${PY312:-$HOME/.pyenv/versions/3.12.1/bin/python3.12}
+  # the device's Python minor: pyenv's newest 3.12, else python3.12 on PATH (or $PY312)
+  PY312=${PY312:-$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12.*/bin/python3.12 2>/dev/null | sort -V | tail -1)}
+  PY312=${PY312:-$(command -v python3.12)}
+  [ -x "$PY312" ] || { echo "--dry-run needs a Python 3.12 (the device's): set PY312"; exit 1; }
   say "carried wheels, as for the device"
   PY=$BUILD_PY benchmarks/gpu_wheels.sh --dest "$WORK/whl" --extras "$EXTRAS" || exit 1
   rm -rf "$WORK/stapo" && "$BUILD_PY" -m pip wheel -q --no-deps --no-build-isolation --no-index -w "$WORK/stapo" . || exit 1
