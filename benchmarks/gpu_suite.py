@@ -26,7 +26,7 @@ Parts, in priority order:
   micro-batches vs packed rows under transformers' sdpa (block-diagonal mask), on one long-tailed
   batch: time and peak memory of the statistics pass and of one update; log-probs must agree to
   1e-2 (bf16 against bf16).
-- ``tokenstats``: benchmarks/tokenstats.py, fused vs chunked vs naive token statistics at vocab 151,936.
+- ``tokenstats``: benchmarks/tokenstats.py, fused vs naive token statistics at vocab 151,936.
 - ``vs_trl`` (only when named in ``--parts``: it does not fit after the others): benchmarks/vs_trl.py,
   stapo vs TRL's GRPOTrainer on the same model and batch.
 
@@ -85,7 +85,9 @@ def _checks(a: argparse.Namespace, out: Path) -> list[str]:
 def _tokenstats(a: argparse.Namespace, out: Path) -> list[str]:
     shape = (["--tokens", "256", "--hidden", "64", "--repeats", "1", "--device", "cpu", "--dtype", "float32"]
              if a.dry_run else ["--tokens", "16384", "--hidden", "2048", "--device", "cuda", "--dtype", "bfloat16"])
-    return [sys.executable, str(HERE / "tokenstats.py"), "--vocab", "151936", *shape, "--json"]  # JSON on stdout
+    # naive vs fused (each variant is a process of its own: chunked would add one more)
+    return [sys.executable, str(HERE / "tokenstats.py"), "--vocab", "151936", *shape, "--variants", "naive,fused",
+            "--json"]  # JSON on stdout
 
 
 def _vs_trl(a: argparse.Namespace, out: Path) -> list[str]:
@@ -102,10 +104,10 @@ PARTS = [
          180, 200, True, _self("train_resume")),
     Part("checks", "CUDA numerics vs same-precision references (benchmarks/gpu_checks.py)", 60, 60, False, _checks),
     Part("update_memory", "peak memory of one update, 8 x 8,192 tokens, checkpointing, kept graphs; vs --plan",
-         60, 50, True, _self("update_memory")),
+         60, 60, True, _self("update_memory")),
     Part("attention", "packed sdpa_varlen vs row-padded vs packed sdpa: time, memory, log-probs to 1e-2",
-         60, 45, True, _self("attention")),
-    Part("tokenstats", "fused vs chunked vs naive token statistics at vocab 151,936", 40, 45, False, _tokenstats),
+         60, 60, True, _self("attention")),
+    Part("tokenstats", "fused vs naive token statistics at vocab 151,936", 30, 40, False, _tokenstats),
     # cut from the default run: 240 s against the ~90 s the parts above leave of 540; run it alone
     # (--parts vs_trl, its wheels with --extras train,bench) when a second command fits the lease
     Part("vs_trl", "stapo vs TRL GRPOTrainer, 16 prompts x 8 x 512 tokens", 240, 120, True, _vs_trl, default=False),
