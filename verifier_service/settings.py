@@ -117,11 +117,12 @@ class Settings(BaseSettings):
         description="Bearer token; when set every route except /healthz, /readyz and the docs requires it.",
     )
     default_budget_factor: float = Field(
-        4.0,
+        3.0,
         gt=0,
         description="A request that sends no budget_s (OpenRLHF's /get_reward, curl) gets this many item "
-        "deadlines once one of its items timed out: items not graded by then answer 'timeout', so every "
-        "client gets an answer in bounded time (ordinary requests, with no timeout, are never cut).",
+        "deadlines from its arrival once it shows an item that can take a whole deadline (a known costly "
+        "shape, an item that outran its first slice, a timeout): items not graded by then answer 'timeout', "
+        "so every client gets an answer in bounded time (ordinary requests are never cut).",
     )
     graceful_shutdown_s: float = Field(
         30.0, ge=0, description="How long shutdown waits for in-flight requests."
