@@ -55,6 +55,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from fastapi.security import HTTPBearer
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -102,8 +103,12 @@ class SafeJSONResponse(Response):
 
 # --------------------------------------------------------------------------- middleware
 
+DOCS_ASSETS = "/docs-assets"
+"""Where Swagger UI's and ReDoc's scripts are served from (the fastapi-offline package's copies):
+``/docs`` and ``/redoc`` load nothing from a CDN, so they work on a cluster with no internet."""
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
-"""Routes that never need the token: probes, and the API description (schema only, no data)."""
+"""Routes that never need the token: probes, and the API description (schema only, no data), with
+its page assets (under ``DOCS_ASSETS``)."""
 QUERY_TOKEN_PATHS = frozenset({"/get_reward"})
 """Routes that accept ``?token=``: OpenRLHF's remote reward client can send no header."""
 
@@ -121,7 +126,8 @@ class AuthMiddleware:
         self.token = token.encode() if token else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.token is None or scope["type"] != "http" or scope.get("path", "") in PUBLIC_PATHS:
+        path = scope.get("path", "")
+        if self.token is None or scope["type"] != "http" or path in PUBLIC_PATHS or path.startswith(DOCS_ASSETS + "/"):
             await self.app(scope, receive, send)
             return
         given = b""
@@ -356,12 +362,16 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
             if own:
                 await asyncio.to_thread(state["pool"].close, settings.graceful_shutdown_s)
 
-    app = FastAPI(
+    # FastAPI's own /docs and /redoc load their scripts from a CDN; fastapi-offline serves the same
+    # pages with the scripts it ships (FastAPI's documented self-hosting recipe, packaged).
+    app = FastAPIOffline(
         title="stapo verifier",
         version=__version__,
         summary="Math answer verification with hard per-item deadlines (math-verify behind a worker pool).",
         lifespan=lifespan,
         default_response_class=SafeJSONResponse,
+        static_url=DOCS_ASSETS,
+        swagger_ui_parameters={"validatorUrl": None},  # no badge from validator.swagger.io
     )
     app.state.settings = settings
     app.state.metrics = metrics
