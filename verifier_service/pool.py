@@ -82,7 +82,8 @@ def looks_costly(prediction: str) -> bool:
     pathological ones gets its ordinary items graded first, within its budget. Shapes it misses
     (``\\Gamma(10^9)``, ``99999^{99999999}``, a float times ``10^{99999999}``) are found by their
     first run instead: it is a slice (``FIRST_SLICE``) of the deadline while other work waits, and an
-    item that outruns it goes to the back of its request with the rest of its deadline. Verdicts do
+    item that outruns it goes behind its request's other unsent items (ahead of the known costly
+    shapes) with the rest of its deadline. Verdicts do
     not depend on it."""
     return COSTLY.search(prediction, max(0, len(prediction) - 2000)) is not None
 
@@ -183,6 +184,7 @@ class Job:
         self.items, self.plan = items, plan
         self.future: concurrent.futures.Future[list[GradeResult]] = concurrent.futures.Future()
         self.costly = {i for i in plan.leaders if looks_costly(items[i][0])}
+        self.known_costly = frozenset(self.costly)  # by shape, before anything ran
         self.sliced: dict[int, float] = {}  # leader -> seconds its first run had before it was cut
         self.queue = collections.deque(sorted(plan.leaders, key=lambda i: i in self.costly))  # costly last
         self.pending = collections.Counter(self.kind(i) for i in plan.leaders)  # queued or in flight
@@ -389,7 +391,8 @@ class GraderPool:
         ``budget_s``: items not graded this many seconds from now answer 'timeout' (the caller will
         have given up); nothing of the request runs past it. Without it, ``default_budget_s`` from
         now applies once the request shows an item that can take a whole deadline (a shape
-        ``looks_costly`` knows, an item that outran its first slice, a timeout): a request of items
+        ``looks_costly`` knows, a timeout; not an item that outran its first slice, which a loaded
+        machine can make of an ordinary one): a request of items
         the grader cannot finish answers in bounded time, and a large batch of ordinary items is
         never cut.
         Every result names the rule that decided it (``GradeResult.rule``), cached ones too.
@@ -637,8 +640,9 @@ class GraderPool:
         return any(j.queue for j in self._outstanding)
 
     def _slice_out(self, job: Job, i: int, ran_s: float) -> None:
-        """An item outran its first slice: it counts as costly now and goes to the back of its
-        request with the rest of its deadline, so the items behind it are graded first."""
+        """An item outran its first slice: it counts as costly now and goes behind the request's
+        other unsent items (ahead of the shapes known to be costly: on a loaded machine an ordinary
+        item can outrun a slice too) with the rest of its deadline."""
         with self._lock:
             if job.cancelled:
                 self._forget_locked(job, [i])
@@ -647,9 +651,8 @@ class GraderPool:
             job.costly.add(i)
             job.pending[COSTLY_KEY] += 1
             job.sliced[i] = ran_s
-            job.queue.append(i)
-            if job.expires is None:
-                job.expires = job.default_expires  # an item that can take a whole deadline: arm the budget
+            at = next((n for n, j in enumerate(job.queue) if j in job.known_costly), len(job.queue))
+            job.queue.insert(at, i)
 
     def _on_task_done(self, fut: Any) -> None:
         """A task's future resolved (in a pebble thread): answer the item, or send it again."""

@@ -121,7 +121,7 @@ class Settings(BaseSettings):
         gt=0,
         description="A request that sends no budget_s (OpenRLHF's /get_reward, curl) gets this many item "
         "deadlines from its arrival once it shows an item that can take a whole deadline (a known costly "
-        "shape, an item that outran its first slice, a timeout): items not graded by then answer 'timeout', "
+        "shape, a timeout): items not graded by then answer 'timeout', "
         "so every client gets an answer in bounded time (ordinary requests are never cut).",
     )
     graceful_shutdown_s: float = Field(
