@@ -456,7 +456,8 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
             for name, statuses in (
                 ("verifier_no_answer", ("no_answer",)),
                 ("verifier_timeout", ("timeout",)),
-                ("verifier_error", ("error", "too_large", "undecided")),
+                ("verifier_too_large", ("too_large",)),  # the request's sizes, not the grader's fault
+                ("verifier_error", ("error", "undecided")),
             )
         }
         body = {

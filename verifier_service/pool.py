@@ -11,7 +11,11 @@ pebble 5 does not do (docs/verifier.md): replacing the pebble pool when it gave 
 while no task ran) or a worker's memory grew, backing off after start-up failures
 (:class:`PoolBroken`), and fork safety.
 
-A script that builds a pool needs ``if __name__ == "__main__":`` (workers import ``__main__``)::
+A script that builds a pool needs ``if __name__ == "__main__":``: each worker (``forkserver`` or
+``spawn``) runs the caller's script again, as multiprocessing does, under the name ``__mp_main__``.
+A pool built while a script is re-run that way raises :data:`GUARD_MESSAGE` at once, so the worker
+dies and the parent's pool reports it (:class:`PoolBroken`) instead of waiting for workers that never
+start::
 
     from stapo.verifier_service.pool import GraderPool
     with GraderPool(workers=2, deadline_s=5.0) as pool:
@@ -37,6 +41,7 @@ import os
 import re
 import resource
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -202,6 +207,20 @@ _POOLS: weakref.WeakSet[GraderPool] = weakref.WeakSet()
 _REBUILD_LOCK = threading.Lock()
 
 
+GUARD_MESSAGE = (
+    "a grading worker is running your script again (multiprocessing imports the main script in each "
+    "worker, as __mp_main__): guard the script's body with `if __name__ == '__main__':`"
+)
+
+
+def rerunning_main() -> bool:
+    """Is this process re-running the caller's script in a new worker? multiprocessing runs it as
+    the module ``__mp_main__`` while ``__main__`` is still the worker's own; in the parent (and in
+    a worker once that is done) ``sys.modules['__mp_main__']`` is ``sys.modules['__main__']``."""
+    mp_main = sys.modules.get("__mp_main__")
+    return mp_main is not None and mp_main is not sys.modules.get("__main__")
+
+
 def _after_fork_in_child() -> None:
     for pool in list(_POOLS):
         with contextlib.suppress(Exception):
@@ -252,6 +271,8 @@ class GraderPool:
         max_start_failures: int = 5,
         warmup: bool = True,
     ) -> None:
+        if rerunning_main():
+            raise RuntimeError(GUARD_MESSAGE)
         if workers is None:
             from stapo.verifier_service.settings import default_workers
 
@@ -785,9 +806,8 @@ class GraderPool:
         else:
             what = f"no grader worker became ready within {self.startup_timeout_s:.0f} s"
         why = (
-            f"{what}; check the server log (import error? worker_memory_mb too low? a script that calls "
-            "stapo must guard its body with `if __name__ == '__main__':`, since workers import __main__ "
-            f"again); the pool tries again in {self._backoff_s:.0f} s"
+            f"{what}; check the server log (import error? worker_memory_mb too low? {GUARD_MESSAGE}?); "
+            f"the pool tries again in {self._backoff_s:.0f} s"
         )
         self._restart_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(MAX_RESTART_BACKOFF_S, self._backoff_s * 2)
