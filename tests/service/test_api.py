@@ -39,7 +39,7 @@ def test_get_reward_follows_openrlhf_protocol(http):
     out = r.json()
     assert out["rewards"] == [1.0, 0.0, 0.0] and out["scores"] == out["rewards"]
     assert out["extra_logs"]["accuracy"] == [1.0, 0.0, 0.0]
-    assert set(out["extra_logs"]) >= {"verifier_timeout", "verifier_error", "verifier_no_answer"}
+    assert set(out["extra_logs"]) >= {"verifier_timeout", "verifier_too_large", "verifier_error", "verifier_no_answer"}
     # the prompt contains "\boxed{}" itself: stripping it is what makes item 3 not "correct"
     assert all(len(v) == 3 for v in out["extra_logs"].values())
 
