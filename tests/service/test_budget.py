@@ -1,7 +1,7 @@
 """Bounded answer time for every client: a request that sends no ``budget_s`` gets the default one.
 
-The session server (conftest) has 2 workers, a 2 s deadline and the default budget factor (3), so
-a request without a budget that holds items the grader cannot finish answers within 6 s. Its ordinary
+The session server (conftest) has 2 workers, a 2 s deadline and the default budget factor (2.8), so
+a request without a budget that holds items the grader cannot finish answers within 3 deadlines (6 s). Its ordinary
 items are graded first, so they are graded right: shapes ``pool.looks_costly`` knows go after the rest
 of their request, and shapes it does not know are cut at their first slice of the deadline and sent
 again after the rest.
@@ -18,7 +18,7 @@ import pytest
 from stapo.verifier_service.pool import looks_costly
 from tests.service.conftest import DEADLINE_S, start_server, sympy_items
 
-BUDGET_S = 3 * DEADLINE_S  # Settings.default_budget_factor x the server's deadline
+BUDGET_S = 3 * DEADLINE_S  # the bound: Settings.default_budget_factor (2.8) x the deadline + the cut-off
 
 
 def pathological(n: int) -> list[dict]:
