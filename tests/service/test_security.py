@@ -48,6 +48,16 @@ def _raw_request(url: str, head: str, body: bytes = b"", wait_s: float = 3.0) ->
             return b""
 
 
+def test_docs_and_their_assets_need_no_token_and_nothing_else_opens(secured):
+    """The API description is public (schema only, no data), with the scripts its pages load; the
+    assets' prefix opens nothing but those files."""
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs-assets/swagger-ui-bundle.js", "/docs-assets/redoc.standalone.js"):
+        assert httpx.get(secured.url + path).status_code == 200, path
+    assert httpx.get(secured.url + "/metrics").status_code == 401
+    assert httpx.get(secured.url + "/docs-assets/../metrics").status_code in (401, 404)
+    assert httpx.post(secured.url + "/docs-assets/x/../../v1/verify", json={"items": []}).status_code in (401, 404, 405)
+
+
 def test_token_is_checked_before_the_body_is_read(secured):
     """A request without the token is refused from its headers; the server does not wait
     for (or parse) the 1 MB body it announced."""

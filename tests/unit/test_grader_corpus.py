@@ -40,14 +40,26 @@ def test_split_exists_is_large_and_disjoint():
     assert sum(not r["expected"] for r in DEV) >= 0.3 * len(DEV)
 
 
+# Rows built as "a rounded gold, the answer to more digits" whose digits start with the gold's
+# (3.46 | 3.46410 is sqrt(12)): the rounded-gold policy reads such a gold as exact and the answer as
+# a different, longer number (0.25 | 0.2512 looks the same; docs/verifier.md, 4a), so it grades them
+# wrong on purpose. Held here by hand so that any other disagreement still fails.
+POLICY_REJECTS = {("3.46", "3.46410"), ("0.83", "0.83333")}
+
+
 @pytest.mark.parametrize("family", sorted({r["family"] for r in DEV}))
 def test_dev_family(family):
-    wrong = []
+    wrong, rejected = [], set()
     for r in (r for r in DEV if r["family"] == family):
         res = grade(r["prediction"], r["gold"])
-        if res.correct is not r["expected"]:
+        if (r["gold"], res.extracted) in POLICY_REJECTS:
+            assert res.correct is False, (r["gold"], res)
+            rejected.add((r["gold"], res.extracted))
+        elif res.correct is not r["expected"]:
             wrong.append((r["gold"], r["prediction"][-80:], res.extracted, r["expected"]))
     assert not wrong, wrong[:5]
+    if family == "decimal-approx":
+        assert rejected == POLICY_REJECTS  # the rows are still there and still rejected
 
 
 # One hand-written row per hard family: what a naive grader gets wrong (noted per group).
