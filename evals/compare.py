@@ -238,12 +238,15 @@ def silenced_rate(run: RunData) -> float | None:
     return sum(a for a, _ in pairs) / total if pairs and total > 0 else None
 
 
-_NOT_COMPARED = ("time/", "perf/")
-"""Metric prefixes that differ between two runs of the same computation (wall-clock timings)."""
+_NOT_COMPARED = ("time/", "perf/", "phase/", "stapo/tau_h")
+"""Metric prefixes that differ between two runs of the same computation: wall-clock timings, and the
+diagnostics drawn at each run's configured thresholds (the phase cells, tau_h), which a run without
+S2T still logs at its own config's values."""
 
 
 def identical_metrics(a: RunData, b: RunData) -> bool:
-    """Whether two runs logged the same steps with equal values for every shared metric except timings."""
+    """Whether two runs logged the same steps with equal values for every shared metric except
+    :data:`_NOT_COMPARED`: the two updates computed the same thing."""
     if not a.metrics or len(a.metrics) != len(b.metrics):
         return False
     for ra, rb in zip(a.metrics, b.metrics, strict=True):
