@@ -158,6 +158,8 @@ def collect(cfg: Config, *, limit: int, progress: Callable[[str, int, int], None
                 sample.logprobs.append(lp[m].float().cpu())
                 sample.entropy.append(ent[m].float().cpu())
                 sample.advantages.append(batch.advantages[m].float().cpu())
+            log(f"batch {b + 1}/{batches}: {len(seqs)} responses, {sample.tokens} response tokens so far "
+                f"({time.time() - t0:.0f}s)")
             if progress is not None:
                 progress("batches", b + 1, batches)
     finally:
