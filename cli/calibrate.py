@@ -121,10 +121,16 @@ def terminal_tables(result: dict) -> list:
     labels = list(dict.fromkeys(r["label"] for r in rows))
     band = f"{result['band'][0]:g}..{result['band'][1]:g}"
     out: list = [head]
+    judged = result.get("judged_on", "rate")
+    if judged != "rate":
+        out.append(Text("No sampled token has A > 0 (every group all right or all wrong), so the update would "
+                        "silence nothing here; the band and target marks are on the rates before the advantage "
+                        "condition (what S2T silences once a group has mixed rewards: times the share of tokens "
+                        "with A > 0).", style="bold yellow"))
     for key, what in (("rate", "with A > 0: what the update silences"), ("rate_before_adv", "before the advantage condition")):
         t = Table(title=f"silenced fraction of response tokens, {what}", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
                   caption=f"bold: in the paper's band {band}; *: nearest {result['target']:g}; c: the config's setting"
-                  if key == "rate" else None)
+                  if key == judged else None)
         t.add_column("tau_h", no_wrap=True)
         for tp in tps:
             t.add_column(f"{tp:g}", justify="right", no_wrap=True)
@@ -136,8 +142,8 @@ def terminal_tables(result: dict) -> list:
                     cells.append("")
                     continue
                 txt = _rate(r[key]) + (("*" if r["nearest_target"] else "") + ("c" if r["configured"] else "")
-                                       if key == "rate" else "")
-                cells.append(f"[bold]{txt}[/]" if key == "rate" and r["in_band"] else txt)
+                                       if key == judged else "")
+                cells.append(f"[bold]{txt}[/]" if key == judged and r["in_band"] else txt)
             t.add_row(lab, *cells)
         out.append(t)
     return out

@@ -204,8 +204,10 @@ def calibration_grid(
     """Entropy quantiles and, per (tau_p, tau_h) cell, the silenced fractions; JSON-ready.
 
     ``configured`` = (tau_p, kind, value) of the run's own setting: its cell is added to the grid
-    when missing and marked. ``rate_after`` (advantage condition applied) is what the update
-    silences; ``in_band`` and ``nearest_target`` are judged on it.
+    when missing and marked. ``rate`` (advantage condition applied) is what the update silences;
+    ``in_band`` and ``nearest_target`` are judged on it, or on ``rate_before_adv`` when no sampled
+    token has A > 0 (every group all right or all wrong: the update would silence nothing whatever
+    the thresholds), which ``judged_on`` says.
     """
     if not target > 0:
         raise ValueError(f"--target must be > 0, got {target}")
@@ -226,6 +228,7 @@ def calibration_grid(
     settings = [(float(p), str(k), float(v)) for p in tau_ps for k, v in tau_hs]
     if configured is not None and configured not in settings:
         settings.append(configured)
+    judge = "rate" if n and bool((adv > 0).any()) else "rate_before_adv"
     rows = []
     for tau_p, kind, value in settings:
         before, after, tau = _silenced(sample, tau_p, kind, value)
@@ -234,15 +237,15 @@ def calibration_grid(
             "tau_p": tau_p, "tau_h_kind": kind, "tau_h_setting": value, "label": _label(kind, value),
             "tau_h_mean": tau, "silenced_before_adv": before, "silenced": after,
             "rate_before_adv": rate_b, "rate": rate_a,
-            "in_band": bool(n and BAND[0] <= rate_a <= BAND[1]),
+            "in_band": bool(n and BAND[0] <= (rate_a if judge == "rate" else rate_b) <= BAND[1]),
             "configured": configured == (tau_p, kind, value), "nearest_target": False,
         })
-    dist = [abs(math.log10(r["rate"]) - math.log10(target)) if r["rate"] and r["rate"] > 0 else math.inf for r in rows]
+    dist = [abs(math.log10(r[judge]) - math.log10(target)) if r[judge] and r[judge] > 0 else math.inf for r in rows]
     if rows and min(dist) < math.inf:
         rows[dist.index(min(dist))]["nearest_target"] = True
     return {"sample": {**sample.info, "responses": sample.responses, "kept": sample.kept, "correct": sample.correct},
             "stats": stats, "band": list(BAND), "target": target, "resolution": 1.0 / n if n else None,
-            "grid": rows}
+            "judged_on": judge, "grid": rows}
 
 
 # ----------------------------------------------------------------------------- outputs

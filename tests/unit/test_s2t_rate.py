@@ -242,3 +242,15 @@ def test_compare_rate_and_notes(tmp_path):
     notes = s2t_notes([a, b, c])
     assert notes[0].startswith("S2T never fired in a: 0 tokens silenced over 3 steps (300 response tokens)")
     assert notes[1].startswith("a and b logged identical metrics") and len(notes) == 2  # b is no S2T run
+
+
+def test_calibration_grid_judges_before_the_advantage_when_no_token_has_a_positive_one():
+    """Every group all wrong: the update silences nothing, so the marks fall on the rates before A > 0."""
+    p, h, _a = zip(*TOKENS, strict=True)
+    sample = CalibrationSample(logprobs=[torch.tensor(p).log()], entropy=[torch.tensor(h)],
+                               advantages=[torch.zeros(10)], responses=2, kept=2)
+    res = calibration_grid(sample, tau_ps=[0.01], tau_hs=[("absolute", 0.25), ("absolute", 0.15)], target=0.1)
+    rows = {r["label"]: r for r in res["grid"]}
+    assert res["judged_on"] == "rate_before_adv" and all(r["rate"] == 0 for r in res["grid"])
+    assert rows["H<0.15"]["rate_before_adv"] == pytest.approx(0.2)  # tokens 1 (H 0.1) and 4 (H 0.01)
+    assert rows["H<0.15"]["nearest_target"] and not rows["H<0.25"]["nearest_target"]  # 0.2 vs 0.3
