@@ -264,6 +264,7 @@ def write_outputs(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     paths = {"json": out_dir / "calibration.json", "png": out_dir / "calibration.png"}
     paths["json"].write_text(json.dumps(result, indent=2, allow_nan=True))
     rows = result["grid"]
+    key = result.get("judged_on", "rate")  # the rate the marks are on (before A > 0 when no A > 0)
     tps = sorted({r["tau_p"] for r in rows})
     labels = list(dict.fromkeys(r["label"] for r in rows))
     grid = np.full((len(tps), len(labels)), np.nan)
@@ -271,12 +272,12 @@ def write_outputs(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     for r in rows:
         i, j = tps.index(r["tau_p"]), labels.index(r["label"])
         cell[i, j] = r
-        grid[i, j] = math.log10(r["rate"]) if r["rate"] and r["rate"] > 0 else np.nan
+        grid[i, j] = math.log10(r[key]) if r[key] and r[key] > 0 else np.nan
     fig, ax = plt.subplots(figsize=(1.1 * len(labels) + 2.5, 0.55 * len(tps) + 2.2), dpi=110)
     floor = math.log10(result["resolution"]) - 0.5 if result["resolution"] else -7.0
     im = ax.imshow(np.where(np.isnan(grid), floor, grid), cmap="viridis", aspect="auto", vmin=floor, vmax=0)
     for (i, j), r in cell.items():
-        txt = f"{r['rate']:.1e}" if r["rate"] and r["rate"] > 0 else "0"
+        txt = f"{r[key]:.1e}" if r[key] and r[key] > 0 else "0"
         mark = ("*" if r["nearest_target"] else "") + (" (cfg)" if r["configured"] else "")
         ax.text(j, i, txt + mark, ha="center", va="center", fontsize=7,
                 color="black" if grid[i, j] > floor + 0.6 * (0 - floor) else "white")
@@ -287,7 +288,8 @@ def write_outputs(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     ax.set_xlabel("tau_h (qX: quantile of each batch's entropies; H<X: absolute nats)")
     ax.set_ylabel("tau_p")
     s = result["sample"]
-    ax.set_title(f"S2T silenced rate (A > 0 applied): {s['model']}, {result['stats']['tokens']} tokens\n"
+    what = "A > 0 applied" if key == "rate" else "before A > 0: no sampled token had A > 0"
+    ax.set_title(f"S2T silenced rate ({what}): {s['model']}, {result['stats']['tokens']} tokens\n"
                  f"red box: paper's band {BAND[0]:g}..{BAND[1]:g}; *: nearest {result['target']:g}", fontsize=9)
     fig.colorbar(im, ax=ax, label="log10 silenced fraction (0 drawn at the floor)")
     fig.tight_layout()
