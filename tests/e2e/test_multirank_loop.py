@@ -247,7 +247,8 @@ def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch",
 
     2 mini-batches x micro-batches of 2, S2T with tau_h resolved at ``scope`` (``minibatch``: every
     collective of the weighting runs; ``step``, the default: one threshold from the step's global
-    batch before the update), fused loss. Returns (metrics, full parameters). lr 1e-3: Adam's first step is
+    batch before the update; ``rate``: ``target_rate`` 0.1, each mini-batch's tau_h from the gathered
+    candidates), fused loss. Returns (metrics, full parameters). lr 1e-3: Adam's first step is
     ~lr * sign(g), so a gradient entry at float-noise level can move by up to lr either way; a
     small lr keeps such entries under the 1e-5 comparison (a wrong mini-batch split moves ~lr).
     """
@@ -268,7 +269,8 @@ def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch",
                     "micro_batch_size": 2, "micro_batch_tokens": tokens, "logits_chunk_size": 7},
         "rollout": {"prompts_per_step": 2, "n": 3},
         "algorithm": {"token_weighting": "s2t", "mini_batches": 2,
-                      "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.6, "tau_h_scope": scope}},
+                      "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.6, "tau_h_scope": scope} if scope != "rate" else
+                      {"tau_p": 0.5, "tau_h_quantile": None, "target_rate": 0.1}},  # rate: gathered candidates
     })
     backend = build_trainer_backend(cfg, model, total_optimizer_steps=2)
     g = torch.Generator().manual_seed(3)
@@ -299,7 +301,8 @@ def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch",
 # (split, tau_h_scope, packed token budget): both ranks hold rows, unevenly / rank 1 holds none; the default scope on the
 # uneven split, where a rank-local quantile differs most from the global one. The same launch as run ``a``.
 UPDATE_RUNS = [([2, 4], "minibatch", None), ([6, 0], "minibatch", None), ([2, 4], "step", None),
-               ([2, 4], "minibatch", 12), ([6, 0], "minibatch", 12)]  # tokens 12: packed token-budget micro-batches
+               ([2, 4], "minibatch", 12), ([6, 0], "minibatch", 12),  # tokens 12: packed token-budget micro-batches
+               ([2, 4], "rate", None)]
 
 
 def test_two_rank_update_equals_one_process_update(loop_runs, one_thread):  # reference reduces like the ranks
