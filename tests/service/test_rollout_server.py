@@ -1,0 +1,313 @@
+"""``rollout.engine: vllm_server`` against stand-ins of ``vllm serve`` on 127.0.0.1.
+
+A real vLLM server cannot run in the default suite (see tests/service/vllm_fake.py: the stand-in is
+a real HTTP server speaking vLLM 0.32's completions and dev-mode weight API shapes, sampling with a
+real tiny model). What can fail here: requests spread to the least busy server, a dead or failing
+server costs a retry and not the run, no answer anywhere names every URL, a bad request is not
+retried, every push carries a version that the servers report and every completion records, the
+weights a server holds after a push are the learner's (log-probs equal the learner's own), and a
+whole `stapo train` run goes through the servers.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import socket
+import threading
+
+import pytest
+import torch
+
+from stapo.core.config import TinyModel
+from stapo.core.models import build_tiny_model, build_tiny_tokenizer
+from stapo.core.rollout import SamplingParams
+from stapo.core.rollout.vllm_server import (
+    RolloutRequestError,
+    RolloutServersUnavailable,
+    ServerPool,
+    ServerRolloutEngine,
+    write_safetensors_shards,
+)
+from tests.service.vllm_fake import FakeVLLMServer
+
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture
+def model(tok):
+    return build_tiny_model(TinyModel(), tok)
+
+
+def _perturbed(model, seed: int):
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+    return other
+
+
+def _dead_url() -> str:
+    """A loopback port with nothing listening (connection refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _engine(urls, tok, **kw) -> ServerRolloutEngine:
+    kw.setdefault("retries", 2)
+    kw.setdefault("backoff_s", 0.01)
+    return ServerRolloutEngine(urls, tokenizer=tok, **kw)
+
+
+# ----------------------------------------------------------------------------- spreading
+
+
+def test_pool_picks_least_outstanding_then_first_url():
+    pool = ServerPool(["http://a", "http://b", "http://c"])
+    # outstanding a=0 b=0 c=0 -> a; then a=1 -> b; then c; then all at 1 -> a
+    assert [pool.pick() for _ in range(4)] == ["http://a", "http://b", "http://c", "http://a"]
+    pool.done("http://b", ok=True)  # b=0
+    assert pool.pick() == "http://b"
+    assert pool.pick({"http://b", "http://c"}) == "http://a"  # excluded URLs are skipped
+    pool.done("http://c", ok=False)  # c failed: benched, even with fewer in flight (c=0 < a=3)
+    assert pool.pick({"http://b"}) == "http://a"
+    assert pool.pick({"http://a", "http://b"}) == "http://c"  # a benched server is still the last resort
+
+
+def test_pool_rejects_no_urls_and_duplicates():
+    with pytest.raises(ValueError, match="at least one"):
+        ServerPool([])
+    with pytest.raises(ValueError, match="twice"):
+        ServerPool(["http://a:1", "http://a:1/"])
+
+
+def test_requests_spread_over_servers(model, tok):
+    with FakeVLLMServer(copy.deepcopy(model), tok) as s1, FakeVLLMServer(copy.deepcopy(model), tok) as s2:
+        s1.delay_s = s2.delay_s = 0.05  # requests overlap, so least-outstanding must use both
+        eng = _engine([s1.url, s2.url], tok, concurrency=4)
+        groups = eng.generate([PROMPT] * 8, SamplingParams(n=3, max_new_tokens=4, seed=1))
+        assert len(groups) == 8 and all(len(g) == 3 for g in groups)
+        assert len(s1.requests) + len(s2.requests) == 8
+        assert len(s1.requests) >= 2 and len(s2.requests) >= 2
+        assert eng.pool.served == {s1.url: len(s1.requests), s2.url: len(s2.requests)}
+        # the request is the colocated engine's: token ids in, n samples, sampled log-probs, eos as stop
+        body = s1.requests[0]
+        assert body["prompt"] == PROMPT and body["n"] == 3 and body["logprobs"] == 0
+        assert body["return_token_ids"] is True and body["seed"] == 1 and body["top_k"] == 0
+        assert body["stop_token_ids"] == [tok.eos_token_id]
+        eng.close()
+
+
+def test_completions_match_the_hf_engine_on_the_same_weights(model, tok):
+    """Token ids, log-probs and finish reasons come through unchanged (n, seed, greedy copies)."""
+    from stapo.core.rollout.hf import HFRolloutEngine
+
+    ref = HFRolloutEngine(copy.deepcopy(model).eval(), tok, share_prefix=False)
+    with FakeVLLMServer(copy.deepcopy(model), tok) as srv:
+        eng = _engine([srv.url], tok)
+        for sampling in (SamplingParams(n=4, max_new_tokens=6, seed=3), SamplingParams(n=3, temperature=0, max_new_tokens=6)):
+            got = eng.generate([PROMPT, [9, 10]], sampling)
+            want = [ref.generate([p], sampling)[0] for p in (PROMPT, [9, 10])]
+            for g, w in zip(got, want, strict=True):
+                assert [c.token_ids for c in g] == [c.token_ids for c in w]
+                assert [c.finish_reason for c in g] == [c.finish_reason for c in w]
+                for c, d in zip(g, w, strict=True):
+                    assert c.logprobs == pytest.approx(d.logprobs, abs=1e-6)
+        assert srv.requests[-1]["n"] == 1  # greedy: sampled once, copied to n
+        eng.close()
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def test_dead_server_costs_a_retry_not_the_run(model, tok):
+    dead = _dead_url()
+    with FakeVLLMServer(copy.deepcopy(model), tok) as srv:
+        eng = _engine([dead, srv.url], tok, concurrency=1)
+        groups = eng.generate([PROMPT] * 4, SamplingParams(n=2, max_new_tokens=3, seed=0))
+        assert len(groups) == 4 and all(c.url == srv.url for g in groups for c in g)
+        assert eng.pool.served[srv.url] == 4 and eng.pool.served[dead] == 0
+        eng.close()
+
+
+def test_a_503_is_retried_on_another_server(model, tok):
+    with FakeVLLMServer(copy.deepcopy(model), tok) as s1, FakeVLLMServer(copy.deepcopy(model), tok) as s2:
+        s1.fail_next = 1
+        eng = _engine([s1.url, s2.url], tok, concurrency=1)
+        (group,) = eng.generate([PROMPT], SamplingParams(n=2, max_new_tokens=3, seed=0))
+        assert len(s1.requests) == 1 and len(s2.requests) == 1 and group[0].url == s2.url
+        eng.close()
+
+
+def test_no_server_answers_names_every_url(tok):
+    a, b = _dead_url(), _dead_url()
+    eng = _engine([a, b], tok, retries=1)
+    with pytest.raises(RolloutServersUnavailable) as err:
+        eng.generate([PROMPT], SamplingParams(n=2, max_new_tokens=3))
+    msg = str(err.value)
+    assert a in msg and b in msg and "ConnectError" in msg and "after 2 attempts" in msg
+    eng.close()
+
+
+def test_server_killed_mid_run_next_url_takes_over(model, tok):
+    s1, s2 = FakeVLLMServer(copy.deepcopy(model), tok), FakeVLLMServer(copy.deepcopy(model), tok)
+    eng = _engine([s1.url, s2.url], tok)
+    eng.generate([PROMPT] * 2, SamplingParams(n=2, max_new_tokens=3, seed=0))
+    s1.stop()
+    groups = eng.generate([PROMPT] * 3, SamplingParams(n=2, max_new_tokens=3, seed=0))
+    assert all(c.url == s2.url for g in groups for c in g)
+    s2.stop()
+    with pytest.raises(RolloutServersUnavailable, match=s2.url.replace(".", r"\.")):
+        eng.generate([PROMPT], SamplingParams(n=2, max_new_tokens=3, seed=0))
+    eng.close()
+
+
+def test_bad_request_is_not_retried(model, tok):
+    with FakeVLLMServer(copy.deepcopy(model), tok) as s1, FakeVLLMServer(copy.deepcopy(model), tok) as s2:
+        eng = _engine([s1.url, s2.url], tok)
+        with pytest.raises(RolloutRequestError, match="HTTP 400: prompt of 600 tokens"):
+            eng.generate([[5] * 600], SamplingParams(n=2, max_new_tokens=3))
+        assert len(s1.requests) + len(s2.requests) == 1
+        eng.close()
+
+
+# ----------------------------------------------------------------------------- weights and versions
+
+
+def test_shards_hold_one_bucket_and_round_trip(tmp_path, model):
+    from safetensors.torch import load_file
+
+    named = list(model.named_parameters())
+    total = sum(p.numel() * p.element_size() for _, p in named)
+    # a 1-byte bucket: every tensor overfills it, one shard each; a bucket of the whole model: one shard
+    assert write_safetensors_shards(iter(named), tmp_path / "one", bucket_bytes=total)["shards"] == 1
+    stats = write_safetensors_shards(iter(named), tmp_path, bucket_bytes=1)
+    assert stats["shards"] == stats["tensors"] == len(named)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {n for n, _ in named}
+    assert index["metadata"]["total_size"] == total
+    back = {}
+    for f in sorted(tmp_path.glob("*.safetensors")):
+        back.update(load_file(str(f)))
+    for n, p in named:
+        assert torch.equal(back[n], p.detach())
+    with pytest.raises(ValueError, match="given twice"):
+        write_safetensors_shards(iter(named[:1] * 2), tmp_path / "dup", bucket_bytes=1 << 30)
+
+
+def _learner_logprobs(learner, prompt: list[int], response: list[int]) -> list[float]:
+    """log pi(response_t | prompt, response_<t) under the learner, by one forward (T = 1)."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logp = torch.log_softmax(learner(ids).logits[0].float(), dim=-1)  # [L, V]
+    pos = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+    return logp[pos, torch.tensor(response)].tolist()
+
+
+def test_push_carries_a_version_and_the_weights_arrive(tmp_path, model, tok):
+    learner = _perturbed(model, seed=1)
+    with FakeVLLMServer(copy.deepcopy(model), tok) as s1, FakeVLLMServer(copy.deepcopy(model), tok) as s2:
+        eng = _engine([s1.url, s2.url], tok, weights_dir=tmp_path, bucket_mb=1)
+        before = eng.generate([PROMPT], SamplingParams(n=2, max_new_tokens=5, seed=4))
+        assert eng.weight_version is None and {c.version for c in before[0]} == {None}
+
+        eng.load_weights(learner.named_parameters())
+        assert eng.weight_version == 0 and s1.weight_version == s2.weight_version == "0"
+        assert eng.last_sync["tensors"] == len(list(learner.parameters())) and eng.last_sync["shards"] >= 1
+        for srv in (s1, s2):
+            for (n, p), q in zip(learner.named_parameters(), srv.model.parameters(), strict=True):
+                assert torch.equal(p, q), n
+        groups = eng.generate([PROMPT] * 2, SamplingParams(n=2, max_new_tokens=5, seed=4))
+        for c in (c for g in groups for c in g):
+            assert c.version == 0
+            assert c.logprobs == pytest.approx(_learner_logprobs(learner, PROMPT, c.token_ids), abs=1e-5)
+
+        learner2 = _perturbed(model, seed=2)
+        eng.load_weights(learner2.named_parameters(), version=7)
+        assert s1.weight_version == s2.weight_version == "7"
+        (g,) = eng.generate([PROMPT], SamplingParams(n=1, max_new_tokens=5, seed=4))
+        assert g[0].version == 7
+        assert g[0].logprobs == pytest.approx(_learner_logprobs(learner2, PROMPT, g[0].token_ids), abs=1e-5)
+        eng.load_weights(learner.named_parameters())  # previous + 1
+        assert eng.weight_version == 8 and s1.weight_version == "8"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["v000007", "v000008"]  # older versions removed
+        eng.close()
+
+
+def test_server_that_misses_a_push_leaves_the_rotation(tmp_path, model, tok):
+    learner = _perturbed(model, seed=1)
+    with FakeVLLMServer(copy.deepcopy(model), tok) as s1, FakeVLLMServer(copy.deepcopy(model), tok) as s2:
+        eng = _engine([s1.url, s2.url], tok, weights_dir=tmp_path)
+        s1.refuse_reload = True
+        eng.load_weights(learner.named_parameters())
+        assert eng.pool.in_rotation() == [s2.url] and s1.weight_version is None
+        groups = eng.generate([PROMPT] * 4, SamplingParams(n=2, max_new_tokens=3, seed=0))
+        assert {c.url for g in groups for c in g} == {s2.url} and not s1.requests
+        s1.refuse_reload = False
+        eng.load_weights(learner.named_parameters())  # the next push brings it back
+        assert eng.pool.in_rotation() == [s1.url, s2.url] and s1.weight_version == "1"
+        s1.refuse_reload = s2.refuse_reload = True
+        with pytest.raises(RolloutServersUnavailable, match="weight version 2 reached no rollout server"):
+            eng.load_weights(learner.named_parameters())
+        eng.close()
+
+
+def test_a_push_waits_for_requests_in_flight(model, tok):
+    """No completion straddles two versions: the push starts only after the generate call returns."""
+    learner = _perturbed(model, seed=1)
+    with FakeVLLMServer(copy.deepcopy(model), tok) as srv:
+        srv.delay_s = 0.3
+        eng = _engine([srv.url], tok)
+        out: list = []
+        t = threading.Thread(target=lambda: out.extend(eng.generate([PROMPT] * 2, SamplingParams(n=2, max_new_tokens=3, seed=0))))
+        t.start()
+        while not srv.requests:
+            pass
+        eng.load_weights(learner.named_parameters())
+        t.join()
+        assert {c.version for g in out for c in g} == {None} and srv.weight_version == "0"
+        assert not any(math.isnan(x) for g in out for c in g for x in c.logprobs)
+        eng.close()
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def test_train_runs_through_the_servers(tmp_path, monkeypatch):
+    """Two `stapo train` steps with rollout.engine=vllm_server: every step's rollouts come from the
+    servers, a push after each step (versions 0, 1, 2), and the servers end with the learner's weights."""
+    from stapo.configs import preset_path
+    from stapo.core import loop
+    from stapo.core.config import load_config
+    from stapo.core.models import load_policy
+
+    base = ["logging.live=false", "logging.tensorboard=false", "trainer.max_steps=2", "eval.every=0"]
+    model, tok = load_policy(load_config(preset_path("tiny"), base).model)  # what the learner starts from
+    with FakeVLLMServer(copy.deepcopy(model), tok) as s1, FakeVLLMServer(copy.deepcopy(model), tok) as s2:
+        cfg = load_config(preset_path("tiny"), [
+            *base, "rollout.engine=vllm_server", f"rollout.server.urls=[{s1.url},{s2.url}]",
+            f"rollout.server.weights_dir={tmp_path / 'weights'}",
+        ])
+        seen: dict = {}
+        orig = loop._Run.__init__
+
+        def keep(self, *a, **kw):
+            orig(self, *a, **kw)
+            seen["run"] = self
+
+        monkeypatch.setattr(loop._Run, "__init__", keep)
+        loop.train(cfg, tmp_path / "run", log=lambda _m: None)
+        run = seen["run"]
+        assert s1.weight_version == s2.weight_version == "2"  # pushes: start, after step 1, after step 2
+        assert len(s1.requests) + len(s2.requests) >= 2 * cfg.rollout.prompts_per_step
+        for srv in (s1, s2):
+            for (n, p), q in zip(run.backend.model.named_parameters(), srv.model.parameters(), strict=True):
+                assert torch.equal(p.detach(), q), n
