@@ -76,6 +76,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -336,7 +337,6 @@ class ServerRolloutEngine:
         self.push_timeout_s = push_timeout_s
         self.weight_sync = weight_sync
         self.bucket_bytes = int(bucket_mb) << 20
-        self._own_dir = weights_dir is None
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self.nccl_master = nccl_master
         self.learner = learner
@@ -445,6 +445,7 @@ class ServerRolloutEngine:
             return {}
         if self.weights_dir is None:
             self.weights_dir = Path(tempfile.mkdtemp(prefix="stapo-rollout-weights-"))
+            weakref.finalize(self, shutil.rmtree, self.weights_dir, True)  # removed with the engine
         out = self.weights_dir / f"v{version:06d}"
         if out.exists():
             shutil.rmtree(out)
@@ -555,8 +556,6 @@ class ServerRolloutEngine:
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
         self._http.close()
-        if self._own_dir and self.weights_dir is not None:
-            shutil.rmtree(self.weights_dir, ignore_errors=True)
 
 
 def _detail(resp: httpx.Response) -> str:

@@ -14,11 +14,15 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
+import shlex
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from stapo.core.config import TinyModel
 from stapo.core.models import build_tiny_model, build_tiny_tokenizer
@@ -311,3 +315,89 @@ def test_train_runs_through_the_servers(tmp_path, monkeypatch):
         for srv in (s1, s2):
             for (n, p), q in zip(run.backend.model.named_parameters(), srv.model.parameters(), strict=True):
                 assert torch.equal(p.detach(), q), n
+
+
+# ----------------------------------------------------------------------------- documented commands
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _servers_section_lines() -> list[str]:
+    """The command lines in docs/rollout.md's "Servers" section (```bash blocks)."""
+    text = (REPO / "docs" / "rollout.md").read_text()
+    section = text[text.index("## Servers"):]
+    return [ln.strip() for block in re.findall(r"```bash\n(.*?)```", section, re.S) for ln in block.splitlines() if ln.strip()]
+
+
+def _stapo_args(line: str) -> list[str]:
+    """``[ENV=x ...] stapo ARGS [&]`` -> ARGS."""
+    words = shlex.split(line.removesuffix("&").strip())
+    return words[words.index("stapo") + 1:]
+
+
+def test_documented_serve_lines_build_the_vllm_command():
+    from typer.testing import CliRunner
+
+    from stapo.cli.main import app
+
+    lines = [ln for ln in _servers_section_lines() if "stapo rollout serve" in ln]
+    assert len(lines) >= 3
+    for line in lines:
+        args = _stapo_args(line)
+        res = CliRunner().invoke(app, [*args, *([] if "--print" in args else ["--print"])])
+        assert res.exit_code == 0, (line, res.output)
+        printed = shlex.split(res.output)
+        assert printed[:3] == ["VLLM_SERVER_DEV_MODE=1", "vllm", "serve"] and printed[3] == args[2]
+        for flag in ("--logprobs-mode", "--generation-config"):
+            assert flag in printed
+        for word in args[3:]:  # every flag the line gives reaches vLLM
+            if word != "--print":
+                assert word in printed, (line, word)
+    # the printed example in the docs is exactly what the command prints
+    text = (REPO / "docs" / "rollout.md").read_text()
+    shown = re.search(r"prints\n\n```\n(.*?)\n```", text, re.S).group(1)
+    res = CliRunner().invoke(app, _stapo_args(lines[0]))
+    assert res.output.strip() == shown
+
+
+def test_documented_train_lines_run_through_two_servers(tmp_path):
+    """Each documented `stapo train` line, one step on CPU: `--config tiny` (the model a CPU runs)
+    and the URLs of two loopback stand-ins; everything else as written."""
+    from typer.testing import CliRunner
+
+    from stapo.cli.main import app
+    from stapo.configs import preset_path
+    from stapo.core.config import load_config
+    from stapo.core.models import load_policy
+
+    lines = [ln for ln in _servers_section_lines() if ln.startswith("stapo train")]
+    assert len(lines) == 2
+    model, tok = load_policy(load_config(preset_path("tiny")).model)
+    for i, line in enumerate(lines):
+        with FakeVLLMServer(copy.deepcopy(model), tok) as s1, FakeVLLMServer(copy.deepcopy(model), tok) as s2:
+            args = _stapo_args(line)
+            args[args.index("--config") + 1] = "tiny"
+            args = [re.sub(r"urls=\[.*\]", f"urls=[{s1.url},{s2.url}]", a) for a in args]
+            args = [re.sub(r"weights_dir=.*", f"weights_dir={tmp_path / f'w{i}'}", a) for a in args]
+            args += ["--set", "trainer.max_steps=1", "--set", "logging.live=false", "--run-dir", str(tmp_path / f"r{i}")]
+            res = CliRunner().invoke(app, args)
+            assert res.exit_code == 0, (line, res.output)
+            assert s1.weight_version == s2.weight_version == "1"
+            assert s1.requests and s2.requests
+
+
+def test_compose_rollout_service_builds_the_documented_server():
+    from typer.testing import CliRunner
+
+    from stapo.cli.main import app
+
+    services = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
+    svc = services["rollout"]
+    assert svc["profiles"] == ["fleet"] and "ports" not in svc  # dev-mode endpoints stay on compose's network
+    res = CliRunner().invoke(app, [*svc["command"], "--print"])
+    assert res.exit_code == 0, res.output
+    printed = shlex.split(res.output)
+    port = printed[printed.index("--port") + 1]
+    assert printed[printed.index("--host") + 1] == "0.0.0.0"
+    assert f"127.0.0.1:{port}/health" in " ".join(svc["healthcheck"]["test"])
+    assert "./runs:/runs" in svc["volumes"] and "./runs:/runs" in services["trainer"]["volumes"]  # weights_dir
