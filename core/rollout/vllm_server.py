@@ -346,6 +346,8 @@ class ServerRolloutEngine:
         self._http = httpx.Client(timeout=timeout_s, limits=limits)
         self._workers = ThreadPoolExecutor(concurrency * len(self.urls), thread_name_prefix="rollout-http")
         self._versions_lock = threading.Lock()  # generate and load_weights exclude each other
+        self._cv = threading.Condition()  # guards weight_version and _reserved (asynchronous schedules)
+        self._reserved: dict[int, int] = {}  # version -> batches still to be generated at it
         self._written: list[Path] = []
         self._nccl: Any = None
 
@@ -424,18 +426,65 @@ class ServerRolloutEngine:
         """Push the learner's HF-named weights to every server as ``version`` (default: previous + 1).
 
         Call on every learner rank (under ZeRO-3 every rank joins the gathers); rank 0 sends. Waits
-        for the requests in flight; returns once every server in rotation serves the new version.
+        for the requests in flight and for every batch reserved (:meth:`reserve`) at an older version (on
+        every rank); returns once every server in rotation serves the new version.
         """
         new = version if version is not None else (0 if self.weight_version is None else self.weight_version + 1)
+        with self._cv:
+            self._cv.wait_for(lambda: not any(v < new for v in self._reserved))
+        _barrier()  # every rank's older batches are done before rank 0 replaces the weights
         with self._versions_lock:
             t0 = time.time()
             if self.weight_sync == "checkpoint":
                 stats = self._push_checkpoint(named_tensors, new)
             else:
                 stats = self._push_nccl(named_tensors, new)
-            self.weight_version = new
+            with self._cv:
+                self.weight_version = new
+                self._cv.notify_all()
             self.last_sync = {**stats, "version": new, "seconds": time.time() - t0}
         _barrier()  # no rank generates before the servers hold the new version
+
+    # ----------------------------------------------------------------------------- asynchronous schedules
+
+    def set_version(self, version: int) -> None:
+        """Name the weights the servers hold now ``version`` (no weights move): a resumed run's policy
+        was pushed as the engine's first push, and is the checkpoint's step."""
+        with self._versions_lock:
+            if _rank_and_world()[0] == 0:
+                self._on_every_server(lambda u: self._set_version(u, version), version)
+            with self._cv:
+                self.weight_version = version
+                self._cv.notify_all()
+
+    def reserve(self, version: int) -> None:
+        """A batch will be generated at ``version``: no push of a later version starts before it is."""
+        with self._cv:
+            if self.weight_version is not None and version < self.weight_version:
+                raise RuntimeError(f"reserve: the servers already hold version {self.weight_version} > {version}")
+            self._reserved[version] = self._reserved.get(version, 0) + 1
+
+    def generate_at(self, version: int, prompt_token_ids: list[list[int]], sampling: SamplingParams,
+                    *, stop: threading.Event | None = None) -> list[list[Completion]]:
+        """:meth:`generate` once the servers hold ``version`` (reserved before), then release it.
+
+        Waits while the learner has not pushed ``version`` yet; ``stop`` ends the wait (``RuntimeError``).
+        """
+        try:
+            with self._cv:
+                while self.weight_version is None or self.weight_version < version:
+                    if stop is not None and stop.is_set():
+                        raise RuntimeError(f"stopped while waiting for weight version {version}")
+                    self._cv.wait(timeout=0.2)
+                if self.weight_version != version:
+                    raise RuntimeError(f"batch reserved at version {version}, servers at {self.weight_version}")
+            return self.generate(prompt_token_ids, sampling)
+        finally:
+            with self._cv:
+                self._reserved[version] -= 1
+                if not self._reserved[version]:
+                    del self._reserved[version]
+                self._cv.notify_all()
 
     def _push_checkpoint(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
         rank, _ = _rank_and_world()

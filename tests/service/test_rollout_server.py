@@ -110,22 +110,29 @@ def test_requests_spread_over_servers(model, tok):
         eng.close()
 
 
-def test_completions_match_the_hf_engine_on_the_same_weights(model, tok):
-    """Token ids, log-probs and finish reasons come through unchanged (n, seed, greedy copies)."""
+def test_completions_come_through_unchanged(model, tok):
+    """Token ids, log-probs and finish reasons as the server sampled them: log-probs equal a
+    teacher-forced forward of the same weights, greedy tokens equal the hf engine's, a seed
+    reproduces, greedy n > 1 is sampled once and copied."""
     from stapo.core.rollout.hf import HFRolloutEngine
 
-    ref = HFRolloutEngine(copy.deepcopy(model).eval(), tok, share_prefix=False)
+    eos = tok.eos_token_id
     with FakeVLLMServer(copy.deepcopy(model), tok) as srv:
         eng = _engine([srv.url], tok)
-        for sampling in (SamplingParams(n=4, max_new_tokens=6, seed=3), SamplingParams(n=3, temperature=0, max_new_tokens=6)):
-            got = eng.generate([PROMPT, [9, 10]], sampling)
-            want = [ref.generate([p], sampling)[0] for p in (PROMPT, [9, 10])]
-            for g, w in zip(got, want, strict=True):
-                assert [c.token_ids for c in g] == [c.token_ids for c in w]
-                assert [c.finish_reason for c in g] == [c.finish_reason for c in w]
-                for c, d in zip(g, w, strict=True):
-                    assert c.logprobs == pytest.approx(d.logprobs, abs=1e-6)
-        assert srv.requests[-1]["n"] == 1  # greedy: sampled once, copied to n
+        sampled = eng.generate([PROMPT, [9, 10]], SamplingParams(n=4, max_new_tokens=6, seed=3))
+        assert eng.generate([PROMPT, [9, 10]], SamplingParams(n=4, max_new_tokens=6, seed=3)) == sampled
+        for prompt, group in zip([PROMPT, [9, 10]], sampled, strict=True):
+            assert len(group) == 4 and len({tuple(c.token_ids) for c in group}) > 1
+            for c in group:
+                assert c.logprobs == pytest.approx(_learner_logprobs(model, prompt, c.token_ids), abs=1e-5)
+                assert c.finish_reason == ("stop" if c.token_ids[-1] == eos else "length")
+                assert c.finish_reason == "stop" or len(c.token_ids) == 6
+        greedy = eng.generate([PROMPT], SamplingParams(n=3, temperature=0, max_new_tokens=6))
+        assert srv.requests[-1]["n"] == 1  # sampled once, copied to n
+        ref = HFRolloutEngine(copy.deepcopy(model).eval(), tok, share_prefix=False)
+        want = ref.generate([PROMPT], SamplingParams(n=1, temperature=0, max_new_tokens=6))[0][0]
+        assert [c.token_ids for c in greedy[0]] == [want.token_ids] * 3
+        assert greedy[0][0].logprobs == pytest.approx(want.logprobs, abs=1e-5)
         eng.close()
 
 
@@ -401,3 +408,96 @@ def test_compose_rollout_service_builds_the_documented_server():
     assert printed[printed.index("--host") + 1] == "0.0.0.0"
     assert f"127.0.0.1:{port}/health" in " ".join(svc["healthcheck"]["test"])
     assert "./runs:/runs" in svc["volumes"] and "./runs:/runs" in services["trainer"]["volumes"]  # weights_dir
+
+
+# ----------------------------------------------------------------------------- asynchronous training on the fleet
+
+TIMING = ("time/", "perf/", "async/")
+
+
+def _fleet_run(tmp_path, name: str, model, tok, *overrides: str):
+    """A 3-step tiny run through two stand-in servers; (metrics rows without timings, final params, servers)."""
+    from stapo.configs import preset_path
+    from stapo.core import loop
+    from stapo.core.config import load_config
+    from stapo.core.tracking import read_jsonl
+
+    s1, s2 = FakeVLLMServer(copy.deepcopy(model), tok), FakeVLLMServer(copy.deepcopy(model), tok)
+    try:
+        cfg = load_config(preset_path("tiny"), [
+            "logging.live=false", "logging.tensorboard=false", "trainer.max_steps=3", "eval.every=0",
+            "rollout.engine=vllm_server", f"rollout.server.urls=[{s1.url},{s2.url}]",
+            f"rollout.server.weights_dir={tmp_path / name / 'weights'}", *overrides,
+        ])
+        seen: dict = {}
+        orig = loop._Run.__init__
+
+        def keep(self, *a, **kw):
+            orig(self, *a, **kw)
+            seen["run"] = self
+
+        loop._Run.__init__ = keep
+        try:
+            loop.train(cfg, tmp_path / name / "run", log=lambda _m: None)
+        finally:
+            loop._Run.__init__ = orig
+        rows = read_jsonl(tmp_path / name / "run" / "metrics.jsonl")
+        params = torch.cat([p.detach().flatten() for p in seen["run"].backend.model.parameters()])
+        return rows, params, (s1, s2)
+    finally:
+        s1.stop()
+        s2.stop()
+
+
+def _deterministic(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def tiny_policy():
+    from stapo.configs import preset_path
+    from stapo.core.config import load_config
+    from stapo.core.models import load_policy
+
+    return load_policy(load_config(preset_path("tiny")).model)
+
+
+def test_async_staleness_0_on_the_fleet_equals_the_synchronous_loop(tmp_path, tiny_policy):
+    model, tok = tiny_policy
+    sync_rows, sync_params, _ = _fleet_run(tmp_path, "sync", model, tok)
+    async_rows, async_params, servers = _fleet_run(
+        tmp_path, "async0", model, tok, "rollout.async.enabled=true", "rollout.async.max_staleness=0")
+    assert [r["async/staleness"] for r in async_rows] == [0.0, 0.0, 0.0]
+    assert [r["async/version"] for r in async_rows] == [0.0, 1.0, 2.0]
+    a, b = _deterministic(sync_rows), _deterministic(async_rows)
+    assert len(a) == len(b) == 3
+    for ra, rb in zip(a, b, strict=True):
+        assert ra.keys() == rb.keys()
+        for key in ra:
+            assert ra[key] == pytest.approx(rb[key], abs=1e-6, nan_ok=True), key
+    assert torch.allclose(sync_params, async_params, atol=1e-6)
+    assert {s.weight_version for s in servers} == {"3"}
+
+
+def test_async_staleness_1_overlaps_generation_with_the_update(tmp_path, tiny_policy):
+    """k = 1: step t+1's requests reach the servers before the weights of step t do (they were in
+    flight during step t's update), the versions are the fixed schedule, VCPO reads the servers' log-probs."""
+    from stapo.core.loop import derive_seed
+
+    model, tok = tiny_policy
+    rows, _, (s1, s2) = _fleet_run(
+        tmp_path, "async1", model, tok, "rollout.async.enabled=true", "rollout.async.max_staleness=1",
+        "algorithm.off_policy.ess_lr_scaling=true")
+    assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["async/version"] for r in rows] == [0.0, 0.0, 1.0]
+    for r in rows[1:]:  # stale rows: the ESS of the servers' log-probs against the proximal pass
+        assert 0 < r["offpolicy/ess_ratio"] <= 1 and 0 < r["offpolicy/lr_scale"] <= 1
+    assert s1.weight_version == s2.weight_version == "3"
+    seed2 = derive_seed(0, 2, 0, 0)
+    checked = 0
+    for ev in (s1.events, s2.events):
+        if ("completion", seed2) in ev:
+            first_v1 = next(i for i, e in enumerate(ev) if e[0] == "reload" and e[1].endswith("v000001"))
+            assert ev.index(("completion", seed2)) < first_v1  # step 2 was generated while step 1 trained
+            checked += 1
+    assert checked >= 1

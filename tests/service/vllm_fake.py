@@ -5,9 +5,10 @@ environment, and a CPU build takes minutes to start; tests/e2e/test_vllm_server_
 real one, opt-in). This stand-in is a real HTTP server (stdlib ``ThreadingHTTPServer`` on
 127.0.0.1) that speaks the subset of vLLM 0.32's API the engine uses, with the shapes vLLM returns:
 
-- ``POST /v1/completions`` (token-id prompt, ``n``, ``logprobs: 0``, ``return_token_ids``): sampled
-  by stapo's ``hf`` engine on a real tiny model, so log-probs are ``log_softmax(logits / T)`` of the
-  sampled tokens, as vLLM's ``processed_logprobs`` with ``top_p == 1``;
+- ``POST /v1/completions`` (token-id prompt, ``n``, ``seed``, ``logprobs: 0``, ``return_token_ids``,
+  ``stop_token_ids``): sampled from a real tiny model by full forward passes, sample i of a seeded
+  request with ``seed + i`` as vLLM does; log-probs are ``log_softmax(logits / T)`` of the sampled
+  tokens, as vLLM's ``processed_logprobs`` with ``top_p == 1`` (the only ``top_p`` it takes);
 - dev-mode ``POST /collective_rpc`` (``reload_weights`` with ``weights_path``: reads the safetensors
   shards into the model, strict on names), ``POST /reset_prefix_cache``,
   ``POST /update_weight_version``, ``GET /weight_info``; ``GET /health``.
@@ -32,13 +33,11 @@ class FakeVLLMServer:
     """``with FakeVLLMServer(model, tokenizer) as srv: srv.url``; ``srv.stop()`` kills it mid-run."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any) -> None:
-        from stapo.core.rollout.hf import HFRolloutEngine
-
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.engine = HFRolloutEngine(model, tokenizer, batch_size=64, share_prefix=False)
         self.weight_version: str | None = None
         self.requests: list[dict[str, Any]] = []
         self.reloads: list[str] = []
+        self.events: list[tuple[str, Any]] = []  # ("completion", seed) when a request arrives, ("reload", path)
         self.fail_next = 0
         self.delay_s = 0.0
         self.refuse_reload = False
@@ -62,25 +61,45 @@ class FakeVLLMServer:
     # ----------------------------------------------------------------------------- the API
 
     def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        from stapo.core.rollout import SamplingParams
-
         prompt = body["prompt"]
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             return 400, {"error": {"message": "prompt must be a list of token ids here"}}
         if len(prompt) > 512:
             return 400, {"error": {"message": f"prompt of {len(prompt)} tokens is longer than max_model_len 512"}}
-        sampling = SamplingParams(
-            n=int(body.get("n", 1)), temperature=float(body["temperature"]), top_p=float(body["top_p"]),
-            max_new_tokens=int(body["max_tokens"]), seed=body.get("seed"), ignore_eos=bool(body.get("ignore_eos")),
-        )
+        if float(body.get("top_p", 1.0)) != 1.0:
+            return 400, {"error": {"message": "this stand-in samples with top_p=1 only"}}
+        n, seed = int(body.get("n", 1)), body.get("seed")
+        stops = set() if body.get("ignore_eos") else set(body.get("stop_token_ids") or [])
         with self._lock:
-            (group,) = self.engine.generate([prompt], sampling)
-        choices = [
-            {"index": i, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-             "stop_reason": None, "logprobs": {"token_logprobs": c.logprobs, "tokens": [], "top_logprobs": []}}
-            for i, c in enumerate(group)
-        ]
+            choices = [self._sample(prompt, float(body["temperature"]), int(body["max_tokens"]),
+                                    None if seed is None else int(seed) + i, stops) | {"index": i} for i in range(n)]
         return 200, {"id": "cmpl-fake", "object": "text_completion", "model": "fake", "choices": choices}
+
+    @torch.no_grad()
+    def _sample(self, prompt: list[int], temperature: float, max_tokens: int, seed: int | None,
+                stops: set[int]) -> dict[str, Any]:
+        """One sample as vLLM draws it: sample i of a seeded request uses ``seed + i``, from a generator
+        of its own (never the process's global one: the learner trains in this process meanwhile);
+        log-probs of the distribution sampled from, ``log_softmax(logits / T)`` (greedy: T = 1)."""
+        gen = torch.Generator()
+        if seed is None:
+            gen.seed()  # non-deterministic, as an unseeded vLLM request
+        else:
+            gen.manual_seed(seed)
+        ids, out, lps, finish = list(prompt), [], [], "length"
+        for _ in range(max_tokens):
+            logits = self.model(torch.tensor([ids])).logits[0, -1].float()  # [V]
+            logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+            tok = int(logp.argmax()) if temperature == 0 else int(torch.multinomial(logp.exp(), 1, generator=gen))
+            out.append(tok)
+            lps.append(float(logp[tok]))
+            ids.append(tok)
+            if tok in stops:
+                finish = "stop"
+                break
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        return {"text": text, "token_ids": out, "finish_reason": finish, "stop_reason": None,
+                "logprobs": {"token_logprobs": lps, "tokens": [], "top_logprobs": []}}
 
     def reload(self, path: str) -> None:
         from safetensors.torch import load_file
@@ -97,6 +116,7 @@ class FakeVLLMServer:
             for name, t in state.items():
                 names[name].copy_(t)
         self.reloads.append(path)
+        self.events.append(("reload", path))
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         srv = self
@@ -126,6 +146,7 @@ class FakeVLLMServer:
                 body = json.loads(self.rfile.read(n) or b"null")
                 if self.path == "/v1/completions":
                     srv.requests.append(body)
+                    srv.events.append(("completion", body.get("seed")))
                     if srv.fail_next > 0:
                         srv.fail_next -= 1
                         self._send(503, {"error": {"message": "engine busy"}})
