@@ -263,7 +263,7 @@ def write_safetensors_shards(
     for name, t in named_tensors:
         if name in bucket or name in weight_map:
             raise ValueError(f"weight push: parameter {name!r} given twice")
-        cpu = t.detach().to("cpu").contiguous().clone()  # [*shape]: its own storage (tied views too)
+        cpu = t.detach().to("cpu", copy=True).contiguous()  # [*shape]: its own storage (tied views too)
         bucket[name] = cpu
         nbytes = cpu.numel() * cpu.element_size()
         held += nbytes
@@ -293,7 +293,8 @@ def _barrier() -> None:
 class ServerRolloutEngine:
     """Rollouts through ``vllm serve`` instances; see the module docstring.
 
-    ``urls``: the servers. ``tokenizer``: supplies the eos id (``eos_token_ids`` overrides it).
+    ``urls``: the servers. ``tokenizer``: supplies the eos id, with the ``learner``'s generation-config
+    eos ids (``eos_token_ids`` overrides both).
     ``model``: model name sent with each request (null: the server's only one). ``timeout_s``: one
     request; ``retries``: extra attempts per request; ``concurrency``: requests in flight per
     server. ``weight_sync``: ``checkpoint`` or ``nccl``; ``weights_dir``: where ``checkpoint``
@@ -327,9 +328,11 @@ class ServerRolloutEngine:
             raise ValueError("rollout.server.retries must be >= 0 and rollout.server.concurrency >= 1")
         self.pool = ServerPool(urls, cooldown_s=cooldown_s)
         self.urls = self.pool.urls
-        if eos_token_ids is None:
+        if eos_token_ids is None:  # the tokenizer's eos plus the model's generation-config ones (chat models)
             eos = getattr(tokenizer, "eos_token_id", None)
-            eos_token_ids = [] if eos is None else [int(eos)]
+            extra = getattr(getattr(learner, "generation_config", None), "eos_token_id", None)
+            extra = [extra] if isinstance(extra, int) else list(extra or [])
+            eos_token_ids = list(dict.fromkeys(int(t) for t in [eos, *extra] if t is not None))
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.tokenizer = tokenizer
         self.model = model
