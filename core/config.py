@@ -224,6 +224,58 @@ class VLLMOptions(_Section):
     )
 
 
+class ServerOptions(_Section):
+    """`vllm_server` engine: `vllm serve` instances apart from the learners (docs/rollout.md, "Servers")."""
+
+    urls: list[str] = Field(
+        default_factory=list,
+        description="Base URLs of the rollout servers (http://host:port); requests go to the least busy one.",
+    )
+    model: str | None = Field(
+        None, description="Model name sent with each request (`--served-model-name`); null: the server's only model."
+    )
+    timeout_s: float = Field(600.0, gt=0, description="HTTP timeout of one completions request, seconds.")
+    retries: int = Field(
+        3, ge=0, description="Extra attempts of a failed request, each on the least busy server that still answers."
+    )
+    concurrency: int = Field(
+        64, gt=0, description="Requests in flight per server (one request per prompt, n samples each)."
+    )
+    weight_sync: Literal["checkpoint", "nccl"] = Field(
+        "checkpoint",
+        description=(
+            "How weights reach the servers: `checkpoint` (learner rank 0 writes safetensors to `weights_dir`, "
+            "the servers reload them) or `nccl` (vLLM's weight-transfer API; GPUs that reach each other)."
+        ),
+    )
+    weights_dir: str | None = Field(
+        None,
+        description=(
+            "`checkpoint` sync: a folder every server can read (shared filesystem); null: a temp folder "
+            "(servers on the learner's machine only)."
+        ),
+    )
+    bucket_mb: int = Field(
+        512, gt=0, description="`checkpoint` sync: most MiB of gathered parameters held before a shard is written."
+    )
+    nccl_master: str | None = Field(
+        None,
+        description="`nccl` sync: host:port of the learner's rank 0 that the servers' workers connect to.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ServerOptions:
+        for u in self.urls:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"rollout.server.urls: {u!r} is not an http(s) URL (http://host:port)")
+        if self.weight_sync == "nccl" and (not self.nccl_master or ":" not in self.nccl_master):
+            raise ValueError("rollout.server.weight_sync=nccl needs rollout.server.nccl_master=host:port")
+        if self.weight_sync == "nccl" and len(self.urls) > 1:
+            raise ValueError("rollout.server.weight_sync=nccl pushes to one server (vLLM's NCCL group holds one); "
+                             "several servers: weight_sync=checkpoint")
+        return self
+
+
 # --- asynchronous rollouts (docs/async.md) ---------------------------------------------------
 
 
@@ -247,8 +299,12 @@ class RolloutConfig(_Section):
     # `async` is a Python keyword: the attribute is `async_`, the config key `async`.
     model_config = ConfigDict(populate_by_name=True)
 
-    engine: Literal["hf", "vllm"] = Field(
-        "hf", description="`hf` (transformers generate, portable) or `vllm` (production, GPU)."
+    engine: Literal["hf", "vllm", "vllm_server"] = Field(
+        "hf",
+        description=(
+            "`hf` (transformers generate, portable), `vllm` (colocated on the learner's GPU) or "
+            "`vllm_server` (`vllm serve` instances at `rollout.server.urls`)."
+        ),
     )
     prompts_per_step: int = Field(4, gt=0, description="Prompts sampled per RL step (the batch size in prompts).")
     n: int = Field(8, ge=2, description="Responses per prompt: the group size G of group-relative advantages.")
@@ -263,9 +319,16 @@ class RolloutConfig(_Section):
         False, description="Generate exactly max_new_tokens (EOS does not stop a response): benchmarks only."
     )
     vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="vLLM engine options.")
+    server: ServerOptions = Field(default_factory=ServerOptions, description="`vllm_server` engine options.")
     async_: AsyncOptions = Field(
         default_factory=AsyncOptions, alias="async", description="Asynchronous rollouts with bounded staleness."
     )
+
+    @model_validator(mode="after")
+    def _check_server(self) -> RolloutConfig:
+        if self.engine == "vllm_server" and not self.server.urls:
+            raise ValueError("rollout.engine=vllm_server needs rollout.server.urls=[http://host:port, ...]")
+        return self
 
 
 # ----------------------------------------------------------------------------- algorithm

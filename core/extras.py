@@ -617,9 +617,9 @@ class AsyncHook(LoopHook):
 
     def sample(self, step: int) -> tuple[list[Any], dict[str, float]]:
         if self.learner is None:
-            from stapo.core.async_rollout import AsyncLearner
+            from stapo.core.async_rollout import async_learner
 
-            self.learner = AsyncLearner(self.run, step - 1)
+            self.learner = async_learner(self.run, step - 1)
         return self.learner.rollouts(step)
 
     def needs_old_stats(self, st: StepState) -> bool:
