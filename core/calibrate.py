@@ -93,7 +93,6 @@ def collect(cfg: Config, *, limit: int, progress: Callable[[str, int, int], None
     from stapo.core.data import encode_prompt, load_prompts
     from stapo.core.loop import (
         Sequence_,
-        _resolve_device,
         collate,
         derive_seed,
         mixed_groups,
@@ -102,6 +101,7 @@ def collect(cfg: Config, *, limit: int, progress: Callable[[str, int, int], None
         shape_and_advantage,
     )
     from stapo.core.models import load_policy
+    from stapo.core.placement import resolve_device
     from stapo.core.rewards import RewardFunction
     from stapo.core.rollout import SamplingParams, build_rollout_engine
     from stapo.core.trainer import build_trainer_backend
@@ -111,7 +111,7 @@ def collect(cfg: Config, *, limit: int, progress: Callable[[str, int, int], None
         raise ValueError(f"--limit must be >= 1 prompt, got {limit}")
     t0 = time.time()
     seed_everything(cfg.trainer.seed)
-    model, tokenizer = load_policy(cfg.model, device=_resolve_device(cfg.trainer.device))
+    model, tokenizer = load_policy(cfg.model, device=resolve_device(cfg.trainer.device))
     backend = build_trainer_backend(cfg, model, total_optimizer_steps=1)
     engine = build_rollout_engine(cfg, model=backend.model, tokenizer=tokenizer)
     rewards = RewardFunction(cfg.reward)
