@@ -102,6 +102,25 @@ def status_result(status: str) -> GradeResult:
     return GradeResult(correct=False, score=0.0, status=status, extracted=None, ms=0.0)
 
 
+def _start_fork_server() -> None:
+    """Start this process's fork server now, with SIGINT ignored while it starts.
+
+    The server imports the warm-up (seconds) before it installs its own guard against Ctrl-C, so a
+    Ctrl-C in that window printed a long traceback from inside sympy / ANTLR. An ignored SIGINT is
+    inherited by the server (Python keeps an inherited SIG_IGN) and by the workers it forks; the
+    pool, not the terminal, ends them. Off the main thread the server starts on first use, as before.
+    """
+    import multiprocessing.forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 # --------------------------------------------------------------------------- worker process
 
 TASKS = itertools.count(1)
@@ -277,6 +296,7 @@ class GraderPool:
             # every worker (and every replacement) is born warm: ~20 ms instead of ~0.5 s.
             warm = ["stapo.verifier_service.warmup"] if self.worker_args[1] else []
             self._ctx.set_forkserver_preload(["stapo.verifier_service.pool", *warm])
+            _start_fork_server()
         self._lock = threading.Lock()
         self._outstanding: dict[Job, None] = {}  # jobs with items queued or in flight, in arrival order
         self._running: dict[Any, tuple[Job, int, float]] = {}  # pebble future -> its item
