@@ -87,6 +87,7 @@ def command(
         if resume:
             if run_dir is None:
                 raise CLIError("--resume needs --run-dir pointing at an existing run")
+            _check_not_busy(run_dir)  # a run still writing it: say so first
             saved = run_dir / "config.yaml"
             if config is None and not saved.is_file() and not fresh:
                 raise CLIError(f"{run_dir} has no config.yaml to resume from; is it a run dir? (--fresh starts one)")
@@ -227,6 +228,15 @@ def _holds_run(run_dir: Path) -> bool:
     from stapo.core.checkpoint import list_checkpoints
 
     return (run_dir / "metrics.jsonl").exists() or bool(list_checkpoints(run_dir))
+
+
+def _check_not_busy(run_dir: Path) -> None:
+    from stapo.core.rundir import RunDirBusy, check_not_busy
+
+    try:
+        check_not_busy(run_dir)
+    except RunDirBusy as err:
+        raise CLIError(str(err)) from None
 
 
 class _Owner:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "LOCK_NAME", "RunDirBusy", "RunLock", "lock_run_dir", "agree_run_dir", "SharedDirError", "Stopped",
+    "LOCK_NAME", "RunDirBusy", "RunLock", "check_not_busy", "lock_run_dir", "agree_run_dir", "SharedDirError", "Stopped",
     "install_signal_handlers", "stop_at_step_boundary", "stop_at_once", "stop_requested",
 ]
 
@@ -69,6 +69,26 @@ def _read_holder(fd: int) -> dict[str, Any]:
     except ValueError:
         return {"pid": "?", "host": "?"}  # torn by a crash mid-write: still a previous holder
     return holder if isinstance(holder, dict) else {}
+
+
+def _busy(run_dir: Path, holder: dict[str, Any]) -> RunDirBusy:
+    return RunDirBusy(
+        f"{run_dir} is in use by another run ({_describe(holder)}); wait for it to end or pick another --run-dir"
+    )
+
+
+def check_not_busy(run_dir: Path) -> None:
+    """Raise :class:`RunDirBusy` when a live process holds ``run_dir``'s lock (nothing is written)."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _busy(run_dir, _read_holder(fd)) from None
+    finally:
+        os.close(fd)  # (also drops the probe's shared lock)
 
 
 @dataclass
@@ -106,10 +126,7 @@ def lock_run_dir(run_dir: Path) -> RunLock:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            raise RunDirBusy(
-                f"{run_dir} is in use by another run ({_describe(holder)}); wait for it to end or pick another "
-                "--run-dir"
-            ) from None
+            raise _busy(run_dir, holder) from None
         try:
             current = os.stat(path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
