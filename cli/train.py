@@ -118,8 +118,10 @@ def _train(cfg: Config, path: Path, run_dir: Path, resume: bool, owner: _Owner) 
     """Run the loop; on a failure before the first step, remove what this command wrote."""
     from stapo.core.loop import train
     from stapo.core.rewards import RewardError
+    from stapo.core.rundir import SharedDirError
 
-    typer.echo(f"run dir: {run_dir}  (config: {path})")
+    if owner.rank0:  # the other ranks' default name is replaced by rank 0's (stapo.core.rundir.agree_run_dir)
+        typer.echo(f"run dir: {run_dir}  (config: {path})")
     try:
         result = train(cfg, run_dir, resume=resume, log=typer.echo)
     except KeyboardInterrupt as err:  # Ctrl-C, and SIGTERM (stapo.core.rundir.Stopped)
@@ -130,6 +132,9 @@ def _train(cfg: Config, path: Path, run_dir: Path, resume: bool, owner: _Owner) 
     except RewardError as err:
         owner.clean_up()
         raise CLIError(f"training stopped: {err}") from None
+    except SharedDirError as err:
+        owner.clean_up()
+        raise CLIError(str(err)) from None
     except BaseException:
         _quiet_grader_shutdown()
         owner.clean_up()
