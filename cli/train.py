@@ -8,8 +8,9 @@
 
 The command builds and validates the config and checks its inputs (model path, data source) before
 it writes anything, so a mistake fails in a second with a one-line message and no run dir left
-behind; then it calls :func:`stapo.core.loop.train`. Ctrl-C stops the run and prints the last
-checkpoint and the exact command that resumes it.
+behind; then it takes the run dir's lock and calls :func:`stapo.core.loop.train` (the run dir's
+rules: :mod:`stapo.core.rundir`). Ctrl-C, or SIGTERM after a checkpoint of the step in flight,
+stops the run and prints the last checkpoint and the exact command that resumes it.
 """
 
 from __future__ import annotations

@@ -62,11 +62,11 @@ def _lock_holder(run: Path) -> dict:
 
 def test_second_run_into_a_busy_dir_refuses_and_the_first_stays_whole(tmp_path):
     run = tmp_path / "x"
-    first = _start("--config", "tiny", "--run-dir", str(run), "--set", "trainer.max_steps=4",
-                   "--set", "logging.tensorboard=true", "--set", "logging.dump_tokens_every=0", "--set", "data.val_size=0")
+    first = _start("--config", "tiny", "--run-dir", str(run), "--set", "trainer.max_steps=4")  # docs/architecture.md
     _wait_for(lambda: _lock_holder(run).get("pid") == first.pid, "the first run's lock", first)
-    for extra in (["--config", "tiny", "--recipe", "grpo", "--set", "trainer.max_steps=2"], ["--resume"]):
-        second = _run(*extra, "--run-dir", str(run))
+    for extra in (["--config", "tiny", "--recipe", "grpo", "--run-dir", str(run), "--set", "trainer.max_steps=2"],
+                  ["--run-dir", str(run), "--resume"]):
+        second = _run(*extra)
         assert second.returncode == 2, second.stderr
         lines = second.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: {run} is in use by another run (pid {first.pid} on "), lines
@@ -131,12 +131,11 @@ DETERMINISTIC = ("reward/mean", "actor/loss", "actor/grad_norm", "entropy/mean",
 
 
 def test_sigterm_checkpoints_the_step_in_flight_and_resume_continues_exactly(tmp_path):
-    steps = ["--config", "tiny", "--set", "trainer.max_steps=5", *FAST]
-    whole = _run(*steps, "--run-dir", str(tmp_path / "whole"))
+    whole = _run("--config", "tiny", "--run-dir", str(tmp_path / "whole"), "--set", "trainer.max_steps=5")
     assert whole.returncode == 0, whole.stderr[-2000:]
 
     run = tmp_path / "stopped"
-    proc = _start(*steps, "--run-dir", str(run))
+    proc = _start("--config", "tiny", "--run-dir", str(run), "--set", "trainer.max_steps=5")
     _wait_for(lambda: len(_rows(run / "metrics.jsonl")) >= 1, "step 1", proc)
     proc.send_signal(signal.SIGTERM)  # during step 2 (or later): that step finishes, then the run stops
     _out, err = proc.communicate(timeout=TIMEOUT_S)
