@@ -788,7 +788,9 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             saved = cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.trainer.max_steps
             if saved:
                 checkpoint(step)
-            signum = stop_requested(dp) if cfg.checkpoint.on_signal else None  # the same answer on every rank
+            # a stop asked during the last step lets the run finish (its checkpoint, export, summary)
+            last = step == cfg.trainer.max_steps
+            signum = stop_requested(dp) if cfg.checkpoint.on_signal and not last else None  # same on every rank
             if signum is not None:
                 if not saved:
                     checkpoint(step)
