@@ -128,7 +128,8 @@ def _train(cfg: Config, path: Path, run_dir: Path, resume: bool, owner: _Owner) 
     except KeyboardInterrupt as err:  # Ctrl-C, and SIGTERM (stapo.core.rundir.Stopped)
         _quiet_grader_shutdown()
         owner.clean_up(keep_config=True)
-        _interrupted(cfg, run_dir, err)
+        if owner.rank0:  # (another rank's run_dir may be its own default name, not the run's)
+            _interrupted(cfg, run_dir, err)
         raise typer.Exit(getattr(err, "exit_code", 130)) from None
     except RewardError as err:
         owner.clean_up()

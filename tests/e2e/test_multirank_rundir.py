@@ -66,7 +66,7 @@ def test_two_ranks_without_run_dir_write_one_run_dir_and_resume_exactly(tmp_path
     original = _rows(run / "metrics.jsonl")
     shutil.rmtree(run / "checkpoints" / "step_000002")  # as if the run died during step 2's checkpoint
     (run / "summary.json").unlink()
-    launch[3] = str(_port())
+    launch[4] = str(_port())
     again = subprocess.run([*launch, *TRAIN, "--run-dir", str(run.relative_to(tmp_path)), "--resume"], cwd=tmp_path,
                            env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
