@@ -19,6 +19,7 @@ import contextlib
 import os
 import shlex
 import shutil
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -292,10 +293,12 @@ def _owned(run_dir: Path) -> Iterator[_Owner]:
         if lock.previous:
             typer.echo(f"note: {run_dir}: taking over the lock of a run that is no longer running ({lock.previous})",
                        err=True)
-    install_signal_handlers()
+    previous = install_signal_handlers()
     try:
         yield owner
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if lock is not None:
             lock.release()
             if owner.created and run_dir.is_dir() and not any(run_dir.iterdir()):

@@ -694,6 +694,8 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
     needed) -> update -> weight sync -> metrics / validation / checkpoint. The extras are hooks
     (``stapo.core.extras``: ``run.hooks``), called at their named phases with the step's
     :class:`~stapo.core.extras.StepState`; nothing below branches on a particular extra.
+    Nothing is written before the run is built and the ranks agree on rank 0's ``run_dir``; a
+    SIGTERM stops the run at a step boundary, after a checkpoint (``stapo.core.rundir``).
     """
     from stapo.core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from stapo.core.distributed import DataParallel

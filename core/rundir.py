@@ -215,10 +215,12 @@ def _on_signal(signum: int, frame: Any) -> None:
     raise Stopped(signum)  # outside the steps, or a second signal: stop now
 
 
-def install_signal_handlers() -> None:
-    """SIGTERM stops the process like Ctrl-C (as :class:`Stopped`); call from the main thread."""
+def install_signal_handlers() -> Any:
+    """SIGTERM stops the process like Ctrl-C (as :class:`Stopped`); returns the handler it replaced
+    (to give back with ``signal.signal``), or None off the main thread, where nothing changes."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_signal)
+        return signal.signal(signal.SIGTERM, _on_signal)
+    return None
 
 
 def stop_at_step_boundary(enabled: bool) -> None:
