@@ -55,8 +55,8 @@ CMD ["stapo", "verifier", "serve"]
 
 # --------------------------------------------------------------------------- trainer
 # The learner: CUDA, torch (pulled by vllm at the version it pins), vllm for rollouts, deepspeed for
-# ZeRO. Multi-GPU: `docker run --gpus all stapo-trainer deepspeed --num_gpus 8 -m stapo.cli.main train ...`
-# (see docs/training-backends.md for multi-node hostfiles). The data ships in the package; /runs and
+# ZeRO. The entrypoint is `stapo`; a launcher replaces it (docs/gpu.md has every scale), e.g. 8 GPUs:
+#   docker run --gpus all --shm-size 16g --entrypoint deepspeed stapo-trainer --num_gpus 8 --no_local_rank --module stapo.cli.main train --config stapo --run-dir /runs/stapo The data ships in the package; /runs and
 # /data (outputs of `stapo prepare`) are volumes owned by the unprivileged user.
 FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04 AS trainer
 
@@ -80,7 +80,7 @@ COPY evals ./evals
 COPY verifier_service ./verifier_service
 COPY configs ./configs
 # vllm first: it pins the CUDA torch build the rest must share.
-RUN pip install "vllm>=0.32,<0.33" && pip install ".[train,vllm]" && rm -rf build
+RUN pip install "vllm>=0.32,<0.34" && pip install ".[train,vllm]" && rm -rf build
 RUN useradd --create-home --uid 10001 stapo && mkdir -p /runs /data /opt/hf-cache && chown stapo /runs /data /opt/hf-cache
 USER stapo
 VOLUME ["/runs", "/data"]

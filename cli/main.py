@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from collections.abc import Mapping
 from typing import Annotated
 
 import typer
@@ -25,7 +26,7 @@ from rich.markup import escape
 
 from stapo import __version__
 from stapo.cli import compare, evaluate, inspect, prepare, recipes, train, verifier
-from stapo.cli.common import CLIError
+from stapo.cli.common import CLIError, JobError
 
 app = typer.Typer(
     name="stapo",
@@ -78,6 +79,16 @@ def _error(message: str) -> None:
     Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}")
 
 
+def _rank_label(environ: Mapping[str, str]) -> str:
+    """``"rank 3/8 on gpu-node-2: "`` under a launcher (WORLD_SIZE > 1), else ``""``: a rank's own
+    failure says which process on which machine failed."""
+    if int(environ.get("WORLD_SIZE") or 1) <= 1:
+        return ""
+    import socket
+
+    return f"rank {environ.get('RANK', '?')}/{environ['WORLD_SIZE']} on {socket.gethostname()}: "
+
+
 def main() -> None:
     """Entry point: run the app; errors become a short message (traceback only with ``--debug``).
 
@@ -85,24 +96,33 @@ def main() -> None:
     unreadable data, a model that does not load) exits 2 with its message; anything else exits 1
     with its type and message and a hint to rerun with ``--debug``. ``--debug`` is taken out of the
     arguments wherever it stands, so ``stapo train ... --debug`` works as well as ``stapo --debug train``.
+    Under a launcher (``WORLD_SIZE`` > 1) a :class:`JobError` (what every rank was given alike) is
+    printed by each node's first rank only; any other failure names its rank and host.
     """
     debug = "--debug" in sys.argv[1:] or os.environ.get("STAPO_DEBUG", "") not in ("", "0")
     sys.argv = [sys.argv[0], *(a for a in sys.argv[1:] if a != "--debug")]
+    where = _rank_label(os.environ)
     try:
         app()
+    except JobError as err:  # the same on every rank: each node's first rank says it
+        if debug:
+            traceback.print_exc()
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            _error(str(err))
+        sys.exit(2)
     except CLIError as err:
         if debug:
             traceback.print_exc()
-        _error(str(err))
+        _error(where + str(err))
         sys.exit(2)
     except Exception as err:  # the boundary: nothing reaches the user as a bare traceback
         if debug:
             traceback.print_exc()
             sys.exit(1)
         if type(err).__name__ in _USER_ERRORS or isinstance(err, (FileNotFoundError, PermissionError)):
-            _error(str(err).strip())
+            _error(where + str(err).strip())
             sys.exit(2)
-        _error(f"{type(err).__name__}: {str(err).strip() or '(no message)'}")
+        _error(f"{where}{type(err).__name__}: {str(err).strip() or '(no message)'}")
         Console(stderr=True, soft_wrap=True).print(
             "  unexpected; rerun with --debug for the traceback (and report it if it looks like a stapo bug)"
         )

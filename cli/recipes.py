@@ -3,6 +3,7 @@
     stapo recipes                      # name, what it is, the paper / code it follows
     stapo recipes diff dapo stapo      # every resolved field that differs (defaults included)
     stapo recipes diff grpo configs/my.yaml --set algorithm.kl_coef=0.04
+    stapo recipes matched              # every recipe's frame (batch, mini-batches, lengths, model) vs stapo's
     stapo recipes matched justrl stapo --out runs/matched   # same budget, grader, schedule, seed
 
 A recipe's description and source are the ``# Recipe:`` and ``# Source:`` lines at the top of its
@@ -142,10 +143,38 @@ def matched_configs(ref: Path, other: Path, overrides: list[str]) -> tuple[Any, 
     return cfg_ref, matched, extra
 
 
+def frame_report() -> tuple[list[str], list[str]]:
+    """(lines of the frame table of every shipped recipe but the CPU presets, names of the recipes
+    in ``SHARED_FRAME`` whose frame differs from stapo's). Each line names the frame keys that
+    differ from stapo's."""
+    from stapo.configs import preset_names, preset_path
+    from stapo.core.config import load_config
+    from stapo.core.fairness import FRAME_KEYS, SHARED_FRAME, frame_differences, frame_of
+
+    dumps = {n: load_config(preset_path(n)).model_dump(mode="json", by_alias=True)
+             for n in preset_names() if n not in ("tiny", "demo")}
+    ref = dumps["stapo"]
+    rows = [["recipe", *(k.rsplit(".", 1)[1] for k in FRAME_KEYS), "frame"]]
+    notes, broken = [""], []
+    for name, dump in dumps.items():
+        diff = {k for k, _, _ in frame_differences(ref, dump)}
+        rows.append([name, *(f"{v}{'*' if k in diff else ''}" for k, v in frame_of(dump).items()),
+                     "shared" if name in SHARED_FRAME else "own sources"])
+        notes.append("  differs: " + ", ".join(k for k in FRAME_KEYS if k in diff) if diff else "")
+        if diff and name in SHARED_FRAME:
+            broken.append(name)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + note
+             for r, note in zip(rows, notes, strict=True)]
+    lines.append("(* = differs from stapo's frame)")
+    return lines, broken
+
+
 @app.command("matched")
 def matched(
-    a: Annotated[str, typer.Argument(help="Reference recipe (its budget, grader, schedule, seed... are kept).")],
-    b: Annotated[str, typer.Argument(help="Recipe to match to A (keeps its method keys only).")],
+    a: Annotated[str | None, typer.Argument(
+        help="Reference recipe (its budget, grader, schedule, seed... are kept). None: the frame of every recipe.")] = None,
+    b: Annotated[str | None, typer.Argument(help="Recipe to match to A (keeps its method keys only).")] = None,
     match_to: Annotated[
         str, typer.Option("--match-to", help="Which recipe's non-method values both get: `a` (default) or `b`.")
     ] = "a",
@@ -158,9 +187,23 @@ def matched(
     sampling, schedule and seed, so that comparing them measures the method alone.
 
     The shipped recipes keep their sources' values; this writes matched copies. --set applies to both
-    (e.g. --set trainer.max_steps=100 to match a shorter run)."""
+    (e.g. --set trainer.max_steps=100 to match a shorter run). Without recipes: every shipped recipe's
+    frame (model, batch, mini-batches, lengths) beside stapo's, naming the keys that differ; it fails
+    when a recipe meant to share stapo's frame does not."""
     from stapo.core.config import ConfigError, save_config
     from stapo.core.fairness import config_differences
+
+    if a is None or b is None:
+        if a is not None:
+            raise CLIError("give two recipes (A B) to match, or none to see every recipe's frame")
+        lines, broken = frame_report()
+        for line in lines:
+            typer.echo(line)
+        if broken:
+            raise CLIError(f"meant to share stapo's frame but differ: {', '.join(broken)}")
+        typer.echo("[shared] recipes share stapo's frame; [own sources] keep their papers' frames: "
+                   "`stapo recipes matched stapo NAME --out DIR` writes a pair with one frame.")
+        return
 
     if match_to not in ("a", "b"):
         raise CLIError(f"--match-to must be `a` or `b`, got {match_to!r}")

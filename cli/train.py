@@ -21,13 +21,23 @@ import shlex
 import shutil
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from stapo.cli.common import CLIError, ConfigOpt, SetOpt, check_inputs, quiet_known_noise, resolve_config_path
+from stapo.cli.common import (
+    CLIError,
+    ConfigOpt,
+    JobError,
+    SetOpt,
+    check_inputs,
+    check_launch,
+    quiet_known_noise,
+    resolve_config_path,
+)
+from stapo.cli.train_plan import plan_at_start, print_plan
 
 if TYPE_CHECKING:
     from stapo.core.config import Config
@@ -62,6 +72,17 @@ def command(
             "(without it, --resume refuses).",
         ),
     ] = False,
+    plan: Annotated[
+        bool, typer.Option("--plan", help="Print the per-GPU memory plan of the config and exit (docs/gpu.md).")
+    ] = False,
+    world_size: Annotated[
+        int | None, typer.Option("--world-size", min=1, help="--plan: ranks to plan for (default: the launch's).")
+    ] = None,
+    card_gib: Annotated[
+        float | None, typer.Option("--card-gib", min=0.1, help="GPU memory in GiB (default: trainer.gpu_memory_gib, "
+                                   "the GPU's own, or 80).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="--plan: one JSON object.")] = False,
 ) -> None:
     """Train a policy with STAPO or a baseline (GRPO, DAPO, 20-Entropy, JustRL, STARE, Lp-Reg, GSPO, ...).
 
@@ -85,6 +106,8 @@ def command(
     overrides = list(set_ or [])
     if fresh and not resume:
         raise CLIError("--fresh goes with --resume (it says what to do when the run dir has no checkpoint)")
+    if (as_json or world_size is not None) and not plan:
+        raise CLIError("--json and --world-size go with --plan (they shape the memory plan's output)")
     try:
         if resume:
             if run_dir is None:
@@ -101,31 +124,36 @@ def command(
             overrides = method_overrides(resolve_config_path(Path(recipe)), base) + overrides
         cfg = load_config(path, overrides)
     except ConfigError as err:
-        raise CLIError(f"--recipe {recipe}: {err}" if recipe and "invalid config" in str(err) else str(err)) from None
+        raise JobError(f"--recipe {recipe}: {err}" if recipe and "invalid config" in str(err) else str(err)) from None
+    say = typer.echo if os.environ.get("RANK", "0") == "0" else _silent  # start-up lines once per job
     for warning in name_mismatch(cfg):
-        typer.echo(f"warning: {warning}", err=True)
+        say(f"warning: {warning}", err=True)
+    if plan:
+        print_plan(cfg, world_size, card_gib, as_json)
+        return
     if run_dir is None:  # under a launcher each rank names one; rank 0's is used (stapo.core.rundir)
         run_dir = Path("runs") / f"{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     check_inputs(cfg)
+    check_launch(cfg)
+    cfg = plan_at_start(cfg, card_gib)
     quiet_known_noise(cfg.trainer.backend)
     with _owned(run_dir) as owner:
         if not resume and _holds_run(run_dir):
             raise CLIError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --run-dir")
         if resume and _check_resumable(run_dir, fresh, cfg.trainer.max_steps):
             return
-        _train(cfg, path, run_dir, resume, owner)
+        _train(cfg, path, run_dir, resume, owner, say)
 
 
-def _train(cfg: Config, path: Path, run_dir: Path, resume: bool, owner: _Owner) -> None:
+def _train(cfg: Config, path: Path, run_dir: Path, resume: bool, owner: _Owner, say: Callable[..., None]) -> None:
     """Run the loop; on a failure before the first step, remove what this command wrote."""
     from stapo.core.loop import train
     from stapo.core.rewards import RewardError
     from stapo.core.rundir import SharedDirError
 
-    if owner.rank0:  # the other ranks' default name is replaced by rank 0's (stapo.core.rundir.agree_run_dir)
-        typer.echo(f"run dir: {run_dir}  (config: {path})")
+    say(f"run dir: {run_dir}  (config: {path})")  # rank 0's: the other ranks take its name (agree_run_dir)
     try:
-        result = train(cfg, run_dir, resume=resume, log=typer.echo)
+        result = train(cfg, run_dir, resume=resume, log=say)
     except KeyboardInterrupt as err:  # Ctrl-C, and SIGTERM (stapo.core.rundir.Stopped)
         _quiet_grader_shutdown()
         owner.clean_up(keep_config=True)
@@ -142,7 +170,7 @@ def _train(cfg: Config, path: Path, run_dir: Path, resume: bool, owner: _Owner) 
         _quiet_grader_shutdown()
         owner.clean_up()
         raise
-    typer.echo(
+    say(
         f"done: {result.steps} steps in {result.wall_s:.0f}s; validation accuracy "
         f"{_fmt(result.val_before)} -> {_fmt(result.val_after)}; run dir {result.run_dir}"
     )
@@ -348,6 +376,10 @@ def _quiet_grader_shutdown() -> None:
     import logging
 
     logging.getLogger("stapo.verifier_service.pool").setLevel(logging.ERROR)
+
+
+def _silent(message: str = "", **_: object) -> None:
+    """Ranks other than 0 under a launcher: rank 0 prints the job's start-up and progress lines."""
 
 
 def _fmt(x: float | None) -> str:

@@ -257,15 +257,15 @@ class _ProducerRun:
     def __init__(self, cfg: Any) -> None:
         from stapo.core.data import encode_prompt, load_prompts
         from stapo.core.models import load_policy
+        from stapo.core.placement import rank_placement
         from stapo.core.rewards import RewardFunction
         from stapo.core.rollout import build_rollout_engine
         from stapo.core.sampler import build_sampler
 
         self.cfg = cfg
         self.rank, self.world_size = 0, 1
-        device = cfg.trainer.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        # rank 0's variables are inherited: the producer shares rank 0's GPU (stapo.core.placement)
+        device = rank_placement(cfg.trainer.device).device
         self.model, self.tokenizer = load_policy(cfg.model, device=device)
         self.engine = _RecordingEngine(build_rollout_engine(cfg, model=self.model, tokenizer=self.tokenizer))
         self.rewards = RewardFunction(cfg.reward)
@@ -482,6 +482,7 @@ class OffPolicyStep:
     lr_rule: Any = None  # ESS / N -> LR multiplier (VCPO); None: the LR is left alone
     sum_ranks: Any = None  # list[float] -> element-wise sums over data-parallel ranks; None: one rank
     scales: list[float] = field(default_factory=list)  # the multipliers applied, one per optimizer step
+    baseline: MinVarianceBaseline | None = None  # VCPO's baseline, taken per mini-batch by the update
     _next: float = 1.0
 
     def weigh(self, tw: Any, rows: torch.Tensor) -> Any:
@@ -537,7 +538,8 @@ class OffPolicyStep:
         """The step's off-policy statistics; after the update, the LR multipliers it applied (mean
         and minimum over optimizer steps; 1 before any step)."""
         sc = self.scales or [1.0]
-        return {**self.base_metrics, "offpolicy/lr_scale": sum(sc) / len(sc), "offpolicy/lr_scale_min": min(sc)}
+        extra = self.baseline.metrics if self.baseline is not None else {}
+        return {**self.base_metrics, **extra, "offpolicy/lr_scale": sum(sc) / len(sc), "offpolicy/lr_scale_min": min(sc)}
 
 
 def behaviour_logprobs(seqs: list[Any], batch: Any, proximal: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -564,22 +566,81 @@ def behaviour_logprobs(seqs: list[Any], batch: Any, proximal: torch.Tensor, step
     return beh, stale
 
 
-def sequence_grad_sq_norms(backend: Any, batch: Any, rows: list[int], temperature: float) -> torch.Tensor:
-    """||grad_theta sum_t log pi(o_t)||^2 of each row's sampled response, at the current weights -> [len(rows)].
-
-    One forward + backward per sequence (VCPO's per-trajectory gradient norms); gradients are
-    taken with ``torch.autograd.grad``, so the optimizer's accumulated gradients are untouched.
-    """
+def loss_grad_sq_norms(backend: Any, batch: Any, rows: list[int], old_lp: torch.Tensor, is_cap: torch.Tensor,
+                       parts: Any) -> torch.Tensor:
+    """||g_i||^2 for each row i at the CURRENT weights -> [len(rows)]: g_i is the gradient of
+    min(w_i, C) * sum_t l_t(A = 1), the configured per-token policy loss at advantage 1 summed over
+    the row's response tokens (ratio to ``old_lp``, pi_prox), times its truncated sequence
+    importance weight ``is_cap`` [len(rows)] (the authors' per-trajectory backward with
+    ``rollout_is: sequence``; their ``_compute_grad_norms`` undoes the token mean and the 1/N
+    micro-batch scale, which is the sum taken here). One forward + backward per row, with
+    ``torch.autograd.grad``: the optimizer's accumulated gradients are untouched."""
     params = [p for p in backend.model.parameters() if p.requires_grad]
     out = torch.zeros(len(rows), dtype=torch.float64)
     for j, i in enumerate(rows):
         sl = slice(i, i + 1)
-        lp, _ = backend.token_stats(batch.input_ids[sl], batch.attention_mask[sl], batch.response_mask[sl],
-                                    grad=True, temperature=temperature)
-        score = lp[batch.response_mask[sl]].sum()
-        grads = torch.autograd.grad(score, params, allow_unused=True)
+        mask = batch.response_mask[sl]  # [1, L]
+        lp, _ = backend.token_stats(batch.input_ids[sl], batch.attention_mask[sl], mask, grad=True,
+                                    temperature=parts.temperature)
+        ones = torch.ones_like(lp)  # [1, L] advantage 1
+        per_tok, _ = parts.loss_fn(lp, old_lp[sl].to(lp.dtype), ones, mask, **parts.loss_kw)  # [1, L]
+        loss = float(is_cap[j]) * torch.where(mask, per_tok, torch.zeros_like(per_tok)).sum()
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
         out[j] = sum(float(g.double().square().sum()) for g in grads if g is not None)
     return out
+
+
+@dataclass
+class MinVarianceBaseline:
+    """VCPO's minimum-variance baseline as the authors' code computes it (github.com/mit-han-lab/vcpo:
+    ``MegatronPPOActor.update_policy_per_traj`` with ``grad_baselining``, ``compute_grad_info``,
+    ``compute_opob_baseline``): at the start of each optimizer mini-batch, at the current weights,
+    W_i = w_i^2 ||g_i||^2 (:func:`loss_grad_sq_norms`; w_i unclipped), b = sum W R / sum W per group
+    (every group whole in one mini-batch: ``stapo.core.distributed.group_minibatches``), and
+    A_i = (R_i - b) / population std of the group's rewards (GRPO; unscaled where the std is
+    <= 1e-8, and for Dr. GRPO). It applies to fresh batches too: with w = 1 it still weighs each
+    sequence by its gradient norm. ``stapo.core.update`` calls :meth:`advantages` per mini-batch."""
+
+    rewards: torch.Tensor  # [n] shaped rewards of the real rows
+    groups: list[int]  # [n] prompt group of each row
+    seq_weights: torch.Tensor  # [n] w_i = pi_prox / mu per sequence, unclipped (1 on fresh rows)
+    is_cap: float  # C: the truncation of w_i inside g_i
+    scale_by_std: bool
+    group_adv: torch.Tensor  # [n] the group-mean advantages the baseline replaces (for the shift metric)
+    shift: float = 0.0
+    rows_done: int = 0
+    time_s: float = 0.0
+
+    def advantages(self, backend: Any, batch: Any, rows: list[int], old_lp: torch.Tensor, parts: Any) -> list[float]:
+        """The advantage of each of ``rows`` (one mini-batch's real rows, whole groups) at the current
+        weights; also written into ``batch.advantages`` (every response token of the row)."""
+        from stapo.core.algos.offpolicy import min_variance_advantages
+
+        t0 = time.time()
+        w = self.seq_weights[rows].double()  # [b]
+        g2 = loss_grad_sq_norms(backend, batch, rows, old_lp, w.clamp(max=self.is_cap), parts)  # [b]
+        by_group: dict[int, list[int]] = {}
+        for j, i in enumerate(rows):
+            by_group.setdefault(self.groups[i], []).append(j)
+        out = [0.0] * len(rows)
+        for idx in by_group.values():
+            if len(idx) != sum(1 for g in self.groups if g == self.groups[rows[idx[0]]]):
+                raise ValueError("VCPO's baseline needs each group whole in one mini-batch")
+            r = self.rewards[[rows[j] for j in idx]].double().unsqueeze(0)  # [1, G]
+            adv = min_variance_advantages(r, w[idx].unsqueeze(0), g2[idx].unsqueeze(0),
+                                          scale_by_std=self.scale_by_std)[0]
+            for j, a in zip(idx, adv.tolist(), strict=True):
+                out[j] = a
+        for i, a in zip(rows, out, strict=True):
+            batch.advantages[i][batch.response_mask[i]] = a
+            self.shift += abs(a - float(self.group_adv[i]))
+        self.rows_done += len(rows)
+        self.time_s += time.time() - t0
+        return out
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return {"offpolicy/baseline_shift": self.shift / max(self.rows_done, 1), "time/baseline_s": self.time_s}
 
 
 def off_policy_step(run: Any, seqs: list[Any], batch: Any, proximal: torch.Tensor, step: int,
@@ -587,9 +648,9 @@ def off_policy_step(run: Any, seqs: list[Any], batch: Any, proximal: torch.Tenso
     """The off-policy corrections of this step's update (None when every row is on-policy and no
     baseline is configured: the update is then exactly the synchronous one).
 
-    Rows are ``seqs`` (this rank's real rows, in order). With ``min_variance_baseline`` the rows'
-    advantages are recomputed in place (``seqs[i].advantage`` and ``batch.advantages``) with VCPO's
-    baseline over each group's rows in the batch (a group never spans ranks). With data
+    Rows are ``seqs`` (this rank's real rows, in order). With ``min_variance_baseline`` the step
+    carries VCPO's baseline (:class:`MinVarianceBaseline`): the update recomputes the rows'
+    advantages (``batch.advantages``) at the start of each mini-batch, on fresh batches too. With data
     parallelism (``dp``: stapo.core.distributed.DataParallel) the decisions are global: whether
     any row is stale, the ESS and so the LR multiplier (a rank stepping with another LR would
     update its ZeRO partition differently), and the logged statistics.
@@ -598,7 +659,6 @@ def off_policy_step(run: Any, seqs: list[Any], batch: Any, proximal: torch.Tenso
         behaviour_weights,
         effective_sample_size,
         ess_lr_scale,
-        min_variance_advantages,
         ratio_stats,
         sequence_importance_weights,
     )
@@ -637,24 +697,13 @@ def off_policy_step(run: Any, seqs: list[Any], batch: Any, proximal: torch.Tenso
         "offpolicy/kl_behaviour": k3_sum / max(count, 1.0),
         "offpolicy/seq_weight_max": w_max,
     }
+    baseline = None
     if op.min_variance_baseline:
-        t0 = time.time()
-        g2 = sequence_grad_sq_norms(run.backend, batch, list(range(n)), temperature)  # [n]
-        groups: dict[int, list[int]] = {}
-        for i, s in enumerate(seqs):
-            groups.setdefault(s.group, []).append(i)
-        moved = 0.0
-        for idx in groups.values():
-            r = torch.tensor([[seqs[i].reward for i in idx]], dtype=torch.float64)  # [1, G]
-            adv = min_variance_advantages(r, w_seq[idx].unsqueeze(0), g2[idx].unsqueeze(0),
-                                          scale_by_std=run.cfg.algorithm.advantage == "grpo",
-                                          eps=run.cfg.algorithm.adv_eps)[0]
-            for i, a in zip(idx, adv.tolist(), strict=True):
-                moved += abs(a - seqs[i].advantage)
-                seqs[i].advantage = a
-                batch.advantages[i][batch.response_mask[i]] = a
-        metrics["offpolicy/baseline_shift"] = moved / max(n, 1)  # mean |A_vcpo - A_group_mean|
-        metrics["time/baseline_s"] = time.time() - t0
+        baseline = MinVarianceBaseline(
+            rewards=torch.tensor([s.reward for s in seqs], dtype=torch.float64), groups=[s.group for s in seqs],
+            seq_weights=w_seq.detach().cpu(), is_cap=op.baseline_is_cap,
+            scale_by_std=run.cfg.algorithm.advantage == "grpo",
+            group_adv=torch.tensor([s.advantage for s in seqs], dtype=torch.float64))
     token_w = torch.zeros_like(proximal)
     token_w[:n] = behaviour_weights(prox, beh, mask, cap=op.behaviour_weight_cap)
-    return OffPolicyStep(token_w, w_seq, metrics, lr_rule=rule, sum_ranks=sum_ranks)
+    return OffPolicyStep(token_w, w_seq, metrics, lr_rule=rule, sum_ranks=sum_ranks, baseline=baseline)

@@ -142,7 +142,14 @@ class GoldilocksOptions(_Section):
         0.1, ge=0, le=1,
         description="Epsilon-greedy: each slot keeps the uniform sampler's prompt with this probability (1: uniform).",
     )
-    pool_size: int = Field(64, gt=0, description="Candidate prompts scored by the teacher each step (our choice).")
+    pool_factor: float = Field(
+        4.0, ge=1,
+        description=(
+            "Candidates scored by the teacher per prompt slot: each generation round scores ceil(pool_factor x its "
+            "prompts) candidates (prompts_per_step, times algorithm.gen_batch_multiplier with dynamic sampling), "
+            "so the teacher rejects the same share whatever the round's size (our choice: 4)."
+        ),
+    )
     buffer_size: int = Field(512, gt=0, description="Sliding-window replay buffer of (prompt, observed utility).")
     train_steps: int = Field(8, ge=0, description="Teacher optimizer steps per RL step (mini-batches from the buffer).")
     train_batch_size: int = Field(64, gt=0, description="Replay samples per teacher optimizer step.")
@@ -201,10 +208,20 @@ class VLLMOptions(_Section):
     """Options of the vLLM engine (ignored by `hf`)."""
 
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="Share of GPU memory vLLM may take.")
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel degree.")
+    tensor_parallel_size: int = Field(
+        1, ge=1,
+        description="vLLM tensor parallel degree: groups of this many consecutive ranks on one node share an engine.",
+    )
     enable_sleep_mode: bool = Field(True, description="Free vLLM's memory while the learner trains (colocated).")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs (slower, starts faster).")
     max_model_len: int | None = Field(None, gt=0, description="Context length for vLLM (default: prompt + response).")
+    per_request_seeds: bool = Field(
+        False,
+        description=(
+            "Give every request its own seed (per-sample reproducibility, e.g. across resumes) instead of one "
+            "seed per engine; vLLM then samples on its slower per-request generator path."
+        ),
+    )
 
 
 # --- asynchronous rollouts (docs/async.md) ---------------------------------------------------
@@ -438,8 +455,9 @@ class DeepGRPOOptions(_Section):
 
 
 class OffPolicyOptions(_Section):
-    """VCPO's variance controls for stale rollouts (arXiv 2602.17616; docs/async.md). Active only
-    where a batch is off-policy (asynchronous rollouts); a no-op on on-policy batches."""
+    """VCPO's variance controls for asynchronous rollouts (arXiv 2602.17616; docs/async.md). They need
+    ``rollout.async.enabled``; the ESS scale is 1 on a fresh batch, the baseline applies to fresh
+    batches too (it weighs each sequence by its gradient norm)."""
 
     ess_lr_scaling: bool = Field(
         False, description="Scale the LR by min(1, ESS/N / ess_base_ratio)^(1/2) (sequence-level ESS, VCPO)."
@@ -449,9 +467,16 @@ class OffPolicyOptions(_Section):
     min_variance_baseline: bool = Field(
         False,
         description=(
-            "Replace the group-mean baseline by VCPO's b = sum w^2 |g|^2 R / sum w^2 |g|^2 (one extra backward "
-            "per sequence for |g|^2; trainer.backend=torch)."
+            "Replace the group-mean baseline by VCPO's b = sum W R / sum W, W = w^2 |g|^2, as the authors' code "
+            "computes it: g the gradient of the sequence's loss at advantage 1 with its truncated importance weight, "
+            "at the current weights of each optimizer mini-batch (whole groups per mini-batch), A = (R - b) / "
+            "population std for grpo. One extra forward + backward per sequence and mini-batch; trainer.backend=torch."
         ),
+    )
+    baseline_is_cap: float = Field(
+        8.0, gt=0,
+        description="C in min(w, C), the truncated sequence importance weight inside the baseline's gradient "
+                    "(VCPO's scripts: rollout_is_threshold=8.0).",
     )
     behaviour_weight_cap: float | None = Field(
         None, gt=1, description="AReaL's cap: tokens with pi_prox/mu above it get no gradient (None: no cap)."
@@ -531,7 +556,11 @@ class AlgorithmConfig(_Section):
     off_policy: OffPolicyOptions = Field(
         default_factory=OffPolicyOptions, description="VCPO variance controls for stale (asynchronous) rollouts."
     )
-    mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass (the batch split into mini-batches).")
+    mini_batches: int = Field(
+        1, ge=1,
+        description="Optimizer steps per pass: the step's rows split into exactly this many mini-batches, sizes "
+                    "differing by at most one (a step left with fewer rows than this is refused).",
+    )
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -611,7 +640,40 @@ class TrainerConfig(_Section):
             "whole on every rank (null: DeepSpeed's default, 1e5). 0 partitions every parameter (tests)."
         ),
     )
+    update_memory: Literal["auto", "keep_graphs", "bounded"] = Field(
+        "auto",
+        description=(
+            "How an update whose weighting reads p / H (s2t, top_entropy, stare, Lp-Reg) gets them: "
+            "`keep_graphs` keeps every micro-batch's graph until the mini-batch's statistics are known (one "
+            "forward per micro-batch); `bounded` runs a no-grad statistics pass first, then forward + "
+            "backward per micro-batch (one graph alive). `auto`: keep_graphs unless the memory plan (at start "
+            "on a GPU) finds the kept graphs do not fit. See docs/gpu.md."
+        ),
+    )
+    gpu_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        description="Memory of one GPU for the memory plan (`stapo train --plan`). Null: the GPU's own; "
+        "80 when planning without one.",
+    )
+    sync_bucket_mb: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "DeepSpeed ZeRO-3 weight sync to the rollout engine: parameters gathered per bucket of this many "
+            "MiB (fewer, larger all-gathers; this much memory beyond the model at the peak). 0: one parameter "
+            "at a time, as TRL's colocated vLLM sync does."
+        ),
+    )
     seed: int = Field(0, description="Seed of sampling, shuffling and initialization.")
+    dist_timeout_s: float = Field(
+        3600.0, gt=0, description=(
+            "Timeout of one collective across ranks (the process group's `timeout`; DeepSpeed's default is 10 "
+            "min). Ranks meet only between phases: one generation round of a rank's rollouts (768 responses of "
+            "up to 8k tokens per rank at 256 x 8 x 3 over 8 ranks: ~10 min at 8B) or rank 0 writing a checkpoint "
+            "can exceed 10 minutes; 1 hour leaves room and still ends a truly hung job."
+        ),
+    )
     skip_nonfinite: bool = Field(True, description="Skip (and log) an update whose loss or grad norm is not finite.")
 
 
@@ -650,7 +712,9 @@ class RewardConfig(_Section):
         description="Verifier service URLs (sharded, with failover). Empty: grade in a local worker pool.",
     )
     token: str | None = Field(None, description="Bearer token of the verifier service (unset: `$STAPO_VERIFIER_TOKEN` from the environment).")
-    workers: int | None = Field(None, gt=0, description="Local grader processes (default: one per core).")
+    workers: int | None = Field(None, gt=0, description=(
+        "Local grader processes per rank (default: the node's cores divided by the ranks on the node, "
+        "`LOCAL_WORLD_SIZE`; one per core for a single process)."))
     deadline_s: float = Field(5.0, gt=0, description="Per-item grading deadline.")
     think: Literal["optional", "required", "ignore"] = Field(
         "optional", description="How `</think>` is treated when extracting the answer."
@@ -729,6 +793,10 @@ class Config(_Section):
                 f"rollout.prompts_per_step * rollout.n ({batch}) must be divisible by algorithm.mini_batches "
                 f"({self.algorithm.mini_batches})"
             )
+        o = self.algorithm.overlong
+        if o.enabled and o.buffer > self.rollout.max_new_tokens:
+            raise ValueError(f"algorithm.overlong.buffer ({o.buffer}) must be at most rollout.max_new_tokens "
+                             f"({self.rollout.max_new_tokens}): the penalty ramps over the last `buffer` tokens")
         if self.algorithm.dynamic_sampling and self.rollout.n < 2:
             raise ValueError("algorithm.dynamic_sampling needs rollout.n >= 2")
         if self.algorithm.entropy_coef > 0 and not self.trainer.entropy_grad:

@@ -42,10 +42,15 @@ pivot, (t/T, any of its K branches succeeded), as the authors' ``BranchingFeedba
 it adds lambda * L_local to the accumulated gradient, where L_local is the configured policy loss
 with the configured token weighting and aggregation over the branch rows of that mini-batch, with the
 shared prefix masked out (only continuation tokens count, in the loss and in its normalizer). So the
-update is grad(L_global) + lambda grad(L_local) ("added with weight lambda", as the paper says; the
-authors' released code instead pools both streams under one token-mean normalizer,
-(sum_main + lambda sum_branch) / (N_main + lambda N_branch) — see docs/algorithms.md). With
-lambda = 0 the hook is None and the update is plain GRPO's, bit for bit.
+update is grad(L_global) + lambda grad(L_local), each stream under its own normalizer: the authors'
+default ``teacher_loss_reduction: separate_stream_mean`` (``verl/trainer/config/actor/actor.yaml``;
+``dp_actor.py``: ``pg_loss = pg_loss_main + branch_loss_coef * pg_loss_branch``, each a token mean
+of its own stream; their ``mixed_token_mean`` alternative pools the streams under one normalizer).
+With lambda = 0 the hook is None and the update is plain GRPO's, bit for bit. Truncated branch rows
+leave the local loss with DAPO's overlong filter on (:func:`loss_branches`), as the root rows leave
+the policy loss. S2T's tau_h follows ``s2t.tau_h_scope``: with ``step`` one threshold from the
+branch rows' continuation tokens under the policy at the start of the update (global over ranks),
+for every mini-batch and PPO epoch; with ``minibatch`` each mini-batch's own quantile.
 
 Micro-batching: the branch rows' no-grad pass and the local loss's forwards/backwards are split as
 the policy update's (``stapo.core.update``'s ``split_rows`` / ``build_micro``): with
@@ -81,7 +86,7 @@ from torch import Tensor
 
 from stapo.core.extras import LoopHook, StepState
 
-__all__ = ["DeepGRPO", "BranchRollouts", "set_local_advantages",
+__all__ = ["DeepGRPO", "BranchRollouts", "loss_branches", "set_local_advantages",
            "OnlineLogistic", "pivot_utility", "sample_pivot", "suffix_mask", "branch_ratio", "pivot_outcomes", "local_advantages", "LOCAL_ADVANTAGES"]
 
 
@@ -235,6 +240,20 @@ def local_advantages(rewards: Tensor, mode: str, run_advantage: str, eps: float 
 # ----------------------------------------------------------------------------- in the loop
 
 
+def loss_branches(cfg: Any, branches: list[Any]) -> list[Any]:
+    """The branch rows the local loss trains on: every branch gets its local advantage within its
+    pivot's K branches (:func:`set_local_advantages`, truncated ones included, as DAPO computes group
+    statistics before its mask), then, with ``algorithm.overlong.filter``, truncated branches
+    (finish reason ``length``) leave the loss, as the root rows do (``OverlongFilter``)."""
+    from stapo.core.algos import overlong_filter_keep
+
+    kept = set_local_advantages(cfg, branches)
+    if not cfg.algorithm.overlong.filter or not kept:
+        return kept
+    keep = overlong_filter_keep([s.finish_reason for s in kept]).tolist()  # [N]
+    return [s for s, k in zip(kept, keep, strict=True) if k]
+
+
 def set_local_advantages(cfg: Any, kept: list[Any]) -> list[Any]:
     """Give each kept branch its local advantage within its pivot's K branches
     (``algorithm.deep_grpo.local_advantage``; the shaped rewards, as the global advantages use)."""
@@ -339,7 +358,6 @@ class DeepGRPO(LoopHook):
             raise TypeError(f"algorithm.deep_grpo needs a rollout engine with generate_from_prefix; "
                             f"{type(run.engine).__name__} has none")
         branch_seqs: list[Any] = []
-        run.engine.wake()
         for p in range(max(n_pivots)):  # data parallel: a rank with fewer pivots makes a throwaway call
             real = p < len(chosen)
             s, t = (chosen[p], pivots[p]) if real else (seqs[0], 1 if len(seqs[0].response_ids) > 1 else 0)
@@ -359,7 +377,6 @@ class DeepGRPO(LoopHook):
                 b.prefix_len = t  # type: ignore[attr-defined]
                 b.ratio = branch_ratio(t, len(s.response_ids))  # type: ignore[attr-defined]
                 branch_seqs.append(b)
-        run.engine.sleep()
         t_gen = time.time() - t0
         if branch_seqs:
             graded = run.rewards([b.text for b in branch_seqs], [b.gold for b in branch_seqs])
@@ -370,7 +387,7 @@ class DeepGRPO(LoopHook):
                               [b.valid for b in branch_seqs], [b.correct for b in branch_seqs], o.outcome)
         every = dp.gather_objects((r, y))  # every rank's outcomes, in rank order: one model on every rank
         self.model.update([x for rr, _ in every for x in rr], [x for _, yy in every for x in yy])
-        kept = set_local_advantages(cfg, shape_and_advantage(cfg, branch_seqs)) if branch_seqs else []
+        kept = loss_branches(cfg, shape_and_advantage(cfg, branch_seqs)) if branch_seqs else []
         main_tokens, new_tokens, n_ok, n_success, ratio_sum, n_y, n_br = dp.sum([
             sum(len(s.response_ids) for s in seqs), sum(len(b.response_ids) - b.prefix_len for b in branch_seqs),
             len(ok), sum(b.correct for b in ok), sum(b.ratio for b in branch_seqs), len(y), len(branch_seqs)])
@@ -412,7 +429,7 @@ class DeepGRPO(LoopHook):
         if br is None or lam == 0.0:
             return None
         from stapo.core.distributed import DataParallel, minibatch_rows
-        from stapo.core.loop import Batch, derive_seed
+        from stapo.core.loop import Batch, derive_seed, step_entropy_thresholds
         from stapo.core.update import MiniBatch, build_micro, lockstep, split_rows, update_parts, with_padding
 
         cfg, backend = self.cfg, run.backend
@@ -424,6 +441,11 @@ class DeepGRPO(LoopHook):
         # the forwards' rows: the local term's tokens (the continuation) are their response positions
         local = Batch(br.batch.input_ids, br.batch.attention_mask, br.suffix, br.batch.advantages)
         lengths = local.attention_mask.sum(1).cpu()  # [N] real tokens per row
+        params = parts.params
+        if a.token_weighting == "s2t":  # tau_h_scope=step: one threshold from the pre-update continuations
+            _, tau_step = step_entropy_thresholds(cfg, br.old_ent, br.suffix, backend.all_gather_1d)
+            if tau_step is not None:
+                params = {**params, "tau_h": tau_step, "tau_h_quantile": None}
         plan: list[list[torch.Tensor]] = []  # this rank's micro-batches (batch rows) per mini-batch
         calls: list[int] = []  # forwards per mini-batch (every rank's max)
 
@@ -447,7 +469,7 @@ class DeepGRPO(LoopHook):
             for m in micros:
                 bounds.append(bounds[-1] + int(m.rows.numel()))
             slices = [slice(s0, s1) for s0, s1 in zip(bounds[:-1], bounds[1:], strict=True)]
-            mbatch = MiniBatch(parts, parts.params, local.advantages[idx], local.response_mask[idx], br.old_lp[idx],
+            mbatch = MiniBatch(parts, params, local.advantages[idx], local.response_mask[idx], br.old_lp[idx],
                                backend.all_gather_1d, backend.all_reduce_sum)  # (no entropy bonus, no terms)
             losses: list[torch.Tensor] = []
             if parts.reads_stats:  # statistics first: every forward's graph kept until the weights are known

@@ -28,7 +28,7 @@ import torch
 
 from stapo.core.trainer.base import TrainerBackend
 
-__all__ = ["DataParallel", "balanced_quota", "minibatch_rows", "even_shard"]
+__all__ = ["DataParallel", "balanced_quota", "check_minibatches", "group_minibatches", "minibatch_rows", "even_shard"]
 
 
 class DataParallel:
@@ -110,8 +110,43 @@ def balanced_quota(counts: Sequence[int], want: int) -> list[int]:
 def global_minibatches(counts: Sequence[int], mini_batches: int, generator: torch.Generator) -> list[torch.Tensor]:
     """GLOBAL row indices of each optimizer mini-batch: ONE seeded permutation of the global batch
     (rows in rank order: global row g belongs to rank r when ``offset_r <= g < offset_r +
-    counts[r]``), chunked: the same sets of sequences whatever the number of ranks."""
-    return list(torch.randperm(int(sum(counts)), generator=generator).chunk(mini_batches))
+    counts[r]``), split into exactly ``mini_batches`` parts whose sizes differ by at most one: the
+    same sets of sequences whatever the number of ranks. (``chunk`` would give fewer parts when
+    N < K^2: 100 rows in 16 chunks of 7 make 15 optimizer steps.) With fewer rows than
+    mini-batches the last parts are empty; the policy update refuses that (:func:`check_minibatches`)."""
+    perm = torch.randperm(int(sum(counts)), generator=generator)  # [N]
+    return list(torch.tensor_split(perm, mini_batches))  # K parts, sizes ceil(N/K) then floor(N/K)
+
+
+def group_minibatches(groups: Sequence[int], mini_batches: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """Row indices of each optimizer mini-batch with every prompt group whole in one (VCPO's
+    baseline weighs a group's rows against each other at one set of weights; one process): a
+    seeded permutation of the groups split into exactly ``mini_batches`` parts of as equal a group
+    count as possible, each part's rows in group order. Fewer groups than mini-batches is refused."""
+    ids = list(dict.fromkeys(int(g) for g in groups))  # distinct groups, first-seen order
+    if len(ids) < mini_batches:
+        raise ValueError(
+            f"the step's batch has {len(ids)} prompt groups for algorithm.mini_batches={mini_batches}: "
+            "algorithm.off_policy.min_variance_baseline keeps each group in one mini-batch; lower "
+            "algorithm.mini_batches or raise rollout.prompts_per_step"
+        )
+    rows: dict[int, list[int]] = {g: [] for g in ids}
+    for i, g in enumerate(groups):
+        rows[int(g)].append(i)
+    order = torch.randperm(len(ids), generator=generator)  # [P]
+    return [torch.tensor([i for k in part.tolist() for i in rows[ids[k]]], dtype=torch.long)
+            for part in torch.tensor_split(order, mini_batches)]
+
+
+def check_minibatches(rows: int, mini_batches: int) -> None:
+    """Refuse an update whose batch has fewer rows than optimizer steps (an empty mini-batch has no
+    loss to step on), naming the keys that set both numbers."""
+    if rows < mini_batches:
+        raise ValueError(
+            f"the step's batch has {rows} rows for algorithm.mini_batches={mini_batches} optimizer steps: lower "
+            "algorithm.mini_batches or raise rollout.prompts_per_step x rollout.n (DAPO's dynamic sampling and "
+            "algorithm.overlong.filter can leave fewer rows than prompts_per_step x n)"
+        )
 
 
 def local_rows(chunk: torch.Tensor, counts: Sequence[int], rank: int) -> torch.Tensor:

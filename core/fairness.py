@@ -24,8 +24,20 @@ from typing import Any
 
 __all__ = [
     "LAYER_KEYS", "LAYER_RECIPES", "KEY_GROUPS", "NOT_CONFOUNDS", "Difference", "flatten", "owned_by",
-    "classify", "config_differences", "confounds", "matched_overrides",
+    "classify", "config_differences", "confounds", "matched_overrides", "FRAME_KEYS", "SHARED_FRAME",
+    "frame_of", "frame_differences",
 ]
+
+#: The frame of a comparison: what a step trains on (batch, optimizer steps, lengths) and the model.
+FRAME_KEYS: tuple[str, ...] = (
+    "model.name_or_path", "rollout.prompts_per_step", "rollout.n", "algorithm.mini_batches",
+    "algorithm.ppo_epochs", "rollout.max_new_tokens", "data.max_prompt_tokens",
+)
+#: The recipes meant to be compared as shipped: ``stapo`` is ``dapo`` + S2T (the paper's definition)
+#: and each layer recipe is ``stapo`` + its layer, so all of them share ``stapo``'s frame (tested).
+#: The other baselines keep their own sources' frames; ``stapo recipes matched stapo NAME`` aligns one.
+SHARED_FRAME: tuple[str, ...] = ("stapo", "dapo", "entropy-bonus", "stapo-goldilocks", "stapo-maspo",
+                                 "stapo-deep", "stapo-stack", "stapo-async")
 
 #: The config keys each stability layer owns (a trailing "." = the whole section). A layer recipe
 #: ``stapo-X`` is ``stapo`` plus its layers: it may differ from ``stapo`` in these keys (and its label,
@@ -142,3 +154,15 @@ def matched_overrides(reference: dict[str, Any], other: dict[str, Any]) -> list[
 def _norm(v: Any) -> Any:
     """YAML gives tuples back as lists: compare them alike."""
     return list(v) if isinstance(v, tuple) else v
+
+
+def frame_of(config: dict[str, Any]) -> dict[str, Any]:
+    """The :data:`FRAME_KEYS` values of a config dump (``model_dump(mode="json", by_alias=True)``)."""
+    flat = flatten(config)
+    return {k: flat.get(k) for k in FRAME_KEYS}
+
+
+def frame_differences(ref: dict[str, Any], other: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(frame key, reference value, other value) where two config dumps' frames differ."""
+    a, b = frame_of(ref), frame_of(other)
+    return [(k, a[k], b[k]) for k in FRAME_KEYS if a[k] != b[k]]

@@ -211,17 +211,21 @@ class _Run:
     def __init__(self, cfg: Config, run_dir: Path, log: Callable[[str], None]) -> None:
         from stapo.core.data import encode_prompt, load_prompts
         from stapo.core.models import load_policy
+        from stapo.core.placement import rank_placement
         from stapo.core.rewards import RewardFunction
         from stapo.core.rollout import build_rollout_engine
         from stapo.core.trainer import build_trainer_backend
 
         self.cfg, self.run_dir, self.log = cfg, run_dir, log
+        # this rank's device, set before anything touches a GPU (stapo.core.placement); the policy
+        # loads on the CPU and the trainer backend places it there
+        self.placement = rank_placement(cfg.trainer.device, tp_size=vllm_tp_size(cfg))
         seed_everything(cfg.trainer.seed)
-        device = _resolve_device(cfg.trainer.device)
+        device = self.placement.device
         t0 = time.time()
-        self.model, self.tokenizer = load_policy(cfg.model, device=device)
+        self.model, self.tokenizer = load_policy(cfg.model, device="cpu", compute_device=device)
         log(f"policy {cfg.model.name_or_path}: {sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M params "
-            f"on {device} ({time.time() - t0:.1f}s)")
+            f"for {device} ({time.time() - t0:.1f}s)")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         total_updates = cfg.trainer.max_steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches
         self.backend = build_trainer_backend(cfg, self.model, total_optimizer_steps=max(total_updates, 1))
@@ -229,6 +233,7 @@ class _Run:
         # token-mean normalizer and the S2T thresholds are reduced across ranks; rank 0 writes files.
         self.rank = int(self.backend.rank)
         self.world_size = int(self.backend.world_size)
+        self.placement.record(run_dir / "ranks", self.backend.device)  # which host / GPU each rank took
         if cfg.rollout.prompts_per_step % self.world_size:
             raise ValueError(
                 f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be divisible by the "
@@ -268,10 +273,9 @@ class _Run:
             self.rewards.close()
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+def vllm_tp_size(cfg: Config) -> int:
+    """vLLM's tensor-parallel size (1 unless the colocated vllm engine is used)."""
+    return cfg.rollout.vllm.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
 
 
 # ----------------------------------------------------------------------------- phases of a step
@@ -291,6 +295,7 @@ def rollout_and_grade(run: _Run, step: int, round_: int) -> tuple[list[Sequence_
         max_new_tokens=cfg.rollout.max_new_tokens,
         seed=derive_seed(cfg.trainer.seed, step, round_, run.rank),
         ignore_eos=cfg.rollout.ignore_eos,
+        logprobs=cfg.rollout.async_.enabled,  # only the async producer reads behaviour log-probs
     )
     # With the hf engine, a step larger than one generate call (rollout.batch_size
     #    sequences) is sampled in waves, and each wave is graded (in a thread; the grader's work runs
@@ -315,9 +320,7 @@ def rollout_and_grade(run: _Run, step: int, round_: int) -> tuple[list[Sequence_
         for w, wave in enumerate(waves):
             params = sampling if w == 0 else replace(sampling, seed=derive_seed(sampling.seed or 0, w))
             t1 = time.time()
-            run.engine.wake()
             groups = run.engine.generate([run.encode(r) for r in wave], params)
-            run.engine.sleep()
             t_roll += time.time() - t1
             base = len(seqs) // cfg.rollout.n
             wave_seqs = [
@@ -577,9 +580,7 @@ def validate(run: _Run) -> dict[str, float]:
         max_new_tokens=cfg.eval.val_max_new_tokens or cfg.rollout.max_new_tokens,
         seed=derive_seed(cfg.trainer.seed, 999_983),
     )
-    run.engine.wake()
     outs = run.engine.generate([run.encode(r) for r in recs], sampling)[:real]
-    run.engine.sleep()
     texts = [o[0].text for o in outs]
     graded = run.rewards(texts, [r.answer for r in recs[:real]]) if outs else None
     correct = float(sum(graded.correct)) if graded is not None else 0.0
@@ -766,6 +767,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
 
             # --- old log-probs (only where needed), update (every rank, in lockstep), token dump
             t0 = time.time()
+            run.engine.sleep()  # once a step: the rollout engine's memory goes to the update (docs/gpu.md)
             if sum(st.counts):
                 update_step(run, st, dp)
             else:

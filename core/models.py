@@ -75,13 +75,8 @@ class ModelLoadError(RuntimeError):
 # ----------------------------------------------------------------------------- device and dtype
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` -> cuda when available, else cpu; anything else as torch understands it."""
-    if isinstance(device, str) and device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+# `auto` -> this rank's device (cuda:LOCAL_RANK under a launcher): one decision, stapo.core.placement
+from stapo.core.placement import resolve_device  # noqa: E402
 
 
 def resolve_dtype(model_cfg: ModelConfig, device: str | torch.device) -> torch.dtype:
@@ -366,15 +361,21 @@ def load_tokenizer(model_cfg: ModelConfig) -> Any:
     return tok
 
 
-def load_policy(model_cfg: ModelConfig, *, device: str | torch.device = "cpu") -> tuple[Any, Any]:
+def load_policy(
+    model_cfg: ModelConfig, *, device: str | torch.device = "cpu", compute_device: str | torch.device | None = None
+) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` on ``device`` with the configured dtype.
+
+    ``compute_device``: where the model will run, which picks the ``auto`` dtype (default:
+    ``device``). The training loop loads on the CPU for its rank's GPU and lets the trainer backend
+    place the model, so no rank ever puts a whole model on a GPU that is not its own.
 
     The mode (``.train()`` / ``.eval()``) is left to the caller.
     Gradient checkpointing (non-reentrant) is enabled when configured. The tokenizer always has a
     pad token, and ``model.config.pad_token_id`` matches it.
     """
     dev = resolve_device(device)
-    dtype = resolve_dtype(model_cfg, dev)
+    dtype = resolve_dtype(model_cfg, dev if compute_device is None else compute_device)
     name = model_cfg.name_or_path
     _check_special(name)
     if name in SPECIAL_MODELS:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,16 @@ class RewardBatch:
     rules: Counter = field(default_factory=Counter)  # items per deciding grader rule (GradeResult.rule)
 
 
+def grader_workers_per_rank(environ: Mapping[str, str] = os.environ) -> int:
+    """The default size of a rank's grading pool: the cores this process may use divided by the ranks
+    on its node (``LOCAL_WORLD_SIZE`` from torchrun, ``LOCAL_SIZE`` from the deepspeed launcher; 1
+    without a launcher), at least 1. Without the division 8 ranks each start a pool of every core."""
+    from stapo.verifier_service.settings import default_workers
+
+    local = environ.get("LOCAL_WORLD_SIZE") or environ.get("LOCAL_SIZE") or "1"
+    return max(1, default_workers() // max(1, int(local)))
+
+
 class RewardFunction:
     """Grades responses against golds through a local pool or a remote verifier."""
 
@@ -73,7 +83,7 @@ class RewardFunction:
         else:
             from stapo.verifier_service.pool import GraderPool
 
-            self._grader = GraderPool(workers=cfg.workers, deadline_s=cfg.deadline_s)
+            self._grader = GraderPool(workers=cfg.workers or grader_workers_per_rank(), deadline_s=cfg.deadline_s)
 
     def _grade(self, items: list[dict[str, str]]) -> list[Any]:
         try:

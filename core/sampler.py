@@ -4,8 +4,10 @@ Goldilocks: a *teacher* predicts, from the prompt alone, the prompt's utility fo
 y_q = sqrt(p_q (1 - p_q)), the standard deviation of its Bernoulli reward, i.e. the size of the GRPO
 signal the group will carry (0 for a prompt always or never solved). Each step:
 
-1. ``select``: a seeded candidate pool of ``pool_size`` prompts is scored by the teacher; each of the
-   step's slots keeps the uniform sampler's prompt with probability epsilon, otherwise it takes the
+1. ``select``: a seeded candidate pool of ceil(``pool_factor`` x the round's prompt count) prompts
+   (with DAPO's dynamic sampling a round samples ``gen_batch_multiplier`` x ``prompts_per_step``) is
+   scored by the teacher, so the share it rejects does not depend on the round's size; each of the
+   round's slots keeps the uniform sampler's prompt with probability epsilon, otherwise it takes the
    best-scored candidate not yet chosen (epsilon-greedy). With epsilon = 1 the choice is the uniform
    sampler's, index for index.
 2. ``record``: the loop reports each graded group's observed accuracy p_hat (share of correct samples).
@@ -204,7 +206,7 @@ class GoldilocksSampler(_Recorder):
         *,
         data_seed: int,
         epsilon: float = 0.1,
-        pool_size: int = 64,
+        pool_factor: float = 4.0,
         buffer_size: int = 512,
         train_steps: int = 8,
         train_batch_size: int = 64,
@@ -217,7 +219,9 @@ class GoldilocksSampler(_Recorder):
             raise ValueError(f"goldilocks.epsilon must be in [0, 1], got {epsilon}")
         self.uniform = UniformSampler(n_prompts, data_seed)
         self.n_prompts, self.featurize, self.dim = n_prompts, featurize, dim
-        self.epsilon, self.pool_size = epsilon, pool_size
+        if pool_factor < 1:
+            raise ValueError(f"goldilocks.pool_factor must be >= 1 (candidates per slot), got {pool_factor}")
+        self.epsilon, self.pool_factor = epsilon, pool_factor
         self.train_steps, self.train_batch_size = train_steps, train_batch_size
         self.seed = seed
         with torch.random.fork_rng(devices=[]):
@@ -251,6 +255,10 @@ class GoldilocksSampler(_Recorder):
 
     # ----------------------------------------------------------------------------- the sampler
 
+    def pool_size(self, per_round: int) -> int:
+        """Candidates scored for a round of ``per_round`` prompts: ceil(pool_factor x per_round)."""
+        return math.ceil(self.pool_factor * per_round)
+
     def select(self, step: int, round_: int, per_step: int) -> list[int]:
         t0 = time.perf_counter()
         base = self.uniform.select(step, round_, per_step)
@@ -258,7 +266,8 @@ class GoldilocksSampler(_Recorder):
         greedy = rng.random(per_step) >= self.epsilon  # [per_step]
         out = list(base)
         if greedy.any():
-            pool = rng.choice(self.n_prompts, size=min(self.pool_size, self.n_prompts), replace=False)
+            size = min(self.pool_size(per_step), self.n_prompts)
+            pool = rng.choice(self.n_prompts, size=size, replace=False)  # [size] candidates
             pred = self.predict([int(i) for i in pool]).numpy()
             order = sorted(range(len(pool)), key=lambda k: (-float(pred[k]), int(pool[k])))
             taken = {b for b, g in zip(base, greedy, strict=True) if not g}
@@ -356,7 +365,7 @@ def build_sampler(cfg: Any, prompts: Sequence[Any], *, encode: Callable[[Any], l
         featurize = lambda i: table[torch.tensor(encode(prompts[i]), dtype=torch.long)].mean(0)  # noqa: E731
         dim = table.shape[1]
     return GoldilocksSampler(
-        len(prompts), featurize, dim, data_seed=d.seed, epsilon=g.epsilon, pool_size=g.pool_size,
+        len(prompts), featurize, dim, data_seed=d.seed, epsilon=g.epsilon, pool_factor=g.pool_factor,
         buffer_size=g.buffer_size, train_steps=g.train_steps, train_batch_size=g.train_batch_size, lr=g.lr,
         hidden_size=g.hidden_size, seed=g.seed,
     )

@@ -15,6 +15,11 @@ One step's update, for every weighting x policy loss x aggregation::
                         thresholds and normalizer: every micro-batch's gradient forward runs first and
                         its graph is KEPT until the weights are known, then each is backpropagated.
                         p and H come from that forward itself: no separate no-grad pass.
+        bounded?        the same weighting when the kept graphs would not fit the GPU
+                        (``trainer.update_memory: bounded``, or ``auto`` where the memory plan of
+                        stapo.core.plan says so): a no-grad statistics pass over the mini-batch's
+                        micro-batches gives the weights, then each micro-batch runs forward +
+                        backward at once, one graph alive (one extra forward per micro-batch).
         optimizer step  (after the ``before_step`` hook: DEEP-GRPO's local loss)
 
 **When a no-grad pass runs** (:func:`needs_old_pass`): the ratio pi_theta / pi_old needs pi_old on
@@ -62,6 +67,7 @@ __all__ = [
     "pack_rows",
     "split_rows",
     "build_micro",
+    "nograd_stats",
     "token_stats_batched",
     "update_parts",
     "update_policy",
@@ -222,11 +228,16 @@ def token_stats_batched(backend: TrainerBackend, batch: Batch, micro: int | Micr
     ent_all = torch.zeros_like(lp_all)  # [N, L]
     for rows in sets:
         m = build_micro(batch, rows, spec.packed)
-        lp, ent = backend.token_stats(m.input_ids, m.attention_mask, m.response_mask, grad=False,
-                                      temperature=temperature, position_ids=m.position_ids)
-        lp_all[m.rows] = m.to_rows(lp.detach().float().to(lp_all.device))
-        ent_all[m.rows] = m.to_rows(ent.detach().float().to(ent_all.device))
+        lp_all[m.rows], ent_all[m.rows] = nograd_stats(backend, m, temperature)
     return lp_all, ent_all
+
+
+def nograd_stats(backend: TrainerBackend, m: Micro, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """No-grad log-probs and entropies of one micro-batch in batch layout [b, L] each (float32)."""
+    lp, ent = backend.token_stats(m.input_ids, m.attention_mask, m.response_mask, grad=False,
+                                  temperature=temperature, position_ids=m.position_ids)
+    dev = m.response_mask.device
+    return m.to_rows(lp.detach().float().to(dev)), m.to_rows(ent.detach().float().to(dev))
 
 
 def old_pass_calls(dp: Any, batch: Batch, spec: MicroSpec, real: int) -> int:
@@ -335,7 +346,7 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
     the phase cells sum over every mini-batch of every PPO epoch; ``stapo/tau_h`` is the mean of the
     thresholds used; ``tau_h_scope=step`` fixes tau_h once from the step's pre-update entropies.
     """
-    from stapo.core.distributed import DataParallel, minibatch_rows
+    from stapo.core.distributed import DataParallel, check_minibatches, group_minibatches, minibatch_rows
     from stapo.core.extras import extras_of
     from stapo.core.loop import (
         add_loss_sums,
@@ -357,13 +368,16 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
     n = batch.input_ids.shape[0]
     counts = [n] if counts is None else [int(c) for c in counts]
     pad_row = counts[dp.rank] if n > counts[dp.rank] else None
+    check_minibatches(sum(counts), a.mini_batches)
     gather, reduce = backend.all_gather_1d, backend.all_reduce_sum
     lengths = batch.attention_mask.sum(1).cpu()  # [N] real tokens per row
     p05, tau_step = (step_entropy_thresholds(cfg, old_ent, batch.response_mask, gather) if old_ent is not None
                      else (None, None))
     if tau_step is not None and a.token_weighting == "s2t":
         params = {**params, "tau_h": tau_step, "tau_h_quantile": None}
-    keep_graphs = parts.reads_stats or extras.terms_read_stats
+    reads = parts.reads_stats or extras.terms_read_stats
+    bounded = reads and cfg.trainer.update_memory == "bounded"  # "auto" was resolved by the memory plan
+    keep_graphs = reads and not bounded
     fused = parts.fused and not keep_graphs
     diag: dict[str, float] = {}
     taus: list[float] = []
@@ -380,7 +394,10 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
     fresh = True  # parameters unchanged since the step's statistics were taken
     for epoch in range(a.ppo_epochs):
         gen = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch))
-        plan = [split_rows(r, lengths, parts.spec) for r in minibatch_rows(counts, dp.rank, a.mini_batches, gen)]
+        baseline = off_policy.baseline if off_policy is not None else None  # VCPO's: whole groups per mini-batch
+        rows = (group_minibatches(baseline.groups, a.mini_batches, gen) if baseline is not None
+                else minibatch_rows(counts, dp.rank, a.mini_batches, gen))
+        plan = [split_rows(r, lengths, parts.spec) for r in rows]
         calls = lockstep(dp, [max(1, len(p)) for p in plan])
         for sets, k in zip(plan, calls, strict=True):
             n_real = sum(int(s.numel()) for s in sets)
@@ -391,6 +408,8 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
             for m in micros:
                 bounds.append(bounds[-1] + m.rows.numel())
             slices = [slice(s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+            if baseline is not None:  # VCPO: this mini-batch's advantages at the current weights
+                baseline.advantages(backend, batch, mb_rows[:n_real].tolist(), old_lp, parts)
             mb = MiniBatch(parts, params, batch.advantages[mb_rows], batch.response_mask[mb_rows],
                            old_lp[mb_rows] if old_lp is not None else None, gather, reduce, a.entropy_coef)
             if keep_graphs:  # statistics first: every forward's graph kept until the weights are known
@@ -408,9 +427,15 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
                 # before it (DeepSpeed's micro-step bookkeeping; ZeRO-3 re-gathers parameters for it)
                 backend.backward(torch.stack(losses).sum())
                 del graphs, losses
-            else:  # weights from the mask alone: each micro-batch forward + backward at once
-                zeros = torch.zeros(mb.mask.shape, dtype=torch.float32, device=dev)
-                ctx0, tw, norm = mb.weights(zeros, zeros)
+            else:  # weights first (from the mask alone, or bounded: a no-grad statistics pass), then
+                # each micro-batch forward + backward at once
+                if bounded:
+                    stats = [nograd_stats(backend, m, temp) for m in micros]
+                    ctx0, tw, norm = mb.weights(torch.cat([s[0] for s in stats]), torch.cat([s[1] for s in stats]))
+                    del stats
+                else:
+                    zeros = torch.zeros(mb.mask.shape, dtype=torch.float32, device=dev)
+                    ctx0, tw, norm = mb.weights(zeros, zeros)
                 tw_loss = off_policy.weigh(tw, mb_rows) if off_policy is not None else tw
                 terms = extras.terms(ctx0, mb_rows, old_lp)
                 lps: list[torch.Tensor] = []

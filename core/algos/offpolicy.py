@@ -27,13 +27,18 @@ VCPO (Huang et al. 2026, "Stable Asynchrony: Variance-Controlled Off-Policy RL f
   the heavy tail of that product that lets a few trajectories dominate the gradient; a token-level
   ESS would average the tail away (the authors' ``compute_ess_info`` sums per-trajectory
   ``rollout_seq_is``). With w = 1 everywhere ESS = N and the scale is exactly 1.
-- **Minimum-variance off-policy baseline.** For the estimator sum_i w_i g_i (R_i - b) with
-  g_i = grad_theta sum_t log pi(o_it), the b minimizing the trace of its covariance is
-  b* = sum_i W_i R_i / sum_i W_i with W_i = w_i^2 ||g_i||^2 (per group of one prompt, the authors'
-  ``compute_opob_baseline`` with scope ``group``). With w = 1 and equal gradient norms it is the
-  group mean, i.e. GRPO's baseline. :func:`min_variance_advantages` puts it in place of the group
-  mean of the configured advantage (GRPO also divides by the group std, as the authors'
-  ``norm_by_std`` does).
+- **Minimum-variance off-policy baseline (OPOB).** For the estimator sum_i g_i (R_i - b), the b
+  minimizing the trace of its covariance is b* = sum_i W_i R_i / sum_i W_i (per group of one
+  prompt, the authors' ``compute_opob_baseline`` with scope ``group``). The README writes
+  W_i = w_i^2 ||grad log pi(tau_i)||^2; the authors' code (``update_policy_per_traj`` with
+  ``grad_baselining``) takes W_i = w_i^2 ||g_i||^2 with g_i the gradient of trajectory i's policy
+  loss at advantage 1, *including* the truncated sequence importance weight min(w_i, C) of their
+  ``rollout_is: sequence`` (C = ``rollout_is_threshold`` 8), summed over its tokens, at the current
+  parameters of each optimizer mini-batch (whole groups per mini-batch), with w_i unclipped
+  (``use_clipped_is_ratios: false``). :func:`min_variance_advantages` puts b* in place of the group
+  mean; with ``norm_by_std`` (GRPO) it divides by the group's *population* std where that exceeds
+  1e-8 (``compute_grad_info``: ``torch.std(unbiased=False)``). With w = 1 and equal gradient norms
+  b* is the group mean.
 
 Shapes: [B, T] per-token tensors with a bool ``mask`` of valid response tokens; [B] per sequence;
 [P, G] per group (P prompts x G samples).
@@ -125,8 +130,8 @@ def ess_lr_scale(ess_ratio: float, *, rule: str = "sqrt", base_ratio: float = 1.
 def min_variance_baseline(rewards: Tensor, is_weights: Tensor, grad_sq_norms: Tensor) -> Tensor:
     """VCPO's closed-form baseline per group: b = sum W R / sum W, W = w^2 ||g||^2 -> [P].
 
-    ``rewards``, ``is_weights`` (sequence weights pi_prox / mu) and ``grad_sq_norms`` (||g_i||^2 of
-    each sequence's score gradient) are [P, G]. A group whose W are all 0 (every gradient zero)
+    ``rewards``, ``is_weights`` (sequence weights pi_prox / mu, unclipped) and ``grad_sq_norms``
+    (||g_i||^2, see the module docstring for which gradient) are [P, G]. A group whose W are all 0 (every gradient zero)
     falls back to the plain mean (any baseline is then as good; the mean keeps GRPO's).
     """
     for name, x in (("is_weights", is_weights), ("grad_sq_norms", grad_sq_norms)):
@@ -144,18 +149,18 @@ def min_variance_baseline(rewards: Tensor, is_weights: Tensor, grad_sq_norms: Te
 
 
 def min_variance_advantages(rewards: Tensor, is_weights: Tensor, grad_sq_norms: Tensor, *,
-                            scale_by_std: bool, eps: float = 1e-6) -> Tensor:
-    """A_i = (R_i - b*_group) [/ (std_group + eps)] -> [P, G].
+                            scale_by_std: bool) -> Tensor:
+    """A_i = (R_i - b*_group) [/ std_group] -> [P, G], as the authors' gradient buffers weigh g_i.
 
-    ``scale_by_std`` for GRPO (unbiased group std, as ``grpo_advantage``); Dr. GRPO does not scale.
-    With w = 1 and equal ``grad_sq_norms`` this equals the GRPO / Dr. GRPO advantage exactly.
+    ``scale_by_std`` (GRPO; the authors' ``norm_by_std``): divided by the group's population std
+    where it exceeds 1e-8, else left unscaled (``_update_grad_buffers``). Dr. GRPO does not scale.
+    With w = 1 and equal ``grad_sq_norms``: (R - mean) / population std, or R - mean.
     """
     b = min_variance_baseline(rewards, is_weights, grad_sq_norms)  # [P]
     adv = rewards - b.unsqueeze(1)  # [P, G]
     if scale_by_std:
-        if rewards.shape[1] == 1:
-            return rewards / (1.0 + eps)  # as grpo_advantage: a singleton group has no baseline
-        adv = adv / (rewards.std(dim=1, keepdim=True) + eps)
+        std = rewards.double().std(dim=1, unbiased=False, keepdim=True)  # [P, 1]
+        adv = torch.where(std > 1e-8, adv / std.clamp_min(1e-8).to(adv.dtype), adv)
     return adv
 
 

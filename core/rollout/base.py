@@ -44,6 +44,7 @@ class SamplingParams:
     max_new_tokens: int = 256
     seed: int | None = None
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks: equal work on both sides)
+    logprobs: bool = True  # sampled-token log-probs wanted (False: an engine may leave them NaN)
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:

@@ -54,6 +54,7 @@ from stapo.core.rollout.base import (
     fill_greedy_group,
     prefixed_prompts,
 )
+from stapo.core.trainer.prefix import cache_kwargs
 
 __all__ = ["HFRolloutEngine", "SampledLogprobRecorder"]
 
@@ -249,7 +250,7 @@ class HFRolloutEngine:
         if self.share_prefix and width > 1:
             cache = self._shared_prompt_cache(input_ids.to(dev), attention_mask.to(dev))
             if cache is not None:
-                extra["cache"] = cache  # transformers 5's name (past_key_values is deprecated)
+                extra = cache_kwargs(self.model, cache)  # `cache` or `past_key_values`, as installed
         out = self.model.generate(
             input_ids=input_ids.to(dev),
             attention_mask=attention_mask.to(dev),
@@ -281,8 +282,8 @@ class HFRolloutEngine:
         ids, att = input_ids[first, :-1], attention_mask[first, :-1]  # [U, P-1]
         positions = (att.long().cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        self.model(input_ids=ids, attention_mask=att, position_ids=positions, cache=cache,
-                   use_cache=True, logits_to_keep=1)
+        self.model(input_ids=ids, attention_mask=att, position_ids=positions, use_cache=True, logits_to_keep=1,
+                   **cache_kwargs(self.model, cache))
         cache.batch_select_indices(group)  # [U, ...] -> [B, ...]
         return cache
 

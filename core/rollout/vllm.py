@@ -4,29 +4,49 @@ Every use of a vLLM API — public or private — lives in this one file (design
 imported only inside :class:`VLLMRolloutEngine`, so ``stapo`` imports and tests without it.
 Install with ``pip install 'stapo[vllm]'``.
 
-How it runs (the colocated recipe of verl / TRL, expressed with vLLM's public ``LLM`` methods):
+How it runs (the colocated recipe of TRL's ``vllm_mode="colocate"`` and verl, with vLLM's public
+``LLM`` methods):
 
-- **In-process engine.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set (unless the caller set it) so
-  vLLM's engine core and its single worker live in the learner's process, and the learner's tensors
-  reach vLLM's model by reference. :meth:`load_weights` calls the worker's ``reload_weights``
-  (through ``LLM.collective_rpc``) with the HF-named tensors: vLLM's in-place reload, which fuses
-  q/k/v and gate/up itself and re-runs each layer's post-load processing (kernel re-packing,
-  quantization) — plain ``model.load_weights`` breaks on layers whose weights were re-packed.
-  (With multiprocessing on, or tensor parallel > 1, the same call ships CPU copies of the tensors
-  to the workers: correct, slower, fine for small models.) After every update the prefix cache is
-  reset: cached KV blocks were computed by the old weights. vLLM on CPU also needs a tied
-  ``lm_head`` re-packed (see :func:`_refresh_cpu_tied_heads`).
-- **Sleep mode.** ``sleep()`` calls ``llm.sleep(level)`` (level 1: weights offloaded to CPU, KV cache
-  dropped), freeing the GPU for the learner; ``wake()`` calls ``llm.wake_up()``. A ``load_weights``
-  while asleep wakes the weights only (``wake_up(tags=["weights"])``) so the KV cache is not
-  re-allocated until the next ``wake()`` — the same ordering verl uses to keep peak memory down.
-  Platforms without sleep mode (vLLM on CPU) make both calls no-ops.
-- **Sampling.** Prompts go in as ``TokensPrompt(prompt_token_ids=...)``; one vLLM ``SamplingParams``
-  per call with ``n``, ``temperature``, ``top_p``, ``max_tokens``, ``seed`` and ``logprobs=0`` (the
-  sampled token's log-prob only). Nothing else from the checkpoint's ``generation_config.json``
-  (top_k, repetition_penalty, ...) is applied: explicit params replace vLLM's model defaults; only
-  its extra eos ids are honoured, as stop tokens. With a seed, vLLM gives the i-th of the n samples
+- **One engine per rank, in the rank's process.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set (unless
+  the caller set it) so vLLM's engine core and its single worker live in the learner's process and
+  the learner's tensors reach vLLM's model by reference. Under a launcher (more than one rank) the
+  engine is built with ``distributed_executor_backend="external_launcher"``: vLLM's worker then takes
+  ``RANK`` / ``LOCAL_RANK`` from the launcher and joins the existing process group, so each rank's
+  engine sits on the rank's own GPU (the default executor derives its GPU from the device string,
+  ``"cuda"`` -> GPU 0 for every rank). All ranks build their engines together (vLLM takes the
+  minimum free memory over the world). With ``tensor_parallel_size = tp > 1`` the ranks
+  ``[g*tp, (g+1)*tp)`` form tensor-parallel group ``g`` (one node): every rank of a group must
+  submit the same requests, so :meth:`generate` gathers the group's prompts, generates them all and
+  keeps its own share, as TRL does.
+- **Seeds.** One seed per engine: ``seed + g`` for tensor-parallel group ``g`` (the ranks of a group
+  sample identically, groups differ). Requests carry no seed — a per-request seed sends vLLM down
+  its slower per-request generator path — unless ``per_request_seeds`` asks for per-sample
+  reproducibility (``rollout.vllm.per_request_seeds``); then vLLM gives the i-th of the n samples
   the seed ``seed + i``.
+- **Weight sync, streamed.** :meth:`load_weights` hands the learner's stream of HF-named tensors
+  (the DeepSpeed backend gathers them one parameter or bucket at a time under ZeRO-3) to the
+  worker's ``reload_weights`` (``LLM.collective_rpc``) as an iterator: vLLM copies each tensor into
+  its own weights as it arrives, so no list of the whole model is ever built. ``reload_weights`` is
+  vLLM's in-place reload, which fuses q/k/v and gate/up itself and re-runs each layer's post-load
+  processing (kernel re-packing, quantization) — plain ``model.load_weights`` breaks on layers whose
+  weights were re-packed. After every update the prefix cache is reset: cached KV blocks were
+  computed by the old weights. vLLM on CPU also needs a tied ``lm_head`` re-packed (see
+  :func:`_refresh_cpu_tied_heads`). There is no out-of-process engine here (the external launcher
+  requires the in-process one), so no tensors are ever pickled to another process.
+- **Sleep mode.** The loop calls :meth:`sleep` once a step, right before the update:
+  ``llm.sleep(level=2)`` drops the weights and the KV cache (level 2: nothing is copied to host
+  memory — the weights are about to be replaced anyway). The sync after the update then runs
+  ``torch.cuda.empty_cache()``, ``wake_up(tags=["weights"])``, streams every tensor in,
+  ``empty_cache()`` again and ``wake_up(tags=["kv_cache"])``, so the KV cache is allocated only once the
+  sync's buckets are gone. Generation, dynamic-sampling rounds and validation then run awake; a
+  :meth:`generate` while asleep wakes first. Platforms without sleep mode (vLLM on CPU) make
+  ``sleep`` a no-op.
+- **Sampling.** Prompts go in as ``TokensPrompt(prompt_token_ids=...)``; one vLLM ``SamplingParams``
+  per call with ``n``, ``temperature``, ``top_p``, ``max_tokens`` and ``logprobs=0`` (the sampled
+  token's log-prob only) when the caller reads log-probs (``SamplingParams.logprobs``; the RL loop
+  asks only where the asynchronous producer records behaviour log-probs), ``None`` otherwise. Nothing
+  else from the checkpoint's ``generation_config.json`` (top_k, repetition_penalty, ...) is applied:
+  explicit params replace vLLM's model defaults; only its extra eos ids are honoured, as stop tokens.
 - **Log-probs.** The engine is built with ``logprobs_mode="processed_logprobs"``: the log-prob of the
   sampled token under the distribution vLLM sampled from, i.e. after temperature *and* top-p (the
   nucleus renormalized). With ``top_p == 1`` this equals the ``hf`` engine's ``log_softmax(logits/T)``;
@@ -41,8 +61,8 @@ Scripts that build this engine need an ``if __name__ == "__main__":`` guard (vLL
 Usage::
 
     engine = VLLMRolloutEngine("path/to/hf_model", dtype="bfloat16", seed=0, enable_sleep_mode=True)
-    groups = engine.generate(prompt_ids, SamplingParams(n=8, temperature=1.0, max_new_tokens=1024, seed=3))
-    engine.sleep(); ...train...; engine.load_weights(backend.named_parameters_for_sync()); engine.wake()
+    groups = engine.generate(prompt_ids, SamplingParams(n=8, temperature=1.0, max_new_tokens=1024))
+    engine.sleep(); ...train...; engine.load_weights(backend.named_parameters_for_sync())  # awake again
 """
 
 from __future__ import annotations
@@ -50,7 +70,8 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +86,7 @@ from stapo.core.rollout.base import (
     prefixed_prompts,
 )
 
-__all__ = ["VLLMRolloutEngine", "INSTALL_HINT"]
+__all__ = ["VLLMRolloutEngine", "INSTALL_HINT", "own_share"]
 
 INSTALL_HINT = "the vllm rollout engine needs vLLM: pip install 'stapo[vllm]' (or set rollout.engine=hf)"
 
@@ -136,10 +157,12 @@ class VLLMRolloutEngine:
 
     ``model_path``: HF-format folder or hub id. ``tokenizer``: decodes ``text`` and supplies the eos
     (default: vLLM's own tokenizer of ``model_path``). ``dtype``: ``auto`` / ``float32`` /
-    ``bfloat16`` / ``float16``. ``seed``: the engine's base seed (calls without a seed draw from it).
-    ``in_process``: run vLLM's engine core inside this process (needed for zero-copy weight sync).
-    ``sleep_level``: 1 keeps a CPU copy of the weights while asleep, 2 drops them (the next
-    ``load_weights`` must then push every tensor). ``extra``: more keyword arguments for ``vllm.LLM``.
+    ``bfloat16`` / ``float16``. ``seed``: the base seed; the engine of tensor-parallel group ``g``
+    uses ``seed + g``. ``per_request_seeds``: pass each call's ``SamplingParams.seed`` to vLLM.
+    ``external_launcher``: build with vLLM's ``external_launcher`` executor (None: when this process
+    is one of several ranks of an initialized ``torch.distributed`` group). ``sleep_level``: 2 drops
+    the weights while asleep (the next :meth:`load_weights` pushes every tensor), 1 keeps a host copy.
+    ``extra``: more keyword arguments for ``vllm.LLM``.
     """
 
     def __init__(
@@ -155,27 +178,33 @@ class VLLMRolloutEngine:
         enforce_eager: bool = False,
         max_model_len: int | None = None,
         trust_remote_code: bool = False,
-        in_process: bool = True,
-        sleep_level: int = 1,
+        per_request_seeds: bool = False,
+        external_launcher: bool | None = None,
+        sleep_level: int = 2,
         extra: dict[str, Any] | None = None,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"VLLMRolloutEngine: dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
         if sleep_level not in (1, 2):
             raise ValueError(f"VLLMRolloutEngine: sleep_level must be 1 or 2, got {sleep_level!r}")
-        if in_process:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm = _import_vllm()
         from vllm.platforms import current_platform
 
         self._vllm = vllm
         self.model_path = str(model_path)
         self.sleep_level = sleep_level
+        self.per_request_seeds = per_request_seeds
         self.sleep_supported = bool(enable_sleep_mode and current_platform.is_sleep_mode_available())
+        rank, world = _dist_rank_world()
+        if external_launcher is None:
+            external_launcher = world > 1
+        self.tp_size = int(tensor_parallel_size)
+        self.tp_group = tp_subgroup(rank, world, self.tp_size) if external_launcher and self.tp_size > 1 else None
         kwargs: dict[str, Any] = {
             "model": self.model_path,
             "dtype": _DTYPES[dtype],
-            "seed": seed,
+            "seed": seed + (rank // self.tp_size if external_launcher else 0),
             "gpu_memory_utilization": gpu_memory_utilization,
             "tensor_parallel_size": tensor_parallel_size,
             "enforce_eager": enforce_eager,
@@ -183,9 +212,12 @@ class VLLMRolloutEngine:
             "logprobs_mode": "processed_logprobs",
             "enable_sleep_mode": self.sleep_supported,
         }
+        if external_launcher:
+            kwargs["distributed_executor_backend"] = "external_launcher"
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         kwargs.update(extra or {})
+        self.llm_kwargs = kwargs
         # An in-process vLLM seeds the global RNGs of this process with `seed`; keep the learner's
         # random streams where they were.
         py_state, np_state = random.getstate(), np.random.get_state()
@@ -199,8 +231,6 @@ class VLLMRolloutEngine:
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self._checkpoint_names = _checkpoint_names(self.model_path)
         self._asleep = False
-        self._weights_asleep = False
-        self._prefix_stale = False
         self.last_sync: dict[str, int] = {}
 
     def _eos_ids(self) -> list[int]:
@@ -225,8 +255,8 @@ class VLLMRolloutEngine:
             top_p=1.0 if sampling.greedy else sampling.top_p,
             top_k=0,
             max_tokens=sampling.max_new_tokens,
-            seed=sampling.seed,
-            logprobs=0,
+            seed=sampling.seed if self.per_request_seeds else None,
+            logprobs=0 if sampling.logprobs else None,
             stop_token_ids=[] if sampling.ignore_eos else list(self.eos_token_ids),
             ignore_eos=sampling.ignore_eos,
             skip_special_tokens=True,
@@ -237,18 +267,30 @@ class VLLMRolloutEngine:
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         check_prompts(prompt_token_ids, vocab_size=self.vocab_size)
-        if not prompt_token_ids:
+        if not prompt_token_ids and self.tp_group is None:
             return []
         if self._asleep:
             self.wake()
-        if self._prefix_stale:
-            self._reset_prefix_cache()
         from vllm.inputs import TokensPrompt
 
-        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
+        shares = [list(prompt_token_ids)]
+        if self.tp_group is not None:
+            # the group's engines must see the same requests: every rank's prompts, and (per-request
+            # seeds) the group's first rank's seed
+            import torch.distributed as dist
+
+            gathered: list[Any] = [None] * self.tp_size
+            dist.all_gather_object(gathered, (list(prompt_token_ids), sampling.seed), group=self.tp_group)
+            shares = [g[0] for g in gathered]
+            sampling = replace(sampling, seed=gathered[0][1])
+            if not any(shares):
+                return []
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for share in shares for p in share]
         # vLLM rejects n > 1 with greedy decoding; greedy samples are identical, so sample once and copy.
         copies = 1 if sampling.greedy else sampling.n
         outputs = self.llm.generate(prompts, self._sampling_params(sampling, n=copies), use_tqdm=False)
+        if self.tp_group is not None:
+            outputs = own_share(outputs, [len(x) for x in shares], self.tp_rank)
         groups = []
         for req in outputs:
             groups.append(fill_greedy_group([self._completion(o) for o in req.outputs], sampling.n, copies))
@@ -278,56 +320,101 @@ class VLLMRolloutEngine:
 
     # ----------------------------------------------------------------------------- weights and memory
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Push the learner's HF-named tensors into vLLM's model, then drop the stale prefix cache.
+    @property
+    def tp_rank(self) -> int:
+        import torch.distributed as dist
 
-        While asleep, only the weights are woken (see the module docstring). Unknown names raise a
-        ``ValueError`` naming them (vLLM raises a bare ``KeyError``).
+        return dist.get_rank(group=self.tp_group) if self.tp_group is not None else 0
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream the learner's HF-named tensors into vLLM's weights, then wake the KV cache.
+
+        While asleep the weights are woken first (``empty_cache`` before each wake; see the module
+        docstring). The tensors go to vLLM as an iterator, one at a time: each may be released by
+        the producer as soon as the next is drawn. An unknown name raises a ``ValueError`` naming it
+        (vLLM raises a bare ``KeyError``).
         """
-        if self._asleep and self._weights_asleep and self.sleep_supported:
+        asleep = self._asleep and self.sleep_supported
+        if asleep:
+            _empty_cache()
             self.llm.wake_up(tags=["weights"])
-            self._weights_asleep = False
-        weights = [(name, t.detach()) for name, t in named_tensors]
-        if self._checkpoint_names:
-            # Checked up front: vLLM's layer-wise reload fails half way on an unknown name.
-            unknown = [n for n, _ in weights if n not in self._checkpoint_names and n not in _ALWAYS_ACCEPTED]
-            if unknown:
-                some = ", ".join(unknown[:8]) + (f", ... ({len(unknown)} in all)" if len(unknown) > 8 else "")
-                raise ValueError(
-                    f"VLLMRolloutEngine.load_weights: unknown parameter names: {some} (the checkpoint "
-                    f"{self.model_path} has names like {', '.join(sorted(self._checkpoint_names)[:3])}; "
-                    "pass Hugging Face names without a 'module.' prefix)"
-                )
+        counts = {"tensors": 0}
+        stream = self._checked(named_tensors, counts)
         try:
-            # A list (not a generator) so that a multiprocess engine can ship it to its workers.
             self.llm.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+                "reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True}
             )
             repacked = sum(self.llm.apply_model(_refresh_cpu_tied_heads))
         except KeyError as err:  # older vLLM model classes index params_dict directly
             raise ValueError(f"VLLMRolloutEngine.load_weights: vLLM's model has no parameter {err}") from err
-        self._prefix_stale = True
-        if not self._asleep:
-            self._reset_prefix_cache()
-        self.last_sync = {"tensors": len(weights), "cpu_repacked": int(repacked)}
+        if asleep:
+            _empty_cache()  # the sync's gathered buckets, before the KV cache takes its share
+            self.llm.wake_up(tags=["kv_cache"])
+        self._asleep = False
+        self._reset_prefix_cache()
+        self.last_sync = {"tensors": counts["tensors"], "cpu_repacked": int(repacked)}
+
+    def _checked(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], counts: dict[str, int]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stream, each name checked against the checkpoint's before vLLM sees it; nothing kept."""
+        for name, t in named_tensors:
+            if self._checkpoint_names and name not in self._checkpoint_names and name not in _ALWAYS_ACCEPTED:
+                raise ValueError(
+                    f"VLLMRolloutEngine.load_weights: unknown parameter name {name!r} (the checkpoint "
+                    f"{self.model_path} has names like {', '.join(sorted(self._checkpoint_names)[:3])}; "
+                    "pass Hugging Face names without a 'module.' prefix)"
+                )
+            counts["tensors"] += 1
+            yield name, t.detach()
 
     def _reset_prefix_cache(self) -> None:
         """Drop KV blocks cached from prompts under the old weights (done while awake)."""
         self.llm.reset_prefix_cache()
-        self._prefix_stale = False
 
     def sleep(self) -> None:
-        """Free the GPU for the learner: ``llm.sleep(level)`` (no-op without sleep mode)."""
+        """Free the GPU for the learner's update: ``llm.sleep(level)`` (no-op without sleep mode)."""
         if self.sleep_supported and not self._asleep:
             self.llm.sleep(level=self.sleep_level)
             self._asleep = True
-            self._weights_asleep = True
 
     def wake(self) -> None:
-        """Re-allocate what :meth:`sleep` freed (only the KV cache when the weights were already woken)."""
+        """Re-allocate what a level-1 :meth:`sleep` freed. After a level-2 sleep the weights are gone:
+        :meth:`load_weights` wakes the engine with the new ones (the loop always syncs after sleeping)."""
         if not self._asleep:
             return
-        if self.sleep_supported:
-            self.llm.wake_up(tags=None if self._weights_asleep else ["kv_cache"])
+        if self.sleep_level == 2:
+            raise RuntimeError("VLLMRolloutEngine: asleep at level 2 (no weights); call load_weights to wake it")
+        _empty_cache()
+        self.llm.wake_up()
         self._asleep = False
-        self._weights_asleep = False
+
+
+def _empty_cache() -> None:
+    """Give the caching allocator's free blocks back before vLLM maps memory again."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def tp_subgroup(rank: int, world: int, tp: int) -> Any:
+    """This rank's tensor-parallel process group: consecutive ranks ``[g*tp, (g+1)*tp)`` (every rank calls)."""
+    import torch.distributed as dist
+
+    if world % tp:
+        raise ValueError(f"rollout.vllm.tensor_parallel_size ({tp}) must divide the number of ranks ({world})")
+    group, _ = dist.new_subgroups_by_enumeration([list(range(g * tp, (g + 1) * tp)) for g in range(world // tp)])
+    return group
+
+
+def own_share(outputs: list[Any], counts: list[int], tp_rank: int) -> list[Any]:
+    """This rank's slice of the outputs of its tensor-parallel group's gathered prompts (rank order)."""
+    start = sum(counts[:tp_rank])
+    return outputs[start : start + counts[tp_rank]]

@@ -143,13 +143,33 @@ def sdpa_varlen_attention(
 def sdpa_varlen_mask(*, attention_mask: torch.Tensor | None = None, allow_is_causal_skip: bool = True,
                      **kwargs: Any) -> torch.Tensor | None:
     """Mask builder for transformers' ``AttentionMaskInterface``: transformers' ``sdpa_mask``, except
-    for a row without a 2-D mask whose causal shortcut transformers has switched off, which is what a
-    packed row is (position ids restarting): no [T, T] mask, the attention splits by sequence."""
+    for a packed row (position ids restarting), which gets no [T, T] mask: the attention splits it by
+    sequence. transformers also switches the causal shortcut off for a static cache's decode step and
+    for extra mask functions (``or_mask_function`` / ``and_mask_function``); those get their mask
+    (:func:`packed_row_mask`)."""
     from transformers.masking_utils import sdpa_mask
 
-    if attention_mask is None and not allow_is_causal_skip:
+    if attention_mask is None and not allow_is_causal_skip and packed_row_mask(**kwargs):
         return None
     return sdpa_mask(attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
+def packed_row_mask(*, batch_size: int = 1, q_length: int = 0, kv_length: int = 0, q_offset: int = 0,
+                    kv_offset: int = 0, mask_function: Any = None, use_vmap: bool = False,
+                    device: torch.device | str = "cpu", **_: Any) -> bool:
+    """Whether transformers' mask arguments describe one packed row of self-attention: one row, no
+    cache prefix (q and kv the same T positions from 0), no user mask function (``use_vmap``), and a
+    mask function that cuts at least one token off its predecessor, which only packing's
+    same-sequence condition does (a causal mask keeps every (t, t - 1) pair; ``or`` masks only add).
+    O(T): the mask function is evaluated on the T - 1 adjacent pairs only."""
+    if batch_size != 1 or use_vmap or mask_function is None or q_length < 2:
+        return False
+    if q_length != kv_length or q_offset != 0 or kv_offset != 0:
+        return False  # a KV cache (a static cache's decode step: q_length 1 over the cache's slots)
+    q = torch.arange(1, q_length, device=device)  # [T - 1]
+    zero = torch.zeros_like(q)
+    kept = mask_function(zero, zero, q, q - 1)  # [T - 1] token t may attend to t - 1
+    return not bool(torch.as_tensor(kept).all())
 
 
 def register_varlen_sdpa() -> None:

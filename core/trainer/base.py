@@ -61,7 +61,6 @@ __all__ = [
     "make_readable",
     "stat_targets",
     "head_logit_transform",
-    "resolve_device",
     "check_token_batch",
     "enable_activation_checkpointing",
     "forward_as",
@@ -264,19 +263,6 @@ def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict
     if not groups:
         raise ValueError("model has no trainable parameters (every requires_grad is False)")
     return groups
-
-
-def resolve_device(name: str) -> torch.device:
-    """``trainer.device``: ``auto`` -> ``cuda`` when available else ``cpu``; anything else as given."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError as err:
-        raise ValueError(f"trainer.device: cannot parse {name!r} ({err})") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"trainer.device is {name!r} but CUDA is not available here; use `cpu` or `auto`")
-    return dev
 
 
 # ----------------------------------------------------------------------------- token statistics

@@ -32,7 +32,7 @@ LM head under ZeRO-3: the head weight is partitioned; :func:`stapo.core.trainer.
 runs the chunked log-softmax as the head module's forward, so ZeRO-3's module hooks gather the
 weight before the forward and again before the backward (gradients reach it and are
 reduce-scattered as usual). :meth:`named_parameters_for_sync` and :meth:`export_hf` gather full
-tensors one parameter at a time.
+tensors one parameter (or one ``trainer.sync_bucket_mb`` bucket) at a time.
 
 Checkpoints: ``engine.save_checkpoint`` / ``load_checkpoint`` (tag ``state``) at every stage: each
 rank writes its own ZeRO shards, the LR scheduler state rides along, and resuming on the same world
@@ -54,6 +54,7 @@ import math
 import os
 import socket
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ from stapo.core.trainer.base import (
     make_readable,
 )
 
-__all__ = ["DeepSpeedBackend", "build_ds_config", "init_distributed"]
+__all__ = ["DeepSpeedBackend", "build_ds_config", "init_distributed", "sync_buckets"]
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +86,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_distributed(deepspeed: Any, *, cpu: bool) -> None:
+def init_distributed(deepspeed: Any, *, cpu: bool, timeout_s: float = 3600.0) -> None:
     """Join (or create) the process group. Under the launcher the env is set; alone, default to 1 rank.
 
     Without these variables DeepSpeed falls back to MPI discovery, which fails on a missing mpi4py.
     On CPU the backend is gloo (DeepSpeed's CPU accelerator would otherwise ask for oneCCL).
+    ``timeout_s``: every collective's timeout (``trainer.dist_timeout_s``: ranks generate apart for
+    minutes between collectives, longer than DeepSpeed's 10-minute default).
     """
     if dist.is_available() and dist.is_initialized():
         # A group made earlier in this process (another engine, a test) whose launcher variables are
@@ -109,7 +112,23 @@ def init_distributed(deepspeed: Any, *, cpu: bool) -> None:
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo" if cpu else None, auto_mpi_discovery=False)
+    deepspeed.init_distributed(dist_backend="gloo" if cpu else None, auto_mpi_discovery=False,
+                               timeout=timedelta(seconds=timeout_s))
+
+
+def sync_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive parameter indices grouped so that each group's bytes stay within ``bucket_bytes``
+    (a parameter larger than that is a group of its own; ``bucket_bytes <= 0``: one per group)."""
+    buckets: list[list[int]] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if buckets and bucket_bytes > 0 and used + size <= bucket_bytes:
+            buckets[-1].append(i)
+            used += size
+        else:
+            buckets.append([i])
+            used = size
+    return buckets
 
 
 def build_ds_config(trainer_cfg: Any, *, bf16: bool, offload: bool, own_clip: bool) -> dict[str, Any]:
@@ -207,7 +226,7 @@ class DeepSpeedBackend:
                 f"trainer.device={tcfg.device!r} but DeepSpeed's accelerator is "
                 f"{get_accelerator().device_name()!r}; with deepspeed use `auto` (or set DS_ACCELERATOR)"
             )
-        init_distributed(deepspeed, cpu=cpu)
+        init_distributed(deepspeed, cpu=cpu, timeout_s=tcfg.dist_timeout_s)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.zero_stage = int(tcfg.zero_stage)
@@ -454,14 +473,25 @@ class DeepSpeedBackend:
         return self._deepspeed.zero.GatheredParameters(params, enabled=self.zero_stage == 3)
 
     def named_parameters_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors. Under ZeRO-3 each is gathered, copied and released in turn."""
-        for name, p in self.model.named_parameters():
-            if self.zero_stage == 3:
-                with self._gathered([p]):
-                    full = p.detach().clone()
-                yield name, full
-            else:
+        """HF-named full tensors, streamed: never the whole model gathered at once.
+
+        Under ZeRO-3 the parameters are gathered one bucket at a time (``trainer.sync_bucket_mb``;
+        0: one parameter at a time, as TRL's colocated sync does), each yielded without a copy and
+        released when the next bucket is drawn: a yielded tensor is valid until the consumer asks
+        for the next one beyond its bucket, so a consumer copies what it keeps (vLLM copies into its
+        own weights). Every rank must draw the whole stream (each gather is a collective). At the
+        peak one bucket (or the largest parameter) is alive beyond the partitions.
+        """
+        named = list(self.model.named_parameters())
+        if self.zero_stage != 3:
+            for name, p in named:
                 yield name, p.detach()
+            return
+        sizes = [int(getattr(p, "ds_numel", p.numel())) * p.element_size() for _, p in named]
+        for bucket in sync_buckets(sizes, int(self.tcfg.sync_bucket_mb * 2**20)):
+            with self._gathered([named[i][1] for i in bucket]):
+                for i in bucket:
+                    yield named[i][0], named[i][1].detach()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict on CPU (gathered under ZeRO-3), on every rank."""

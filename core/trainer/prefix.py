@@ -9,8 +9,10 @@ forward), runs the responses on top of it, and takes the first response token's 
 prompt's last hidden state. Same log-probs, entropies and gradients as the full rows up to float
 rounding (tests/unit/test_update.py).
 
-The KV cache goes in through the ``cache`` keyword, the name transformers 5 gives it
-(``past_key_values`` is deprecated there and prints a warning).
+The KV cache goes in under the keyword the installed transformers reads (:func:`cache_kwargs`):
+``cache`` in the minors that renamed it (5.24 has no ``past_key_values`` in its forwards), and
+``past_key_values`` in the earlier ones the supported range includes (5.16: ``cache`` there is an
+unknown keyword that ``generate`` rejects).
 
 Packed micro-batches (``trainer.micro_batch_tokens``) do not share prefixes: packing already removes
 the padding, and a shared prefix would need a cache per packed segment. On long responses (real RL)
@@ -19,11 +21,20 @@ packing is the saving that matters; on the demo's short answers sharing is.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 
-__all__ = ["prompt_groups", "trim_columns", "can_share_prefix", "prefix_shared_token_stats"]
+__all__ = ["prompt_groups", "trim_columns", "can_share_prefix", "prefix_shared_token_stats", "cache_kwargs"]
+
+
+def cache_kwargs(module: torch.nn.Module, cache: Any) -> dict[str, Any]:
+    """``{keyword: cache}`` for ``module``'s forward (and ``generate``, which checks keywords against
+    it): ``cache`` where the forward declares it, else ``past_key_values``. Read from the signature,
+    not the version number, so a minor that renames it again fails loudly in the prefix tests."""
+    params = inspect.signature(type(module).forward).parameters
+    return {("cache" if "cache" in params else "past_key_values"): cache}
 
 
 def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, p_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,13 +113,13 @@ def prefix_shared_token_stats(
     cache = DynamicCache(config=model.config)
     out = base(
         input_ids=input_ids[first, :p_len], attention_mask=attention_mask[first, :p_len],
-        position_ids=positions[first, :p_len], cache=cache, use_cache=True,
+        position_ids=positions[first, :p_len], use_cache=True, **cache_kwargs(base, cache),
     )
     h_last = out.last_hidden_state[:, -1]  # [U, D]: predicts each response's first token
     cache.batch_select_indices(group)  # [U, ...] -> [B, ...]: differentiable repeat
     out2 = base(
         input_ids=input_ids[:, p_len:], attention_mask=attention_mask, position_ids=positions[:, p_len:],
-        cache=cache, use_cache=True,
+        use_cache=True, **cache_kwargs(base, cache),
     )
     h_resp = out2.last_hidden_state  # [B, R, D]
     hidden = torch.cat([h_last[group].unsqueeze(1), h_resp[:, :-1]], dim=1)  # [B, R, D]: predicts column P + j

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from stapo.core.placement import resolve_device
 from stapo.core.trainer.attention import use_attention
 from stapo.core.trainer.base import (
     adamw_param_groups,
@@ -39,7 +40,6 @@ from stapo.core.trainer.base import (
     enable_activation_checkpointing,
     make_lr_scheduler,
     make_readable,
-    resolve_device,
     stat_targets,
 )
 from stapo.core.trainer.prefix import can_share_prefix, prefix_shared_token_stats

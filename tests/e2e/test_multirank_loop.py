@@ -200,6 +200,15 @@ def loop_runs(tmp_path_factory):
     return {"a": a, "b": b, "seen": seen, "updates": updates, "tmp": tmp}
 
 
+def test_each_rank_reports_its_own_place(loop_runs):
+    """Each rank of the launch wrote where it landed (stapo.core.placement): its own rank and local
+    rank, on the CPU here (cuda:LOCAL_RANK on a GPU node), and the trainer backend agrees."""
+    for r in range(2):
+        row = json.loads((loop_runs["a"] / "ranks" / f"rank{r}.json").read_text())
+        assert (row["rank"], row["local_rank"], row["world_size"]) == (r, r, 2)
+        assert row["device"] == "cpu" and row["backend_device"] == "cpu"
+
+
 def test_two_rank_loop_completes_resumes_and_logs_global_metrics(loop_runs):
     a, seen = loop_runs["a"], loop_runs["seen"]
     assert all(s["partitioned"] == s["n_params"] > 0 for s in seen), "ZeRO-3 must partition every parameter"

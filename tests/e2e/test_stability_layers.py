@@ -40,7 +40,7 @@ TINY = [
     # a random model is never right and always truncated: DAPO's accuracy filter and overlong filter
     # (on in every stapo-* recipe, as in stapo) would leave nothing to train on
     "algorithm.dynamic_sampling=false", "algorithm.overlong.filter=false",
-    "data.goldilocks.pool_size=16", "data.goldilocks.train_batch_size=8", "data.goldilocks.num_features=256",
+    "data.goldilocks.pool_factor=4", "data.goldilocks.train_batch_size=8", "data.goldilocks.num_features=256",
     "algorithm.deep_grpo.k_branches=4", "algorithm.deep_grpo.max_pivots=2",
     # a random model's p ~ 1/vocab: loose S2T thresholds so the mask acts on both streams
     "algorithm.s2t.tau_p=0.5", "algorithm.s2t.tau_h_quantile=0.9",

@@ -245,3 +245,37 @@ def test_lr_per_rollout_step_under_deepspeed(stage):
         begin_rollout_step(b, step)
         lrs.append([one_update(b, 10 * step + k)["lr"] for k in (0, 1)])
     assert lrs == [pytest.approx([1e-2 * m] * 2) for m in (0.5, 1.0, 1.0, 0.5)]
+
+
+def test_bounded_update_matches_kept_graphs_under_zero3():
+    """trainer.update_memory=bounded under ZeRO-3 (each forward gathers parameters; the no-grad
+    statistics pass sits between DeepSpeed's micro-steps): the same parameters as keeping the graphs."""
+    from types import SimpleNamespace
+
+    from stapo.core import loop, update
+    from stapo.core.models import load_policy
+
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for grp in range(2):
+        prompt = torch.randint(3, 60, (4,), generator=g).tolist()
+        for k in range(4):
+            s = loop.Sequence_(prompt, torch.randint(3, 60, (2 + k,), generator=g).tolist(), "stop", "", "0", group=grp)
+            s.advantage = (-1.0) ** k * (0.5 + 0.25 * k)
+            seqs.append(s)
+    batch = loop.collate(seqs, pad_id=0)
+    out = {}
+    for mode in ("keep_graphs", "bounded"):
+        cfg = config_from_dict({
+            "model": {"name_or_path": "tiny-random", "tiny": {"hidden_size": 32, "num_layers": 2, "num_heads": 4,
+                                                              "intermediate_size": 64}},
+            "algorithm": {"token_weighting": "s2t", "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.5}, "mini_batches": 2},
+            "trainer": {"backend": "deepspeed", "device": "auto", "zero_stage": 3, "lr": 1e-2, "micro_batch_size": 2,
+                        "logits_chunk_size": 5, "update_memory": mode, "zero3_param_persistence_threshold": 0},
+        })
+        model, _ = load_policy(cfg.model, device="cpu")
+        b = build_trainer_backend(cfg, model, total_optimizer_steps=2)
+        old_lp, old_ent = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)
+        update.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, old_lp, old_ent, step=1)
+        out[mode] = params(b)
+    assert_same_params(out["bounded"], out["keep_graphs"])

@@ -8,7 +8,9 @@ CI environment (its pins clash), so run it from a venv of its own, e.g. with ``v
 What it checks, against transformers on the same weights (independent reference):
 generate (greedy tokens equal HF argmax decoding, log-probs equal HF's, n / seed / finish reasons),
 then a weight push from a perturbed learner (outputs change and match HF on the new weights), then a
-push of the original weights (outputs restored), bad names rejected, sleep/wake harmless.
+push of the original weights (outputs restored), bad names rejected, sleep -> sync -> generate
+harmless; one seed per engine unless per-request seeds are asked for. Last, two torchrun CPU ranks,
+each with its own engine on vLLM's ``external_launcher`` executor (the colocated layout of a GPU node).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -103,11 +106,15 @@ def test_generate_matches_transformers_greedy(setup):
             assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
 
 
-def test_sampling_counts_seed_and_logprobs(setup):
+def test_sampling_counts_seed_and_logprobs(setup, monkeypatch):
     from stapo.core.rollout import SamplingParams
 
     engine, model, tok, prompts = setup
     sp = SamplingParams(n=4, temperature=0.8, top_p=1.0, max_new_tokens=MAX_NEW, seed=7)
+    # one seed per engine: requests carry none, so two calls sample differently
+    assert engine._sampling_params(sp, n=4).seed is None
+    assert engine._sampling_params(replace(sp, logprobs=False), n=4).logprobs is None
+    monkeypatch.setattr(engine, "per_request_seeds", True)  # rollout.vllm.per_request_seeds
     a = engine.generate(prompts, sp)
     b = engine.generate(prompts, sp)
     assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
@@ -166,10 +173,77 @@ def test_unknown_names_are_rejected_and_sleep_wake_are_harmless(setup):
     from stapo.core.rollout import SamplingParams
 
     engine, model, tok, prompts = setup
-    with pytest.raises(ValueError, match=r"unknown parameter names: module\.model\.norm\.weight"):
+    with pytest.raises(ValueError, match=r"unknown parameter name 'module\.model\.norm\.weight'"):
         engine.load_weights([("module.model.norm.weight", torch.zeros(2))])
+    engine.load_weights(model.named_parameters())  # the rejected push stopped half way: push them all
     sp = SamplingParams(temperature=0, max_new_tokens=4)
     a = engine.generate(prompts, sp)
-    engine.sleep()
-    engine.wake()
+    engine.sleep()  # level 2 where sleep mode exists (GPU); a no-op on CPU
+    engine.load_weights(model.named_parameters())  # wakes weights -> stream -> KV cache
     assert engine.generate(prompts, sp) == a
+
+
+# ----------------------------------------------------------------------------- 2 CPU ranks, external launcher
+
+TWO_RANK_SCRIPT = """
+import json, os, sys, torch
+import torch.distributed as dist
+
+if __name__ == "__main__":
+    sys.path.insert(0, {test_dir!r})
+    from test_vllm_slow import _hf_greedy, MAX_NEW
+    from transformers import AutoModelForCausalLM
+    from stapo.core.models import build_tiny_tokenizer
+    from stapo.core.rollout import SamplingParams
+    from stapo.core.rollout.vllm import VLLMRolloutEngine
+
+    dist.init_process_group("gloo")  # as the DeepSpeed backend does on CPU, before the engine
+    rank = dist.get_rank()
+    tok = build_tiny_tokenizer()
+    engine = VLLMRolloutEngine({path!r}, tokenizer=tok, dtype="float32", seed=0, enforce_eager=True,
+                               max_model_len=256, gpu_memory_utilization=0.3)
+    model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32).eval()
+    prompt = tok.encode(["12+7=", "9-"][rank])  # each rank its own prompt
+    got = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=MAX_NEW))[0][0].token_ids
+    ref, _ = _hf_greedy(model, prompt, set(engine.eos_token_ids))
+    engine.sleep()
+    engine.load_weights(model.named_parameters())
+    again = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=MAX_NEW))[0][0].token_ids
+    out = {{"rank": rank, "executor": engine.llm_kwargs.get("distributed_executor_backend"),
+           "seed": engine.llm_kwargs["seed"], "equal": got == ref, "again": again == ref}}
+    with open({out!r} + f".rank{{rank}}.json", "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    os._exit(0)
+"""
+
+
+def test_two_cpu_ranks_with_the_external_launcher(setup, tmp_path):
+    """Two torchrun ranks, each with its own engine on vLLM's external launcher: each generates its
+    own prompt (HF's greedy tokens), takes a weight push, and the engines are seeded per rank."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    engine, model, tok, prompts = setup
+    path = tmp_path / "model"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    script = tmp_path / "two.py"
+    script.write_text(TWO_RANK_SCRIPT.format(test_dir=os.path.dirname(__file__), path=str(path),
+                                             out=str(tmp_path / "r")))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+               VLLM_CPU_KVCACHE_SPACE="1")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_addr", "127.0.0.1", "--master_port", str(port), str(script)],
+                       env=env, capture_output=True, text=True, timeout=800)
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = [json.loads((tmp_path / f"r.rank{r}.json").read_text()) for r in range(2)]
+    assert [r["executor"] for r in rows] == ["external_launcher"] * 2
+    assert [r["seed"] for r in rows] == [0, 1]
+    assert all(r["equal"] and r["again"] for r in rows), rows

@@ -225,7 +225,7 @@ def _local_loss_grads(micro: dict, algorithm: dict) -> tuple[list[dict[str, torc
         backend.zero_grad()
         before_step(update, fresh)
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
-    return grads, (model, kept, forwards)
+    return grads, (model, kept, forwards, br)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -238,8 +238,8 @@ def test_local_loss_gradient_packed_equals_row_micro_batches(algorithm):
     an independent computation: each row alone through the model's own logits, lambda * sum over
     continuation tokens of -A d(log p) / (continuation tokens), the PPO ratio being 1 at the sampler.
     The local loss runs no no-grad forward (p and H of s2t come from its gradient forwards)."""
-    packed, (_, _, fw_packed) = _local_loss_grads({"micro_batch_tokens": 20}, algorithm)
-    rows, (model, kept, fw_rows) = _local_loss_grads({"micro_batch_size": 2}, algorithm)
+    packed, (_, _, fw_packed, _) = _local_loss_grads({"micro_batch_tokens": 20}, algorithm)
+    rows, (model, kept, fw_rows, _) = _local_loss_grads({"micro_batch_size": 2}, algorithm)
     if algorithm["mini_batches"] == 1:  # first-fit decreasing of lengths 22, 12, 11, 11, 8, 8 into 20 tokens
         assert sorted(fw_packed) == [1, 1, 1, 1, 2, 2, 2, 2] and fw_rows == [-2, -2, -2] * 2  # per update
     else:
@@ -261,3 +261,46 @@ def test_local_loss_gradient_packed_equals_row_micro_batches(algorithm):
     for g in rows:  # both updates: the parameters did not move (no optimizer step here)
         for n, p in model.named_parameters():
             torch.testing.assert_close(g[n], p.grad, atol=1e-5, rtol=0, msg=n)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_local_loss_s2t_threshold_follows_tau_h_scope():
+    """``tau_h_scope: step`` (2 mini-batches): the local loss silences with ONE tau_h, the quantile
+    of every branch continuation token's entropy under the policy at the start of the update, so its
+    gradient equals the one with that value given as an absolute tau_h; ``minibatch`` (each
+    mini-batch's own median) gives another gradient."""
+    from stapo.core.algos import quantile
+
+    s2t = {"tau_p": 0.5, "tau_h_quantile": 0.5}
+    algo = {"mini_batches": 2, "token_weighting": "s2t"}
+    step, (_, _, _, br) = _local_loss_grads({"micro_batch_size": 2}, {**algo, "s2t": {**s2t, "tau_h_scope": "step"}})
+    tau = quantile(br.old_ent[br.suffix], 0.5)  # independent: the branch rows' pre-update continuation entropies
+    fixed, _ = _local_loss_grads({"micro_batch_size": 2},
+                                 {**algo, "s2t": {"tau_p": 0.5, "tau_h": tau, "tau_h_quantile": None}})
+    per_mb, _ = _local_loss_grads({"micro_batch_size": 2}, {**algo, "s2t": {**s2t, "tau_h_scope": "minibatch"}})
+    for gs, gf in zip(step, fixed, strict=True):
+        for n in gf:
+            torch.testing.assert_close(gs[n], gf[n], atol=1e-6, rtol=0, msg=n)
+    assert any(not torch.allclose(gs[n], gm[n], atol=1e-6) for gs, gm in zip(step, per_mb, strict=True) for n in gs)
+
+
+def test_truncated_branches_leave_the_local_loss_with_the_overlong_filter():
+    """Local advantages over all K branches of a pivot (mean baseline: 1/0 rewards, mean 0.5), then
+    the truncated branch (finish reason ``length``) leaves the loss when ``overlong.filter`` is on."""
+    from stapo.core import loop
+    from stapo.core.config import config_from_dict
+    from stapo.core.deep_grpo import loss_branches
+
+    def branches():
+        out = []
+        for i, (reason, r) in enumerate([("stop", 1.0), ("length", 0.0), ("stop", 0.0), ("stop", 1.0)]):
+            s = loop.Sequence_([1, 2], [3, 4, 5 + i], reason, "", "0", group=0)
+            s.reward = r
+            out.append(s)
+        return out
+
+    for filt, reasons in ((True, ["stop"] * 3), (False, ["stop", "length", "stop", "stop"])):
+        cfg = config_from_dict({"algorithm": {"deep_grpo": {"enabled": True}, "overlong": {"filter": filt}}})
+        kept = loss_branches(cfg, branches())
+        assert [s.finish_reason for s in kept] == reasons
+        assert [s.advantage for s in kept] == ([0.5, -0.5, 0.5] if filt else [0.5, -0.5, -0.5, 0.5])

@@ -28,7 +28,7 @@ def _pool() -> tuple[list[str], np.ndarray]:
 
 def _sampler(texts: list[str], epsilon: float) -> GoldilocksSampler:
     feats = HashedNgramFeatures(512)
-    return GoldilocksSampler(N, lambda i: feats(texts[i]), 512, data_seed=3, epsilon=epsilon, pool_size=48,
+    return GoldilocksSampler(N, lambda i: feats(texts[i]), 512, data_seed=3, epsilon=epsilon, pool_factor=6,
                              buffer_size=400, train_steps=16, train_batch_size=64, lr=0.05, seed=1)
 
 
@@ -187,3 +187,25 @@ def test_two_ranks_train_identical_teachers_on_everyones_groups(tmp_path) -> Non
     a, b = (json.loads(o.strip().splitlines()[-1]) for o, _ in outs)
     assert a["buffer"] == b["buffer"] == 8 * PER_STEP  # every group of both ranks, on both ranks
     assert a["pred"] == b["pred"] and a["next"] == b["next"]
+
+
+def test_candidate_pool_scales_with_the_round():
+    """The recipe's generation round (dynamic sampling: 3 x 256 = 768 prompts) scores 4 x 768
+    candidates, as a round of 8 scores 32: the teacher rejects three in four at any round size
+    (a fixed pool of 1,024 for ~691 greedy slots rejected a third)."""
+    from stapo.configs import preset_path
+    from stapo.core.config import load_config
+    from stapo.core.sampler import build_sampler, prompts_per_round
+
+    cfg = load_config(preset_path("stapo-goldilocks"), ["data.goldilocks.num_features=64"])
+    per_round = prompts_per_round(cfg)
+    assert per_round == 768
+    prompts = [type("P", (), {"prompt": f"question {i}"})() for i in range(5000)]
+    sampler = build_sampler(cfg, prompts)
+    scored: list[int] = []
+    real = sampler.predict
+    sampler.predict = lambda idx: scored.append(len(idx)) or real(idx)
+    out = sampler.select(1, 0, per_round)
+    assert len(out) == per_round and scored[0] == 4 * 768
+    sampler.select(2, 0, 8)
+    assert scored[2] == 32  # (scored[1]: the chosen prompts' predictions, logged)

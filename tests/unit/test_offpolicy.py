@@ -1,5 +1,6 @@
 """Off-policy pieces (VCPO's ESS step scaling and minimum-variance baseline, AReaL's decoupled
-behaviour weight): hand-computed values on tiny tensors, and the no-op limits (w = 1 everywhere)."""
+behaviour weight): hand-computed values on tiny tensors, the limits at w = 1 everywhere, and the
+baseline inside the update against an independent computation on a tiny model."""
 
 from __future__ import annotations
 
@@ -93,15 +94,19 @@ def test_min_variance_baseline_hand_values() -> None:
         min_variance_baseline(r, w, torch.ones(3))
 
 
-def test_min_variance_advantages_reduce_to_grpo_and_dr_grpo() -> None:
-    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 1.0, 0.0, 0.0]])
+def test_min_variance_advantages_hand_values() -> None:
+    """Uniform W: (R - mean) / population std for GRPO (the authors' ``torch.std(unbiased=False)``),
+    R - mean for Dr. GRPO; a group whose std is 0 stays unscaled."""
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]])
     ones = torch.ones_like(r)
     g2 = torch.full_like(r, 7.0)
-    assert torch.allclose(min_variance_advantages(r, ones, g2, scale_by_std=True), get_advantage("grpo")(r))
+    assert min_variance_advantages(r, ones, g2, scale_by_std=True)[0].tolist() == pytest.approx([1, -1, -1, 1])
+    assert min_variance_advantages(r, ones, g2, scale_by_std=True)[1].tolist() == [0.0] * 4
     assert torch.allclose(min_variance_advantages(r, ones, g2, scale_by_std=False), get_advantage("dr_grpo")(r))
     # and departs from them when one sample's weight dominates: b moves toward that sample's reward
-    w = torch.tensor([[3.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
-    adv = min_variance_advantages(r, w, g2, scale_by_std=False)
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    w = torch.tensor([[3.0, 1.0, 1.0, 1.0]])
+    adv = min_variance_advantages(r, w, torch.full_like(r, 7.0), scale_by_std=False)
     assert adv[0].tolist() == pytest.approx([1 - 10 / 12, -10 / 12, -10 / 12, 1 - 10 / 12])
 
 
@@ -211,3 +216,73 @@ def test_behaviour_logprobs_go_to_the_response_positions_of_stale_rows_only() ->
     assert beh[0, 2:].tolist() == [-1.0, -2.0, -3.0]
     assert torch.equal(beh[1:], prox[1:])  # sampled by the current weights: behaviour = proximal, exactly
 
+
+
+def test_vcpo_baseline_per_minibatch_at_the_current_weights(one_thread) -> None:
+    """The update takes VCPO's baseline as the authors' code does, on a fresh batch too: whole groups
+    per mini-batch (2 groups, 2 optimizer steps), and at the start of the second mini-batch, at the
+    weights the first step left, W_i = w_i^2 ||g_i||^2 with g_i the gradient of min(w_i, C) x the
+    summed PPO-clip loss at advantage 1, b = sum W R / sum W, A = (R - b) / population std.
+    Checked against the model's own logits on each unpadded row."""
+    import copy
+    from types import SimpleNamespace
+
+    from stapo.core import loop, update
+    from stapo.core.async_rollout import MinVarianceBaseline, OffPolicyStep
+    from stapo.core.config import config_from_dict
+    from stapo.core.models import load_policy
+    from stapo.core.trainer.torch_backend import TorchBackend
+
+    tiny = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64, "seed": 0}
+    cfg = config_from_dict({
+        "model": {"name_or_path": "tiny-random", "tiny": tiny},
+        "rollout": {"prompts_per_step": 2, "n": 4, "async": {"enabled": True}},
+        "trainer": {"device": "cpu", "lr": 5e-2, "micro_batch_size": 4, "logits_chunk_size": 7, "warmup_steps": 0},
+        "algorithm": {"token_weighting": "none", "mini_batches": 2,
+                      "off_policy": {"min_variance_baseline": True, "baseline_is_cap": 1.5}}})
+    model, _ = load_policy(cfg.model, device="cpu")
+    backend = TorchBackend(cfg, model, total_optimizer_steps=2)
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for grp, p_len in enumerate((4, 3)):
+        prompt = torch.randint(3, model.config.vocab_size, (p_len,), generator=g).tolist()
+        for k in range(4):
+            resp = torch.randint(3, model.config.vocab_size, (2 + k,), generator=g).tolist()
+            seqs.append(loop.Sequence_(prompt, resp, "stop", "", "0", group=grp, reward=float(k % 2 + k // 3)))
+    for s_ in seqs:
+        s_.advantage = 0.25  # stands for the group-mean advantages; the baseline replaces them
+    batch = loop.collate(seqs, pad_id=0)
+    w = torch.tensor([1.0, 2.0, 0.5, 1.0, 1.0, 1.0, 3.0, 1.0], dtype=torch.float64)  # sequence weights
+    rewards = torch.tensor([s_.reward for s_ in seqs], dtype=torch.float64)
+    base = MinVarianceBaseline(rewards=rewards, groups=[s_.group for s_ in seqs], seq_weights=w, is_cap=1.5,
+                               scale_by_std=True, group_adv=torch.full((8,), 0.25, dtype=torch.float64))
+    step = OffPolicyStep(batch.response_mask.float(), w.float(), {}, baseline=base)
+    old_lp, _ = update.token_stats_batched(backend, batch, update.micro_spec(cfg), 1.0)
+    snaps: list = []
+    seen: list = []
+    real_adv = base.advantages
+    base.advantages = lambda b, bt, rows, *a: seen.append(sorted(rows)) or real_adv(b, bt, rows, *a)
+    update.update_policy(SimpleNamespace(cfg=cfg, backend=backend), batch, old_lp, None, step=1, off_policy=step,
+                         before_step=lambda i, fresh: snaps.append(copy.deepcopy(backend.model)))
+    assert sorted(seen) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # each group whole, one per optimizer step
+    second = seen[1]
+    ref = snaps[1]  # the weights the second mini-batch started from (its baseline was taken there)
+    params = [p for p in ref.parameters() if p.requires_grad]
+    eps_low, eps_high = cfg.algorithm.eps_low, cfg.algorithm.eps_high
+    W = []
+    for i in second:
+        s_ = seqs[i]
+        ids = torch.tensor([s_.prompt_ids + s_.response_ids])
+        logp = torch.log_softmax(ref(input_ids=ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        lp = logp[len(s_.prompt_ids) - 1:]  # [r] log p of the response tokens
+        old = old_lp[i][batch.response_mask[i]]  # [r] pi_prox
+        ratio = torch.exp(lp - old)
+        loss = -torch.minimum(ratio, ratio.clamp(1 - eps_low, 1 + eps_high)).sum() * min(float(w[i]), 1.5)
+        gi = torch.autograd.grad(loss, params)
+        W.append(float(w[i]) ** 2 * sum(float(x.double().square().sum()) for x in gi))
+    r = rewards[second]
+    b = sum(Wi * float(ri) for Wi, ri in zip(W, r, strict=True)) / sum(W)
+    expect = ((r - b) / r.std(unbiased=False)).tolist()
+    got = [float(batch.advantages[i][batch.response_mask[i]][0]) for i in second]
+    assert got == pytest.approx(expect, rel=1e-4)
+    assert step.metrics["offpolicy/baseline_shift"] > 0 and step.metrics["time/baseline_s"] > 0

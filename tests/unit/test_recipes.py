@@ -175,3 +175,36 @@ def test_recipes_matched_gives_both_the_same_budget_and_grader(tmp_path):
     assert out.output.count("512 x 16 x 20480 x 7 = ") == 2
     out = runner.invoke(app, ["recipes", "matched", "justrl", "stapo", "--match-to", "c"])
     assert out.exit_code != 0 and "--match-to must be" in str(out.exception)
+
+
+def test_recipes_matched_shows_every_frame_and_names_the_differences(monkeypatch):
+    """`stapo recipes matched` (no recipes): a row per shipped recipe with stapo's frame keys, the
+    recipes meant to share stapo's frame do, the others are named with the keys that differ; a
+    shared-frame recipe that drifts makes the command fail, naming it."""
+    from stapo.core import fairness
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["recipes", "matched"], env={"COLUMNS": "250"})
+    assert out.exit_code == 0, out.output
+    rows = {line.split()[0]: line for line in out.output.splitlines() if line.split()}
+    for name in fairness.SHARED_FRAME:
+        assert "differs" not in rows[name] and "shared" in rows[name], rows[name]
+    assert "differs: algorithm.mini_batches" in rows["grpo"]
+    assert "differs: rollout.prompts_per_step, rollout.n, rollout.max_new_tokens" in rows["20-entropy"]
+    assert "tiny" not in rows and "demo" not in rows
+    monkeypatch.setattr(fairness, "SHARED_FRAME", (*fairness.SHARED_FRAME, "justrl"))
+    out = runner.invoke(app, ["recipes", "matched"], env={"COLUMNS": "250"})
+    assert out.exit_code != 0 and "differ: justrl" in str(out.exception)
+    one = runner.invoke(app, ["recipes", "matched", "stapo"])
+    assert one.exit_code != 0 and "give two recipes" in str(one.exception)
+
+
+@pytest.mark.parametrize("name", sorted(__import__("stapo.core.fairness", fromlist=["x"]).SHARED_FRAME))
+def test_shared_frame_values_carry_a_source_or_our_tag(name):
+    """mini_batches 16 cites verl's DAPO recipe, the 8,192-token budget is tagged ours: no frame
+    value rests on an [unconfirmed] tag alone."""
+    text = preset_path(name).read_text()
+    mb = re.search(r"^  mini_batches: 16 .*$", text, re.M).group(0)
+    length = re.search(r"^  max_new_tokens: 8192 .*$", text, re.M).group(0)
+    assert "[verl recipe]" in mb and "512" in mb
+    assert "[ours]" in length and "[unconfirmed]" not in length

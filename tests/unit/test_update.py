@@ -34,13 +34,14 @@ TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size":
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def make_cfg(weighting="s2t", micro=3, algorithm=None, **trainer):
+def make_cfg(weighting="s2t", micro=3, algorithm=None, rollout=None, **trainer):
     t = {"device": "cpu", "lr": 1e-2, "logits_chunk_size": 7, "micro_batch_size": micro, "max_grad_norm": 1e3}
     t.update(trainer)
     al = {"token_weighting": weighting, "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.5},
           "top_entropy": {"rho": 0.5}, "stare": {"target_entropy": 100.0, "top_ratio": 0.3}}
     al.update(algorithm or {})
-    return config_from_dict({"model": {"name_or_path": "tiny-random", "tiny": TINY}, "trainer": t, "algorithm": al})
+    return config_from_dict({"model": {"name_or_path": "tiny-random", "tiny": TINY}, "trainer": t, "algorithm": al,
+                             "rollout": rollout or {}})
 
 
 def grouped_batch(vocab: int, seed: int = 0) -> loop.Batch:
@@ -192,6 +193,36 @@ def test_no_nograd_forward_inside_the_update(tiny, weighting):
     assert not update.needs_old_pass(make_cfg(weighting))  # on-policy: none at all
 
 
+@pytest.mark.parametrize(("weighting", "spec", "algorithm"), [
+    ("s2t", "padded", {"mini_batches": 4, "ppo_epochs": 2}),
+    ("top_entropy", "packed", {"mini_batches": 1}),
+    ("stare", "padded", {"mini_batches": 4}),
+    ("s2t", "packed", {"mini_batches": 2}),
+])
+def test_bounded_update_matches_kept_graphs(tiny, weighting, spec, algorithm):
+    """trainer.update_memory=bounded (a no-grad statistics pass, then forward + backward per
+    micro-batch) gives the kept-graphs update: same parameters, same diagnostics; it runs one no-grad
+    forward per micro-batch more, and never more than one graph at a time."""
+    model, batch = tiny
+    runs = {}
+    for mode in ("keep_graphs", "bounded"):
+        cfg = make_cfg(weighting, algorithm=algorithm, share_prompt_prefix=False, update_memory=mode,
+                       fused_loss=False, **SPECS[spec])
+        b = sgd_backend(cfg, model)
+        old_lp, old_ent = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)
+        calls = count_nograd(b)
+        m = update.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, old_lp, old_ent, step=1)
+        runs[mode] = (m, {n: p.detach().clone() for n, p in b.model.named_parameters()}, dict(calls))
+    (m_k, p_k, c_k), (m_b, p_b, c_b) = runs["keep_graphs"], runs["bounded"]
+    assert c_k["nograd"] == 0 and c_b["grad"] == c_k["grad"]
+    assert c_b["nograd"] == c_b["grad"]  # one statistics forward per gradient forward
+    for n in p_k:
+        torch.testing.assert_close(p_b[n], p_k[n], atol=1e-5, rtol=0, msg=n)
+    for k in ("stapo/silenced_count", "tokens/valid", "actor/loss", "actor/clip_frac_low"):
+        if k in m_k:
+            assert m_b[k] == pytest.approx(m_k[k], abs=1e-6), k
+
+
 def test_prefix_sharing_matches_full_rows_values_and_gradients():
     cfg = make_cfg()
     model, _ = load_policy(cfg.model, device="cpu")
@@ -279,3 +310,52 @@ def test_waves_are_graded_while_the_next_wave_generates(tmp_path, monkeypatch):
     assert all(e[1] for e in events if e[0] == "grade_start")  # graded off the main thread
     rows = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert '"time/reward_total_s"' in rows[0]
+
+
+def test_minibatch_split_gives_exactly_k_optimizer_steps():
+    """randperm(N).chunk(K) makes ceil(N/K)-row chunks, so fewer than K of them when N < K^2
+    (100 rows, K = 16: 14 chunks of 7 and one of 2). The split is K parts whose sizes differ by at
+    most one."""
+    from stapo.core.distributed import global_minibatches
+
+    for n, k in ((100, 16), (8, 5), (8, 8), (9, 2)):
+        parts = global_minibatches([n], k, torch.Generator().manual_seed(0))
+        sizes = [len(p) for p in parts]
+        assert len(parts) == k and max(sizes) - min(sizes) <= 1, (n, k, sizes)
+        assert sorted(torch.cat(parts).tolist()) == list(range(n))  # each row once
+    assert len(torch.randperm(100).chunk(16)) == 15  # what chunk gives
+
+
+def test_unequal_minibatches_each_normalized_by_their_own_tokens(tiny):
+    """8 rows in 5 optimizer steps (2, 2, 2, 1, 1 rows): the update equals five one-mini-batch
+    updates, each on its own rows alone, run one after the other: each optimizer step's STAPO
+    denominator is its own mini-batch's unsilenced tokens. Fewer rows than mini-batches is refused
+    naming the key."""
+    from stapo.core.distributed import global_minibatches
+
+    model, batch = tiny
+    s2t = {"tau_p": 0.5, "tau_h": 100.0, "tau_h_quantile": None}
+    frame = {"prompts_per_step": 5, "n": 2}  # 10 rows asked for; 8 left (filters drop rows)
+    cfg = make_cfg("s2t", algorithm={"mini_batches": 5, "s2t": s2t}, rollout=frame, share_prompt_prefix=False)
+    b = sgd_backend(cfg, model)
+    old_lp, old_ent = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)
+    steps = []
+    real_step = b.step
+    b.step = lambda: steps.append(1) or real_step()
+    update.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, old_lp, old_ent, step=1)
+    assert len(steps) == 5  # chunk(5) of 8 rows: 4 steps
+
+    one = make_cfg("s2t", algorithm={"mini_batches": 1, "s2t": s2t}, share_prompt_prefix=False)
+    ref = sgd_backend(one, model)
+    parts = global_minibatches([8], 5, torch.Generator().manual_seed(loop.derive_seed(cfg.trainer.seed, 1, 0)))
+    assert sorted(len(p) for p in parts) == [1, 1, 2, 2, 2]
+    for rows in parts:
+        update.update_policy(SimpleNamespace(cfg=one, backend=ref), batch.rows(rows), old_lp[rows], old_ent[rows],
+                             step=1)
+    for (n, p), (_, q) in zip(b.model.named_parameters(), ref.model.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=n)
+
+    nine = make_cfg("s2t", algorithm={"mini_batches": 9, "s2t": s2t}, rollout={"prompts_per_step": 9, "n": 2})
+    with pytest.raises(ValueError, match=r"8 rows for algorithm.mini_batches=9"):
+        update.update_policy(SimpleNamespace(cfg=nine, backend=sgd_backend(nine, model)), batch, old_lp, old_ent,
+                             step=1)

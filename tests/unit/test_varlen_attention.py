@@ -216,3 +216,35 @@ def test_backend_picks_the_attention(llama):
     assert chosen(micro_batch_tokens=64, attn_implementation="eager") == "eager"
     with pytest.raises(ValueError, match="trainer.attn_implementation: unknown attention 'flash_attn_2'"):
         chosen(attn_implementation="flash_attn_2")
+
+
+def test_mask_builder_skips_the_mask_only_for_packed_rows():
+    """transformers' ``create_causal_mask`` with ``sdpa_varlen``: no [T, T] mask for a packed row;
+    its own mask, exactly as ``sdpa``'s, for a static cache's decode step (no 2-D mask: without one
+    the query would attend to the cache's empty slots) and for an extra mask function."""
+    from transformers import LlamaConfig, StaticCache
+    from transformers.masking_utils import create_causal_mask, sliding_window_overlay
+
+    va.register_varlen_sdpa()
+    cfg = LlamaConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1,
+                      vocab_size=16, intermediate_size=16)
+
+    def both(embeds, **kw):
+        out = {}
+        for name in (va.VARLEN_SDPA, "sdpa"):
+            cfg._attn_implementation = name
+            out[name] = create_causal_mask(cfg, embeds, None, **kw)
+        return out[va.VARLEN_SDPA], out["sdpa"]
+
+    t = sum(LENS)
+    ours, theirs = both(torch.zeros(1, t, 8), cache=None, position_ids=positions())
+    assert ours is None and theirs is not None  # packed: the attention splits by sequence
+    cache = StaticCache(config=cfg, max_cache_len=12)
+    cache.update(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), 0)  # 5 tokens cached, 7 slots empty
+    ours, theirs = both(torch.zeros(1, 1, 8), cache=cache, position_ids=torch.tensor([[5]]))
+    assert ours is not None and torch.equal(ours, theirs)
+    assert ours[0, 0, 0].tolist() == [True] * 6 + [False] * 6  # the 5 cached tokens and itself
+    ours, theirs = both(torch.zeros(1, 6, 8), cache=None, position_ids=torch.arange(6).unsqueeze(0),
+                        and_mask_function=sliding_window_overlay(2))
+    assert ours is not None and torch.equal(ours, theirs) and not bool(ours[0, 0, 5, 2])  # window of 2
+    assert not va.packed_row_mask(q_length=4, kv_length=4, mask_function=lambda b, h, q, kv: kv <= q)

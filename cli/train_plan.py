@@ -1,0 +1,43 @@
+"""`stapo train --plan` and the memory check `stapo train` runs at start (stapo.core.plan; docs/gpu.md)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import typer
+
+from stapo.cli.common import CLIError, JobError
+
+if TYPE_CHECKING:
+    from stapo.core.config import Config
+
+
+def print_plan(cfg: Config, world_size: int | None, card: float | None, as_json: bool) -> None:
+    """``--plan``: the memory plan at ``world_size`` ranks (default: the launcher's WORLD_SIZE, or 1)."""
+    import json
+    import os
+
+    from stapo.core.plan import PlanError, card_gib, plan_run
+
+    ranks = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        result = plan_run(cfg, ranks, card_gib(cfg, card))
+    except PlanError as err:
+        raise CLIError(str(err)) from None
+    typer.echo(json.dumps(result.to_json()) if as_json else "\n".join(result.report()))
+
+
+def plan_at_start(cfg: Config, card: float | None) -> Config:
+    """On a GPU: refuse a config that cannot fit, print the plan's line (rank 0), resolve the update's path."""
+    import os
+
+    from stapo.core.plan import PlanError
+    from stapo.core.plan import plan_at_start as plan_launch
+
+    try:
+        cfg2, result = plan_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")), card)
+    except PlanError as err:
+        raise JobError(str(err)) from None
+    if os.environ.get("RANK", "0") == "0":
+        typer.echo(result.line() if result else "memory plan: skipped (CPU run; `stapo train --plan` plans a GPU run)")
+    return cfg2

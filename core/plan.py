@@ -1,0 +1,516 @@
+"""The memory plan: what one GPU holds at each phase of a step, from the model's config alone.
+
+``stapo train --plan`` (and ``stapo train`` itself at start on a GPU) sizes a run before anything
+loads: no weights, no network. Parameters are counted by building the model from its ``config.json``
+on PyTorch's ``meta`` device (shapes only). The recipes' models ship their configs
+(``stapo/configs/models``: Qwen3 1.7B / 8B / 14B base); any local model folder works too.
+
+Per GPU, in bytes (P parameters, L the largest module's own parameters, N ranks, T the tokens of the
+longest forward, h hidden size, n layers)::
+
+    model states   DeepSpeed's accounting of mixed-precision Adam: 16-bit weights (2 B/param),
+                   16-bit + fp32 gradients (2 + 4), fp32 master weights and two moments (4 + 8);
+                   ZeRO-1 partitions the fp32 states over N, ZeRO-2 also the gradients, ZeRO-3 also
+                   the weights (plus one gathered layer, 4 L). Stages 2 and 3 are DeepSpeed's own
+                   estimators (``estimate_zero2/3_model_states_mem_needs``); stages 0 and 1 follow
+                   the same accounting (DeepSpeed has no estimator for them). ``offload_optimizer``
+                   moves the fp32 states and gradients to the CPU. The torch backend keeps fp32
+                   weights, gradients and moments (16 B/param) plus, on CUDA, autocast's bf16
+                   weight copies (2 B/param).
+    activations    the longest micro-batch (T tokens): with gradient checkpointing each layer's
+                   input (n T h) plus one layer recomputed for its backward; without it every
+                   layer's activations. Plus the chunked LM head (logits_chunk_size x vocab, fp32).
+                   One update of a small model on CPU measures within 15% of this.
+    kept graphs    a weighting that reads p / H (s2t, top_entropy, stare; Lp-Reg's term) needs the
+                   whole mini-batch's statistics before any backward: stapo.core.update keeps every
+                   micro-batch's graph (its checkpointed inputs) until then. When those graphs do
+                   not fit the card, the update takes its bounded path instead: a no-grad
+                   statistics pass over the mini-batch, then forward + backward per micro-batch.
+    vLLM           ``gpu_memory_utilization`` x card while it generates: its bf16 weights (/ TP)
+                   and the KV cache in the rest; asleep (level 2) during the update.
+    weight sync    vLLM's weights awake and the model states, plus one gathered parameter in
+                   flight (the largest, bf16): the sync streams, never a second full copy.
+    runtime        CUDA context, NCCL buffers and allocator slack: 1 GiB (our allowance; not
+                   measured here).
+
+The peak is the largest of three phases: generate (model states + vLLM), update (model states +
+activations + kept graphs, vLLM asleep), weight sync. Activation and kept-graph terms are our
+accounting of what the update's forwards save (tests/unit/test_plan.py holds it against a measured
+CPU peak); the model states are DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stapo.core.config import Config, ModelConfig
+
+__all__ = ["GIB", "ModelShape", "Plan", "PlanError", "card_gib", "model_shape", "plan_at_start", "plan_memory", "plan_run"]
+
+GIB = 2**30
+# Planning without a GPU and without --card-gib / trainer.gpu_memory_gib: an 80 GB card (H100/A100),
+# its nominal size; what torch reports as usable is about 1 GiB less, which RUNTIME_GIB covers.
+DEFAULT_CARD_GIB = 80.0
+RUNTIME_GIB = 1.0
+LM_HEAD_BUFFERS = 3  # fp32 [chunk, V] blocks alive at once in the chunked log-softmax: logits, log-probs, probs/grad
+
+
+class PlanError(ValueError):
+    """A model whose shape the plan cannot know (no config.json), or a config that cannot fit."""
+
+
+# ----------------------------------------------------------------------------- the model's shape
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan reads of a model: its counts and the sizes of its activations."""
+
+    source: str  # where the config came from
+    params: int  # unique parameters (tied embeddings once)
+    largest_layer_params: int  # the largest module's own parameters (DeepSpeed's ``model_to_params``)
+    largest_param: int  # the largest single tensor (what one streamed weight-sync item holds)
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """bf16 K and V of every layer for one token."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2
+
+
+def _shipped_config(name: str) -> Path | None:
+    """The shipped config.json of a recipe model: ``Qwen/Qwen3-8B-Base`` (or ``Qwen/Qwen3-8B``)."""
+    from importlib import resources
+
+    base = name.rsplit("/", 1)[-1]
+    folder = resources.files("stapo.configs") / "models"
+    for stem in (base, f"{base}-Base"):
+        p = folder / f"{stem}.json"
+        if name.startswith("Qwen/") and p.is_file():
+            return Path(str(p))
+    return None
+
+
+def model_config(model_cfg: ModelConfig) -> tuple[Any, str]:
+    """(transformers config, where it came from) of ``model.name_or_path``, without weights or network."""
+    from transformers import AutoConfig
+
+    name = model_cfg.name_or_path
+    if name == "tiny-random":
+        import torch
+
+        from stapo.core.models import build_tiny_model
+
+        with torch.device("meta"):
+            return build_tiny_model(model_cfg.tiny).config, "tiny-random (model.tiny)"
+    if name.startswith("demo:"):
+        from stapo.core.models import demo_cache_path
+
+        path = demo_cache_path(model_cfg) / "config.json"
+    else:
+        path = Path(name).expanduser() / "config.json"
+        if not path.is_file():
+            path = _shipped_config(name) or path
+    if not path.is_file():
+        try:  # a hub model already in the local Hugging Face cache (never the network)
+            return AutoConfig.from_pretrained(name, local_files_only=True), f"{name} (Hugging Face cache)"
+        except (OSError, ValueError):
+            pass
+        raise PlanError(
+            f"model.name_or_path={name}: the plan needs the model's config.json; shipped: Qwen/Qwen3-1.7B-Base, "
+            "Qwen/Qwen3-8B-Base, Qwen/Qwen3-14B-Base, or models in the local Hugging Face cache; otherwise point "
+            "it at a local model folder"
+        )
+    data = json.loads(path.read_text())
+    return AutoConfig.for_model(data.pop("model_type"), **data), str(path)
+
+
+def model_shape(model_cfg: ModelConfig) -> ModelShape:
+    """Count parameters by building the model on the ``meta`` device (shapes only, no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config, source = model_config(model_cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
+    largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    hidden = int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    return ModelShape(
+        source=source,
+        params=int(params),
+        largest_layer_params=int(largest_layer),
+        largest_param=int(max(p.numel() for p in model.parameters())),
+        hidden=hidden,
+        intermediate=int(config.intermediate_size),
+        layers=int(config.num_hidden_layers),
+        heads=heads,
+        kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(config, "head_dim", None) or hidden // heads),
+        vocab=int(config.vocab_size),
+    )
+
+
+# ----------------------------------------------------------------------------- model states
+
+
+def model_states(cfg: Config, shape: ModelShape, world_size: int, *, cuda: bool) -> dict[str, int]:
+    """Bytes per GPU of weights, gradients and optimizer state (module docstring), and their sum."""
+    P, L, N, t = shape.params, shape.largest_layer_params, world_size, cfg.trainer
+    if t.backend == "torch":
+        w = 4 * P + (2 * P if cuda else 0)  # fp32 master weights (+ autocast's bf16 copies on CUDA)
+        return {"weights": w, "gradients": 4 * P, "optimizer": 8 * P, "total": w + 12 * P}
+    stage, off = t.zero_stage, t.offload_optimizer
+    weights = 2 * P // N + 4 * L if stage == 3 else 2 * P
+    if off:  # fp32 gradients, master weights and moments live on the CPU
+        grads, optim = 0, 0
+    else:
+        # 16-bit + fp32 gradients (2 + 4 B); ZeRO-3: DeepSpeed counts 18 B/param in all, 2 of them the
+        # weights' partition, so 4 for the gradients
+        grads = {0: 6 * P, 1: 2 * P + 4 * P // N, 2: 6 * P // N}.get(stage, 4 * P // N)
+        optim = 12 * P // N if stage else 12 * P
+    total = weights + grads + optim
+    if stage in (2, 3):  # DeepSpeed's own estimators are the reference for these stages
+        total = deepspeed_model_states(P, L, N, stage=stage, offload=off)
+    return {"weights": weights, "gradients": grads, "optimizer": optim, "total": total}
+
+
+def deepspeed_model_states(params: int, largest_layer: int, world_size: int, *, stage: int, offload: bool) -> int:
+    """GPU bytes per rank from DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs``."""
+    import logging
+
+    # the import probes the accelerator and logs the result on stdout, which `--plan --json` keeps for JSON
+    logger = logging.getLogger("DeepSpeed")
+    if _quiet_probe not in logger.filters:
+        logger.addFilter(_quiet_probe)
+    if stage == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        return int(estimate_zero2_model_states_mem_needs(params, world_size, 1, cpu_offload=offload)[1])
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    return int(estimate_zero3_model_states_mem_needs(params, largest_layer, world_size, 1, cpu_offload=offload,
+                                                     cpu_offload_params=False, zero_init=True)[1])
+
+
+def _quiet_probe(record: Any) -> bool:
+    return not record.getMessage().startswith(("Setting accelerator", "Setting ds_accelerator"))
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+@dataclass(frozen=True)
+class Micro:
+    """The update's micro-batches on one rank for one mini-batch, at their worst (every row full length)."""
+
+    tokens: int  # tokens of the longest forward (padding included)
+    count: int  # forwards per mini-batch on this rank
+
+
+def micro_batches(cfg: Config, world_size: int) -> Micro:
+    """Worst case of :func:`stapo.core.update.split_rows`: every row prompt + response long."""
+    r, t = cfg.rollout, cfg.trainer
+    seq = cfg.data.max_prompt_tokens + r.max_new_tokens
+    rows = max(1, math.ceil(r.prompts_per_step * r.n / cfg.algorithm.mini_batches / world_size))
+    if t.micro_batch_tokens is None:
+        per = min(t.micro_batch_size, rows)
+        return Micro(per * seq, math.ceil(rows / per))
+    per = max(1, t.micro_batch_tokens // seq)  # rows per packed forward (a longer row alone)
+    return Micro(max(min(per, rows) * seq, min(t.micro_batch_tokens, seq)), math.ceil(rows / per))
+
+
+def layer_activations(shape: ModelShape, tokens: int, nbytes: int) -> int:
+    """One decoder layer's saved forward tensors for ``tokens`` tokens: two norms and the residual
+    (3 h), q / k / v and the attention output (2 H d + 2 KV d), o_proj (h), the MLP's gate, up,
+    activation and product (4 I)."""
+    s = shape
+    width = 4 * s.hidden + 2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + 4 * s.intermediate
+    return tokens * width * nbytes
+
+
+def update_memory(cfg: Config, shape: ModelShape, micro: Micro, nbytes: int) -> dict[str, int]:
+    """Bytes of one training forward + backward (``activations``) and of one micro-batch's kept
+    graph (``graph``: what stays alive from its forward until its backward)."""
+    T, ckpt = micro.tokens, cfg.model.gradient_checkpointing
+    head = LM_HEAD_BUFFERS * min(cfg.trainer.logits_chunk_size, T) * shape.vocab * 4
+    final_hidden = T * shape.hidden * nbytes  # the last norm's output, read chunk by chunk by the head
+    per_token_out = 2 * T * 4  # log-probs and entropies, fp32
+    saved = shape.layers * T * shape.hidden * nbytes if ckpt else shape.layers * layer_activations(shape, T, nbytes)
+    graph = saved + final_hidden + per_token_out
+    # backward: one layer's activations (recomputed under checkpointing) while its gradients flow; one
+    # layer's worth, not two, is what a CPU run measures (tests/unit/test_plan.py)
+    work = layer_activations(shape, T, nbytes) + head
+    return {"graph": graph, "activations": graph + work, "work": work}
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Plan:
+    """One GPU's memory at each phase of a step; ``peak_gib`` is the largest phase."""
+
+    model: str
+    params: int
+    largest_layer_params: int
+    world_size: int
+    backend: str
+    zero_stage: int | None
+    offload_optimizer: bool
+    weights_gib: float
+    gradients_gib: float
+    optimizer_gib: float
+    model_states_gib: float
+    reference_gib: float
+    micro_batch_tokens: int
+    micro_batches_per_mini_batch: int
+    activations_gib: float
+    kept_graphs_gib: float
+    update_path: str  # keep_graphs | bounded | per_micro_batch (a weighting that reads no statistics)
+    engine: str
+    vllm_gib: float
+    vllm_weights_gib: float
+    kv_cache_gib: float
+    kv_cache_tokens: int
+    weight_sync_gib: float
+    runtime_gib: float
+    phases_gib: dict[str, float]
+    peak_phase: str
+    peak_gib: float
+    card_gib: float
+    fits: bool
+    fix: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        verdict = "fits" if self.fits else f"does NOT fit; {self.fix}" if self.fix else "does NOT fit"
+        return (f"per-GPU peak: {self.peak_gib:.1f} GiB of {self.card_gib:.1f} GiB ({self.peak_phase}); "
+                f"update path: {self.update_path}; {verdict}")
+
+    def report(self) -> list[str]:
+        zero = f"ZeRO-{self.zero_stage}" if self.backend == "deepspeed" else "torch backend"
+        off = ", optimizer offloaded" if self.offload_optimizer else ""
+        lines = [
+            f"memory plan: {self.model}, {self.params / 1e9:.3f}B params (largest layer "
+            f"{self.largest_layer_params / 1e6:.1f}M), {self.world_size} GPU(s), {zero}{off}",
+            f"  weights {self.weights_gib:.2f} + gradients {self.gradients_gib:.2f} + optimizer "
+            f"{self.optimizer_gib:.2f} GiB -> model states {self.model_states_gib:.2f} GiB",
+        ]
+        if self.reference_gib:
+            lines.append(f"  reference model {self.reference_gib:.2f} GiB")
+        lines += [
+            f"  update: {self.micro_batches_per_mini_batch} micro-batch(es) of <= {self.micro_batch_tokens} tokens "
+            f"per mini-batch; activations {self.activations_gib:.2f} GiB; kept graphs "
+            f"{self.kept_graphs_gib:.2f} GiB; path: {self.update_path}",
+        ]
+        if self.engine == "vllm":
+            lines.append(f"  vLLM: {self.vllm_gib:.2f} GiB (weights {self.vllm_weights_gib:.2f}, KV cache "
+                         f"{self.kv_cache_gib:.2f} GiB = {self.kv_cache_tokens} tokens); weight sync peak "
+                         f"{self.weight_sync_gib:.2f} GiB")
+        else:
+            lines.append(f"  hf generation: KV cache {self.kv_cache_gib:.2f} GiB")
+        lines.append("  phases: " + ", ".join(f"{k} {v:.1f}" for k, v in self.phases_gib.items()) +
+                     f" GiB (each with {self.runtime_gib:.1f} GiB of CUDA runtime)")
+        lines += [f"  note: {n}" for n in self.notes]
+        lines.append(self.line())
+        return lines
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _gib(x: float) -> float:
+    return round(x / GIB, 3)
+
+
+def plan_memory(cfg: Config, world_size: int, card_gib: float, shape: ModelShape, *, cuda: bool = True) -> Plan:
+    """The plan of ``cfg`` on ``world_size`` ranks with ``card_gib`` per GPU (``cuda``: GPU dtypes)."""
+    t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
+    nbytes = 2 if cuda else 4  # bf16 compute on GPU (autocast / DeepSpeed bf16), fp32 on CPU
+    states = model_states(cfg, shape, world_size, cuda=cuda)
+    ref = 0
+    if a.kl_coef > 0 and not a.kl.offload:
+        ref_b = 4 if a.kl.dtype == "float32" or (a.kl.dtype == "same" and not cuda) else 2
+        ref = shape.params * ref_b // (world_size if t.backend == "deepspeed" and t.zero_stage == 3 else 1)
+    micro = micro_batches(cfg, world_size)
+    mem = update_memory(cfg, shape, micro, nbytes)
+    from stapo.core.algos import get_token_weighting, reads_stats
+
+    reads = reads_stats(get_token_weighting(a.token_weighting)) or a.lp_reg.enabled
+    kept = micro.count * mem["graph"]  # every micro-batch's graph alive until the mini-batch's weights are known
+    runtime = int(RUNTIME_GIB * GIB) if cuda else 0
+    card = card_gib * GIB
+    base = states["total"] + ref + runtime
+    if not reads:
+        path, train = "per_micro_batch", mem["activations"]
+    elif t.update_memory == "bounded" or (t.update_memory == "auto" and base + kept + mem["work"] > card):
+        path, train = "bounded", mem["activations"]
+    else:
+        path, train = "keep_graphs", kept + mem["work"]  # then one backward's working set on top
+    tp = r.vllm.tensor_parallel_size
+    notes: list[str] = []
+    if r.engine == "vllm":
+        vllm_total = int(r.vllm.gpu_memory_utilization * card)
+        vllm_w = shape.params * 2 // tp
+        kv = max(0, vllm_total - vllm_w)
+        kv_tokens = kv // max(1, shape.kv_bytes_per_token // tp)
+        seq = cfg.data.max_prompt_tokens + r.max_new_tokens
+        if kv_tokens < seq:
+            notes.append(f"vLLM's KV cache holds {kv_tokens} tokens, less than one sequence ({seq}): raise "
+                         "rollout.vllm.gpu_memory_utilization")
+        asleep = 0 if r.vllm.enable_sleep_mode else vllm_total
+        sync = base + vllm_w + shape.largest_param * 2
+        phases = {"generate": base + vllm_total, "update": base + train + asleep, "weight sync": sync}
+    else:
+        vllm_total = vllm_w = 0
+        kv = r.batch_size * (cfg.data.max_prompt_tokens + r.max_new_tokens) * shape.kv_bytes_per_token
+        kv_tokens = kv // shape.kv_bytes_per_token
+        sync = 0
+        phases = {"generate": base + kv + r.batch_size * shape.vocab * 4, "update": base + train}
+    peak_phase = max(phases, key=lambda k: phases[k])
+    peak = phases[peak_phase]
+    return Plan(
+        model=shape.source if cfg.model.name_or_path == "tiny-random" else cfg.model.name_or_path,
+        params=shape.params,
+        largest_layer_params=shape.largest_layer_params,
+        world_size=world_size,
+        backend=t.backend,
+        zero_stage=t.zero_stage if t.backend == "deepspeed" else None,
+        offload_optimizer=bool(t.offload_optimizer and t.backend == "deepspeed"),
+        weights_gib=_gib(states["weights"]),
+        gradients_gib=_gib(states["gradients"]),
+        optimizer_gib=_gib(states["optimizer"]),
+        model_states_gib=_gib(states["total"]),
+        reference_gib=_gib(ref),
+        micro_batch_tokens=micro.tokens,
+        micro_batches_per_mini_batch=micro.count,
+        activations_gib=_gib(mem["activations"]),
+        kept_graphs_gib=_gib(kept if reads else 0),
+        update_path=path,
+        engine=r.engine,
+        vllm_gib=_gib(vllm_total),
+        vllm_weights_gib=_gib(vllm_w),
+        kv_cache_gib=_gib(kv),
+        kv_cache_tokens=int(kv_tokens),
+        weight_sync_gib=_gib(sync),
+        runtime_gib=_gib(runtime),
+        phases_gib={k: _gib(v) for k, v in phases.items()},
+        peak_phase=peak_phase,
+        peak_gib=_gib(peak),
+        card_gib=round(card_gib, 3),
+        fits=peak <= card and not notes,
+        notes=notes,
+    )
+
+
+# ----------------------------------------------------------------------------- what fits it
+
+
+def _knobs(cfg: Config, plan: Plan, card_gib: float) -> list[str]:
+    """``--set`` overrides to try, each on top of the ones before, cheapest in step time first (our
+    order): ZeRO-3 (partitioned states, more communication), a smaller vLLM share (a smaller KV cache:
+    fewer sequences in flight), smaller micro-batches (more forwards), optimizer offload (CPU Adam)."""
+    t, r = cfg.trainer, cfg.rollout
+    out: list[str] = []
+    if t.backend == "deepspeed" and t.zero_stage < 3:
+        out.append("trainer.zero_stage=3")
+    if r.engine == "vllm":
+        spare = card_gib - plan.model_states_gib - plan.reference_gib - plan.runtime_gib
+        share = math.floor(20 * spare / card_gib) / 20  # in steps of 0.05
+        if plan.vllm_weights_gib < share * card_gib < r.vllm.gpu_memory_utilization * card_gib:
+            out.append(f"rollout.vllm.gpu_memory_utilization={share:.2f}")
+    if t.micro_batch_tokens is not None:
+        out += [f"trainer.micro_batch_tokens={t.micro_batch_tokens // 2**k}" for k in (1, 2, 3)
+                if t.micro_batch_tokens // 2**k >= 1]
+    else:
+        out += [f"trainer.micro_batch_size={t.micro_batch_size // 2**k}" for k in (1, 2)
+                if t.micro_batch_size // 2**k >= 1]
+    if t.backend == "deepspeed" and not t.offload_optimizer:
+        out.append("trainer.offload_optimizer=true")
+    return out
+
+
+def _with(cfg: Config, overrides: list[str]) -> Config:
+    from stapo.core.config import apply_overrides, config_from_dict
+
+    return config_from_dict(apply_overrides(cfg.model_dump(mode="json", by_alias=True), overrides))
+
+
+def plan_run(cfg: Config, world_size: int, card_gib: float, shape: ModelShape | None = None, *,
+             cuda: bool = True) -> Plan:
+    """:func:`plan_memory`, and when it does not fit, the knobs (``--set`` overrides) that fit it."""
+    shape = shape or model_shape(cfg.model)
+    plan = plan_memory(cfg, world_size, card_gib, shape, cuda=cuda)
+    if plan.fits:
+        return plan
+    tried: list[str] = []
+    knobs = _knobs(cfg, plan, card_gib)
+    for knob in knobs:
+        if knob.split("=")[0] in {k.split("=")[0] for k in tried}:  # a smaller value of the same knob
+            tried = [k for k in tried if k.split("=")[0] != knob.split("=")[0]]
+        tried.append(knob)
+        trial = plan_memory(_with(cfg, tried), world_size, card_gib, shape, cuda=cuda)
+        if trial.fits:
+            for k in tried[:-1]:  # drop the earlier settings the last one makes unnecessary
+                fewer = [x for x in tried if x != k]
+                smaller = plan_memory(_with(cfg, fewer), world_size, card_gib, shape, cuda=cuda)
+                if smaller.fits:
+                    tried, trial = fewer, smaller
+            sets = " ".join(f"--set {k}" for k in tried)
+            plan.fix = f"fits with {sets} (peak {trial.peak_gib:.1f} GiB)"
+            return plan
+    plan.fix = ("no single setting fits it: more GPUs (--world-size), a larger card, or shorter "
+                "sequences (rollout.max_new_tokens, data.max_prompt_tokens)")
+    return plan
+
+
+# ----------------------------------------------------------------------------- at launch
+
+
+def card_gib(cfg: Config, given: float | None = None) -> float:
+    """The card the plan measures against: ``given`` (--card-gib), else ``trainer.gpu_memory_gib``,
+    else the GPU's own memory (device 0: the cards of a node are alike), else an 80 GB card."""
+    if given is not None:
+        return float(given)
+    if cfg.trainer.gpu_memory_gib is not None:
+        return float(cfg.trainer.gpu_memory_gib)
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / GIB
+    return DEFAULT_CARD_GIB
+
+
+def on_gpu(cfg: Config) -> bool:
+    """Whether this run trains on a GPU (``trainer.device``: auto with CUDA present, or cuda...)."""
+    import torch
+
+    dev = cfg.trainer.device
+    return dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available())
+
+
+def plan_at_start(cfg: Config, world_size: int, card: float | None = None) -> tuple[Config, Plan | None]:
+    """``stapo train`` at start: on a GPU, the plan of this launch; a config that cannot fit raises
+    :class:`PlanError` with the setting that fits it; ``trainer.update_memory: auto`` becomes the
+    path the plan chose (every rank plans alike, so all take the same path). On CPU: (cfg, None)."""
+    if not on_gpu(cfg):
+        return cfg, None
+    plan = plan_run(cfg, world_size, card_gib(cfg, card))
+    if not plan.fits:
+        raise PlanError(f"{plan.line()} (`stapo train --plan` shows each part)")
+    if cfg.trainer.update_memory == "auto" and plan.update_path == "bounded":
+        cfg = _with(cfg, ["trainer.update_memory=bounded"])
+    return cfg, plan

@@ -1,0 +1,332 @@
+"""The memory plan (stapo.core.plan) against hand computations, DeepSpeed's estimators and a measured peak.
+
+* Parameter counts of the shipped Qwen3 configs (built on the meta device) against the closed form
+  of a Qwen3 decoder written out here, and against the model cards' published sizes.
+* The plan of configs/stapo.yaml for Qwen3-8B and Qwen3-1.7B at 8 ranks, term by term, against the
+  byte accounting written out in each test (no code of the plan reused).
+* Model states against DeepSpeed's own ``estimate_zero{2,3}_model_states_mem_needs``; the documented
+  ``stapo train --config configs/stapo.yaml --plan --world-size 8 --json`` runs offline.
+* What fits: the setting named for a config that does not fit fits it; the update's bounded path is
+  chosen when the kept graphs do not fit; the start-up check refuses a config that cannot fit.
+* On CPU: one update of a small model, its peak resident memory measured by the kernel (VmHWM in a
+  fresh process, glibc told to return large blocks) against the plan's update phase, within 15%.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from stapo.cli.main import app
+from stapo.core import plan
+from stapo.core.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+STAPO = REPO / "configs" / "stapo.yaml"
+GIB = 2**30
+
+# (hidden, intermediate, layers, heads, kv heads, head dim, vocab, tied) from the model cards / config.json
+QWEN3 = {
+    "Qwen/Qwen3-1.7B-Base": (2048, 6144, 28, 16, 8, 128, 151936, True),
+    "Qwen/Qwen3-8B-Base": (4096, 12288, 36, 32, 8, 128, 151936, False),
+    "Qwen/Qwen3-14B-Base": (5120, 17408, 40, 40, 8, 128, 151936, False),
+}
+CARD_SIZES = {"Qwen/Qwen3-1.7B-Base": 1.7e9, "Qwen/Qwen3-8B-Base": 8.2e9, "Qwen/Qwen3-14B-Base": 14.8e9}
+
+
+def qwen3_params(h, i, n, heads, kv, d, v, tied):
+    """A Qwen3 decoder by hand: embeddings (+ an untied LM head), per layer q/k/v/o, the SwiGLU MLP,
+    two RMSNorms and the q/k norms (head dim each), and the final norm."""
+    attn = h * heads * d + 2 * h * kv * d + heads * d * h
+    layer = attn + 3 * h * i + 2 * h + 2 * d
+    return v * h * (1 if tied else 2) + n * layer + h
+
+
+def cfg_for(model: str, *overrides: str):
+    return load_config(STAPO, [f"model.name_or_path={model}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    return {m: plan.model_shape(cfg_for(m).model) for m in QWEN3}
+
+
+def test_param_counts_from_config_match_the_closed_form_and_the_model_cards(shapes):
+    for name, dims in QWEN3.items():
+        s = shapes[name]
+        assert s.params == qwen3_params(*dims), name
+        assert s.largest_layer_params == dims[6] * dims[0]  # the embedding table (or the LM head)
+        assert abs(s.params - CARD_SIZES[name]) < 0.05e9, name  # the cards round to 0.1B
+    assert shapes["Qwen/Qwen3-8B-Base"].params == 8_190_735_360
+    # the post-trained checkpoint's name resolves to the same shipped shapes
+    assert plan.model_shape(cfg_for("Qwen/Qwen3-8B").model).params == 8_190_735_360
+
+
+def hand_plan(name, world, card_gib, kept: bool):
+    """configs/stapo.yaml's plan by hand: ZeRO-3, bf16, micro_batch_size 4 rows of 1024 + 8192 tokens,
+    256 x 8 rows in 16 mini-batches, vLLM at 0.6 of the card with sleep mode."""
+    h, i, n, heads, kv, d, v, tied = QWEN3[name]
+    P = qwen3_params(*QWEN3[name])
+    L = v * h
+    states = 4 * L + 18 * P // world  # DeepSpeed ZeRO-3: one gathered layer + 18 B/param partitioned
+    rows = 256 * 8 // 16 // world  # 16 rows per rank per mini-batch at 8 ranks
+    T = 4 * (1024 + 8192)  # 36864 tokens in the longest forward
+    micros = rows // 4
+    graph = n * T * h * 2 + T * h * 2 + 2 * T * 4  # checkpointed layer inputs, final hidden, lp / H
+    layer = T * (4 * h + 2 * heads * d + 2 * kv * d + 4 * i) * 2
+    work = layer + 3 * 2048 * v * 4  # one layer's activations, three fp32 [2048, V] head blocks
+    runtime = GIB
+    update = states + runtime + (micros * graph + work if kept else graph + work)
+    generate = states + runtime + int(0.6 * card_gib * GIB)
+    sync = states + 2 * P + v * h * 2 + runtime  # vLLM's bf16 weights + one streamed parameter
+    return {"states": states, "T": T, "micros": micros, "update": update, "generate": generate, "sync": sync,
+            "kept": micros * graph, "peak": max(update, generate, sync)}
+
+
+@pytest.mark.parametrize(("name", "kept_fits"), [("Qwen/Qwen3-8B-Base", True), ("Qwen/Qwen3-1.7B-Base", True)])
+def test_recipe_plan_matches_the_hand_computation(shapes, name, kept_fits):
+    p = plan.plan_run(cfg_for(name), 8, 80.0, shapes[name])
+    hand = hand_plan(name, 8, 80.0, kept=kept_fits)
+    assert p.model_states_gib == pytest.approx(hand["states"] / GIB, abs=1e-3)
+    assert (p.micro_batch_tokens, p.micro_batches_per_mini_batch) == (hand["T"], hand["micros"])
+    assert p.kept_graphs_gib == pytest.approx(hand["kept"] / GIB, abs=1e-3)
+    assert p.phases_gib["update"] == pytest.approx(hand["update"] / GIB, abs=1e-3)
+    assert p.phases_gib["generate"] == pytest.approx(hand["generate"] / GIB, abs=1e-3)
+    assert p.phases_gib["weight sync"] == pytest.approx(hand["sync"] / GIB, abs=1e-3)
+    assert p.peak_gib == pytest.approx(hand["peak"] / GIB, abs=1e-3)
+    assert p.update_path == "keep_graphs" and p.fits
+    # weights + gradients + optimizer add up to the model states (DeepSpeed's total)
+    assert p.weights_gib + p.gradients_gib + p.optimizer_gib == pytest.approx(p.model_states_gib, abs=3e-3)
+
+
+def test_8b_kept_graphs_are_the_checkpointed_inputs_of_four_micro_batches(shapes):
+    """4 micro-batches of 4 x 9216 tokens at 8B: 4 x 36 layers x 36864 tokens x 4096 x 2 B = 43.5 GB
+    of checkpointed inputs, most of the kept graphs."""
+    p = plan.plan_run(cfg_for("Qwen/Qwen3-8B-Base"), 8, 80.0, shapes["Qwen/Qwen3-8B-Base"])
+    ckpt = 4 * 36 * 36864 * 4096 * 2
+    assert ckpt == pytest.approx(43.5e9, rel=1e-3)
+    assert ckpt / GIB < p.kept_graphs_gib < ckpt / GIB + 16
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("offload", [False, True])
+def test_model_states_agree_with_deepspeeds_estimators(shapes, stage, offload):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    s = shapes["Qwen/Qwen3-14B-Base"]
+    p = plan.plan_run(cfg_for("Qwen/Qwen3-14B-Base", f"trainer.zero_stage={stage}",
+                              f"trainer.offload_optimizer={str(offload).lower()}"), 8, 200.0, s)
+    if stage == 2:
+        ds = estimate_zero2_model_states_mem_needs(s.params, 8, 1, cpu_offload=offload)[1]
+    else:
+        ds = estimate_zero3_model_states_mem_needs(s.params, s.largest_layer_params, 8, 1, cpu_offload=offload,
+                                                   cpu_offload_params=False)[1]
+    assert p.model_states_gib == pytest.approx(ds / GIB, rel=0.10)
+    assert p.weights_gib + p.gradients_gib + p.optimizer_gib == pytest.approx(ds / GIB, rel=0.01)
+
+
+def memory_plan_section() -> str:
+    text = (REPO / "docs" / "gpu.md").read_text()
+    start = text.index("## The memory plan")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def test_documented_plan_commands_run_offline_and_agree_with_deepspeed(monkeypatch):
+    """Every command of docs/gpu.md's memory plan section, as written; the --json one's model states
+    against DeepSpeed's ZeRO-3 estimator for its own params."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(REPO)
+    block = memory_plan_section().split("```")[1]
+    commands = [shlex.split(line) for line in block.strip().splitlines()]
+    assert len(commands) == 3 and all(c[0] == "stapo" for c in commands)
+    for argv in commands:
+        res = CliRunner().invoke(app, argv[1:])
+        assert res.exit_code == 0, (argv, res.output)
+        if "--json" in argv:
+            out = json.loads(res.stdout)  # stdout is the one JSON object and nothing else
+            for key in ("params", "largest_layer_params", "model_states_gib", "peak_gib", "card_gib", "fits"):
+                assert key in out
+            ds = estimate_zero3_model_states_mem_needs(out["params"], out["largest_layer_params"], 8, 1,
+                                                       cpu_offload=False, cpu_offload_params=False)[1]
+            assert out["model_states_gib"] == pytest.approx(ds / GIB, rel=0.10)
+        else:
+            assert sum(line.startswith("per-GPU peak:") for line in res.stdout.splitlines()) == 1
+
+
+def test_documented_recipe_table_is_the_plans_output(shapes):
+    rows = [line.split(" | ") for line in memory_plan_section().splitlines() if line.startswith("| Qwen3-")]
+    assert len(rows) == 3
+    for model, params, states, kept, path, peak, verdict in rows:
+        name = "Qwen/" + model.strip("| ")
+        p = plan.plan_run(cfg_for(name), 8, 80.0, shapes[name])
+        assert params == f"{p.params / 1e9:.3f}B"
+        assert states == f"{p.model_states_gib:.1f} GiB" and kept == f"{p.kept_graphs_gib:.1f} GiB"
+        assert path == p.update_path and peak == f"{p.peak_gib:.1f} GiB ({p.peak_phase})"
+        verdict = verdict.strip("| ")
+        assert verdict == "fits" if p.fits else verdict.replace("`", "") in p.fix
+
+
+def test_a_config_that_does_not_fit_names_the_setting_that_fits_it(shapes):
+    s = shapes["Qwen/Qwen3-14B-Base"]
+    p = plan.plan_run(cfg_for("Qwen/Qwen3-14B-Base"), 8, 80.0, s)
+    # 14B: model states 33.8 GiB + 48 GiB of vLLM do not fit 80; a 0.55 share (44 GiB) does
+    assert not p.fits and "--set rollout.vllm.gpu_memory_utilization=0.55" in p.fix
+    fixed = plan.plan_run(cfg_for("Qwen/Qwen3-14B-Base", "rollout.vllm.gpu_memory_utilization=0.55"), 8, 80.0, s)
+    assert fixed.fits
+    # on a 60 GiB card no vLLM share leaves room for its weights: the optimizer goes to the CPU
+    p60 = plan.plan_run(cfg_for("Qwen/Qwen3-14B-Base"), 8, 60.0, s)
+    assert not p60.fits and "--set trainer.offload_optimizer=true" in p60.fix
+    # ZeRO-2 at 8B on 80 GB: 2 B/param whole + the rest partitioned, plus vLLM's 48 GiB, is too much
+    p2 = plan.plan_run(cfg_for("Qwen/Qwen3-8B-Base", "trainer.zero_stage=2"), 8, 80.0, shapes["Qwen/Qwen3-8B-Base"])
+    assert not p2.fits and "--set trainer.zero_stage=3" in p2.fix
+
+
+def test_kept_graphs_that_do_not_fit_take_the_bounded_path(shapes):
+    s = shapes["Qwen/Qwen3-8B-Base"]
+    p = plan.plan_run(cfg_for("Qwen/Qwen3-8B-Base"), 8, 64.0, s)
+    hand = hand_plan("Qwen/Qwen3-8B-Base", 8, 64.0, kept=False)
+    assert p.update_path == "bounded" and p.fits
+    assert p.phases_gib["update"] == pytest.approx(hand["update"] / GIB, abs=1e-3)
+    assert "update path: bounded" in p.line()
+    # a weighting that reads no statistics never keeps graphs
+    none = plan.plan_run(cfg_for("Qwen/Qwen3-8B-Base", "algorithm.token_weighting=none"), 8, 64.0, s)
+    assert none.update_path == "per_micro_batch" and none.kept_graphs_gib == 0
+
+
+def test_start_check_on_a_gpu_refuses_or_resolves_the_path(shapes):
+    """plan_at_start with trainer.device=cuda (the plan itself needs no GPU; the card is the config's)."""
+    cfg, p = plan.plan_at_start(cfg_for("Qwen/Qwen3-8B-Base", "trainer.device=cuda", "trainer.gpu_memory_gib=64"), 8)
+    assert p is not None and cfg.trainer.update_memory == "bounded"
+    with pytest.raises(plan.PlanError, match=r"per-GPU peak: .*--set rollout.vllm.gpu_memory_utilization=0.55"):
+        plan.plan_at_start(cfg_for("Qwen/Qwen3-14B-Base", "trainer.device=cuda", "trainer.gpu_memory_gib=80"), 8)
+    cfg, p = plan.plan_at_start(cfg_for("Qwen/Qwen3-8B-Base", "trainer.device=cpu"), 8)
+    assert p is None  # on CPU the check is skipped (stapo train says so)
+
+
+def test_any_local_model_folder_plans_from_its_config_json(tmp_path):
+    """A folder with only config.json: the meta-device count equals the real model's parameters."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    config.save_pretrained(tmp_path)
+    real = LlamaForCausalLM(config)
+    s = plan.model_shape(cfg_for(str(tmp_path)).model)
+    assert s.params == sum(p.numel() for p in real.parameters())
+    assert (s.kv_heads, s.head_dim, s.largest_layer_params) == (2, 16, 500 * 64)
+
+
+def test_a_model_without_config_is_one_line():
+    with pytest.raises(plan.PlanError, match="model.name_or_path=org/unknown: the plan needs the model's config.json"):
+        plan.model_shape(cfg_for("org/unknown").model)
+
+
+MEASURE = r"""
+import json, sys, torch
+from types import SimpleNamespace
+from stapo.core import loop, plan, update
+from stapo.core.config import config_from_dict
+from stapo.core.models import load_policy
+from stapo.core.trainer.torch_backend import TorchBackend
+
+torch.set_num_threads(1)
+S, ROWS = 384, 12
+cfg = config_from_dict({
+    "model": {"name_or_path": "tiny-random", "gradient_checkpointing": True,
+              "tiny": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "intermediate_size": 1024}},
+    "data": {"max_prompt_tokens": 128},
+    "rollout": {"engine": "hf", "prompts_per_step": ROWS // 4, "n": 4, "max_new_tokens": S - 128, "batch_size": 4},
+    "algorithm": {"token_weighting": "s2t", "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.5}},
+    "trainer": {"device": "cpu", "micro_batch_size": 3, "logits_chunk_size": 256, "fused_loss": False,
+                "update_memory": sys.argv[1], "share_prompt_prefix": False},
+})
+model, _ = load_policy(cfg.model, device="cpu")
+b = TorchBackend(cfg, model, total_optimizer_steps=1)
+g = torch.Generator().manual_seed(0)
+seqs = []
+for grp in range(ROWS // 4):
+    prompt = torch.randint(3, 60, (128,), generator=g).tolist()
+    for k in range(4):
+        s = loop.Sequence_(prompt, torch.randint(3, 60, (S - 128,), generator=g).tolist(), "length", "", "0", group=grp)
+        s.advantage = (-1.0) ** k
+        seqs.append(s)
+batch = loop.collate(seqs, pad_id=0)
+
+def rss(key):
+    return int(next(x for x in open("/proc/self/status") if x.startswith(key)).split()[1]) * 1024
+
+open("/proc/self/clear_refs", "w").write("5")  # the peak resident size restarts from here
+before = rss("VmRSS:")
+update.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, None, None, step=1)
+measured = rss("VmHWM:") - before
+p = plan.plan_memory(cfg, 1, 64.0, plan.model_shape(cfg.model), cuda=False)
+weights = 4 * p.params  # resident before the update: the fp32 weights
+print(json.dumps({"measured": measured, "planned": p.phases_gib["update"] * 2**30 - weights, "path": p.update_path}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
+@pytest.mark.parametrize("mode", ["keep_graphs", "bounded"])
+def test_measured_cpu_peak_of_one_update_is_within_15_percent_of_the_plan(mode):
+    """One update of a 3M-parameter model on 12 rows of 384 tokens (4 micro-batches of 3 rows):
+    the growth of the peak resident size (gradients, AdamW's moments, activations, kept graphs) over
+    the weights already resident, against the plan's update phase less those weights."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", MEASURE, mode], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["path"] == mode
+    assert r["measured"] == pytest.approx(r["planned"], rel=0.15), r
+
+
+def _stub_train(monkeypatch) -> list:
+    from stapo.core import loop
+
+    seen = []
+
+    def finishes(cfg, run_dir, *, resume=False, log=print):
+        seen.append(cfg)
+        return loop.TrainResult(run_dir, cfg.trainer.max_steps, None, None, 0.0)
+
+    monkeypatch.setattr(loop, "train", finishes)
+    return seen
+
+
+def test_train_checks_the_plan_at_start(monkeypatch, capsys, tmp_path):
+    """On CPU the check is skipped and says so; a GPU config that cannot fit is refused before anything
+    loads (trainer.device=cuda: the plan needs no GPU, the card is the config's), one that needs the
+    bounded path trains with it."""
+    seen = _stub_train(monkeypatch)
+    res = CliRunner().invoke(app, ["train", "--config", "tiny", "--run-dir", str(tmp_path / "a")])
+    assert res.exit_code == 0, res.output
+    assert "memory plan: skipped (CPU run" in res.stdout and len(seen) == 1
+    gpu = ["--set", "trainer.device=cuda", "--set", "model.name_or_path=Qwen/Qwen3-14B-Base", "--set",
+           "trainer.backend=deepspeed", "--set", "trainer.zero_stage=3", "--set", "trainer.micro_batch_size=4",
+           "--set", "data.max_prompt_tokens=1024", "--set", "rollout.max_new_tokens=8192"]
+    monkeypatch.setattr(plan, "card_gib", lambda cfg, given=None: 80.0)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setattr(sys, "argv", ["stapo", "train", "--config", str(STAPO), "--run-dir", str(tmp_path / "b"), *gpu])
+    from stapo.cli.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main()
+    err = capsys.readouterr().err
+    assert exc.value.code != 0 and len(seen) == 1
+    assert "per-GPU peak:" in err and "--set rollout.vllm.gpu_memory_utilization=0.55" in err
+    assert not (tmp_path / "b").exists()
+
+
+def test_plan_flags_go_with_plan():
+    res = CliRunner().invoke(app, ["train", "--config", "tiny", "--json"])
+    assert res.exit_code != 0 and "--json and --world-size go with --plan" in str(res.exception)
