@@ -3,7 +3,8 @@
 * two trainings into one dir: the second (and a `--resume`) refuses in one line naming the holder,
   and the first run's files are exactly its own (steps 1..4, its config, one event file);
 * a holder killed with SIGKILL leaves its lock file; the next run takes it over and says whose it was;
-* a start-up failure (the verifier it is told to use is not there) leaves no run dir;
+* a start-up failure (a prompt file without the problem field, found when the data loads, after the
+  model) leaves no run dir;
 * `--resume` of a finished run changes nothing; `--resume --fresh` on a missing dir starts a run;
 * SIGTERM mid-run: the step in flight finishes, a checkpoint of it is written, exit status 143 with the
   resume command; that command reproduces the uninterrupted run's later steps exactly;
@@ -113,11 +114,11 @@ def test_lock_of_a_killed_run_is_taken_over(tmp_path):
 
 def test_start_up_failure_leaves_no_run_dir_and_fresh_starts_a_missing_one(tmp_path):
     run = tmp_path / "x"
-    # nothing listens on port 9: the first grading fails (checked before any step) after its retries
-    failed = _run("--config", "tiny", "--run-dir", str(run), *FAST, "--set", "reward.urls=[http://127.0.0.1:9]",
-                  "--set", "reward.retries=0")
+    data = tmp_path / "prompts.jsonl"  # readable text, but no `problem` field: found when the data loads
+    data.write_text('{"text": "what is 1+1"}\n')
+    failed = _run("--config", "tiny", "--run-dir", str(run), *FAST, "--set", f"data.source={data}")
     assert failed.returncode == 2, failed.stderr[-2000:]
-    assert "training stopped" in failed.stderr
+    assert failed.stderr.strip().splitlines()[-1].startswith("error: data.problem_field: field 'problem' not found")
     assert not run.exists()
 
     started = _run("--run-dir", str(run), "--resume", "--fresh", "--config", "tiny", "--set", "trainer.max_steps=1",
