@@ -233,7 +233,6 @@ class _Run:
         # token-mean normalizer and the S2T thresholds are reduced across ranks; rank 0 writes files.
         self.rank = int(self.backend.rank)
         self.world_size = int(self.backend.world_size)
-        self.placement.record(run_dir / "ranks", self.backend.device)  # which host / GPU each rank took
         if cfg.rollout.prompts_per_step % self.world_size:
             raise ValueError(
                 f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be divisible by the "
@@ -711,6 +710,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
     main = run.rank == 0
     try:  # nothing is written before the run is built and every rank agrees on rank 0's run dir
         run_dir = run.run_dir = agree_run_dir(run_dir, dp)
+        run.placement.record(run_dir / "ranks", run.backend.device)  # which host / GPU each rank took
         if main:
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "config.yaml")
