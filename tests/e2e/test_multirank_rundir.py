@@ -107,7 +107,7 @@ def test_nodes_that_do_not_share_the_run_dir_fail_at_start(tmp_path):
     done = _two_nodes(tmp_path, [tmp_path / "a", tmp_path / "b"])
     assert all(d.returncode != 0 for d in done)
     line = next(x for x in done[0].stdout.splitlines() if "cannot see the run dir" in x)
-    assert line.startswith(f"error: rank 1 on {socket.gethostname()} cannot see the run dir runs/stapo-")
+    assert line.startswith("error: ") and f"rank 1 on {socket.gethostname()} cannot see the run dir runs/stapo-" in line
     assert line.endswith("put --run-dir on a filesystem all nodes share (the same path on each)")
     assert not any((tmp_path / "a" / "runs").iterdir()) and not (tmp_path / "b" / "runs").exists()
     assert "Traceback" not in done[0].stdout
