@@ -1,23 +1,27 @@
-"""CUDA correctness checks of issue 14, one process, one JSON report (run by benchmarks/gpu_suite.sh).
+"""CUDA correctness checks, one process, one JSON report (run by benchmarks/gpu_suite.sh).
 
-Each check compares a CUDA path against an independent reference and records its errors and a
-verdict; a failing check does not stop the others (the report says which broke, for
-docs/training-backends.md). ``--dry-run`` runs every check on the CPU with tiny shapes, so the
-script itself is proven before a GPU lease is spent on it.
+Each check compares a CUDA path against a reference of the same precision: bf16 against bf16 with a
+bf16-sized tolerance, or fp32 against fp32; each result carries its tolerance and the reason for it
+(``tolerance``, ``why``), and the script prints both. A failing check does not stop the others.
+``--dry-run`` runs every check on the CPU with tiny shapes (fp32 there: the torch backend and the hf
+engine autocast to bf16 on CUDA only), so the script is proven before a GPU lease is spent on it.
 
 Checks:
 
 1. ``tokenstats``: chunked (``token_logprobs_entropy_from_hidden``) and fused
    (``fused_token_loss_from_hidden``) log-probs, entropies and gradients w.r.t. hidden and the LM head
-   against the naive full-logits computation in float64 from the same inputs, in float32 and
-   bfloat16 (tolerances: fp32 1e-4 relative, bf16 3e-2 relative: bf16 has 8 mantissa bits).
-2. ``backend_bf16``: the torch backend's bf16 autocast step on CUDA (fused and unfused loss) against
-   the same step in float32 on the CPU: gradient cosine similarity >= 0.99 and relative norm error
-   <= 5e-2, finite updated weights.
+   against the naive full-logits computation in the same dtype from the same inputs (fp32: 1e-4
+   relative; bf16: 3e-2 relative).
+2. ``backend``: the torch backend on the device: its fused and unfused losses under its own autocast
+   (bf16 on CUDA) give the same gradients (cosine >= 0.999, norm within 1e-2), and with autocast
+   off its fp32 step matches the same fp32 step on the CPU (1e-4 relative).
 3. ``deepspeed``: ZeRO-0 and ZeRO-3 on one device (world size 1) against the torch backend on the same
-   device: parameters after two updates (bf16 on CUDA: relative tolerance; fp32 on CPU: 1e-5).
-4. ``generation``: the hf rollout engine on the device (prefix sharing on and off): sampled tokens'
-   log-probs against a teacher-forced forward over prompt + completion.
+   device. CUDA (bf16 compute on both): the first step's fp32-accumulated gradients agree in
+   direction and size, and the fp32 master weights' updates after two steps agree in direction.
+   CPU (fp32 on both): gradients within 1e-5, updates after two steps in the same direction.
+4. ``generation``: the hf rollout engine on the device (prefix sharing on and off): each sampled
+   token's log-prob against a teacher-forced forward over prompt + completion under the same
+   autocast (bf16 on CUDA: 5e-2 absolute; fp32: 1e-4).
 
     python benchmarks/gpu_checks.py --device cuda --out $OUT/gpu_checks.json
     python benchmarks/gpu_checks.py --dry-run                  # CPU, tiny shapes
@@ -53,7 +57,10 @@ def check_tokenstats(dev: torch.device, tiny: bool) -> dict[str, Any]:
     n, d, v = (64, 32, 1000) if tiny else (4096, 2048, 151_936)
     out: dict[str, Any] = {"shape": [n, d, v]}
     ok = True
-    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+    rules = {torch.float32: (1e-4, "fp32 vs fp32: the same sums in another order (chunks) over V logits"),
+             torch.bfloat16: (3e-2, "bf16 vs bf16: both round the logits to 8 bits (2^-8 relative); the "
+                                    "chunked matmuls and softmax sums round in another order: a few ulps")}
+    for dtype, (tol, why) in rules.items():
         g = torch.Generator(device="cpu").manual_seed(0)
         h0 = (torch.randn(n, d, generator=g) * 0.5).to(dev, dtype)
         w0 = (torch.randn(v, d, generator=g) * 0.02).to(dev, dtype)
@@ -63,14 +70,15 @@ def check_tokenstats(dev: torch.device, tiny: bool) -> dict[str, Any]:
         def loss_of(lp: torch.Tensor, idx: torch.Tensor, adv: torch.Tensor = adv) -> torch.Tensor:  # elementwise
             return -adv[idx] * torch.exp(lp - lp.detach()) / n
 
-        # reference: float64 naive from the same (rounded) inputs
-        h, w = h0.double().requires_grad_(), w0.double().requires_grad_()
-        logp = torch.log_softmax(h @ w.T, -1)
+        # reference: the naive computation in the same dtype (logits [N, V] in `dtype`, softmax in fp32,
+        # as a plain HF forward + loss computes them)
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        logp = torch.log_softmax((h @ w.T).float(), -1)
         lp_ref = logp.gather(1, labels[:, None])[:, 0]
         ent_ref = -(logp.exp() * logp).sum(-1)
         loss_of(lp_ref, torch.arange(n, device=dev)).sum().backward()
         gh_ref, gw_ref = h.grad, w.grad
-        res: dict[str, Any] = {}
+        res: dict[str, Any] = {"tolerance": tol, "why": why}
         for variant in ("chunked", "fused"):
             h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
             if variant == "chunked":
@@ -119,7 +127,10 @@ def _rl_batch(vocab: int, seed: int = 0) -> Any:
     return loop.collate(seqs, pad_id=0)
 
 
-def _grads_after(cfg: Any, fused: bool) -> dict[str, torch.Tensor]:
+def _grads_after(cfg: Any, fused: bool, autocast: bool = True) -> dict[str, torch.Tensor]:
+    """Gradients of the first optimizer step of one update on the tiny model (``autocast=False``: the
+    backend's bf16 autocast switched off, so CUDA computes in fp32 like the CPU)."""
+    import contextlib
     from types import SimpleNamespace
 
     from stapo.core import loop
@@ -129,13 +140,16 @@ def _grads_after(cfg: Any, fused: bool) -> dict[str, torch.Tensor]:
     cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"fused_loss": fused})})
     model, _ = load_policy(cfg.model, device="cpu")
     b = TorchBackend(cfg, model, total_optimizer_steps=2)
+    if not autocast:
+        b._autocast = contextlib.nullcontext
     batch = _rl_batch(model.config.vocab_size).to(b.device)
     grads: dict[str, torch.Tensor] = {}
     real = b.step
 
     def step() -> dict[str, float]:
-        grads.update({n: p.grad.detach().float().cpu().clone() for n, p in b.model.named_parameters()
-                      if p.grad is not None})
+        if not grads:
+            grads.update({n: p.grad.detach().float().cpu().clone() for n, p in b.model.named_parameters()
+                          if p.grad is not None})
         return real()
 
     b.step = step
@@ -145,21 +159,26 @@ def _grads_after(cfg: Any, fused: bool) -> dict[str, torch.Tensor]:
     return grads
 
 
-def check_backend_bf16(dev: torch.device, tiny: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"autocast": dev.type == "cuda"}
-    ok = True
-    for fused in (True, False):
-        ref = _grads_after(_tiny_cfg("cpu"), fused)
-        got = _grads_after(_tiny_cfg(str(dev)), fused)
-        a = torch.cat([got[k].flatten() for k in sorted(ref)])
-        b = torch.cat([ref[k].flatten() for k in sorted(ref)])
-        cos = float(F.cosine_similarity(a.double(), b.double(), dim=0))
-        norm_err = float((a.norm() - b.norm()).abs() / b.norm())
-        passed = cos >= 0.99 and norm_err <= 5e-2
-        ok &= passed
-        out["fused" if fused else "unfused"] = {"grad_cosine": cos, "grad_norm_rel_err": norm_err, "ok": passed}
-    out["ok"] = ok
-    return out
+def _flat(g: dict[str, torch.Tensor], keys: list[str]) -> torch.Tensor:
+    return torch.cat([g[k].flatten().double() for k in keys])
+
+
+def check_backend(dev: torch.device, tiny: bool) -> dict[str, Any]:
+    bf16 = dev.type == "cuda"
+    fused, unfused = _grads_after(_tiny_cfg(str(dev)), True), _grads_after(_tiny_cfg(str(dev)), False)
+    keys = sorted(unfused)
+    a, b = _flat(fused, keys), _flat(unfused, keys)
+    cos = float(F.cosine_similarity(a, b, dim=0))
+    norm_err = float((a.norm() - b.norm()).abs() / b.norm())
+    same = {"grad_cosine": cos, "grad_norm_rel_err": norm_err, "ok": cos >= 0.999 and norm_err <= 1e-2,
+            "tolerance": "cosine >= 0.999, norm within 1e-2",
+            "why": ("bf16 vs bf16 (the backend's autocast on both): the fused loss computes the same gradient "
+                    "with other roundings (2^-8 relative each)" if bf16 else "fp32 vs fp32 (no autocast on CPU)")}
+    gpu32, cpu32 = _grads_after(_tiny_cfg(str(dev)), False, autocast=False), _grads_after(_tiny_cfg("cpu"), False)
+    err = max(rel(gpu32[k], cpu32[k]) for k in keys)
+    fp32 = {"max_rel_grad_err": err, "ok": err <= 1e-4, "tolerance": "relative 1e-4 per tensor",
+            "why": "fp32 vs fp32: the device's kernels sum in another order than the CPU's (fp32 eps 1.2e-7)"}
+    return {"fused_vs_unfused": same, "fp32_device_vs_cpu": fp32, "autocast": bf16, "ok": same["ok"] and fp32["ok"]}
 
 
 # ----------------------------------------------------------------------------- 3. DeepSpeed on one device
@@ -178,30 +197,59 @@ def check_deepspeed(dev: torch.device, tiny: bool) -> dict[str, Any]:
         port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
-    def two_updates(backend_name: str, stage: int) -> dict[str, torch.Tensor]:
+    def two_updates(backend_name: str, stage: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(fp32 gradients of the first step, fp32 master weights after two steps)."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
         cfg = _tiny_cfg(str(dev), backend=backend_name, zero_stage=stage)
         model, _ = load_policy(cfg.model, device="cpu")
         b = build_trainer_backend(cfg, model, total_optimizer_steps=2)
+        ds = backend_name == "deepspeed"
+        grads: dict[str, torch.Tensor] = {}
         for seed in (1, 2):
             batch = _rl_batch(model.config.vocab_size, seed).to(b.device)
             lp, _ = b.token_stats(batch.input_ids, batch.attention_mask, batch.response_mask, grad=True)
             b.backward(-(lp * batch.advantages).sum() / batch.response_mask.sum())
+            if not grads:
+                for n, p in b.model.named_parameters():
+                    g = safe_get_full_grad(p) if ds else p.grad
+                    grads[n] = g.detach().float().cpu().clone()
             b.step()
-        return {n: t.detach().float().cpu().clone() for n, t in b.named_parameters_for_sync()}
+        weights = {}
+        for n, p in b.model.named_parameters():
+            full = safe_get_full_fp32_param(p) if ds else None  # None: the module's weights are the masters
+            weights[n] = (p if full is None else full).detach().float().cpu().clone()
+        return grads, weights
 
-    ref = two_updates("torch", 0)
+    ref_g, ref_w = two_updates("torch", 0)
+    keys = sorted(ref_w)
     out: dict[str, Any] = {}
     ok = True
     for stage in (0, 3):
         try:
-            got = two_updates("deepspeed", stage)
-            err = max(rel(got[k] - _start(k), ref[k] - _start(k)) for k in ref)
-            abs_err = max(float((got[k] - ref[k]).abs().max()) for k in ref)
-            # fp32 on CPU: the weights agree to 1e-5 (tests/e2e/test_trainer_deepspeed.py); bf16 compute on
-            # CUDA (torch: autocast, DeepSpeed: its bf16 engine): the updates agree to 5% of their size.
-            passed = abs_err <= 1e-5 if dev.type == "cpu" else err <= 5e-2
-            out[f"zero{stage}"] = {"max_rel_update_err": err, "max_abs_weight_err": abs_err, "ok": passed}
-        except Exception as err:  # report and go on: this is what the GPU findings section needs
+            got_g, got_w = two_updates("deepspeed", stage)
+            ua = _flat({k: got_w[k] - _start(k) for k in keys}, keys)
+            ub = _flat({k: ref_w[k] - _start(k) for k in keys}, keys)
+            u_cos = float(F.cosine_similarity(ua, ub, dim=0))
+            adam = ("AdamW divides by sqrt(v) + eps, so a weight whose gradient is near 0 moves by what rounding "
+                    "decides: the updates are compared by direction")
+            if dev.type == "cpu":
+                g_err = max(rel(got_g[k], ref_g[k]) for k in keys)
+                res = {"max_rel_grad_err": g_err, "update_cosine": u_cos, "ok": g_err <= 1e-5 and u_cos >= 0.999,
+                       "tolerance": "gradients within 1e-5 relative per tensor; update cosine >= 0.999",
+                       "why": "fp32 vs fp32 on the CPU (the same sums, DeepSpeed's reductions aside); " + adam}
+            else:
+                ga, gb = _flat(got_g, keys), _flat(ref_g, keys)
+                g_cos = float(F.cosine_similarity(ga, gb, dim=0))
+                g_norm = float((ga.norm() - gb.norm()).abs() / gb.norm())
+                res = {"grad_cosine": g_cos, "grad_norm_rel_err": g_norm, "update_cosine": u_cos,
+                       "ok": g_cos >= 0.99 and g_norm <= 5e-2 and u_cos >= 0.9,
+                       "tolerance": "gradient cosine >= 0.99 and norm within 5e-2; master-weight update cosine >= 0.9",
+                       "why": ("bf16 vs bf16 compute, fp32 vs fp32 accumulation and masters: DeepSpeed runs a bf16 "
+                               "module, autocast keeps norms and softmax in fp32, so gradients agree in direction "
+                               "and size, not elementwise; " + adam)}
+            out[f"zero{stage}"] = res
+        except Exception as err:  # report and go on: the next stage may still run
             out[f"zero{stage}"] = {"ok": False, "error": f"{type(err).__name__}: {err}",
                                    "trace": traceback.format_exc()[-2000:]}
         ok &= out[f"zero{stage}"]["ok"]
@@ -242,6 +290,11 @@ def check_generation(dev: torch.device, tiny: bool) -> dict[str, Any]:
     prompts = [[5, 9, 12, 7, 30], [40, 3], [8, 8, 21, 14]]
     out: dict[str, Any] = {}
     ok = True
+    if dev.type == "cuda":  # fp32 master weights, bf16 autocast: the hf engine's layout with the torch backend
+        tol, why = 5e-2, ("bf16 vs bf16 (the same autocast on both): cached decoding and the full forward round "
+                          "logits of magnitude up to ~10 to 8 bits in another order: a few ulps of 2^-8 relative")
+    else:
+        tol, why = 1e-4, "fp32 vs fp32: cached decoding and the full forward sum in another order"
     for share in (True, False):
         engine = HFRolloutEngine(model, tok, batch_size=12, share_prefix=share)
         groups = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=3))
@@ -249,24 +302,36 @@ def check_generation(dev: torch.device, tiny: bool) -> dict[str, Any]:
         for p, comps in zip(prompts, groups, strict=True):
             for c in comps:
                 ids = torch.tensor([p + c.token_ids], device=dev)
-                with torch.no_grad():
+                with torch.no_grad(), engine._autocast():  # the engine's own precision (bf16 on CUDA)
                     lp = torch.log_softmax(model(input_ids=ids).logits[0, len(p) - 1 : -1].float(), -1)
                 want = lp.gather(1, torch.tensor(c.token_ids, device=dev)[:, None])[:, 0].cpu()
                 err = max(err, float((torch.tensor(c.logprobs) - want).abs().max()))
                 n_tok += len(c.token_ids)
-        passed = err <= 1e-3 and n_tok > 0
+        passed = err <= tol and n_tok > 0
         ok &= passed
-        out["shared_prefix" if share else "full_rows"] = {"max_abs_logprob_err": err, "tokens": n_tok, "ok": passed}
+        out["shared_prefix" if share else "full_rows"] = {"max_abs_logprob_err": err, "tokens": n_tok, "ok": passed,
+                                                          "tolerance": tol, "why": why}
     out["ok"] = ok
     return out
 
 
 CHECKS = {
     "tokenstats": check_tokenstats,
-    "backend_bf16": check_backend_bf16,
+    "backend": check_backend,
     "deepspeed": check_deepspeed,
     "generation": check_generation,
 }
+
+
+def _rules(res: dict[str, Any], path: str) -> list[str]:
+    """One line per sub-check: its verdict, tolerance and why (the report's nested dicts)."""
+    lines = []
+    if "tolerance" in res:
+        lines.append(f"{path}: {'ok' if res.get('ok') else 'FAILED'}; tolerance {res['tolerance']}: {res.get('why', '')}")
+    for k, v in res.items():
+        if isinstance(v, dict):
+            lines += _rules(v, f"{path}.{k}")
+    return lines
 
 
 def main() -> None:
@@ -293,6 +358,8 @@ def main() -> None:
             report[name] = {"ok": False, "error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
         report[name]["seconds"] = round(time.time() - t0, 1)
         print(f"{name:13s} {'ok' if report[name]['ok'] else 'FAILED'} ({report[name]['seconds']} s)", flush=True)
+        for line in _rules(report[name], name):
+            print("  " + line, flush=True)
     text = json.dumps(report, indent=1)
     if args.out:
         with open(args.out, "w") as f:

@@ -1,6 +1,6 @@
 """Write a random-weight causal LM of a real model's shape, plus a tokenizer, as an HF folder.
 
-For GPU benchmarks on machines without a model hub (issue 14): the step time of a policy depends on
+For GPU benchmarks on machines without a model hub: the step time of a policy depends on
 its shape, not its weights. ``qwen3-1.7b`` is Qwen3-1.7B's published config (28 layers, hidden
 2048, 16 query / 8 KV heads of dim 128, MLP 6144, vocab 151,936, tied embeddings; values from
 the model card's config.json); ``tiny-qwen3`` keeps the vocabulary and shrinks the rest (dry runs).

@@ -1,4 +1,4 @@
-"""CPU of the verification server's own process per item, this tree vs a git revision (issue 10).
+"""CPU of the verification server's own process per item, this tree vs a git revision.
 
 The service answers most items of an RL stream in its own process (caches, in-process verdicts),
 so that process's CPU is a main limit of its throughput. For each round, each stream style and
@@ -134,7 +134,7 @@ def main() -> None:
         print(f"| {style} | {pas} | {name} | {med[0]:.0f} | {med[1]:.1f} | {med[2]:.3f} |")
     for style in bodies:
         same = answers[(style, "before")] == answers[(style, "after")]
-        print(f"{style}: every item's (status, correct, extracted) equal before/after: {same}")
+        print(f"{style}: every item's (status, correct, extracted) equal in both trees: {same}")
 
 
 if __name__ == "__main__":

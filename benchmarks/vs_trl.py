@@ -31,7 +31,7 @@ on CUDA.
     python benchmarks/vs_trl.py --device cuda --model Qwen/Qwen3-1.7B ...   # see benchmarks/gpu_suite.sh
 
 ``stapo-baseline`` is stapo with its speed-ups switched off (the separate old-log-prob pass, no
-prompt-prefix sharing in generation or training): the before/after of issue 12 in the same run. ``stapo-none`` is stapo
+prompt-prefix sharing in generation or training): what those speed-ups buy, measured in the same run. ``stapo-none`` is stapo
 with the ``none`` token weighting (DAPO): against ``stapo`` it gives the S2T mask's overhead. TRL is an optional benchmark
 dependency (``pip install "trl==1.16.*"`` or ``pip install -e ".[bench]"``), never a runtime one.
 """
@@ -54,7 +54,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 SIDES = ("stapo", "trl", "stapo-baseline", "stapo-none")
 
-# stapo settings that turn issue 12's speed-ups off (what "stapo-baseline" runs).
+# stapo settings that turn the step-time speed-ups off (what "stapo-baseline" runs).
 BASELINE_OVERRIDES = ["trainer.share_prompt_prefix=false",
                       "rollout.share_prefix=false"]
 

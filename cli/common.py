@@ -52,7 +52,7 @@ SetOpt = Annotated[
 
 
 def not_built(name: str) -> None:
-    """Commands whose issue has not landed yet say so and exit non-zero."""
+    """Commands not built yet say so and exit non-zero."""
     raise CLIError(f"`stapo {name}` is not built yet in this version of stapo.")
 
 

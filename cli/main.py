@@ -6,7 +6,9 @@
     stapo compare   runs side by side: tables, curves, HTML report
     stapo verifier  serve | bench: the math-verification service
     stapo inspect   the tokens a mask silenced, in context
+    stapo calibrate the S2T silenced rate on your model and prompts, for a grid of thresholds
     stapo recipes   the shipped recipes and their sources; `recipes diff A B`
+    stapo rollout   serve: a vLLM server for rollout.engine=vllm_server
 
 Each command lives in its own module (``cli/<name>.py``) and imports heavy libraries (torch,
 transformers, vllm, deepspeed) only inside the command body, so ``stapo --help`` stays fast.
@@ -25,7 +27,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from stapo import __version__
-from stapo.cli import compare, evaluate, inspect, prepare, recipes, train, verifier
+from stapo.cli import calibrate, compare, evaluate, inspect, prepare, recipes, rollout, train, verifier
 from stapo.cli.common import CLIError, JobError
 
 app = typer.Typer(
@@ -66,8 +68,10 @@ app.command("train")(train.command)
 app.command("eval")(evaluate.command)
 app.command("compare")(compare.command)
 app.command("inspect")(inspect.command)
+app.command("calibrate")(calibrate.command)
 app.add_typer(verifier.app, name="verifier")
 app.add_typer(recipes.app, name="recipes")
+app.add_typer(rollout.app, name="rollout")
 
 
 # Library errors that are a user's to fix: their message alone says what is wrong (no traceback).

@@ -56,6 +56,7 @@ import torch
 
 __all__ = [
     "AsyncRollouts",
+    "async_learner",
     "FaultInjection",
     "ProducedBatch",
     "ProducerDied",
@@ -87,8 +88,8 @@ def check_supported(cfg: Any) -> None:
     """Refuse, naming the field, what asynchronous rollouts do not support yet (docs/async.md)."""
     if not cfg.rollout.async_.enabled:
         return
-    if cfg.rollout.engine != "hf":
-        raise ValueError("rollout.async.enabled supports rollout.engine=hf for now (docs/async.md)")
+    if cfg.rollout.engine not in ("hf", "vllm_server"):
+        raise ValueError("rollout.async.enabled supports rollout.engine=hf or vllm_server for now (docs/async.md)")
     if cfg.algorithm.off_policy.min_variance_baseline and cfg.trainer.backend != "torch":
         raise ValueError(
             "algorithm.off_policy.min_variance_baseline needs trainer.backend=torch (per-sequence gradient "
@@ -452,6 +453,17 @@ class AsyncLearner:
     def close(self) -> None:
         if self.rollouts_ is not None:
             self.rollouts_.close()
+
+
+def async_learner(run: Any, start: int) -> Any:
+    """The source of round-0 batches: the rollout servers themselves (``vllm_server``:
+    :class:`stapo.core.async_fleet.FleetLearner`), else this module's producer process (the small
+    single-process path, ``hf``)."""
+    if run.cfg.rollout.engine == "vllm_server":
+        from stapo.core.async_fleet import FleetLearner
+
+        return FleetLearner(run, start)
+    return AsyncLearner(run, start)
 
 
 def broadcast_from_rank0(obj: Any) -> Any:

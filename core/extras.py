@@ -44,6 +44,7 @@ hook                  switched on by                   what
 ``lp_reg``            ``algorithm.lp_reg.enabled``     Lp-Reg's min-p proxy and its term
 ``stare``             ``token_weighting: stare``       STARE's gate and adaptive (W, M)
 ``kl_in_reward``      ``algorithm.kl.in_reward``       the KL charged to the reward instead
+``s2t_watch``         ``token_weighting: s2t``         one warning when the silenced rate is implausible
 ====================  ===============================  ==============================================
 
 Why this order: the update sums the additive terms in registry order, KL then Lp-Reg (a
@@ -616,9 +617,9 @@ class AsyncHook(LoopHook):
 
     def sample(self, step: int) -> tuple[list[Any], dict[str, float]]:
         if self.learner is None:
-            from stapo.core.async_rollout import AsyncLearner
+            from stapo.core.async_rollout import async_learner
 
-            self.learner = AsyncLearner(self.run, step - 1)
+            self.learner = async_learner(self.run, step - 1)
         return self.learner.rollouts(step)
 
     def needs_old_stats(self, st: StepState) -> bool:
@@ -705,3 +706,35 @@ def _stare_hook(run: Any) -> LoopHook | None:
 def _kl_in_reward_hook(run: Any) -> LoopHook | None:
     a = run.cfg.algorithm
     return KLInReward(run.cfg, run.backend) if a.kl.in_reward and a.kl_coef > 0 else None
+
+
+class S2TWatch(LoopHook):
+    """Feeds each step's global silenced count into :class:`stapo.core.s2t_watch.RateWatch`; rank 0
+    logs its warnings (every rank holds the same global counts, so every rank's state agrees)."""
+
+    name: ClassVar[str] = "s2t_watch"
+
+    def __init__(self, run: Any) -> None:
+        from stapo.core.s2t_watch import RateWatch, describe_thresholds
+
+        s2t = run.cfg.algorithm.s2t
+        self.watch = RateWatch(s2t.watch_steps, s2t.watch_min_rate, s2t.watch_max_rate, describe_thresholds(s2t))
+        self.epochs = run.cfg.algorithm.ppo_epochs
+        self.log = getattr(run, "log", print) if getattr(run, "rank", 0) == 0 else None
+
+    def after_update(self, st: StepState) -> None:
+        m = st.metrics
+        for msg in self.watch.add(m["stapo/silenced_count"], m["tokens/valid"] * self.epochs, m["stapo/tau_h"]):
+            if self.log is not None:
+                self.log(f"warning: {msg}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.watch.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.watch.load_state_dict(state)
+
+
+@register_hook("s2t_watch")
+def _s2t_watch_hook(run: Any) -> LoopHook | None:
+    return S2TWatch(run) if run.cfg.algorithm.token_weighting == "s2t" else None

@@ -467,7 +467,7 @@ def step_entropy_thresholds(cfg: Config, old_ent: torch.Tensor, mask: torch.Tens
     p05 = quantile(allv, 0.05)
     if s2t.tau_h is not None:
         return p05, float(s2t.tau_h)
-    if s2t.tau_h_scope == "step":
+    if s2t.tau_h_quantile is not None and s2t.tau_h_scope == "step":
         return p05, quantile(allv, float(s2t.tau_h_quantile))
     return p05, None
 
@@ -479,8 +479,8 @@ def update_diagnostics(cfg: Config, ctx: Any, tw: Any, tau_step: float | None, d
 
     s2t = cfg.algorithm.s2t
     tau = tw.info.get("tau_h", tau_step)
-    if tau is None:
-        tau = resolve_tau_h(ctx.entropy, ctx.mask, tau_h_quantile=s2t.tau_h_quantile, gather=ctx.gather)
+    if tau is None:  # (a weighting other than s2t with a rate target: its cells at the 5th percentile)
+        tau = resolve_tau_h(ctx.entropy, ctx.mask, tau_h_quantile=s2t.tau_h_quantile or 0.05, gather=ctx.gather)
     for k, v in token_counts(ctx, tw, tau_p=s2t.tau_p, tau_h=float(tau)).items():
         diag[k] = diag.get(k, 0.0) + v
     return float(tau)
@@ -498,12 +498,15 @@ class UpdateRecord:
     weights: torch.Tensor  # [E, N, L]
     tau_h: torch.Tensor  # [E, N]
     cells: torch.Tensor  # [E, N, L] int8 phase cell (index into PHASE_KEYS) the update's counts used
+    logprobs: torch.Tensor  # [E, N, L] float32 log p the weighting compared (its p is exp in float64)
+    entropy: torch.Tensor  # [E, N, L] float32 H the weighting compared
 
     @staticmethod
     def empty(epochs: int, batch: Batch) -> UpdateRecord:
         n, L = batch.input_ids.shape
         return UpdateRecord(torch.ones(epochs, n, L), torch.full((epochs, n), float("nan")),
-                            torch.full((epochs, n, L), -1, dtype=torch.int8))
+                            torch.full((epochs, n, L), -1, dtype=torch.int8), torch.zeros(epochs, n, L),
+                            torch.zeros(epochs, n, L))
 
     def put(self, epoch: int, rows: torch.Tensor, ctx: Any, tw: Any, tau_h: float, tau_p: float) -> None:
         """Store what one mini-batch's weighting gave its first ``len(rows)`` rows (the real ones;
@@ -515,6 +518,8 @@ class UpdateRecord:
         self.weights[epoch, rows] = tw.weights[:k].detach().float().cpu()
         self.tau_h[epoch, rows] = tau_h
         self.cells[epoch, rows] = phase_cells(ctx, tau_p=tau_p, tau_h=tau_h)[:k].cpu()  # [k, L]
+        self.logprobs[epoch, rows] = ctx.logprobs[:k].detach().float().cpu()
+        self.entropy[epoch, rows] = ctx.entropy[:k].detach().float().cpu()
 
 
 def loss_sums() -> dict[str, float]:
@@ -634,10 +639,11 @@ def dump_tokens(run: _Run, step: int, seqs: list[Sequence_], batch: Batch, rows:
     """Bounded token-level dump for `stapo inspect` (format in docs/architecture.md); rank 0 writes.
 
     ``weight`` is what the update applied (PPO epoch 0; ``weights_per_epoch`` when there are more),
-    ``cell`` the phase cell the update counted each token in (index into ``PHASE_KEYS``, from the p
-    and H the weighting saw) and ``tau_h`` the threshold of the row's mini-batch; ``prob``,
-    ``entropy``, ``sum_q2`` and ``top`` come from :func:`dump_forward` (the sampled policy: the same
-    p and H the weighting saw in the first mini-batch; later mini-batches see the updated policy). Records from every rank are gathered; sequences holding
+    ``cell`` the phase cell the update counted each token in (index into ``PHASE_KEYS``), ``prob``
+    and ``entropy`` the p and H its weighting compared with the thresholds (the same float64
+    comparison, so a shown p >= tau_p is never a silenced token) and ``tau_h`` the threshold of the
+    row's mini-batch; ``sum_q2`` and ``top`` come from :func:`dump_forward` (the sampled policy;
+    later mini-batches see the updated policy). Records from every rank are gathered; sequences holding
     silenced tokens come first, then ones with a learning signal (A != 0), up to the bound.
     """
     cfg = run.cfg
@@ -654,8 +660,9 @@ def dump_tokens(run: _Run, step: int, seqs: list[Sequence_], batch: Batch, rows:
             "advantage": s.advantage,
             "tokens": [run.tokenizer.decode([t]) for t in s.response_ids],
             "token_ids": s.response_ids,
-            "prob": dist["logprobs"][j][resp].exp().tolist(),
-            "entropy": dist["entropy"][j][resp].tolist(),
+            # p and H as the update's weighting compared them (p = exp in float64, as below_thresholds)
+            "prob": record.logprobs[0, i][resp].double().exp().tolist(),
+            "entropy": record.entropy[0, i][resp].double().tolist(),
             "sum_q2": dist["sum_q2"][j][resp].tolist(),
             "weight": w[0].tolist(),
             "cell": record.cells[0, i][resp].tolist(),

@@ -253,8 +253,11 @@ def weighting_params(cfg: Config) -> dict[str, Any]:
     """Keyword arguments of the configured token weighting: its config section, field for field."""
     a = cfg.algorithm
     section = getattr(a, a.token_weighting, None)  # a config section named like the weighting, if any
-    # tau_h_scope is the update's choice of population, not an argument of the weighting
-    return section.model_dump(exclude={"tau_h_scope"}) if section is not None else {}
+    # tau_h_scope (the update's choice of population) and the rate watch (the loop's) are not arguments
+    return section.model_dump(exclude=_NOT_WEIGHTING_ARGS) if section is not None else {}
+
+
+_NOT_WEIGHTING_ARGS = {"tau_h_scope", "watch_steps", "watch_min_rate", "watch_max_rate"}
 
 
 def policy_loss_params(cfg: Config) -> dict[str, Any]:
@@ -315,7 +318,7 @@ def update_parts(cfg: Config, extra_params: dict[str, Any] | None = None) -> Upd
 def needs_old_pass(cfg: Config, extras_need_stats: bool = False) -> bool:
     """Whether a step runs the no-grad pass over its batch before the update (module docstring)."""
     a = cfg.algorithm
-    step_tau = a.token_weighting == "s2t" and a.s2t.tau_h is None and a.s2t.tau_h_scope == "step"
+    step_tau = a.token_weighting == "s2t" and a.s2t.tau_h_quantile is not None and a.s2t.tau_h_scope == "step"
     return a.ppo_epochs * a.mini_batches > 1 or extras_need_stats or (step_tau and a.mini_batches > 1)
 
 
@@ -374,7 +377,7 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
     p05, tau_step = (step_entropy_thresholds(cfg, old_ent, batch.response_mask, gather) if old_ent is not None
                      else (None, None))
     if tau_step is not None and a.token_weighting == "s2t":
-        params = {**params, "tau_h": tau_step, "tau_h_quantile": None}
+        params = {**params, "tau_h": tau_step, "tau_h_quantile": None, "target_rate": None}
     reads = parts.reads_stats or extras.terms_read_stats
     bounded = reads and cfg.trainer.update_memory == "bounded"  # "auto" was resolved by the memory plan
     keep_graphs = reads and not bounded

@@ -195,7 +195,7 @@ def _k_of(m: dict[str, Any], kind: str) -> int | None:
 
 
 def training_summary(run: RunData) -> dict[str, float | None]:
-    """One row of numbers per training run: validation before/after/best, steps, final metrics.
+    """One row of numbers per training run: validation at start, end and best, steps, final metrics.
 
     "final" values are the mean of the last 10% of steps (at least 1), which is steadier than the
     very last step of a noisy RL curve.
@@ -210,6 +210,7 @@ def training_summary(run: RunData) -> dict[str, float | None]:
         "val_accuracy_before": _finite(s.get("val_accuracy_before")) if s else (vals_f[0] if vals_f else None),
         "val_accuracy_after": _finite(s.get("val_accuracy_after")) if s else (vals_f[-1] if vals_f else None),
         "val_accuracy_best": max(vals_f) if vals_f else None,
+        "silenced_rate": silenced_rate(run),
         "wall_s": _finite(s.get("wall_s")),
     }
     tail = max(1, len(run.metrics) // 10)
@@ -220,6 +221,65 @@ def training_summary(run: RunData) -> dict[str, float | None]:
         xs_f = [x for x in xs if x is not None]
         out[f"final {key}"] = sum(xs_f) / len(xs_f) if xs_f else None
     return out
+
+
+def _epochs(run: RunData) -> int:
+    alg = (run.config or {}).get("algorithm") or {}
+    return int(alg.get("ppo_epochs") or 1)
+
+
+def silenced_rate(run: RunData) -> float | None:
+    """Silenced (token, epoch) pairs over all of the run's steps / valid tokens x PPO epochs: the
+    S2T rate the whole run had (None without the metrics)."""
+    sil = [_finite(m.get("stapo/silenced_count")) for m in run.metrics]
+    tok = [_finite(m.get("tokens/valid")) for m in run.metrics]
+    pairs = [(a, b) for a, b in zip(sil, tok, strict=True) if a is not None and b is not None]
+    total = sum(b for _, b in pairs) * _epochs(run)
+    return sum(a for a, _ in pairs) / total if pairs and total > 0 else None
+
+
+_NOT_COMPARED = ("time/", "perf/", "phase/", "stapo/tau_h")
+"""Metric prefixes that differ between two runs of the same computation: wall-clock timings, and the
+diagnostics drawn at each run's configured thresholds (the phase cells, tau_h), which a run without
+S2T still logs at its own config's values."""
+
+
+def identical_metrics(a: RunData, b: RunData, *, rel: float = 1e-4, abs_: float = 1e-6) -> bool:
+    """Whether two runs logged the same steps with the same values, to 4 significant digits (``rel``;
+    ``abs_`` for values near 0), for every shared metric except :data:`_NOT_COMPARED`: the two
+    updates computed the same thing up to float rounding (two aggregations that agree in exact
+    arithmetic sum in different orders)."""
+    if not a.metrics or len(a.metrics) != len(b.metrics):
+        return False
+    for ra, rb in zip(a.metrics, b.metrics, strict=True):
+        keys = (set(ra) & set(rb)) - {k for k in set(ra) | set(rb) if k.startswith(_NOT_COMPARED)}
+        for k in keys:
+            x, y = ra[k], rb[k]
+            if x == y:
+                continue
+            if not (isinstance(x, (int, float)) and isinstance(y, (int, float))
+                    and math.isclose(x, y, rel_tol=rel, abs_tol=abs_)):
+                return False
+    return True
+
+
+def s2t_notes(runs: Sequence[RunData]) -> list[str]:
+    """Plain sentences for the fairness box: runs whose S2T mask never fired, and pairs of runs whose
+    metrics are identical (the method changed nothing the run measured)."""
+    notes = []
+    for r in runs:
+        alg = (r.config or {}).get("algorithm") or {}
+        if alg.get("token_weighting") == "s2t" and r.metrics and silenced_rate(r) == 0:
+            tokens = sum(_finite(m.get("tokens/valid")) or 0.0 for m in r.metrics)
+            notes.append(f"S2T never fired in {r.label}: 0 tokens silenced over {len(r.metrics)} steps "
+                         f"({tokens:,.0f} response tokens), so its update is the same objective without the mask; "
+                         "`stapo calibrate` measures the rate its thresholds give on this model.")
+    for i, a in enumerate(runs):
+        for b in runs[i + 1:]:
+            if identical_metrics(a, b):
+                notes.append(f"{a.label} and {b.label} logged identical metrics at every step (to 4 significant "
+                             "digits, timings aside): here the methods did not differ in effect.")
+    return notes
 
 
 # ----------------------------------------------------------------------------- fairness
@@ -236,7 +296,8 @@ def config_check(runs: Sequence[RunData]) -> dict[str, Any]:
     train = [r for r in runs if "train" in r.kinds]
     with_cfg = [r for r in train if r.config is not None]
     out: dict[str, Any] = {"baseline": with_cfg[0].label if with_cfg else None, "runs": {},
-                           "unchecked": [r.label for r in train if r.config is None], "warning": None}
+                           "unchecked": [r.label for r in train if r.config is None], "warning": None,
+                           "notes": s2t_notes(train)}
     if not with_cfg:
         return out
     base = with_cfg[0]
@@ -373,6 +434,8 @@ def _train_fmt(key: str, v: float | None) -> str:
     """Accuracies in % (1 decimal), fractions in % (2 decimals: silenced shares are small), else 4 digits."""
     if v is None:
         return "–"
+    if key == "silenced_rate":  # a rate near 1e-4: scientific, never a rounded 0.00%
+        return f"{v:.2e}"
     if _is_pct(key):
         return fmt_pct(v, 2 if "frac" in key else 1)
     return fmt_num(v, 4)
@@ -450,6 +513,8 @@ def _config_check_html(check: dict[str, Any]) -> str:
                 "in method keys only (execution keys do not change the objective).</p>")
     else:
         head = '<p id="config-check" class="meta">One training run with a config.yaml: nothing to check.</p>'
+    for note in check.get("notes", []):
+        head += f'<p class="s2t-note" style="background:#fff4d6;border:1px solid #b58a00;padding:6px">{esc(note)}</p>'
     if check["unchecked"]:
         head += f'<p class="meta">Not checked (no config.yaml): {esc(", ".join(check["unchecked"]))}.</p>'
     table = (html_table(["run", "group", "key", f"{check['baseline']} (baseline)", "run's value"], rows, raw=True,
@@ -460,6 +525,7 @@ def _config_check_html(check: dict[str, Any]) -> str:
 def terminal_tables(report: dict[str, Any]) -> list[Any]:
     """Rich tables for the terminal: avg@k with deltas, and the training summary."""
     from rich.table import Table
+    from rich.text import Text
 
     out = []
     check = report["config_check"]
@@ -471,6 +537,8 @@ def terminal_tables(report: dict[str, Any]) -> list[Any]:
             for d in v["confounds"]:
                 table.add_row(lab, d["group"], d["key"], repr(d["base"]), repr(d["other"]))
         out.append(table)
+    for note in check.get("notes", []):
+        out.append(Text("note: " + note, style="bold yellow"))
     base = report["baseline"]
     t = report["tables"]["avg"]
     if t["columns"]:

@@ -351,6 +351,17 @@ def inspect_run(run: Path, *, step: int | None = None, out_dir: Path | None = No
     return report
 
 
+def fmt_p(p: float, tau_p: float) -> str:
+    """``p`` with the fewest significant digits (4 or more) that keep it on its side of ``tau_p``:
+    0.0099996 under tau_p 0.01 prints 0.0099996, not 0.0100, so a listed silenced token never reads
+    as p >= tau_p."""
+    for digits in range(4, 18):
+        txt = f"{p:.{digits}g}"
+        if (float(txt) < tau_p) == (p < tau_p):
+            return txt
+    return repr(p)
+
+
 def _top_txt(top: list[list[Any]]) -> str:
     return "  ".join(f"{tok!r} {p:.3g}" for tok, p in top)
 
@@ -401,7 +412,7 @@ def render_html(report: dict[str, Any], dump: dict[str, Any], pngs: dict[str, Pa
     for s in sil[:max_rows]:
         ctx = (f'<span class="ctx">{esc(s["left"])}<span class="sil">{esc(s["token"])}</span>'
                f'{esc(s["right"])}</span>')
-        rows.append([str(s["seq"]), str(s["pos"]), ctx, f"{s['prob']:.4f}", f"{s['entropy']:.3f}",
+        rows.append([str(s["seq"]), str(s["pos"]), ctx, fmt_p(s["prob"], report["tau_p"]), f"{s['entropy']:.4g}",
                      f"{s['advantage']:+.3f}", fmt_num(s["grad_norm"]), esc(_top_txt(s["top"]))])
     more = f'<p class="meta">showing {min(len(sil), max_rows)} of {len(sil)}</p>' if len(sil) > max_rows else ""
     parts.append(section(
@@ -416,7 +427,7 @@ def render_html(report: dict[str, Any], dump: dict[str, Any], pngs: dict[str, Pa
         spans = []
         top = s.get("top") or []
         for t, tok in enumerate(s["tokens"]):
-            tip = f"p={s['prob'][t]:.4f} H={s['entropy'][t]:.3f} w={s['weight'][t]:g}"
+            tip = f"p={fmt_p(s['prob'][t], report['tau_p'])} H={s['entropy'][t]:.4g} w={s['weight'][t]:g}"
             if t < len(top) and top[t]:
                 tip += " | top: " + _top_txt(top[t])
             cls = ' class="sil"' if s["weight"][t] == 0 else ""
@@ -450,7 +461,8 @@ def terminal_tables(report: dict[str, Any], *, max_rows: int = 20) -> list[Any]:
         ctx = Text(s["left"][-40:].replace("\n", "⏎"), style="dim")
         ctx.append("⟦" + s["token"].replace("\n", "⏎") + "⟧", style="bold red reverse")
         ctx.append(s["right"].replace("\n", "⏎"), style="dim")
-        t.add_row(f"{s['seq']}:{s['pos']}", ctx, f"{s['prob']:.4f}", f"{s['entropy']:.3f}", f"{s['advantage']:+.2f}",
+        t.add_row(f"{s['seq']}:{s['pos']}", ctx, fmt_p(s["prob"], report["tau_p"]), f"{s['entropy']:.4g}",
+                  f"{s['advantage']:+.2f}",
                   _top_txt(s["top"][:3]))
     out.append(t if sil else Text(f"no silenced tokens at step {report['step']} ({report['tokens']} tokens dumped)"))
     pt = Table(title=f"phase diagram (tau_p={report['tau_p']:g}, tau_h={report['tau_h']:.3g})")

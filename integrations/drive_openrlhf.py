@@ -17,7 +17,7 @@ import logging
 from types import SimpleNamespace
 
 import openrlhf  # noqa: F401 - the package under test
-from cases import CASES, FAILURE, PROMPT, args, emit, env_for, expected, tiny_tokenizer
+from cases import CASES, FAILURE, MAX_PREDICTION_CHARS, PROMPT, args, emit, env_for, expected, tiny_tokenizer
 from openrlhf.utils.agent import SingleTurnAgentExecutor
 
 A = args()
@@ -82,6 +82,18 @@ if __name__ == "__main__":
     # The service's /get_reward answers 0 (not the failure value) for an item it could not grade,
     # with the per-sample flags in extra_logs.
     emit("HTTP /get_reward?token=", rewards(f"{url}/get_reward?token={token}"), expected(failure=0.0))
+    # a non-answer and a too-large item through /get_reward: their extra_logs flags, as OpenRLHF gets them
+    import httpx
+
+    give_up, big = PROMPT + "I give up.", PROMPT + "x" * (MAX_PREDICTION_CHARS + 100) + " \\boxed{4}"
+    body = {"query": [give_up, big], "prompts": [PROMPT, PROMPT], "labels": ["4", "4"]}
+    logs = httpx.post(f"{url}/get_reward?token={token}", json=body, timeout=60).json()["extra_logs"]
+    emit(
+        "HTTP /get_reward: 'I give up.' and a too-large item, extra_logs flags",
+        {k: logs[k] for k in ("verifier_no_answer", "verifier_too_large", "verifier_error")},
+        {"verifier_no_answer": [0.0, 0.0], "verifier_too_large": [0.0, 1.0], "verifier_error": [0.0, 0.0]},
+        "words with no math are graded (wrong), not counted as no answer",
+    )
     env_for(url, token)
     emit("adapters file, service (token in header)", rewards(path), expected())
     env_for(None, None)

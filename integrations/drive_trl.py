@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import tempfile
 
 from cases import CASES, PROMPT, args, emit, env_for, expected, tiny_tokenizer
@@ -78,6 +79,27 @@ def rewards(tr, conversational: bool = False) -> list[float | None] | str:
     return [None if math.isnan(x) else x for x in out[:, 0].tolist()]
 
 
+def unguarded_script() -> str:
+    """A TRL-style script with no ``if __name__ == "__main__":`` that grades in-process: each pool
+    worker runs it again; the pool must fail at once naming the guard (not after its 60 s start-up)."""
+    import subprocess
+
+    script = os.path.join(WORK, "unguarded.py")
+    with open(script, "w") as f:
+        f.write(
+            "from stapo.verifier_service.adapters import make_trl_reward\n"
+            "fn = make_trl_reward('answer')\n"
+            "print(fn(['p'], ['so \\\\boxed{\\\\frac{3\\\\sqrt{2}}{4}}'], answer=['\\\\frac{\\\\sqrt{18}}{4}']))\n"
+        )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STAPO_VERIFIER_")}
+    env["STAPO_VERIFIER_WORKERS"] = "1"
+    out = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=300, cwd=WORK)
+    if out.returncode == 0:
+        return "ran"
+    guard = "if __name__ == '__main__':" in out.stderr
+    return f"raises PoolBroken{' (guard)' if guard else ''}" if "PoolBroken" in out.stderr else out.stderr[-200:]
+
+
 if __name__ == "__main__":
     url, token, dead = A["url"], A["token"], A["dead_url"]
     tr = trainer()
@@ -92,3 +114,4 @@ if __name__ == "__main__":
     emit("make_trl_reward, service down", rewards(tr), "raises VerifierUnavailable")
     env_for(None, None)
     emit("make_trl_reward, in-process pool", rewards(tr), want)
+    emit("in-process pool from a script without a main guard", unguarded_script(), "raises PoolBroken (guard)")

@@ -157,6 +157,28 @@ def run_new_loop() -> None:
         reward_loop([f"reward.custom_reward_function.path={pkg}", *fn, "reward.reward_manager.name=dapo"]),
         want,
     )
+    # dapo's overlong penalty (verl 0.9 DAPORewardManager: needs reward_kwargs.max_resp_len too) is
+    # added to whatever score the function returned, the failure value of an ungraded item included
+    lens = [int(x) for x in batch().batch["attention_mask"][:, -batch().batch["responses"].shape[1] :].sum(-1)]
+    buf = max(lens[:-1])  # the graded items stay within max_resp_len - buffer: no penalty for them
+    overlong = [
+        f"reward.custom_reward_function.path={pkg}",
+        *fn,
+        "reward.reward_manager.name=dapo",
+        "+reward.reward_kwargs.overlong_buffer_cfg.enable=True",
+        f"+reward.reward_kwargs.overlong_buffer_cfg.len={buf}",
+        "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+        "+reward.reward_kwargs.overlong_buffer_cfg.log=False",
+    ]
+    max_resp = 2 * buf
+    penalty = [min(-(n - (max_resp - buf)) / buf * 1.0, 0.0) for n in lens]  # verl's formula, by hand
+    emit(
+        "dapo + overlong penalty with max_resp_len, a failed item",
+        [round(x, 3) for x in reward_loop([*overlong, f"+reward.reward_kwargs.max_resp_len={max_resp}"])],
+        [round(w + pen, 3) for w, pen in zip(want, penalty, strict=True)],
+        "the failed (too long) item scores the failure value plus the penalty",
+    )
+    emit("dapo + overlong penalty without max_resp_len", reward_loop(overlong), "raises AssertionError")
     emit(
         "naive, service down (reward_kwargs.url)",
         reward_loop(

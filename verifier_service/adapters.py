@@ -41,8 +41,11 @@ text "None".
 
 Where grading happens: ``url=`` argument, else ``$STAPO_VERIFIER_URL`` (comma-separated list for
 sharding/failover, token from ``$STAPO_VERIFIER_TOKEN``), else in this process through a
-``GraderPool`` sized by ``$STAPO_VERIFIER_WORKERS`` / ``$STAPO_VERIFIER_DEADLINE_S``. The pool uses
-warm ``forkserver`` workers that never re-import the caller's ``__main__`` (no main guard needed).
+``GraderPool`` sized by ``$STAPO_VERIFIER_WORKERS`` / ``$STAPO_VERIFIER_DEADLINE_S``. The pool's
+``forkserver`` workers run the caller's script again (multiprocessing imports the main script in
+each, as ``__mp_main__``), so a script that grades in-process needs ``if __name__ == "__main__":``;
+without it the pool fails at once with ``PoolBroken`` naming the guard (``pool.GUARD_MESSAGE``).
+Trainers that import this module (verl, TRL, OpenRLHF's launchers) already run from a guarded main.
 The service being unreachable raises ``VerifierUnavailable``: a reward that could not be computed is
 never silently 0.
 """

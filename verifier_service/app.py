@@ -28,8 +28,9 @@ as ``"\\ud800"``) comes back with U+FFFD in its place.
 A request whose client disconnects is cancelled: its items still queued are dropped before they
 reach a worker. ``/v1/verify`` takes an optional ``budget_s``: items not graded within it answer
 'timeout' (our client sends its own HTTP timeout); a request without one (``/get_reward``, curl)
-gets the default budget (``default_budget_factor`` x the item deadline) once one of its items
-timed out, so every client gets an answer in bounded time.
+gets the default budget (``default_budget_factor`` x the item deadline, from its arrival) once one
+of its items timed out, so every client gets an answer in bounded time, its ordinary items graded
+first (``pool.looks_costly``, ``pool.FIRST_SLICE``).
 
 Shutdown: uvicorn stops accepting connections and lets in-flight requests finish, then the
 lifespan closes the pool, which finishes queued items before stopping the workers.
@@ -54,6 +55,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from fastapi.security import HTTPBearer
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -101,8 +103,12 @@ class SafeJSONResponse(Response):
 
 # --------------------------------------------------------------------------- middleware
 
+DOCS_ASSETS = "/docs-assets"
+"""Where Swagger UI's and ReDoc's scripts are served from (the fastapi-offline package's copies):
+``/docs`` and ``/redoc`` load nothing from a CDN, so they work on a cluster with no internet."""
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
-"""Routes that never need the token: probes, and the API description (schema only, no data)."""
+"""Routes that never need the token: probes, and the API description (schema only, no data), with
+its page assets (under ``DOCS_ASSETS``)."""
 QUERY_TOKEN_PATHS = frozenset({"/get_reward"})
 """Routes that accept ``?token=``: OpenRLHF's remote reward client can send no header."""
 
@@ -120,7 +126,8 @@ class AuthMiddleware:
         self.token = token.encode() if token else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.token is None or scope["type"] != "http" or scope.get("path", "") in PUBLIC_PATHS:
+        path = scope.get("path", "")
+        if self.token is None or scope["type"] != "http" or path in PUBLIC_PATHS or path.startswith(DOCS_ASSETS + "/"):
             await self.app(scope, receive, send)
             return
         given = b""
@@ -355,12 +362,16 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
             if own:
                 await asyncio.to_thread(state["pool"].close, settings.graceful_shutdown_s)
 
-    app = FastAPI(
+    # FastAPI's own /docs and /redoc load their scripts from a CDN; fastapi-offline serves the same
+    # pages with the scripts it ships (FastAPI's documented self-hosting recipe, packaged).
+    app = FastAPIOffline(
         title="stapo verifier",
         version=__version__,
         summary="Math answer verification with hard per-item deadlines (math-verify behind a worker pool).",
         lifespan=lifespan,
         default_response_class=SafeJSONResponse,
+        static_url=DOCS_ASSETS,
+        swagger_ui_parameters={"validatorUrl": None},  # no badge from validator.swagger.io
     )
     app.state.settings = settings
     app.state.metrics = metrics
@@ -445,7 +456,8 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
             for name, statuses in (
                 ("verifier_no_answer", ("no_answer",)),
                 ("verifier_timeout", ("timeout",)),
-                ("verifier_error", ("error", "too_large", "undecided")),
+                ("verifier_too_large", ("too_large",)),  # the request's sizes, not the grader's fault
+                ("verifier_error", ("error", "undecided")),
             )
         }
         body = {

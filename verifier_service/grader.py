@@ -19,7 +19,8 @@ Pipeline of mode ``math`` (policies and their reasons in docs/verifier.md):
    found -> ``no_answer``. Inside a marker's answer "and"/"or" make a list and trailing words are a
    unit (``_marker_answer_form``);
 3. comparison: the ordered table of named rules ``RULES`` (the first rule that says yes or no
-   decides; its name is ``GradeResult.rule``), cheapest first: canonical string equality; multiple-choice letters;
+   decides; its name is ``GradeResult.rule``), cheapest first: digits joined by spaces (``1 2 3`` is not
+   123); canonical string equality; multiple-choice letters;
    text answers; exact numbers (``fractions.Fraction``); unordered multi-answer lists and
    ordered tuples/intervals element by element; finally math-verify's symbolic ``verify`` on
    golds parsed *whole* with latex2sympy (never by regex search, so a single number cannot stand
@@ -423,6 +424,27 @@ def _rule_empty(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
     return False if not g.canon or not p.canon else None
 
 
+_SPACE_RE = re.compile(r"\\[,;: ]|\\q?quad|~")
+_SPACED_DIGITS_RE = re.compile(r"^[+-]?\d+(?: \d+)+$")
+_THOUSANDS_SPACED_RE = re.compile(r"^[+-]?\d{1,3}(?: \d{3})+$")
+
+
+def _spaced_digits(s: str) -> str | None:
+    """``s`` as digit groups joined by spaces (``1 2 3``, ``10 5``; LaTeX spaces count) when that is
+    all it is and the groups are not thousands (``12 345`` is a number); else None."""
+    t = " ".join(_SPACE_RE.sub(" ", strip_delims(s)).split())
+    return t if _SPACED_DIGITS_RE.match(t) and not _THOUSANDS_SPACED_RE.match(t) else None
+
+
+def _rule_spaced_digits(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+    # digits joined by spaces are several numbers, not the integer they spell ("1 2 3" is not 123;
+    # canonical() drops those spaces). A gold written the same way passes on to string equality.
+    spaced = _spaced_digits(pred)
+    if spaced is None:
+        return None
+    return None if _spaced_digits(gold) == spaced else False
+
+
 def _rule_same_string(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
     return True if g.canon == p.canon else None
 
@@ -611,6 +633,7 @@ def _constant_relation(exprs: tuple) -> bool:
 
 RULES: tuple[tuple[str, RuleFn], ...] = (
     ("empty", _rule_empty),
+    ("spaced-digits", _rule_spaced_digits),
     ("same-string", _rule_same_string),
     ("choice-letter", _rule_choice),
     ("text", _rule_text),
@@ -634,7 +657,7 @@ RULES: tuple[tuple[str, RuleFn], ...] = (
 the first that decides gives the verdict and its name (``GradeResult.rule``). Cheapest first.
 ``math-verify`` decides whenever the gold parses; when it does not and no rule before it decided,
 the grade's status is ``undecided`` (rule ``UNDECIDED``)."""
-CHEAP_RULES = 7
+CHEAP_RULES = 8
 """How many rules of ``RULES`` are string and exact-number tests (``quick_rule`` runs only these)."""
 RULE_NAMES = tuple(name for name, _ in RULES)
 
@@ -801,11 +824,15 @@ def _rounded_gold_match(g: _Info, pred: str, pred_value: Fraction | None) -> boo
     """The rounded-gold policy: the gold is shown rounded relative to this answer, and the answer rounds
     to it at the gold's precision.
 
-    A decimal gold (>= 2 significant digits) is taken as a rounding only when the answer is visibly
-    more precise than it: an exact value that no finite decimal equals (``\\frac{1}{7}``, ``\\frac{\\pi}{4}``,
+    A decimal gold (>= 2 significant digits) is taken as a rounding only when the answer shows that
+    rounding happened: an exact value that no finite decimal equals (``\\frac{1}{7}``, ``\\frac{\\pi}{4}``,
     ``2\\sqrt{3}`` for ``0.143``, ``0.79``, ``3.46``), or a decimal with ``EXTRA_DIGITS`` more decimals
-    (``0.78540``). A decimal one digit longer (``1.54`` for ``1.5``) or a terminating fraction
-    (``\\frac{31}{20}``) is another short answer, and the gold may be exact as written: not equal.
+    whose own digits at the gold's places differ from the gold's (``0.78540`` for ``0.79``: rounding
+    changed the last shown digit). Shipped decimal golds are almost always exact (``0.25`` is 1/4), and
+    the grader cannot see whether a problem asked for rounding, so an answer that is the gold's digits
+    followed by more (``0.2512`` for ``0.25``, ``1.540`` for ``1.5``) is a different, longer number,
+    not a more precise one. A decimal one digit longer (``1.54`` for ``1.5``) or a terminating
+    fraction (``\\frac{31}{20}``) is another short answer, and the gold may be exact as written.
     """
     if not SETTINGS.rounded_gold or g.num is None or g.num.percent:
         return False
@@ -818,6 +845,8 @@ def _rounded_gold_match(g: _Info, pred: str, pred_value: Fraction | None) -> boo
     pm = _PLAIN_DEC_RE.match(canonical(pred))
     if pm is not None and len(pm.group(2)) < d + EXTRA_DIGITS:
         return False  # not visibly more precise than the gold: it had to match exactly
+    if pm is not None and _starts_like(m, pm, d):
+        return False  # the gold's digits and more: a longer answer if the gold is exact (0.2512 for 0.25)
     if pred_value is not None:
         if pm is None and _finite_decimal(pred_value):
             return False  # an exact value with a short decimal expansion: another answer
@@ -834,6 +863,13 @@ def _rounded_gold_match(g: _Info, pred: str, pred_value: Fraction | None) -> boo
     if abs(scaled - round(scaled)) <= 1e-9 * max(1.0, abs(scaled)):
         return False  # its value is a short decimal: another answer, not a more precise one
     return abs(v - float(g.num.value)) <= 0.5 * 10**-d * (1 + 1e-9)
+
+
+def _starts_like(gm: re.Match, pm: re.Match, d: int) -> bool:
+    """Are the decimal answer's digits the gold's ``d`` decimals followed by more (same sign, same
+    whole part)? ``gm`` / ``pm``: ``_PLAIN_DEC_RE`` matches of the gold and of the answer."""
+    same_sign = gm.string.startswith("-") == pm.string.startswith("-")
+    return same_sign and int(gm.group(1)) == int(pm.group(1)) and pm.group(2)[:d] == gm.group(2)
 
 
 def _finite_decimal(v: Fraction) -> bool:

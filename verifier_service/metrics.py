@@ -12,7 +12,7 @@ knowledge of Prometheus.
     stapo_verifier_worker_restarts_total{reason}   timeout | crash | startup
     stapo_verifier_cache_hits_total / _misses_total   result cache (+ duplicates inside a request)
     stapo_verifier_cancelled_requests_total        requests whose client went away (queued items dropped)
-    stapo_verifier_pool_events_total{event}        rejected | cancelled_items | expired_items | recycled_items |
+    stapo_verifier_pool_events_total{event}        rejected | cancelled_items | expired_items | sliced_items | recycled_items |
                                                    recycled_rss | pool_restarts | fork_rebuilds | verdict_hits |
                                                    inline_verdicts (decided in the server process)
     stapo_verifier_workers / _workers_ready / _pending_items / _queued_seconds / _cache_entries /
@@ -33,6 +33,7 @@ POOL_EVENTS = (
     "rejected",
     "cancelled_items",
     "expired_items",
+    "sliced_items",
     "recycled_items",
     "recycled_rss",
     "pool_restarts",

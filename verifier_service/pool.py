@@ -11,7 +11,11 @@ pebble 5 does not do (docs/verifier.md): replacing the pebble pool when it gave 
 while no task ran) or a worker's memory grew, backing off after start-up failures
 (:class:`PoolBroken`), and fork safety.
 
-A script that builds a pool needs ``if __name__ == "__main__":`` (workers import ``__main__``)::
+A script that builds a pool needs ``if __name__ == "__main__":``: each worker (``forkserver`` or
+``spawn``) runs the caller's script again, as multiprocessing does, under the name ``__mp_main__``.
+A pool built while a script is re-run that way raises :data:`GUARD_MESSAGE` at once, so the worker
+dies and the parent's pool reports it (:class:`PoolBroken`) instead of waiting for workers that never
+start::
 
     from stapo.verifier_service.pool import GraderPool
     with GraderPool(workers=2, deadline_s=5.0) as pool:
@@ -37,6 +41,7 @@ import os
 import re
 import resource
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -60,17 +65,31 @@ TICK_S = 0.05
 """How often request budgets and workers are looked at while work is pending."""
 COSTLY_KEY = "costly"
 
-COSTLY = re.compile(r"\^\s*\{[^{}]*\^|\^\s*\w+\s*\^|[\d})]\s*!|(?:[{(\[][^{}()\[\]]*){12}")
+COSTLY = re.compile(
+    r"\^\s*\{[^{}]*\^|\^\s*\w+\s*\^|[\d})]\s*!|(?:[{(\[][^{}()\[\]]*){12}"  # towers, factorials, nesting
+    r"|\^\s*\{?\s*[-+]?\d{6}|\d\s*[eE]\s*\+?\d{5}"  # exponents of 6+ digits (1.5 \times 10^{99999999}, 1.5e99999)
+    r"|\^[^()]*\)\s*\^"  # left-nested powers ((9^9)^9)^9
+    r"|\\Gamma\b|\\binom\s*\{[^{}]*(?:\^|\d{5})"  # Gamma, binomials of huge numbers
+)
 """Shapes that can hold a worker for a whole deadline: a power tower (``5^{5^{5^5}}``), a factorial,
-brackets nested 12 deep. Only the order of work and the admission estimate depend on it."""
+brackets nested 12 deep, an exponent of six or more digits, left-nested powers, Gamma, a binomial of
+a huge number. Only the order of work and the admission estimate depend on it."""
+
+
+FIRST_SLICE = 0.1
+"""An item's first run gets this share of its deadline while other work waits (``_dispatch``)."""
 
 
 def looks_costly(prediction: str) -> bool:
     """Whether the end of a response (where the answer is) has a shape that can take a deadline.
 
     Such items go after the rest of their request: a request that mixes ordinary items with
-    pathological ones gets its ordinary items graded first, within its budget. Verdicts do not
-    depend on it."""
+    pathological ones gets its ordinary items graded first, within its budget. Shapes it misses
+    (``\\Gamma(10^9)``, ``99999^{99999999}``, a float times ``10^{99999999}``) are found by their
+    first run instead: it is a slice (``FIRST_SLICE``) of the deadline while other work waits, and an
+    item that outruns it goes behind its request's other unsent items (ahead of the known costly
+    shapes) with the rest of its deadline. Verdicts do
+    not depend on it."""
     return COSTLY.search(prediction, max(0, len(prediction) - 2000)) is not None
 
 
@@ -189,6 +208,8 @@ class Job:
         self.items, self.plan = items, plan
         self.future: concurrent.futures.Future[list[GradeResult]] = concurrent.futures.Future()
         self.costly = {i for i in plan.leaders if looks_costly(items[i][0])}
+        self.known_costly = frozenset(self.costly)  # by shape, before anything ran
+        self.sliced: dict[int, float] = {}  # leader -> seconds its first run had before it was cut
         self.queue = collections.deque(sorted(plan.leaders, key=lambda i: i in self.costly))  # costly last
         self.pending = collections.Counter(self.kind(i) for i in plan.leaders)  # queued or in flight
         self.crashes: collections.Counter[int] = collections.Counter()
@@ -203,6 +224,20 @@ class Job:
 
 _POOLS: weakref.WeakSet[GraderPool] = weakref.WeakSet()
 _REBUILD_LOCK = threading.Lock()
+
+
+GUARD_MESSAGE = (
+    "a grading worker is running your script again (multiprocessing imports the main script in each "
+    "worker, as __mp_main__): guard the script's body with `if __name__ == '__main__':`"
+)
+
+
+def rerunning_main() -> bool:
+    """Is this process re-running the caller's script in a new worker? multiprocessing runs it as
+    the module ``__mp_main__`` while ``__main__`` is still the worker's own; in the parent (and in
+    a worker once that is done) ``sys.modules['__mp_main__']`` is ``sys.modules['__main__']``."""
+    mp_main = sys.modules.get("__mp_main__")
+    return mp_main is not None and mp_main is not sys.modules.get("__main__")
 
 
 def _after_fork_in_child() -> None:
@@ -255,6 +290,8 @@ class GraderPool:
         max_start_failures: int = 5,
         warmup: bool = True,
     ) -> None:
+        if rerunning_main():
+            raise RuntimeError(GUARD_MESSAGE)
         if workers is None:
             from stapo.verifier_service.settings import default_workers
 
@@ -299,7 +336,7 @@ class GraderPool:
             _start_fork_server()
         self._lock = threading.Lock()
         self._outstanding: dict[Job, None] = {}  # jobs with items queued or in flight, in arrival order
-        self._running: dict[Any, tuple[Job, int, float]] = {}  # pebble future -> its item
+        self._running: dict[Any, tuple[Job, int, float, bool]] = {}  # pebble future -> item, deadline, sliced
         self._pending_items = 0  # queued + in flight
         self._item_s: dict[str, float] = {}  # mode -> running mean of per-item seconds (timeouts too)
         self._closing = self._stop = self._recycle = False
@@ -331,7 +368,7 @@ class GraderPool:
             old.stop()
             with contextlib.suppress(Exception):
                 old.join(timeout=5.0)  # pebble stops the workers (they die at once) and settles the futures
-        for job, i, _ in lost:
+        for job, i, *_ in lost:
             self._requeue(job, [i])
         self._unready_since = time.monotonic()
         if start:
@@ -394,8 +431,11 @@ class GraderPool:
 
         ``budget_s``: items not graded this many seconds from now answer 'timeout' (the caller will
         have given up); nothing of the request runs past it. Without it, ``default_budget_s`` from
-        now applies once one of the request's items has timed out: a request of items the grader
-        cannot finish answers in bounded time, and a large batch of ordinary items is never cut.
+        now applies once the request shows an item that can take a whole deadline (a shape
+        ``looks_costly`` knows, a timeout; not an item that outran its first slice, which a loaded
+        machine can make of an ordinary one): a request of items
+        the grader cannot finish answers in bounded time, and a large batch of ordinary items is
+        never cut.
         Every result names the rule that decided it (``GradeResult.rule``), cached ones too.
         Cancelling the future drops the queued items.
         Raises :class:`PoolBusy` (too much queued work), :class:`PoolBroken`, :class:`PoolClosed`.
@@ -408,6 +448,8 @@ class GraderPool:
             job.expires = time.monotonic() + budget_s
         elif default_budget_s is not None:
             job.default_expires = time.monotonic() + default_budget_s
+            if job.costly:  # a shape that can take a whole deadline: the budget holds from the start
+                job.expires = job.default_expires
         c = plan.counts
         with self._lock:
             self.stats.update(c, items=len(items), cache_misses=len(plan.leaders))
@@ -619,6 +661,10 @@ class GraderPool:
                 i = job.queue.popleft()
                 job.served += self._est_s(job.kind(i))
                 deadline = self.deadline_s * (self.retry_deadline_factor if i in job.plan.retried else 1)
+                deadline -= job.sliced.get(i, 0.0)
+                sliced = i not in job.costly and i not in job.plan.retried and self._work_waits()
+                if sliced:  # cut at a slice while others wait; it goes on later (_slice_out)
+                    deadline *= FIRST_SLICE
                 if job.expires is not None:  # nothing runs past the request's budget
                     deadline = min(deadline, max(0.05, job.expires - time.monotonic()))
                 try:
@@ -627,8 +673,27 @@ class GraderPool:
                     log.warning("grader pool: could not send a task (%r)", err)
                     job.queue.appendleft(i)
                     return
-                self._running[fut] = (job, i, deadline)
+                self._running[fut] = (job, i, deadline, sliced)
             fut.add_done_callback(self._on_task_done)
+
+    def _work_waits(self) -> bool:
+        """Is any item queued (not yet sent) in any request? Under the lock."""
+        return any(j.queue for j in self._outstanding)
+
+    def _slice_out(self, job: Job, i: int, ran_s: float) -> None:
+        """An item outran its first slice: it counts as costly now and goes behind the request's
+        other unsent items (ahead of the shapes known to be costly: on a loaded machine an ordinary
+        item can outrun a slice too) with the rest of its deadline."""
+        with self._lock:
+            if job.cancelled:
+                self._forget_locked(job, [i])
+                return
+            job.pending[job.kind(i)] -= 1
+            job.costly.add(i)
+            job.pending[COSTLY_KEY] += 1
+            job.sliced[i] = ran_s
+            at = next((n for n, j in enumerate(job.queue) if j in job.known_costly), len(job.queue))
+            job.queue.insert(at, i)
 
     def _on_task_done(self, fut: Any) -> None:
         """A task's future resolved (in a pebble thread): answer the item, or send it again."""
@@ -636,10 +701,13 @@ class GraderPool:
             task = self._running.pop(fut, None)
         if task is None:  # settled already (its pebble pool was replaced)
             return
-        job, i, deadline = task
+        job, i, deadline, sliced = task
         try:
             err = concurrent.futures.CancelledError() if fut.cancelled() else fut.exception()
-            if err is None:
+            if fut.cancelled() and job.expires is not None and time.monotonic() >= job.expires:
+                # cut by the request's spent budget (_watch): not the item's fault, nothing remembered
+                self._complete(job, i, GradeResult(False, 0.0, "timeout", None, deadline * 1000.0), count=False)
+            elif err is None:
                 pid, tasks, rss, fields = fut.result()
                 r = GradeResult(*fields)
                 if i not in job.costly:
@@ -652,6 +720,10 @@ class GraderPool:
                     self.stats["recycled_rss"] += 1
                     self._recycle = True  # the watchdog replaces the pebble pool (no chosen worker retires)
                     self._wake()
+            elif isinstance(err, concurrent.futures.TimeoutError) and sliced:  # its first slice ran out
+                self.stats["restarts_timeout"] += 1
+                self.stats["sliced_items"] += 1
+                self._slice_out(job, i, deadline)
             elif isinstance(err, concurrent.futures.TimeoutError):  # pebble killed the worker
                 self.stats["restarts_timeout"] += 1
                 if i not in job.costly:
@@ -686,8 +758,10 @@ class GraderPool:
                 self._check_workers()
                 now = time.monotonic()
                 for job in list(self._outstanding):
-                    if job.queue and job.expires is not None and now > job.expires:
-                        self._drop_queued(job, cancelled=False)
+                    if job.expires is not None and now > job.expires:
+                        if job.queue:
+                            self._drop_queued(job, cancelled=False)
+                        self._cut_running(job)
                 self._dispatch()
         except BaseException:  # pragma: no cover - a bug here must not hang every caller
             log.exception("grader pool watchdog crashed")
@@ -695,6 +769,14 @@ class GraderPool:
             self._restart_at = math.inf
         finally:
             self._shutdown()
+
+    def _cut_running(self, job: Job) -> None:
+        """A spent budget also stops the job's items in flight (pebble kills their workers), so an
+        item sent before the budget was armed (no ``job.expires`` then) does not run past it."""
+        with self._lock:
+            futs = [f for f, task in self._running.items() if task[0] is job]
+        for f in futs:
+            f.cancel()
 
     def _on_ready(self, pid: int) -> None:
         self._ready.add(pid)  # (it may report before its Process object knows its pid)
@@ -744,9 +826,8 @@ class GraderPool:
         else:
             what = f"no grader worker became ready within {self.startup_timeout_s:.0f} s"
         why = (
-            f"{what}; check the server log (import error? worker_memory_mb too low? a script that calls "
-            "stapo must guard its body with `if __name__ == '__main__':`, since workers import __main__ "
-            f"again); the pool tries again in {self._backoff_s:.0f} s"
+            f"{what}; check the server log (import error? worker_memory_mb too low? {GUARD_MESSAGE}?); "
+            f"the pool tries again in {self._backoff_s:.0f} s"
         )
         self._restart_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(MAX_RESTART_BACKOFF_S, self._backoff_s * 2)

@@ -39,6 +39,7 @@ from .weights import (
     TokenContext,
     TokenWeightingFn,
     TokenWeights,
+    below_thresholds,
     broadcast_advantages,
     declare_reads_stats,
     get_token_weighting,
@@ -46,6 +47,7 @@ from .weights import (
     reads_stats,
     resolve_tau_h,
     s2t_mask,
+    tau_h_for_rate,
     top_fraction_threshold,
 )
 
@@ -64,6 +66,7 @@ __all__ = [
     "TokenContext",
     "TokenWeightingFn",
     "TokenWeights",
+    "below_thresholds",
     "broadcast_advantages",
     "compute_policy_objective",
     "declare_elementwise",
@@ -87,6 +90,7 @@ __all__ = [
     "resolve_tau_h",
     "s2t_mask",
     "stapo_loss",
+    "tau_h_for_rate",
     "token_counts",
     "token_metrics",
     "top_fraction_threshold",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .weights import TokenContext, TokenWeights, quantile
+from .weights import TokenContext, TokenWeights, below_thresholds, quantile
 
 PHASE_KEYS = tuple(
     f"phase/{p}_{h}_{a}" for p in ("lowp", "highp") for h in ("lowh", "highh") for a in ("pos", "neg")
@@ -25,8 +25,9 @@ def phase_cells(ctx: TokenContext, *, tau_p: float, tau_h: float) -> torch.Tenso
     """[B, T] int8 index into :data:`PHASE_KEYS` of every token (meaningful where ``ctx.mask``):
     ``highp * 4 + highh * 2 + neg`` with highp = p >= tau_p, highh = H >= tau_h, neg = A <= 0."""
     with torch.no_grad():
-        highp = (ctx.logprobs.detach().double().exp() >= tau_p).to(torch.int8)
-        highh = (ctx.entropy.detach().double() >= float(tau_h)).to(torch.int8)
+        lowp, lowh = below_thresholds(ctx.logprobs, ctx.entropy, tau_p=tau_p, tau_h=tau_h)  # as the mask
+        highp = (~lowp).to(torch.int8)
+        highh = (~lowh).to(torch.int8)
         neg = (ctx.advantages <= 0).to(torch.int8)
         return highp * 4 + highh * 2 + neg  # [B, T]
 
@@ -48,8 +49,7 @@ def token_counts(
         mask = ctx.mask
         ent = ctx.entropy.detach().double()
         p = ctx.logprobs.detach().double().exp()
-        lowp = p < tau_p
-        lowh = ent < float(tau_h)
+        lowp, lowh = below_thresholds(ctx.logprobs, ctx.entropy, tau_p=tau_p, tau_h=tau_h)  # as the mask
         pos = ctx.advantages > 0
         cells = []
         for pm in (lowp, ~lowp):

@@ -223,14 +223,30 @@ def no_weighting(ctx: TokenContext) -> TokenWeights:
     return TokenWeights(weights=_valid_weights(ctx), denom_mask=ctx.mask.clone(), info={})
 
 
+def below_thresholds(logprobs: Tensor, entropy: Tensor, *, tau_p: float, tau_h: float) -> tuple[Tensor, Tensor]:
+    """(p < tau_p, H < tau_h), both [B, T] bool: THE boundary comparison of S2T, in float64.
+
+    Every place that says whether a token is below the thresholds (the mask, the phase cells, the
+    logged counts; ``stapo inspect`` compares the dump's float64 values the same way) calls this, so
+    a token on the boundary lands on the same side everywhere: p = exp(logprob) taken in float64
+    (a float32 exp rounds p within 1e-7 relative of tau_p to either side, and float32(0.01) is below
+    0.01), compared with the thresholds as float64 numbers.
+    """
+    with torch.no_grad():
+        lowp = logprobs.detach().double().exp() < float(tau_p)  # [B, T]
+        lowh = entropy.detach().double() < float(tau_h)  # [B, T]
+    return lowp, lowh
+
+
 def s2t_mask(
     logprobs: Tensor, entropy: Tensor, advantages: Tensor, mask: Tensor, *, tau_p: float, tau_h: float
 ) -> Tensor:
     """STAPO's S2T mask: True where a token is silenced (spurious).
 
-    silenced = mask & (A > 0) & (exp(logprob) < tau_p) & (entropy < tau_h). Computed under no_grad:
-    the probability and entropy only select tokens, they carry no gradient. ``advantages`` may be
-    [B] or [B, T]. ``tau_h`` is absolute here; see :func:`resolve_tau_h` for the quantile form.
+    silenced = mask & (A > 0) & (exp(logprob) < tau_p) & (entropy < tau_h), compared in float64
+    (:func:`below_thresholds`). Computed under no_grad: the probability and entropy only select
+    tokens, they carry no gradient. ``advantages`` may be [B] or [B, T]. ``tau_h`` is absolute here;
+    see :func:`resolve_tau_h` for the quantile form and :func:`tau_h_for_rate` for the rate-targeted one.
     """
     check_bt("logprobs", logprobs)
     check_bt("entropy", entropy, logprobs.shape)
@@ -239,8 +255,32 @@ def s2t_mask(
         raise ValueError(f"tau_p must be a probability in (0, 1], got {tau_p}")
     with torch.no_grad():
         adv = broadcast_advantages(advantages.detach(), logprobs)  # [B, T]
-        p = logprobs.detach().exp()  # [B, T]
-        return mask.bool() & (adv > 0) & (p < tau_p) & (entropy.detach() < tau_h)  # [B, T]
+        lowp, lowh = below_thresholds(logprobs, entropy, tau_p=tau_p, tau_h=tau_h)
+        return mask.bool() & (adv > 0) & lowp & lowh  # [B, T]
+
+
+def tau_h_for_rate(ctx: TokenContext, *, tau_p: float, rate: float) -> float:
+    """The absolute tau_h at which S2T silences ``rate`` of the valid tokens (our extension).
+
+    Candidates are the tokens S2T would silence at tau_h = +inf (valid, A > 0, p < tau_p: the same
+    :func:`s2t_mask`); with n valid tokens over all ranks and k = round(rate * n), tau_h is the
+    (k+1)-th smallest candidate entropy, so the k lowest-entropy candidates fall strictly below it
+    (fewer on ties; every candidate when there are at most k: tau_h just above the largest). k = 0
+    gives the smallest candidate entropy, and no candidate gives 0.0: nothing is silenced. One gather
+    of the candidates' entropies and one all-reduce of n, on every rank.
+    """
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"target_rate must be in [0, 1], got {rate}")
+    with torch.no_grad():
+        cand = s2t_mask(ctx.logprobs, ctx.entropy, ctx.advantages, ctx.mask, tau_p=tau_p, tau_h=math.inf)
+        ents = ctx.gathered(ctx.entropy.detach()[cand].double())  # [n_cand] over all ranks
+        n = float(ctx.summed(ctx.mask.sum().double().reshape(1))[0])
+        k = int(round(rate * n))
+        if ents.numel() == 0:
+            return 0.0
+        if ents.numel() <= k:
+            return math.nextafter(float(ents.max()), math.inf)
+        return float(torch.kthvalue(ents.cpu(), k + 1).values)
 
 
 @TOKEN_WEIGHTS.register("s2t")
@@ -250,13 +290,21 @@ def s2t_weighting(
     tau_p: float,
     tau_h: float | None = None,
     tau_h_quantile: float | None = None,
+    target_rate: float | None = None,
 ) -> TokenWeights:
     """STAPO (arXiv 2602.15620): silence positive-advantage tokens with low probability and low
-    entropy; silenced tokens get weight 0 AND leave the denominator."""
+    entropy; silenced tokens get weight 0 AND leave the denominator. ``target_rate`` (instead of
+    ``tau_h`` / ``tau_h_quantile``; our extension, not the paper's) picks tau_h on this call's
+    tokens so that about that fraction of them is silenced (:func:`tau_h_for_rate`)."""
     with torch.no_grad():
-        tau = resolve_tau_h(
-            ctx.entropy, ctx.mask, tau_h=tau_h, tau_h_quantile=tau_h_quantile, gather=ctx.gather
-        )
+        if target_rate is not None:
+            if tau_h is not None or tau_h_quantile is not None:
+                raise ValueError("give one of tau_h, tau_h_quantile or target_rate, not several")
+            tau = tau_h_for_rate(ctx, tau_p=tau_p, rate=target_rate)
+        else:
+            tau = resolve_tau_h(
+                ctx.entropy, ctx.mask, tau_h=tau_h, tau_h_quantile=tau_h_quantile, gather=ctx.gather
+            )
         silenced = s2t_mask(
             ctx.logprobs, ctx.entropy, ctx.advantages, ctx.mask, tau_p=tau_p, tau_h=tau
         )  # [B, T]

@@ -7,6 +7,8 @@ Engines register by name as ``"module:Class"`` strings and are imported only whe
   learner's model object, so weight sync is free. Portable: CPU or any GPU.
 - ``vllm`` :class:`~stapo.core.rollout.vllm.VLLMRolloutEngine` — vLLM's offline engine colocated with
   the learner; sleeps while the learner trains, gets the new weights pushed after every update.
+- ``vllm_server`` :class:`~stapo.core.rollout.vllm_server.ServerRolloutEngine` — ``vllm serve``
+  instances apart from the learners (``rollout.server.urls``); weights pushed with a version.
 
 Usage::
 
@@ -39,7 +41,11 @@ __all__ = [
 
 ENGINES = LazyRegistry(
     "rollout engine",
-    {"hf": "stapo.core.rollout.hf:HFRolloutEngine", "vllm": "stapo.core.rollout.vllm:VLLMRolloutEngine"},
+    {
+        "hf": "stapo.core.rollout.hf:HFRolloutEngine",
+        "vllm": "stapo.core.rollout.vllm:VLLMRolloutEngine",
+        "vllm_server": "stapo.core.rollout.vllm_server:ServerRolloutEngine",
+    },
     hints={"vllm": "pip install 'stapo[vllm]'"},
 )
 register_engine = ENGINES.add  # name, "module:Class"; a taken name is an error
@@ -83,6 +89,13 @@ def build_rollout_engine(
             max_model_len=opts.max_model_len or cfg.data.max_prompt_tokens + max_new,
             trust_remote_code=cfg.model.trust_remote_code,
             per_request_seeds=opts.per_request_seeds,
+        )
+    if name == "vllm_server":
+        srv = cfg.rollout.server
+        return cls(
+            srv.urls, tokenizer=tokenizer, model=srv.model, timeout_s=srv.timeout_s, retries=srv.retries,
+            concurrency=srv.concurrency, weight_sync=srv.weight_sync, weights_dir=srv.weights_dir,
+            bucket_mb=srv.bucket_mb, nccl_master=srv.nccl_master, learner=model,
         )
     # An engine registered later through register_engine: same keyword surface as hf.
     return cls(model, tokenizer, cfg=cfg)

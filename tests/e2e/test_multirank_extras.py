@@ -1,4 +1,5 @@
-"""Issue 9's per-step extras on 2 CPU ranks (gloo, torchrun, DeepSpeed): the same update as one process.
+"""The per-step extras (KL, Lp-Reg, STARE, entropy bonus, overlong filter) on 2 CPU ranks (gloo,
+torchrun, DeepSpeed): the same update as one process.
 
 Each extra is run the way ``loop.train`` runs it (``StepExtras.loss_rows`` -> global counts ->
 ``token_stats_batched`` -> ``StepExtras.prepare`` -> ``apply_kl_in_reward`` -> ``update_policy``) on

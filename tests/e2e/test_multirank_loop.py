@@ -1,13 +1,13 @@
 """The real RL loop on 2 CPU ranks (gloo, launched with torchrun) under DeepSpeed ZeRO-3.
 
-What can fail here (each was broken before issue 8):
+What each test checks:
 
 * ``test_two_rank_loop_completes_resumes_and_logs_global_metrics`` - ``loop.train`` with parameters
   actually partitioned (persistence threshold 0), dynamic sampling on, rewards that vary within
   groups (DAPO overlong shaping on a tiny random model: response lengths differ), 2 mini-batches of
   micro-batches, token dumps and validation every step, a checkpoint every step. It must finish
-  under a timeout (ranks whose kept batches differ used to leave the collectives out of lockstep
-  and hang), log the GLOBAL reward mean (not rank 0's shard) and ``batch/sequences``, and a run
+  under a timeout (ranks whose kept batches differ must still run the same collectives in
+  lockstep, or they hang), log the GLOBAL reward mean (not rank 0's shard) and ``batch/sequences``, and a run
   resumed from the step-2 checkpoint must reproduce step 3 and the final parameters exactly. The
   run carries a KL to the frozen initial policy, itself partitioned under ZeRO-3 (``actor/kl`` is 0
   at step 1, positive after, and reproduced by the resumed run).
@@ -133,8 +133,8 @@ def torchrun(args: list[str], tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- the real loop
 
-# configs/tiny.yaml as it was when this test was calibrated (character vocabulary, 2 prompts x 4
-# responses of up to 8 tokens); the preset now answers with one token from a digits-only vocabulary.
+# The shape this test is calibrated on: a character vocabulary, 2 prompts x 4 responses of up to 8
+# tokens (the tiny preset itself answers with one token from a digits-only vocabulary).
 TINY_SHAPE = ["model.tiny.vocab=chars", "data.arithmetic.answer_range=null", "rollout.prompts_per_step=2",
               "rollout.n=4", "rollout.max_new_tokens=8", "trainer.micro_batch_size=4"]
 
@@ -247,7 +247,8 @@ def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch",
 
     2 mini-batches x micro-batches of 2, S2T with tau_h resolved at ``scope`` (``minibatch``: every
     collective of the weighting runs; ``step``, the default: one threshold from the step's global
-    batch before the update), fused loss. Returns (metrics, full parameters). lr 1e-3: Adam's first step is
+    batch before the update; ``rate``: ``target_rate`` 0.1, each mini-batch's tau_h from the gathered
+    candidates), fused loss. Returns (metrics, full parameters). lr 1e-3: Adam's first step is
     ~lr * sign(g), so a gradient entry at float-noise level can move by up to lr either way; a
     small lr keeps such entries under the 1e-5 comparison (a wrong mini-batch split moves ~lr).
     """
@@ -268,7 +269,8 @@ def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch",
                     "micro_batch_size": 2, "micro_batch_tokens": tokens, "logits_chunk_size": 7},
         "rollout": {"prompts_per_step": 2, "n": 3},
         "algorithm": {"token_weighting": "s2t", "mini_batches": 2,
-                      "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.6, "tau_h_scope": scope}},
+                      "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.6, "tau_h_scope": scope} if scope != "rate" else
+                      {"tau_p": 0.5, "tau_h_quantile": None, "target_rate": 0.1}},  # rate: gathered candidates
     })
     backend = build_trainer_backend(cfg, model, total_optimizer_steps=2)
     g = torch.Generator().manual_seed(3)
@@ -299,7 +301,8 @@ def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch",
 # (split, tau_h_scope, packed token budget): both ranks hold rows, unevenly / rank 1 holds none; the default scope on the
 # uneven split, where a rank-local quantile differs most from the global one. The same launch as run ``a``.
 UPDATE_RUNS = [([2, 4], "minibatch", None), ([6, 0], "minibatch", None), ([2, 4], "step", None),
-               ([2, 4], "minibatch", 12), ([6, 0], "minibatch", 12)]  # tokens 12: packed token-budget micro-batches
+               ([2, 4], "minibatch", 12), ([6, 0], "minibatch", 12),  # tokens 12: packed token-budget micro-batches
+               ([2, 4], "rate", None)]
 
 
 def test_two_rank_update_equals_one_process_update(loop_runs, one_thread):  # reference reduces like the ranks

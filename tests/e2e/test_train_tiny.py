@@ -29,8 +29,8 @@ REQUIRED = [
 ]
 TIMING = ("time/", "perf/")
 
-# configs/tiny.yaml as it was when this test was calibrated (character vocabulary, 2 prompts x 4
-# responses of up to 8 tokens); the preset now answers with one token from a digits-only vocabulary.
+# The shape this test is calibrated on: a character vocabulary, 2 prompts x 4 responses of up to 8
+# tokens (the tiny preset itself answers with one token from a digits-only vocabulary).
 TINY_SHAPE = ["model.tiny.vocab=chars", "data.arithmetic.answer_range=null", "rollout.prompts_per_step=2",
               "rollout.n=4", "rollout.max_new_tokens=8", "trainer.micro_batch_size=4"]
 

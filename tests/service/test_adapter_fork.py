@@ -127,3 +127,40 @@ def test_prime_route_in_process_honours_the_size_limits(monkeypatch):
     # under the default limit (100,000) a long response is graded, as the service and the pool grade it
     long_right = "a" * 30_000 + " so \\boxed{4}"
     assert fn("x", long_right, "4", None) == (1.0, "ok")
+
+
+UNGUARDED = """
+from stapo.verifier_service.adapters import compute_score
+print(compute_score(data_source="x", solution_str="so \\\\boxed{\\\\frac{3\\\\sqrt{2}}{4}}",
+                    ground_truth="\\\\frac{\\\\sqrt{18}}{4}"))
+"""
+GUARDED = "if __name__ == '__main__':\n" + "\n".join("    " + ln for ln in UNGUARDED.strip().splitlines())
+
+
+def _run_script(tmp_path, body: str):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "reward_script.py"
+    script.write_text(body)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STAPO_VERIFIER_")}
+    env["STAPO_VERIFIER_WORKERS"] = "1"
+    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+
+
+def test_an_unguarded_script_fails_with_the_guard_message_not_after_the_startup_timeout(tmp_path):
+    """In-process grading from a script with no main guard: each worker runs the script again (as
+    ``__mp_main__``). The pool it would build there refuses at once (``pool.GUARD_MESSAGE``), the
+    worker dies, and the caller's pool reports workers dying while starting, naming the guard,
+    instead of waiting ``startup_timeout_s`` (60 s) for workers that never start."""
+    from stapo.verifier_service.pool import GUARD_MESSAGE
+
+    bad = _run_script(tmp_path, UNGUARDED)
+    assert bad.returncode != 0
+    assert "PoolBroken" in bad.stderr and "keep dying while starting" in bad.stderr, bad.stderr[-2000:]
+    assert GUARD_MESSAGE in bad.stderr
+    good = _run_script(tmp_path, GUARDED)
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert "'score': 1.0" in good.stdout and "'status': 'ok'" in good.stdout, good.stdout

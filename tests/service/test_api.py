@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from tests.service.conftest import MAX_BODY, MAX_ITEMS, verify
 
@@ -38,7 +39,7 @@ def test_get_reward_follows_openrlhf_protocol(http):
     out = r.json()
     assert out["rewards"] == [1.0, 0.0, 0.0] and out["scores"] == out["rewards"]
     assert out["extra_logs"]["accuracy"] == [1.0, 0.0, 0.0]
-    assert set(out["extra_logs"]) >= {"verifier_timeout", "verifier_error", "verifier_no_answer"}
+    assert set(out["extra_logs"]) >= {"verifier_timeout", "verifier_too_large", "verifier_error", "verifier_no_answer"}
     # the prompt contains "\boxed{}" itself: stripping it is what makes item 3 not "correct"
     assert all(len(v) == 3 for v in out["extra_logs"].values())
 
@@ -104,3 +105,18 @@ def test_health_ready_metrics_docs(http, server):
     assert 'stapo_verifier_requests_total{code="200",route="/v1/verify"}' in text
     assert http.get("/docs").status_code == 200
     assert "/v1/verify" in http.get("/openapi.json").json()["paths"]
+
+
+def test_docs_pages_load_nothing_from_another_host(http):
+    """/docs and /redoc work on a machine with no internet: every script, style sheet and icon they
+    reference is a path on this server, and the server serves it."""
+    for page, needs in (("/docs", "swagger-ui-bundle.js"), ("/redoc", "redoc.standalone.js")):
+        r = http.get(page)
+        assert r.status_code == 200 and "text/html" in r.headers["content-type"], page
+        assert not re.search(r"https?://|//[a-z0-9.-]+\.[a-z]{2,}", r.text, re.I), (page, r.text)
+        refs = re.findall(r'(?:src|href)="([^"]+)"', r.text)
+        assert any(ref.endswith(needs) for ref in refs), (page, refs)
+        for ref in refs:
+            assert ref.startswith("/"), (page, ref)
+            got = http.get(ref)
+            assert got.status_code == 200 and len(got.content) > 0, (page, ref, got.status_code)

@@ -1,4 +1,4 @@
-"""The verifier under hostile and overloaded use (issue 10, findings 1, 2 and 4), over real HTTP.
+"""The verifier under hostile and overloaded use, over real HTTP.
 
 The session server runs 2 workers with a 2 s deadline (conftest). A "flood" is a request of power
 towers, each of which holds a worker for a full deadline before it is killed: without fair
@@ -35,7 +35,7 @@ def _abandon(url: str, items: list[dict], give_up_s: float) -> None:
 
 
 def test_small_request_is_not_starved_and_abandoned_floods_are_cancelled(server):
-    """Finding 1: a 1-item request behind two floods (512 + 128 items) answers within 2 deadlines + 2 s;
+    """Fair queueing: a 1-item request behind two floods (512 + 128 items) answers within 2 deadlines + 2 s;
     when the floods' clients give up, their queued items are dropped (queue back to 0 within a deadline)."""
     server.wait_full()
     floods = [
@@ -68,7 +68,7 @@ def test_small_request_is_not_starved_and_abandoned_floods_are_cancelled(server)
 
 
 def test_timed_out_item_is_regraded_on_retry(http, server):
-    """Finding 2: 'timeout' is never served from the cache; the retry gets a longer deadline."""
+    """'timeout' is never served from the cache; the retry gets a longer deadline."""
     server.wait_full()
     item = {"prediction": "\\boxed{7^{7^{7^{7^7}}}}", "gold": "11"}
     (first,) = verify(http, [item])
@@ -82,7 +82,7 @@ def test_timed_out_item_is_regraded_on_retry(http, server):
 
 
 def test_lone_surrogate_in_dapo_mode_is_not_a_500(http):
-    """Finding 4: JSON "\\ud800" reaches the extracted answer; the response replaces it (never a 500)."""
+    """JSON "\\ud800" reaches the extracted answer; the response replaces it (never a 500)."""
     body = '{"items": [{"prediction": "Answer: \\ud800", "gold": "1", "mode": "dapo"}, ' \
         '{"prediction": "\\\\boxed{\\ud83d\\ude00 \\udfff}", "gold": "1"}]}'  # fmt: skip
     r = http.post("/v1/verify", content=body.encode(), headers={"content-type": "application/json"})

@@ -1,6 +1,6 @@
 """The grader pool's deadline contract, through its public API only (``GraderPool``, ``grade_many``).
 
-Two rules whose breakage used to surface only as a hang or through a 30 s HTTP test:
+Two rules whose breakage otherwise surfaces only as a hang or through a 30 s HTTP test:
 
 * every item answers within its deadline: a worker that overruns is killed and replaced. The wait
   here is bounded by the test itself (a thread and ``Future.result(timeout)``), so a skipped kill

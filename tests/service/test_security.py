@@ -1,4 +1,4 @@
-"""Authenticated integrations and secure defaults (issue 10, findings 5 and 6), over real HTTP.
+"""Authenticated integrations and secure defaults, over real HTTP.
 
 One server with a token and the access log on (module scope); its stderr is read at the end to
 check that ``?token=`` never reaches the log.
@@ -48,8 +48,18 @@ def _raw_request(url: str, head: str, body: bytes = b"", wait_s: float = 3.0) ->
             return b""
 
 
+def test_docs_and_their_assets_need_no_token_and_nothing_else_opens(secured):
+    """The API description is public (schema only, no data), with the scripts its pages load; the
+    assets' prefix opens nothing but those files."""
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs-assets/swagger-ui-bundle.js", "/docs-assets/redoc.standalone.js"):
+        assert httpx.get(secured.url + path).status_code == 200, path
+    assert httpx.get(secured.url + "/metrics").status_code == 401
+    assert httpx.get(secured.url + "/docs-assets/../metrics").status_code in (401, 404)
+    assert httpx.post(secured.url + "/docs-assets/x/../../v1/verify", json={"items": []}).status_code in (401, 404, 405)
+
+
 def test_token_is_checked_before_the_body_is_read(secured):
-    """Finding 5: a request without the token is refused from its headers; the server does not wait
+    """A request without the token is refused from its headers; the server does not wait
     for (or parse) the 1 MB body it announced."""
     head = (
         "POST /v1/verify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -65,7 +75,7 @@ def test_token_is_checked_before_the_body_is_read(secured):
 
 
 def test_trainer_reads_the_token_from_the_environment(secured, monkeypatch):
-    """Finding 6: with no token in its config, the trainer's reward function uses STAPO_VERIFIER_TOKEN.
+    """With no token in its config, the trainer's reward function uses STAPO_VERIFIER_TOKEN.
     (Before the access-log test below, which stops the module's server to read its whole log.)"""
     cfg = RewardConfig(urls=[secured.url], retries=0)
     monkeypatch.delenv("STAPO_VERIFIER_TOKEN", raising=False)
@@ -81,7 +91,7 @@ def test_trainer_reads_the_token_from_the_environment(secured, monkeypatch):
 
 
 def test_openrlhf_query_token_and_redacted_access_log(secured):
-    """Finding 6: OpenRLHF's remote reward client sends only Content-Type; ``?token=`` works on
+    """OpenRLHF's remote reward client sends only Content-Type; ``?token=`` works on
     /get_reward (only there), and the access log never shows the token."""
     body = {"query": ["Q: 1+1? A: so \\boxed{2}"], "prompts": ["Q: 1+1? A:"], "labels": ["2"]}
     assert httpx.post(f"{secured.url}/get_reward", json=body).status_code == 401
@@ -113,7 +123,7 @@ def _serve(
 
 
 def test_non_loopback_without_token_refuses_to_start():
-    """Finding 5: secure by default; the message names both fixes."""
+    """Secure by default: a non-loopback host without a token refuses to start, naming both fixes."""
     out = _serve("--host", "0.0.0.0")
     assert out.returncode != 0
     err = out.stderr + out.stdout

@@ -1,6 +1,6 @@
-"""Self-healing, recycling, bounded memory and fork safety of the grading pool (issue 10 finding 7,
-issue 11 item 2). Real worker processes; the start failures are real too (an address-space limit
-too small for a spawned worker to import the grader), not a mocked crash.
+"""Self-healing, recycling, bounded memory and fork safety of the grading pool. Real worker
+processes; the start failures are real too (an address-space limit too small for a spawned worker
+to import the grader), not a mocked crash.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def test_caches_are_bounded_in_bytes():
 
 
 def test_pool_is_fork_safe():
-    """Issue 11 item 2: fork after grading; the child grades (under a timeout) with workers of its own,
+    """Fork after grading: the child grades (under a timeout) with workers of its own,
     and its exit leaves the parent's workers alone (multiprocessing's exit handler would SIGTERM them)."""
     with GraderPool(workers=1, deadline_s=5.0, inline_verdicts=False) as pool:  # worker items only
         assert pool.grade("\\boxed{2}", "2").correct

@@ -1,4 +1,4 @@
-"""Every verl reward-manager route, called the way verl calls it (issue 11 finding 3, issue 10 item 3).
+"""Every verl reward-manager route, called the way verl calls it.
 
 verl itself (and torch/ray) does not run here, so each test reproduces only the manager's call and
 result handling, read from verl's source (``verl/workers/reward_manager/{naive,dapo,batch,prime}.py``

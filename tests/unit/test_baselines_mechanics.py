@@ -1,4 +1,4 @@
-"""Hand-computed checks of the mechanisms that make each recipe what its paper says (issue 9).
+"""Hand-computed checks of the mechanisms that make each recipe what its paper says.
 
 DAPO: dynamic sampling on accuracy, +1/-1 rewards with the overlong penalty, overlong filtering.
 KL to a frozen reference model (k1/k2/k3, loss or reward). Lp-Reg's min-p proxy and its KL term on a
@@ -150,7 +150,7 @@ def test_k3_is_clamped_as_verl_value_and_gradient(log_ratio):
         k.sum().backward()
         assert k.item() == pytest.approx(want, rel=1e-9), name
         assert lp.grad.item() == pytest.approx(want_grad, rel=1e-9, abs=1e-12), name
-    if log_ratio == -6.0:  # the issue's numbers, by hand
+    if log_ratio == -6.0:  # the k3 blow-up, by hand
         assert math.exp(6) - 7 == pytest.approx(396.43, abs=0.01) and _verl_low_var_kl(-7.0, -1.0) == 10.0
 
 

@@ -54,8 +54,31 @@ FALSE_POSITIVES = [
     ("1,22", "1.22", False),  # the gold is the list 1, 22
     ("-3", "\\boxed{-3,0}", False),  # against an integer gold "-3,0" is a list, not -3.0
     ("7", "\\boxed{7,0}", False),
+    # digits joined by spaces are several numbers, not the integer they spell
+    ("123", "\\boxed{1 2 3}", False),
+    ("23", "\\boxed{2 3}", False),
+    ("105", "\\boxed{10 5}", False),
+    ("123", "\\boxed{1\\,2\\,3}", False),
+    ("123", "The answer is $1~2~3$.", False),
+    ("1 2 3", "\\boxed{1 2 3}", True),  # the gold written that way
+    ("12345", "\\boxed{12 345}", True),  # thousands groups stay a number
+    ("1000000", "\\boxed{1\\,000\\,000}", True),
+    ("\\frac{11}{4}", "\\boxed{2 3/4}", True),  # a mixed number is not spaced digits
     # rounded golds: only where the answer shows the gold was rounded (an exact value no finite
-    # decimal equals, or 2+ more decimals), at the gold's precision
+    # decimal equals, or 2+ more decimals whose digits at the gold's places are not the gold's), at
+    # the gold's precision
+    ("0.25", "\\boxed{0.2512}", False),  # the gold's digits and more: a longer number
+    ("3.75", "\\boxed{3.7549}", False),
+    ("1.5", "\\boxed{1.540}", False),
+    ("12.5", "\\boxed{12.540}", False),
+    ("-0.25", "\\boxed{-0.2512}", False),
+    ("3.14", "\\boxed{3.14159}", False),
+    ("33.3", "\\boxed{100/3}", True),  # no finite decimal is 100/3: 33.3 was rounded
+    ("33.3", "\\boxed{\\frac{100}{3}}", True),
+    ("33.3", "\\boxed{\\frac{101}{3}}", False),  # 33.67 does not round to it
+    ("2.2361", "\\boxed{2.2360680}", True),  # rounding changed the last digit: 2.2360... -> 2.2361
+    ("-0.79", "\\boxed{-0.78540}", True),
+    ("0.2499", "\\boxed{0.25}", False),  # fewer digits never match a longer gold
     ("1.5", "1.54", False),
     ("1.5", "\\boxed{1.50}", True),
     ("1.5", "\\boxed{\\frac{31}{20}}", False),
@@ -217,7 +240,7 @@ def test_every_verdict_names_its_rule_and_answer():
 
 
 def test_rule_table_is_ordered_and_ends_in_math_verify():
-    assert RULE_NAMES[0] == "empty" and RULE_NAMES[-1] == "math-verify"
+    assert RULE_NAMES[:3] == ("empty", "spaced-digits", "same-string") and RULE_NAMES[-1] == "math-verify"
     assert len(set(RULE_NAMES)) == len(RULE_NAMES)
     assert RULE_NAMES[: grader.CHEAP_RULES][-1] == "rounded-gold-number"
 

@@ -1,4 +1,4 @@
-"""The development part of the grading corpus, and the families of issue 11 written out by hand.
+"""The development part of the grading corpus, and one hand-written example per hard family.
 
 ``verifier_service/data/corpus_dev.jsonl`` (built by ``benchmarks/build_grader_corpus.py``; each row
 names its family and source) is what the grader was tuned on. The held-back part
@@ -40,19 +40,31 @@ def test_split_exists_is_large_and_disjoint():
     assert sum(not r["expected"] for r in DEV) >= 0.3 * len(DEV)
 
 
+# Rows built as "a rounded gold, the answer to more digits" whose digits start with the gold's
+# (3.46 | 3.46410 is sqrt(12)): the rounded-gold policy reads such a gold as exact and the answer as
+# a different, longer number (0.25 | 0.2512 looks the same; docs/verifier.md, 4a), so it grades them
+# wrong on purpose. Held here by hand so that any other disagreement still fails.
+POLICY_REJECTS = {("3.46", "3.46410"), ("0.83", "0.83333")}
+
+
 @pytest.mark.parametrize("family", sorted({r["family"] for r in DEV}))
 def test_dev_family(family):
-    wrong = []
+    wrong, rejected = [], set()
     for r in (r for r in DEV if r["family"] == family):
         res = grade(r["prediction"], r["gold"])
-        if res.correct is not r["expected"]:
+        if (r["gold"], res.extracted) in POLICY_REJECTS:
+            assert res.correct is False, (r["gold"], res)
+            rejected.add((r["gold"], res.extracted))
+        elif res.correct is not r["expected"]:
             wrong.append((r["gold"], r["prediction"][-80:], res.extracted, r["expected"]))
     assert not wrong, wrong[:5]
+    if family == "decimal-approx":
+        assert rejected == POLICY_REJECTS  # the rows are still there and still rejected
 
 
-# The issue's own examples: each was graded wrongly before (noted per row).
-ISSUE_ROWS = [
-    # tolerance: math-verify's absolute 6-decimal rounding called these equal (false positives)
+# One hand-written row per hard family: what a naive grader gets wrong (noted per group).
+FAMILY_ROWS = [
+    # tolerance: math-verify's absolute 6-decimal rounding calls these equal (false positives)
     ("\\frac{1}{3^{60}}", "\\boxed{\\frac{1}{3^{59}}}", False),
     ("\\frac{1}{1999!}", "\\boxed{\\frac{1}{2001!}}", False),
     ("10^{-40}", "\\boxed{10^{-41}}", False),
@@ -61,22 +73,22 @@ ISSUE_ROWS = [
     ("\\frac{2}{3}", "\\boxed{0.667}", False),
     ("\\sqrt{5}", "\\boxed{2.236}", False),
     ("20\\pi", "\\boxed{62.83}", False),
-    ("\\frac{2}{3}", "\\boxed{0.66666667}", True),  # ... but is by one right to 6 decimals (unchanged)
-    # a rounded-decimal gold accepts the exact answer (was wrong)
+    ("\\frac{2}{3}", "\\boxed{0.66666667}", True),  # ... but is by one right to 6 decimals
+    # a rounded-decimal gold accepts the exact answer
     ("0.6667", "\\boxed{\\frac{2}{3}}", True),
     ("62.83", "\\boxed{20\\pi}", True),
     ("62.83", "\\boxed{62.9}", False),
-    # non-English answer phrase, distractor numbers after it (was the last number)
+    # non-English answer phrase, distractor numbers after it (not the last number)
     ("\\frac{3}{4}", "所以答案是 3/4。验证：共 12 种情况。", True),
     ("42", "Donc la réponse est 42. On a vérifié 7 cas.", True),
     ("7", "Donc la réponse est 42. On a vérifié 7 cas.", False),
-    # clock times, mixed numbers, squared units (were wrong)
+    # clock times, mixed numbers, squared units
     ("1:30\\text{ p.m.}", "\\boxed{1:30 p.m.}", True),
     ("1:30\\text{ p.m.}", "\\boxed{13:30}", True),
     ("1:30\\text{ p.m.}", "\\boxed{1:30 a.m.}", False),
     ("\\frac{11}{4}", "\\boxed{2 3/4}", True),
     ("233", "\\boxed{233 m^2}", True),
-    # identities with degrees, renamed functions, inequality unions, several boxes (were wrong)
+    # identities with degrees, renamed functions, inequality unions, several boxes
     ("\\sin x", "\\boxed{\\cos(90^\\circ - x)}", True),
     ("\\tan 15^\\circ", "\\boxed{\\frac{1}{\\tan 75^\\circ}}", True),
     ("\\sin 20^\\circ", "\\boxed{\\cos 20^\\circ}", False),
@@ -85,12 +97,12 @@ ISSUE_ROWS = [
     ("(-\\infty, -2) \\cup (3, \\infty)", "\\boxed{x < -2 \\text{ or } x > 3}", True),
     ("(-\\infty, -2) \\cup (3, \\infty)", "\\boxed{x < -2 \\text{ or } x > 4}", False),
     ("2, 5", "So $x=\\boxed{5}$ or $x=\\boxed{2}$.", True),
-    ("-9, 0", "\\boxed{-9}", False),  # was read as the decimal comma -9,0 (a false positive)
+    ("-9, 0", "\\boxed{-9}", False),  # not the decimal comma -9,0 (a false positive)
 ]
 
 
-@pytest.mark.parametrize(("gold", "pred", "expected"), ISSUE_ROWS)
-def test_issue_families(gold, pred, expected):
+@pytest.mark.parametrize(("gold", "pred", "expected"), FAMILY_ROWS)
+def test_hard_families(gold, pred, expected):
     res = grade(pred, gold)
     assert res.status == "ok" and res.correct is expected, res
 

@@ -593,9 +593,9 @@ def test_generated_near_misses_do_not_change(monkeypatch):
     assert fired.get("_equations_unequal", 0) >= N_GEN, fired
     assert fired.get("_interval_sets_unequal", 0) >= N_GEN, fired
     assert fired.get("_matrices_unequal", 0) >= N_GEN, fired
-    # (fragments cut inside a math span on one line are no answer at extraction now, before any rule)
+    # (fragments cut inside a math span on one line are no answer at extraction, before any rule)
     assert fired.get("_word_soup", 0) >= 2, fired
-    # The generated cut-off fragments no longer reach _unparseable_fragment through grade(): the
+    # The generated cut-off fragments do not reach _unparseable_fragment through grade(): the
     # cut-off policy answers them 'no_answer' at extraction. The rule's own coverage:
     # test_unparseable_fragment_rule and test_unparseable_fragments_generated above.
     assert sum(k[0] for k in on) >= 5 * N_GEN

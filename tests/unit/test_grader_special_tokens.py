@@ -1,9 +1,9 @@
-"""End-of-turn and other chat-template special tokens never change a grade (issue 11, finding 1).
+"""End-of-turn and other chat-template special tokens never change a grade.
 
 OpenRLHF decodes prompt + response with ``skip_special_tokens=False``, so the text it grades ends
-in the model's end-of-turn token, often followed by padding. Before the fix ``Answer: 3/4<|im_end|>``
-extracted ``3`` (math) or nothing matched (dapo); integers happened to pass. Every case here failed
-on the old code except the integer control row.
+in the model's end-of-turn token, often followed by padding. A grader that reads the raw text
+extracts ``3`` from ``Answer: 3/4<|im_end|>`` (math) or matches nothing (dapo); integers happen to
+pass, so the answers here are fractions, roots and tuples.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ from stapo.configs import preset_path
 from stapo.core.config import load_config
 from stapo.core.extras import HOOKS, STABILITY_HOOKS, StepState, build_hooks, legacy_hook_state
 
-DOCUMENTED = ["async", "sampler", "deep_grpo", "overlong_filter", "kl_reference", "lp_reg", "stare", "kl_in_reward"]
+DOCUMENTED = [
+    "async", "sampler", "deep_grpo", "overlong_filter", "kl_reference", "lp_reg", "stare", "kl_in_reward", "s2t_watch",
+]
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
@@ -31,7 +33,7 @@ def _hooks(*overrides: str, sampler=None):
 
 def test_registry_order_is_the_documented_one():
     assert list(HOOKS)[: len(DOCUMENTED)] == DOCUMENTED
-    assert list(STABILITY_HOOKS) == DOCUMENTED[3:]
+    assert list(STABILITY_HOOKS) == DOCUMENTED[3:-1]
     # the module's table of hooks, in its order: the first column of each row
     doc = extras.__doc__.split("Registered, in this order")[1]
     assert re.findall(r"^``(\w+)``\s{2,}", doc, flags=re.M) == DOCUMENTED
@@ -41,8 +43,9 @@ def test_registry_order_is_the_documented_one():
 
 
 def test_plain_recipe_builds_only_the_always_on_hook():
-    hooks = _hooks()
+    hooks = _hooks("algorithm.token_weighting=none")
     assert list(hooks.by_name) == ["sampler"]
+    assert list(_hooks().by_name) == ["sampler", "s2t_watch"]  # S2T on: its rate is watched
     assert hooks.needs_old_stats(StepState(1, [], [], {})) is False and hooks.weighting_params() == {}
     assert not hooks.terms_read_stats
 
@@ -63,7 +66,7 @@ LAYERS = {
 @pytest.mark.parametrize("layer", list(LAYERS))
 def test_one_layer_config_activates_only_that_hook(layer):
     overrides, built, old_stats, read_stats, live_params = LAYERS[layer]
-    hooks = _hooks(*overrides)
+    hooks = _hooks("algorithm.token_weighting=none", *overrides)
     assert list(hooks.by_name) == ["sampler", *built]
     assert all(type(hooks.get(n)).name == n for n in built)
     assert hooks.needs_old_stats(StepState(1, [], [], {})) is old_stats

@@ -142,7 +142,7 @@ def test_inspect_cli_prints_and_renders_report(tmp_path: Path) -> None:
     out = tmp_path / "insp"
     res = CliRunner().invoke(app, ["inspect", str(run), "--step", "3", "--out", str(out)], env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
-    assert "lowp_lowh_pos" in res.output and "0.0040" in res.output and "The answer is⟦ 8⟧" in res.output
+    assert "lowp_lowh_pos" in res.output and "0.004" in res.output and "The answer is⟦ 8⟧" in res.output
 
     rep = json.loads((out / "inspect.json").read_text())
     assert rep["step"] == 3 and rep["tokens"] == 8 and rep["silenced"] == 1
@@ -158,7 +158,7 @@ def test_inspect_cli_prints_and_renders_report(tmp_path: Path) -> None:
     assert p.scripts == 0  # the prompt's <script> is escaped text, not a tag
     assert len(p.imgs) == 2 and all(i.startswith("data:image/png;base64,") for i in p.imgs)
     sil_rows = p.rows["table-silenced"][1:]
-    assert len(sil_rows) == 1 and sil_rows[0][2] == "The answer is 8\n" and sil_rows[0][3] == "0.0040"
+    assert len(sil_rows) == 1 and sil_rows[0][2] == "The answer is 8\n" and sil_rows[0][3] == "0.004"
     phase = {r[0]: r for r in p.rows["table-phase"][1:]}
     assert phase["lowp_lowh_pos"][1] == "1" and phase["lowp_lowh_pos"][2] == "12.50"
 

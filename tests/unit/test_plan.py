@@ -19,6 +19,7 @@ import os
 import shlex
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -315,6 +316,9 @@ def test_train_checks_the_plan_at_start(monkeypatch, capsys, tmp_path):
            "trainer.backend=deepspeed", "--set", "trainer.zero_stage=3", "--set", "trainer.micro_batch_size=4",
            "--set", "data.max_prompt_tokens=1024", "--set", "rollout.max_new_tokens=8192"]
     monkeypatch.setattr(plan, "card_gib", lambda cfg, given=None: 80.0)
+    # vLLM is not installed beside the test venv (it needs its own): an empty stand-in module passes the
+    # launch's import check, which runs before the plan, so the plan's refusal is what this run meets.
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setattr(sys, "argv", ["stapo", "train", "--config", str(STAPO), "--run-dir", str(tmp_path / "b"), *gpu])
     from stapo.cli.main import main

@@ -64,7 +64,7 @@ def test_grpo_is_vanilla():
     assert a.dual_clip_c is None and a.token_weighting == "none" and a.policy_loss == "ppo_clip"
     assert a.kl.reference == "initial" and a.kl.estimator == "k3" and not a.kl.in_reward  # optional KL
     assert (c.reward.scale.correct, c.reward.scale.wrong) == (1.0, 0.0)
-    assert diff("grpo", "justrl") != {}  # no longer the same recipe as JustRL
+    assert diff("grpo", "justrl") != {}  # GRPO and JustRL are distinct recipes
 
 
 def test_twenty_entropy_is_dapo_setup_plus_top_entropy():

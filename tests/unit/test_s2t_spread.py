@@ -2,7 +2,7 @@
 
 A tiny random model's token entropies are nearly all equal (about ln(vocab)), so a threshold taken
 over the wrong population, or re-taken per micro-batch, moves by float noise and silences the same
-tokens: such bugs used to pass every unit test and fail only 1-minute 2-rank end-to-end tests.
+tokens: such bugs pass a unit test on a tiny model and fail only 1-minute 2-rank end-to-end tests.
 Here every batch spans near-0 to ln(V) nats and probabilities from 1e-4 to 0.99:
 
 * ``spread`` - hand-set logits ``[s, 0, 0, 0]`` per token (s from 0 to 9), sampled token the top

@@ -1,11 +1,10 @@
 """The chunked LM-head gradient is summed over chunks in float32 whatever the weight's dtype.
 
-Finding 6 of issue 8: with bf16 parameters (DeepSpeed bf16) the weight gradient used to be summed
-chunk by chunk in bf16, which keeps 8 mantissa bits: once the running sum is large, the next
-chunks' contributions are rounded away. The check: bf16 weights and hidden states, many chunks,
+Why: with bf16 parameters (DeepSpeed bf16), a weight gradient summed chunk by chunk in bf16 keeps
+8 mantissa bits: once the running sum is large, the next chunks' contributions are rounded away. The check: bf16 weights and hidden states, many chunks,
 against an independent float64 computation of the same gradient from the same bf16 values; the
 result may differ by bf16 precision (the logits are formed by a bf16 matmul, the result is rounded
-to bf16), normwise 2^-8. Summing in bf16 over 1024 one-token chunks was off by ~9x that.
+to bf16), normwise 2^-8. Summing in bf16 over 1024 one-token chunks is off by ~9x that.
 """
 
 from __future__ import annotations

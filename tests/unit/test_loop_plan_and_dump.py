@@ -1,7 +1,8 @@
-"""Issue 8's findings, one test (or a few) each, on the real loop with a tiny random model (1 process).
+"""The loop's batch plan, token dumps and logged counts, on the real loop with a tiny random model
+(1 process).
 
-The multi-rank halves of findings 1, 2 and 5 (lockstep, collective-safe dumps and validation,
-global metrics) need 2 ranks: tests/e2e/test_multirank_loop.py. Here:
+The multi-rank halves of 1, 2 and 5 (lockstep, collective-safe dumps and validation, global
+metrics) need 2 ranks: tests/e2e/test_multirank_loop.py. Here:
 
 1. the batch decision and the update plan are global (pure functions of every rank's counts);
 2. the token dump runs no forward of its own outside the trainer backend (under ZeRO-3 a bare
@@ -11,7 +12,7 @@ global metrics) need 2 ranks: tests/e2e/test_multirank_loop.py. Here:
 4. the dump's p, H, sum q^2 and top-k describe ONE distribution: the sampled (pre-update) policy at
    the sampling temperature, checked against an independent full-logits computation;
 5. logged counts are sums (``stapo/silenced_count`` = frac x tokens), ``batch/sequences`` is logged.
-(6, fp32 accumulation of the LM-head gradient: tests/unit/test_tokenstats_accum.py.)
+(fp32 accumulation of the LM-head gradient: tests/unit/test_tokenstats_accum.py.)
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from stapo.core.tracking import read_jsonl
 from stapo.core.trainer.torch_backend import TorchBackend
 from stapo.core.update import MicroSpec, split_rows, with_padding
 
-# configs/tiny.yaml as it was when this test was calibrated (character vocabulary, 2 prompts x 4
-# responses); the preset now answers with one token from a digits-only vocabulary.
+# The shape these tests are calibrated on: a character vocabulary, 2 prompts x 4 responses (the
+# tiny preset itself answers with one token from a digits-only vocabulary).
 TINY_SHAPE = ["model.tiny.vocab=chars", "data.arithmetic.answer_range=null", "rollout.prompts_per_step=2",
               "rollout.n=4", "trainer.micro_batch_size=4"]
 BASE = [*TINY_SHAPE, "logging.live=false", "logging.tensorboard=false", "algorithm.overlong.enabled=true",
