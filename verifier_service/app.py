@@ -60,7 +60,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stapo import __version__
-from stapo.verifier_service.grader import GradeResult
+from stapo.verifier_service.grader import Verdict
 from stapo.verifier_service.metrics import ServiceMetrics
 from stapo.verifier_service.pool import GraderPool, PoolBroken, PoolBusy, PoolClosed
 from stapo.verifier_service.schemas import (
@@ -262,7 +262,7 @@ async def _send_json(
 # --------------------------------------------------------------------------- app
 
 
-def results_body(results: list[GradeResult], *, explain: bool = False) -> dict[str, Any]:
+def results_body(results: list[Verdict], *, explain: bool = False) -> dict[str, Any]:
     """``/v1/verify``'s answer; with ``explain`` each result also names the rule that decided it."""
     if not explain:
         return {"results": [
@@ -397,7 +397,7 @@ def create_app(settings: Settings | None = None, *, pool: GraderPool | None = No
 
     async def grade(
         request: Request, items: list[tuple[str, str, str]], budget_s: float | None
-    ) -> list[GradeResult]:
+    ) -> list[Verdict]:
         if len(items) > settings.max_items:
             raise HTTPException(
                 413,

@@ -50,9 +50,9 @@ from typing import Any
 
 import pebble
 
-from stapo.verifier_service.cache import Item, Memo, Plan, verdict_key  # noqa: F401 (verdict_key: re-export)
-from stapo.verifier_service.grader import GradeResult
-from stapo.verifier_service.schemas import VerifyItem, as_item  # noqa: F401 (as_item: re-export)
+from stapo.verifier_service.cache import Item, Memo, Plan
+from stapo.verifier_service.grader import Verdict
+from stapo.verifier_service.schemas import VerifyItem, as_item
 
 log = logging.getLogger("stapo.verifier_service.pool")
 
@@ -93,7 +93,7 @@ def looks_costly(prediction: str) -> bool:
     return COSTLY.search(prediction, max(0, len(prediction) - 2000)) is not None
 
 
-FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(GradeResult)))
+FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(Verdict)))
 """A result travels from a worker as a plain tuple of its fields (cheaper to pickle than the object)."""
 
 
@@ -116,9 +116,9 @@ class PoolBroken(RetryLater):
     the pool tries again in ``retry_after_s``."""
 
 
-def status_result(status: str) -> GradeResult:
+def status_result(status: str) -> Verdict:
     """A result that carries only a status (too_large, error): never correct, score 0."""
-    return GradeResult(correct=False, score=0.0, status=status, extracted=None, ms=0.0)
+    return Verdict(correct=False, score=0.0, status=status, extracted=None, ms=0.0)
 
 
 # --------------------------------------------------------------------------- worker process
@@ -155,7 +155,7 @@ def grade_item(pred: str, gold: str, mode: str, max_chars: int) -> tuple[int, in
         r = grade(pred, gold, mode, max_chars=max_chars)
     except BaseException as err:  # math-verify's TimeoutException is a BaseException; never requeued
         log.debug("grade raised %r", err)
-        r = GradeResult(False, 0.0, "error", None, (time.perf_counter() - t0) * 1000.0)
+        r = Verdict(False, 0.0, "error", None, (time.perf_counter() - t0) * 1000.0)
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return os.getpid(), next(TASKS), rss_mb, FIELDS(r)
 
@@ -187,7 +187,7 @@ class Job:
 
     def __init__(self, items: list[Item], plan: Plan) -> None:
         self.items, self.plan = items, plan
-        self.future: concurrent.futures.Future[list[GradeResult]] = concurrent.futures.Future()
+        self.future: concurrent.futures.Future[list[Verdict]] = concurrent.futures.Future()
         self.costly = {i for i in plan.leaders if looks_costly(items[i][0])}
         self.known_costly = frozenset(self.costly)  # by shape, before anything ran
         self.sliced: dict[int, float] = {}  # leader -> seconds its first run had before it was cut
@@ -407,7 +407,7 @@ class GraderPool:
         budget_s: float | None = None,
         default_budget_s: float | None = None,
     ) -> concurrent.futures.Future:
-        """Queue items; the future resolves to ``list[GradeResult]`` in input order.
+        """Queue items; the future resolves to ``list[Verdict]`` in input order.
 
         ``budget_s``: items not graded this many seconds from now answer 'timeout' (the caller will
         have given up); nothing of the request runs past it. Without it, ``default_budget_s`` from
@@ -416,7 +416,7 @@ class GraderPool:
         machine can make of an ordinary one): a request of items
         the grader cannot finish answers in bounded time, and a large batch of ordinary items is
         never cut.
-        Every result names the rule that decided it (``GradeResult.rule``), cached ones too.
+        Every result names the rule that decided it (``Verdict.rule``), cached ones too.
         Cancelling the future drops the queued items.
         Raises :class:`PoolBusy` (too much queued work), :class:`PoolBroken`, :class:`PoolClosed`.
         """
@@ -465,17 +465,17 @@ class GraderPool:
         self._dispatch()
         return job.future
 
-    def grade_many(self, items: Iterable[VerifyItem | dict[str, Any] | Sequence[str]]) -> list[GradeResult]:
+    def grade_many(self, items: Iterable[VerifyItem | dict[str, Any] | Sequence[str]]) -> list[Verdict]:
         """Grade items (blocking); one result per item, in order."""
         return self.submit(items).result()
 
     async def agrade_many(
         self, items: Iterable[VerifyItem | dict[str, Any] | Sequence[str]], *, budget_s: float | None = None
-    ) -> list[GradeResult]:
+    ) -> list[Verdict]:
         """Grade items without blocking the event loop; cancelling the awaiting task cancels the job."""
         return await asyncio.wrap_future(self.submit(items, budget_s=budget_s))
 
-    def grade(self, prediction: str, gold: str, mode: str = "math") -> GradeResult:
+    def grade(self, prediction: str, gold: str, mode: str = "math") -> Verdict:
         return self.grade_many([(prediction, gold, mode)])[0]
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -586,7 +586,7 @@ class GraderPool:
                 return
             self.stats["expired_items"] += len(idx)
         for i in idx:
-            self._complete(job, i, GradeResult(False, 0.0, "timeout", None, 0.0), count=False)
+            self._complete(job, i, Verdict(False, 0.0, "timeout", None, 0.0), count=False)
 
     def _requeue(self, job: Job, idx: list[int]) -> None:
         """Items to send again (a lost worker, a verdict that did not carry over): their job's head."""
@@ -596,7 +596,7 @@ class GraderPool:
                 return
             job.queue.extendleft(reversed(idx))
 
-    def _complete(self, job: Job, leader: int, r: GradeResult, *, count: bool = True) -> None:
+    def _complete(self, job: Job, leader: int, r: Verdict, *, count: bool = True) -> None:
         """A leader's result (``count`` False: a spent budget's ungraded 'timeout', not the item's fault)."""
         followers = self.memo.settle(job.plan, leader, r, remember=count)
         if r.status in ("timeout", "error") and count:
@@ -686,10 +686,10 @@ class GraderPool:
             err = concurrent.futures.CancelledError() if fut.cancelled() else fut.exception()
             if fut.cancelled() and job.expires is not None and time.monotonic() >= job.expires:
                 # cut by the request's spent budget (_watch): not the item's fault, nothing remembered
-                self._complete(job, i, GradeResult(False, 0.0, "timeout", None, deadline * 1000.0), count=False)
+                self._complete(job, i, Verdict(False, 0.0, "timeout", None, deadline * 1000.0), count=False)
             elif err is None:
                 pid, tasks, rss, fields = fut.result()
-                r = GradeResult(*fields)
+                r = Verdict(*fields)
                 if i not in job.costly:
                     self._observe(job.items[i][2], r.ms / 1000.0)
                 self._complete(job, i, r)
@@ -708,7 +708,7 @@ class GraderPool:
                 self.stats["restarts_timeout"] += 1
                 if i not in job.costly:
                     self._observe(job.items[i][2], deadline)
-                self._complete(job, i, GradeResult(False, 0.0, "timeout", None, deadline * 1000.0))
+                self._complete(job, i, Verdict(False, 0.0, "timeout", None, deadline * 1000.0))
             elif isinstance(err, pebble.ProcessExpired):  # the worker died under it (killed, out of memory)
                 self.stats["restarts_crash"] += 1
                 log.warning("grader worker died (%s); pebble replaces it", err)

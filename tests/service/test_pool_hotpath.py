@@ -16,9 +16,10 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from stapo.verifier_service.cache import cache_key, verdict_key
+from stapo.verifier_service.cache import cache_key, cheap_answer, verdict_key
 from stapo.verifier_service.grader import grade
-from stapo.verifier_service.pool import GraderPool, as_item
+from stapo.verifier_service.pool import GraderPool
+from stapo.verifier_service.schemas import as_item
 
 
 def test_as_item_fast_path_and_its_limits():
@@ -50,8 +51,8 @@ def _by_hand(*parts: str) -> bytes:
 def test_keys_are_blake2b_of_length_prefixed_fields():
     for pred, gold, mode in [("so \\boxed{2}", "2", "math"), ("\ud800 lone", "é", "dapo"), ("", "", "math")]:
         assert cache_key((pred, gold, mode)) == _by_hand(mode, gold, pred)
-    vk = verdict_key(("so \\boxed{4}", "4", "math"))
-    assert vk is not None and vk.digest == _by_hand("verdict", "math", "4", "4")
+    vk = verdict_key("4", cheap_answer(("so \\boxed{4}", "4", "math")))
+    assert vk.digest == _by_hand("verdict", "math", "4", "4")
 
 
 def test_a_pair_that_collides_when_fields_are_joined_gets_its_own_verdict():
