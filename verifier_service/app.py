@@ -35,7 +35,7 @@ reach a worker. ``/v1/verify`` takes an optional ``budget_s``: items not graded 
 'timeout' (our client sends its own HTTP timeout); a request without one (``/get_reward``, curl)
 gets the default budget (``default_budget_factor`` x the item deadline, from its arrival) once one
 of its items timed out, so every client gets an answer in bounded time, its ordinary items graded
-first (``pool.looks_costly``, ``pool.FIRST_SLICE``).
+first (``scheduler.looks_costly``, ``scheduler.FIRST_SLICE``).
 
 Shutdown: uvicorn stops accepting connections and lets in-flight requests finish, then the
 lifespan closes the pool, which finishes queued items before stopping the workers.

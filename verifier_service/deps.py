@@ -14,8 +14,9 @@ from starlette.types import Receive
 
 from stapo.verifier_service.grader import Verdict
 from stapo.verifier_service.metrics import ServiceMetrics
-from stapo.verifier_service.pool import GraderPool, PoolBroken, PoolBusy, PoolClosed
+from stapo.verifier_service.pool import GraderPool, PoolBroken, PoolClosed
 from stapo.verifier_service.responses import json_body
+from stapo.verifier_service.scheduler import PoolBusy
 from stapo.verifier_service.schemas import RewardRequest, VerifyRequest
 from stapo.verifier_service.settings import Settings
 
