@@ -70,17 +70,6 @@ def verdict_key(gold: str, answer: Answer) -> VerdictKey:
     return VerdictKey(digest("verdict", answer.mode, gold, answer.text or ""), answer)
 
 
-def inline_grade(gold: str, answer: Answer) -> Verdict | None:
-    """The item's verdict, with its deciding rule, when ``grader.compare`` decides it under budget
-    ``cheap`` in this process, else None.
-
-    Most first sights on an RL stream are integers against an integer gold (DAPO-Math-17k, GSM8K),
-    an answer equal to the gold up to markup, or a response cut off before any answer: a worker
-    would take microseconds to grade them, after a round trip that costs more than the grading.
-    """
-    return compare(gold, answer, budget="cheap")
-
-
 def untimed(r: Verdict) -> Verdict:
     """The result as a cache serves it: same verdict (and every other field), ``ms`` 0."""
     return dataclasses.replace(r, ms=0.0)
@@ -154,7 +143,10 @@ class Memo:
     The two result caches share ``max_bytes``. 'timeout' and 'error' are never remembered as
     results (a retry re-grades); a timed-out item's key is, so that its retry gets a longer deadline.
     ``inline``: verdicts ``grader.compare`` decides under budget ``cheap`` (among them the 'no_answer'
-    of a response cut off before any marker) are given in this process (no round trip)."""
+    of a response cut off before any marker) are given in this process (no round trip): most first
+    sights on an RL stream are integers against an integer gold (DAPO-Math-17k, GSM8K), an answer
+    equal to the gold up to markup, or a cut-off response; a worker would take microseconds to grade
+    them, after a round trip that costs more than the grading."""
 
     def __init__(self, max_bytes: int, max_entries: int, *, verdicts: bool = True, inline: bool = True) -> None:
         self.verdict_cache, self.inline = verdicts, inline and verdicts
@@ -206,7 +198,7 @@ class Memo:
                     p.keys[i] = key
                     p.counts["verdict_hits"] += 1
                     continue
-                if self.inline and (r := inline_grade(gold, answer)) is not None:
+                if self.inline and (r := compare(gold, answer, budget="cheap")) is not None:
                     p.results[i] = r
                     self.verdicts.put(vk.digest, untimed(r))
                     self.results.put(key, untimed(r))
@@ -214,7 +206,7 @@ class Memo:
                     continue
                 vleaders[vk.digest] = i
                 p.vkeys[i] = vk
-            elif answer is not None and self.inline and (r := inline_grade(gold, answer)) is not None:
+            elif answer is not None and self.inline and (r := compare(gold, answer, budget="cheap")) is not None:
                 p.results[i] = r  # no answer: a response cut off before any
                 self.results.put(key, untimed(r))
                 p.counts["inline_verdicts"] += 1

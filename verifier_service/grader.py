@@ -30,8 +30,8 @@ Pipeline of mode ``math`` (policies and their reasons in docs/verifier.md):
    ``numeric.py`` that differs far beyond math-verify's rounding, bracketed lists of numbers with an
    unmatched element, words with no math against a number, assignments ``y = G`` with different
    right sides, different interval unions, different matrices, cut-off fragments that neither
-   latex2sympy nor math-verify's search can read (``_surely_unequal``; ``GraderSettings.fast_reject``
-   off switches them off). These only ever say "no"; every "yes" still comes from math-verify.
+   latex2sympy nor math-verify's search can read (``_surely_unequal``). These only ever say "no";
+   every "yes" still comes from math-verify.
    ``tests/unit/test_grader_numeric.py`` and ``tests/unit/test_grader_rejections.py`` check them
    against it.
 
@@ -738,7 +738,8 @@ def _env_flag(name: str, default: bool) -> bool:
 
 @dataclass(frozen=True)
 class GraderSettings:
-    """The grader's policies, one frozen object per process (``SETTINGS``; ``configure`` replaces it).
+    """The grader's policies a user may choose, one frozen object per process (``SETTINGS``;
+    ``configure`` replaces it).
 
     Each field has an environment twin read at import (``GraderSettings.from_env``), so a worker
     process started by the pool or the service gets the same policies as its parent's environment.
@@ -749,32 +750,11 @@ class GraderSettings:
     physics keys) accepts an answer that shows the gold was rounded and rounds to it at the gold's
     precision (``\\frac{2}{3}``, ``\\frac{\\pi}{4}``, ``0.78540``; ``_rounded_gold_match``). Off: only exact
     matches (exact golds are never matched by shorter decimals either way: docs/verifier.md)."""
-    fast_reject: bool = True
-    """``STAPO_GRADER_FAST_REJECT``: run the rejections (``_surely_unequal``) before math-verify. They
-    only ever say "no" where math-verify says no, so switching them off changes times, never
-    verdicts (tests compare the two)."""
-    prose_as_text: bool = True
-    """``STAPO_GRADER_PROSE_AS_TEXT``: an answer that is still a sentence after math-verify's search
-    (words it found no math in, or a span of words around math it reported as its first candidate:
-    "Let me double-check: $\\frac{255", a response cut off after ``</think>``) is compared as text
-    only: the cheap rules (equal canonical strings, choice letters, text answers). Only three words
-    in a row count (``_SENTENCE_RE``): a single word ("infinity", a mangled command) or juxtaposed
-    variables ("RCs") still go to sympy. That is how math-verify compares a string it could not
-    parse (string equality, ``compare_single_extraction``); latex2sympy would read the words as
-    products of one-letter symbols and spend 10-50 ms in ANTLR and sympy to find them unequal.
-    Tests switch it off to check that no verdict of the tables, the dev corpus or the streams changes."""
-    search_oracle: bool = True
-    """``STAPO_GRADER_SEARCH_ORACLE``: answer math-verify's parse attempts inside ``_search_fallback``
-    without parsing where the reported string cannot depend on them (tests switch it off to compare
-    with the real search)."""
 
     @classmethod
     def from_env(cls) -> GraderSettings:
         return cls(
             rounded_gold=_env_flag("STAPO_GRADER_ROUNDED_GOLD", True),
-            fast_reject=_env_flag("STAPO_GRADER_FAST_REJECT", True),
-            prose_as_text=_env_flag("STAPO_GRADER_PROSE_AS_TEXT", True),
-            search_oracle=_env_flag("STAPO_GRADER_SEARCH_ORACLE", True),
         )
 
 
@@ -1167,8 +1147,6 @@ def _brackets_unequal(gold: str, pred: str) -> bool:
 
 def _surely_unequal(gold: str, pred: str) -> bool:
     """Would math-verify surely say no? Each rule below says why; False means "ask math-verify"."""
-    if not SETTINGS.fast_reject:
-        return False
     return (
         _numerically_unequal(gold, pred)
         or _word_soup(gold, pred)
@@ -1576,11 +1554,11 @@ def _search_fallback(body: str) -> str | None:
     whether it parses only for a match with several LaTeX groups; so during this call a one-group
     match, a plain-text expression, and any candidate the numeric parser accepts are answered
     "parses" without running ANTLR or sympy (the oracles of ``mathverify.py``, the seam). The search then stops at its first candidate instead of parsing
-    every failing one (on cut-off RL responses ~10x less time; ``SETTINGS.search_oracle`` off is the
-    real search, and tests compare the two).
+    every failing one (on cut-off RL responses ~10x less time; tests/unit/test_grader_numeric.py
+    compares it with the real search, ``mathverify.search(..., oracle=False)``).
     """
     found = mathverify.search(
-        body, oracle=SETTINGS.search_oracle, surely_parses=lambda latex: _surely_parses(latex)
+        body, oracle=True, surely_parses=lambda latex: _surely_parses(latex)
     )
     strs = [f for f in found if isinstance(f, str) and f.strip()]
     if strs:
@@ -1740,7 +1718,14 @@ def _compare_math(gold: str, answer: str | None, budget: Budget) -> tuple[bool, 
             return None
         verdict, rule = _decide(gold_ans, answer, "cheap")
         return None if verdict is None or rule is None else (verdict, "ok", rule)
-    if SETTINGS.prose_as_text and _SENTENCE_RE.search(answer) and _is_prose(answer):
+    if _SENTENCE_RE.search(answer) and _is_prose(answer):
+        # A sentence left after math-verify's search (words it found no math in, or a span of words
+        # around math it reported as its first candidate: "Let me double-check: $\frac{255", a
+        # response cut off after ``</think>``) is compared as text only: the cheap rules. Only three
+        # words in a row count: a single word ("infinity") or juxtaposed variables ("RCs") still go
+        # to sympy. That is how math-verify compares a string it could not parse (string equality,
+        # ``compare_single_extraction``); latex2sympy would read the words as products of one-letter
+        # symbols and spend 10-50 ms in ANTLR and sympy to find them unequal.
         verdict, rule = _decide(gold_ans, answer, "cheap")
         return verdict is True, "ok", rule if verdict is not None else "prose-as-text"
     correct, rule = _equiv_rule(gold_ans, answer)

@@ -1,4 +1,4 @@
-"""Verdicts decided in the server process (``grader.compare(..., budget="cheap")`` through ``cache.inline_grade``).
+"""Verdicts decided in the server process (``grader.compare(..., budget="cheap")`` in ``cache.Memo.plan``).
 
 The server process decides a first-seen (gold, answer) pair itself when only string and exact-number
 tests are needed; everything else goes to a worker. What must hold: a decided verdict is the one
