@@ -1,10 +1,16 @@
 """The math grader: extract a model's final answer, compare it with a gold answer, return a status.
 
-This is the one function every reward path calls (in-process pool, HTTP service, evals)::
+Math-Verify's shape (``parse`` / ``verify``): :func:`extract` finds the answer, :func:`compare`
+judges it against the gold, and :func:`grade` (= ``compare(gold, extract(prediction))``, guarded) is
+what every reward path calls (in-process pool, HTTP workers, evals)::
 
     from stapo.verifier_service.grader import grade
     grade("... so the answer is \\boxed{\\frac{1}{2}}", "0.5")
     # Verdict(correct=True, score=1.0, status='ok', extracted='\\frac{1}{2}', ms=..., rule='exact-number')
+
+Both take a ``budget``: ``"full"`` (a worker, under a deadline) or ``"cheap"`` (the service's server
+process, no deadline: markers only, and only the rules of ``RULES`` that declare themselves cheap,
+on short strings; None where only the full budget can tell). A cheap verdict is always the full one.
 
 Every verdict names the rule that decided it (``rule``) and the answer it compared (``extracted``);
 ``stapo verifier explain GOLD RESPONSE`` prints both.

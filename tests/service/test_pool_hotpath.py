@@ -35,7 +35,7 @@ def test_as_item_fast_path_and_its_limits():
     class S(str):
         pass
 
-    out = as_item((S("x"), "y", "math"))  # a str subclass goes through pydantic, as before
+    out = as_item((S("x"), "y", "math"))  # a str subclass goes through pydantic (validated, returned as str)
     assert out == ("x", "y", "math")
 
 
@@ -56,12 +56,12 @@ def test_keys_are_blake2b_of_length_prefixed_fields():
 
 
 def test_a_pair_that_collides_when_fields_are_joined_gets_its_own_verdict():
-    """Joined with NUL (the scheme before length prefixes), these two items are one key: the second
+    """Joined with NUL (a separator instead of length prefixes), these two items are one key: the second
     would have been answered with the first one's cached verdict."""
     first = ("x\x00\\boxed{3}", "3", "math")  # the box says 3, the gold is 3: correct
     second = ("\\boxed{3}", "3\x00x", "math")  # the gold is "3<NUL>x": not 3
     joined = [f"{m}\x00{g}\x00{p}\x00" for p, g, m in (first, second)]
-    assert joined[0] == joined[1]  # the old key's input: a real collision
+    assert joined[0] == joined[1]  # a joined key's input: a real collision
     assert cache_key(first) != cache_key(second)
     want = [grade(*first), grade(*second)]
     assert want[0].correct != want[1].correct  # the verdicts differ, so a shared key would be wrong

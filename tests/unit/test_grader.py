@@ -228,3 +228,21 @@ def test_unit_stripping_keeps_variables_of_symbolic_answers():
     assert answers_equivalent("\\frac{1}{m} t", "\\frac{t}{m}")
     assert not answers_equivalent("\\frac{1}{m} t", "\\frac{1}{m}")
     assert answers_equivalent("4.4 \\times 10^{7}", "4.4 \\times 10^{7} m")
+
+
+def test_cheap_budget_runs_the_table_up_to_its_first_costly_rule(monkeypatch):
+    """What is cheap is each rule's own declaration, read in table order: a costly rule inserted
+    ahead of the cheap ones stops the cheap budget there (it could decide first in the full table)."""
+    answer = grader.Answer("12")
+    assert grader.compare("12", answer, budget="cheap").rule == "same-string"
+    seen = []
+
+    def costly(gold, pred, g, p):
+        seen.append(pred)
+        return None
+
+    monkeypatch.setattr(grader, "RULES", (grader.Rule("costly-first", costly, cheap=False), *grader.RULES))
+    grader.cache_clear()
+    assert grader.compare("12", answer, budget="cheap") is None and seen == []
+    assert grader.compare("12", answer).rule == "same-string" and seen == ["12"]
+    grader.cache_clear()

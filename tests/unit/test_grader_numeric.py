@@ -210,7 +210,7 @@ def _real_search(monkeypatch) -> None:
 
 
 def _exact_only(monkeypatch) -> None:
-    """Switch every grader shortcut off: what grade() did before the fast paths."""
+    """Switch every grader shortcut off: grade() by the exact path alone."""
     monkeypatch.setattr(grader, "_numerically_unequal", lambda g, p: False)
     monkeypatch.setattr(grader, "_word_soup", lambda g, p: False)
     monkeypatch.setattr(grader, "_brackets_unequal", lambda g, p: False)
