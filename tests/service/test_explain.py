@@ -47,7 +47,7 @@ def _counter(http, line_start: str) -> float:
     return float(next(line for line in text.splitlines() if line.startswith(line_start)).split()[-1])
 
 
-def test_quick_verdicts_and_cache_hits_carry_the_rule(http):
+def test_inline_verdicts_and_cache_hits_carry_the_rule(http):
     """A verdict decided in the server process (string and exact-number rules, no worker) names its
     rule, and so does the cached verdict that answers the same items again: first a plain request
     (decided inline), then ``explain: true`` twice, answered from the cache (``ms`` 0)."""

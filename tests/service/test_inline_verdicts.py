@@ -21,7 +21,7 @@ from stapo.verifier_service.loadgen import build_stream, load_golds
 from tests.service.conftest import start_server
 
 
-def quick_verdict(gold: str, answer: str, mode: str) -> bool | None:
+def cheap_verdict(gold: str, answer: str, mode: str) -> bool | None:
     """The verdict budget ``cheap`` gives for a response whose final answer is ``answer``; None: only a
     worker can tell (or the mode is unknown)."""
     try:
@@ -52,7 +52,7 @@ def test_a_decided_verdict_is_the_graders(source):
         answer = extract(pred, mode, budget="cheap")
         if answer is None or answer.text is None:
             continue
-        q = quick_verdict(gold, answer.text, mode)
+        q = cheap_verdict(gold, answer.text, mode)
         if q is None:
             continue
         decided += 1
@@ -93,8 +93,8 @@ def test_a_decided_verdict_is_the_graders(source):
         ("1/2", "0.5", "dapo", False),  # the DAPO rule is strings only
     ],
 )
-def test_quick_verdict_by_hand(gold, answer, mode, expected):
-    assert quick_verdict(gold, answer, mode) is expected
+def test_cheap_verdict_by_hand(gold, answer, mode, expected):
+    assert cheap_verdict(gold, answer, mode) is expected
 
 
 def test_hostile_answers_are_not_worked_on_in_the_server_process():
@@ -109,9 +109,9 @@ def test_hostile_answers_are_not_worked_on_in_the_server_process():
     t0 = time.monotonic()
     for a in hostile:
         for g in ("1", "10^{400}", a):
-            quick_verdict(g, a, "math")
+            cheap_verdict(g, a, "math")
     assert time.monotonic() - t0 < 5.0
-    assert quick_verdict("1", "9^{9^{9^{9^9}}}", "math") is None  # only a worker (with a deadline) may try
+    assert cheap_verdict("1", "9^{9^{9^{9^9}}}", "math") is None  # only a worker (with a deadline) may try
 
 
 def test_service_answers_the_same_with_and_without_inline_verdicts(server):
