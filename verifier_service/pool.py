@@ -93,6 +93,10 @@ def _start_fork_server() -> None:
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         multiprocessing.forkserver.ensure_running()
+    except ChildProcessError:
+        # A process forked from one whose fork server runs inherits that server's record, and the
+        # server is not its child: leave the start to first use, as off the main thread.
+        pass
     finally:
         signal.signal(signal.SIGINT, previous)
 
