@@ -429,7 +429,7 @@ class DeepGRPO(LoopHook):
         if br is None or lam == 0.0:
             return None
         from stapo.core.distributed import DataParallel, minibatch_rows
-        from stapo.core.loop import Batch, derive_seed, step_entropy_thresholds
+        from stapo.core.loop import Batch, derive_seed, step_entropies
         from stapo.core.update import MiniBatch, build_micro, lockstep, split_rows, update_parts, with_padding
 
         cfg, backend = self.cfg, run.backend
@@ -442,10 +442,9 @@ class DeepGRPO(LoopHook):
         local = Batch(br.batch.input_ids, br.batch.attention_mask, br.suffix, br.batch.advantages)
         lengths = local.attention_mask.sum(1).cpu()  # [N] real tokens per row
         params = parts.params
-        if a.token_weighting == "s2t":  # tau_h_scope=step: one threshold from the pre-update continuations
-            _, tau_step = step_entropy_thresholds(cfg, br.old_ent, br.suffix, backend.all_gather_1d)
-            if tau_step is not None:
-                params = {**params, "tau_h": tau_step, "tau_h_quantile": None}
+        options = a.token_weighting_options()
+        if options is not None and options.fixes_per_step():  # e.g. S2T's tau_h_scope=step: from the continuations
+            params = {**params, **options.step_arguments(step_entropies(br.old_ent, br.suffix, backend.all_gather_1d))}
         plan: list[list[torch.Tensor]] = []  # this rank's micro-batches (batch rows) per mini-batch
         calls: list[int] = []  # forwards per mini-batch (every rank's max)
 

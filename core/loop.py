@@ -450,6 +450,27 @@ def rollout_metrics(dp: Any, all_seqs: Sequence[Sequence_], metrics: dict[str, f
     }
 
 
+def step_entropies(old_ent: torch.Tensor, mask: torch.Tensor,
+                   gather: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """Every valid response token's entropy in the step's GLOBAL batch [n_valid] (one all_gather)."""
+    with torch.no_grad():
+        local = old_ent.detach()[mask.bool()]  # [n_valid]
+        return gather(local) if gather is not None else local
+
+
+def entropy_thresholds(cfg: Config, allv: torch.Tensor) -> tuple[float, float | None]:
+    """(5th entropy percentile of ``allv``, the step's tau_h or None): see :func:`step_entropy_thresholds`."""
+    from stapo.core.algos import quantile
+
+    s2t = cfg.algorithm.s2t
+    p05 = quantile(allv, 0.05)
+    if s2t.tau_h is not None:
+        return p05, float(s2t.tau_h)
+    if s2t.tau_h_quantile is not None and s2t.tau_h_scope == "step":
+        return p05, quantile(allv, float(s2t.tau_h_quantile))
+    return p05, None
+
+
 def step_entropy_thresholds(cfg: Config, old_ent: torch.Tensor, mask: torch.Tensor,
                             gather: Callable[[torch.Tensor], torch.Tensor] | None) -> tuple[float, float | None]:
     """(global 5th entropy percentile of the step batch, the step's tau_h or None).
@@ -459,18 +480,7 @@ def step_entropy_thresholds(cfg: Config, old_ent: torch.Tensor, mask: torch.Tens
     pre-update policy; None with ``tau_h_scope=minibatch`` (each mini-batch resolves its own).
     One all_gather, on every rank.
     """
-    from stapo.core.algos import quantile
-
-    s2t = cfg.algorithm.s2t
-    with torch.no_grad():
-        local = old_ent.detach()[mask.bool()]  # [n_valid]
-        allv = gather(local) if gather is not None else local
-    p05 = quantile(allv, 0.05)
-    if s2t.tau_h is not None:
-        return p05, float(s2t.tau_h)
-    if s2t.tau_h_quantile is not None and s2t.tau_h_scope == "step":
-        return p05, quantile(allv, float(s2t.tau_h_quantile))
-    return p05, None
+    return entropy_thresholds(cfg, step_entropies(old_ent, mask, gather))
 
 
 def update_diagnostics(cfg: Config, ctx: Any, tw: Any, tau_step: float | None, diag: dict[str, float]) -> float:

@@ -250,14 +250,9 @@ def old_pass_calls(dp: Any, batch: Batch, spec: MicroSpec, real: int) -> int:
 
 
 def weighting_params(cfg: Config) -> dict[str, Any]:
-    """Keyword arguments of the configured token weighting: its config section, field for field."""
-    a = cfg.algorithm
-    section = getattr(a, a.token_weighting, None)  # a config section named like the weighting, if any
-    # tau_h_scope (the update's choice of population) and the rate watch (the loop's) are not arguments
-    return section.model_dump(exclude=_NOT_WEIGHTING_ARGS) if section is not None else {}
-
-
-_NOT_WEIGHTING_ARGS = {"tau_h_scope", "watch_steps", "watch_min_rate", "watch_max_rate"}
+    """Keyword arguments of the configured token weighting: what its options model gives."""
+    options = cfg.algorithm.token_weighting_options()
+    return options.arguments() if options is not None else {}
 
 
 def policy_loss_params(cfg: Config) -> dict[str, Any]:
@@ -276,7 +271,7 @@ def stats_temperature(cfg: Config) -> float:
 class UpdateParts:
     """The configured pieces of an update, resolved once from the registries, with what they read."""
 
-    weigh: Any  # TOKEN_WEIGHTS entry
+    weigh: Any  # the TOKEN_WEIGHTS entry's function
     loss_fn: Any  # POLICY_LOSSES entry
     agg: Any  # AGGREGATIONS entry
     params: dict[str, Any]  # the weighting's keywords
@@ -295,22 +290,21 @@ def update_parts(cfg: Config, extra_params: dict[str, Any] | None = None) -> Upd
     from stapo.core.algos import (
         get_aggregation,
         get_policy_loss,
-        get_token_weighting,
         is_elementwise,
-        reads_stats,
+        token_weighting_spec,
     )
 
     a = cfg.algorithm
-    weigh, loss_fn = get_token_weighting(a.token_weighting), get_policy_loss(a.policy_loss)
+    spec, loss_fn = token_weighting_spec(a.token_weighting), get_policy_loss(a.policy_loss)
     return UpdateParts(
-        weigh=weigh,
+        weigh=spec.fn,
         loss_fn=loss_fn,
         agg=get_aggregation(a.aggregation),
         params={**weighting_params(cfg), **(extra_params or {})},
         loss_kw={"eps_low": a.eps_low, "eps_high": a.eps_high, "dual_clip_c": a.dual_clip_c, **policy_loss_params(cfg)},
         spec=micro_spec(cfg),
         temperature=stats_temperature(cfg),
-        reads_stats=reads_stats(weigh),
+        reads_stats=spec.reads_stats,
         fused=cfg.trainer.fused_loss and is_elementwise(loss_fn) and not cfg.trainer.entropy_grad,
     )
 
@@ -318,8 +312,9 @@ def update_parts(cfg: Config, extra_params: dict[str, Any] | None = None) -> Upd
 def needs_old_pass(cfg: Config, extras_need_stats: bool = False) -> bool:
     """Whether a step runs the no-grad pass over its batch before the update (module docstring)."""
     a = cfg.algorithm
-    step_tau = a.token_weighting == "s2t" and a.s2t.tau_h_quantile is not None and a.s2t.tau_h_scope == "step"
-    return a.ppo_epochs * a.mini_batches > 1 or extras_need_stats or (step_tau and a.mini_batches > 1)
+    options = a.token_weighting_options()
+    per_step = options is not None and options.fixes_per_step()  # e.g. S2T's tau_h_scope=step
+    return a.ppo_epochs * a.mini_batches > 1 or extras_need_stats or (per_step and a.mini_batches > 1)
 
 
 # ----------------------------------------------------------------------------- the update
@@ -354,7 +349,9 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
     from stapo.core.loop import (
         add_loss_sums,
         derive_seed,
+        entropy_thresholds,
         loss_sums,
+        step_entropies,
         step_entropy_thresholds,
         update_diagnostics,
     )
@@ -374,10 +371,12 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
     check_minibatches(sum(counts), a.mini_batches)
     gather, reduce = backend.all_gather_1d, backend.all_reduce_sum
     lengths = batch.attention_mask.sum(1).cpu()  # [N] real tokens per row
-    p05, tau_step = (step_entropy_thresholds(cfg, old_ent, batch.response_mask, gather) if old_ent is not None
-                     else (None, None))
-    if tau_step is not None and a.token_weighting == "s2t":
-        params = {**params, "tau_h": tau_step, "tau_h_quantile": None, "target_rate": None}
+    p05, tau_step = None, None
+    if old_ent is not None:  # the step's statistics: the diagnostics' thresholds, the keywords fixed per step
+        allv = step_entropies(old_ent, batch.response_mask, gather)  # [n_valid] all ranks
+        p05, tau_step = entropy_thresholds(cfg, allv)
+        options = a.token_weighting_options()
+        params = {**params, **(options.step_arguments(allv) if options is not None else {})}
     reads = parts.reads_stats or extras.terms_read_stats
     bounded = reads and cfg.trainer.update_memory == "bounded"  # "auto" was resolved by the memory plan
     keep_graphs = reads and not bounded
