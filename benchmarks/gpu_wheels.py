@@ -277,13 +277,23 @@ def cmd_standin(args: argparse.Namespace) -> None:
     _, _, kept = plan(args.extras)
     replaced: dict[str, Path] = {}  # the device's version instead of the venv's
     unfetched: list[str] = []  # not on the index this machine reaches
-    for n, ver in kept.items():
-        if ver is None or n in NOT_REPLACED or _version(n) in (ver, None):
+    # the device's version of what stapo keeps, and of what those versions need in turn where the device's
+    # version is known (transformers 5.17 kept -> the device's huggingface-hub, not the venv's newer one)
+    todo = [(n, ver) for n, ver in kept.items() if ver is not None]
+    while todo:
+        n, ver = todo.pop()
+        if n in NOT_REPLACED or n in replaced or f"{n}=={ver}" in unfetched or _version(n) in (ver, None):
             continue
         try:
             replaced[n] = fetch_one(n, SpecifierSet(f"=={ver}"), "3.11")
         except LookupError:
             unfetched.append(f"{n}=={ver}")
+            continue
+        for sub in _wheel_meta(replaced[n])[2]:
+            req = _req(sub)
+            dep = norm(req.name)
+            if dep in DEVICE_VERSIONS and (req.marker is None or req.marker.evaluate(_env("3.11"))):
+                todo.append((dep, DEVICE_VERSIONS[dep]))
     # what the device has and the venv lacks (pandas for TRL's datasets, say), with what it needs
     queue, added = [n for n, v in kept.items() if _version(n) is None], {}
     while queue:
@@ -324,7 +334,7 @@ def cmd_standin(args: argparse.Namespace) -> None:
     for w in py311:
         shutil.copy2(w, Path(args.py311) / w.name)
     print(f"stand-in {dest}: {len(linked)} device packages from this venv, device versions of "
-          f"{', '.join(f'{n}=={kept[n]}' for n in sorted(replaced)) or 'none'}, "
+          f"{', '.join(f'{n}=={kept.get(n) or DEVICE_VERSIONS[n]}' for n in sorted(replaced)) or 'none'}, "
           f"from the index: {', '.join(sorted(added)) or 'none'}"
           f"{'; not on the index here (the venv has its own, or none): ' + ', '.join(unfetched) if unfetched else ''}; "
           f"cp311 twins of {sum(_binary(w) for w in carried)} binary wheels in {args.py311}")
