@@ -272,7 +272,9 @@ class UpdateParts:
     """The configured pieces of an update, resolved once from the registries, with what they read."""
 
     weigh: Any  # the TOKEN_WEIGHTS entry's function
-    loss_fn: Any  # POLICY_LOSSES entry
+    policy_loss: str  # POLICY_LOSSES name (compute_policy_objective looks it up)
+    aggregation: str  # AGGREGATIONS name
+    loss_fn: Any  # POLICY_LOSSES entry (the fused path and the clip metrics call it directly)
     agg: Any  # AGGREGATIONS entry
     params: dict[str, Any]  # the weighting's keywords
     loss_kw: dict[str, Any]  # the policy loss's keywords
@@ -298,6 +300,8 @@ def update_parts(cfg: Config, extra_params: dict[str, Any] | None = None) -> Upd
     spec, loss_fn = token_weighting_spec(a.token_weighting), get_policy_loss(a.policy_loss)
     return UpdateParts(
         weigh=spec.fn,
+        policy_loss=a.policy_loss,
+        aggregation=a.aggregation,
         loss_fn=loss_fn,
         agg=get_aggregation(a.aggregation),
         params={**weighting_params(cfg), **(extra_params or {})},
@@ -501,16 +505,15 @@ class MiniBatch:
     def loss(self, sl: slice, lp: torch.Tensor, ent: torch.Tensor, tw: Any, norm: Any,
              terms: list[Any]) -> tuple[torch.Tensor, dict[str, Any]]:
         """Micro-batch ``sl``'s share of the mini-batch loss from its log-probs with graph [b, L]."""
-        from stapo.core.algos.regularizers import add_terms, entropy_bonus
+        from stapo.core.algos import compute_policy_objective
 
         p = self.parts
         old = self.old[sl] if self.old is not None else lp.detach()
-        per_tok, mets = p.loss_fn(lp, old, self.adv[sl], self.mask[sl], **p.loss_kw)
-        per_tok = add_terms(per_tok, lp, [t.rows(sl) for t in terms])
-        loss = p.agg.aggregate(per_tok, tw.select(sl), normalizer=norm)
-        if self.entropy_coef:  # entropy bonus (needs trainer.entropy_grad: checked by the config)
-            loss = loss + entropy_bonus(ent, tw.select(sl), p.agg, norm, coef=self.entropy_coef)
-        return loss, mets
+        # the entropy bonus needs trainer.entropy_grad (checked by the config)
+        return compute_policy_objective(lp, old, self.adv[sl], self.mask[sl], tw.select(sl),
+                                        policy_loss=p.policy_loss, aggregation=p.aggregation, normalizer=norm,
+                                        loss_kwargs=p.loss_kw, terms=[t.rows(sl) for t in terms], entropy=ent,
+                                        entropy_coef=self.entropy_coef)
 
     def fused(self, backend: TrainerBackend, m: Micro, sl: slice, tw: Any, norm: Any,
               terms: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
