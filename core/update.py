@@ -50,14 +50,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from stapo.core.batch import Batch, derive_seed, mean_or_nan
 from stapo.core.config import Config
 
 if TYPE_CHECKING:
     from stapo.core.extras import StepExtras
-    from stapo.core.loop import Batch, UpdateRecord
     from stapo.core.trainer.base import TrainerBackend
 
 __all__ = [
+    "UpdateRecord",
+    "add_loss_sums",
+    "entropy_thresholds",
+    "loss_sums",
+    "step_entropies",
+    "step_entropy_thresholds",
+    "update_diagnostics",
+    "update_metrics",
     "MicroSpec",
     "Micro",
     "UpdateParts",
@@ -350,16 +358,6 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
     """
     from stapo.core.distributed import DataParallel, check_minibatches, group_minibatches, minibatch_rows
     from stapo.core.extras import extras_of
-    from stapo.core.loop import (
-        add_loss_sums,
-        derive_seed,
-        entropy_thresholds,
-        loss_sums,
-        step_entropies,
-        step_entropy_thresholds,
-        update_diagnostics,
-    )
-    from stapo.core.loop import update_metrics as make_metrics
 
     cfg, backend = run.cfg, run.backend
     a = cfg.algorithm
@@ -474,7 +472,7 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
     # normalizer is all-reduced), so the ranks' losses and clip counts add up (one gather, every rank).
     keys = ("loss", "clip_low", "clip_high", "tokens", "ratio_sum")
     sums = dict(zip(keys, dp.sum([sums[k] for k in keys]), strict=True))
-    return make_metrics(diag, taus, float("nan") if p05 is None else p05, sums, step_out, a.ppo_epochs)
+    return update_metrics(diag, taus, float("nan") if p05 is None else p05, sums, step_out, a.ppo_epochs)
 
 
 @dataclass(frozen=True)
@@ -552,3 +550,128 @@ def useful_fraction(micros: Sequence[Micro], batch: Batch) -> float:
     real = sum(int(batch.attention_mask[m.rows].sum()) for m in micros)
     return real / max(sum(m.tokens for m in micros), 1)
 
+
+# ----------------------------------------------------------------------------- the update's diagnostics
+
+
+def step_entropies(old_ent: torch.Tensor, mask: torch.Tensor,
+                   gather: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """Every valid response token's entropy in the step's GLOBAL batch [n_valid] (one all_gather)."""
+    with torch.no_grad():
+        local = old_ent.detach()[mask.bool()]  # [n_valid]
+        return gather(local) if gather is not None else local
+
+
+def entropy_thresholds(cfg: Config, allv: torch.Tensor) -> tuple[float, float | None]:
+    """(5th entropy percentile of ``allv``, the step's tau_h or None): see :func:`step_entropy_thresholds`."""
+    from stapo.core.algos import quantile
+
+    s2t = cfg.algorithm.s2t
+    p05 = quantile(allv, 0.05)
+    if s2t.tau_h is not None:
+        return p05, float(s2t.tau_h)
+    if s2t.tau_h_quantile is not None and s2t.tau_h_scope == "step":
+        return p05, quantile(allv, float(s2t.tau_h_quantile))
+    return p05, None
+
+
+def step_entropy_thresholds(cfg: Config, old_ent: torch.Tensor, mask: torch.Tensor,
+                            gather: Callable[[torch.Tensor], torch.Tensor] | None) -> tuple[float, float | None]:
+    """(global 5th entropy percentile of the step batch, the step's tau_h or None).
+
+    The step's tau_h is ``algorithm.s2t.tau_h`` when absolute, else, with ``tau_h_scope=step``, the
+    ``tau_h_quantile`` of every valid response token's entropy in the step's GLOBAL batch under the
+    pre-update policy; None with ``tau_h_scope=minibatch`` (each mini-batch resolves its own).
+    One all_gather, on every rank.
+    """
+    return entropy_thresholds(cfg, step_entropies(old_ent, mask, gather))
+
+
+def update_diagnostics(cfg: Config, ctx: Any, tw: Any, tau_step: float | None, diag: dict[str, float]) -> float:
+    """Add one mini-batch's global token counts (from the weighting's own output) to ``diag``;
+    returns the tau_h it used: the weighting's (S2T), else the step's, else this mini-batch's quantile."""
+    from stapo.core.algos import resolve_tau_h, token_counts
+
+    s2t = cfg.algorithm.s2t
+    tau = tw.info.get("tau_h", tau_step)
+    if tau is None:  # (a weighting other than s2t with a rate target: its cells at the 5th percentile)
+        tau = resolve_tau_h(ctx.entropy, ctx.mask, tau_h_quantile=s2t.tau_h_quantile or 0.05, gather=ctx.gather)
+    for k, v in token_counts(ctx, tw, tau_p=s2t.tau_p, tau_h=float(tau)).items():
+        diag[k] = diag.get(k, 0.0) + v
+    return float(tau)
+
+
+@dataclass
+class UpdateRecord:
+    """What the update's own token weightings produced, per local row, for the token dump.
+
+    ``weights[e, i]`` is the weight row i got in PPO epoch e (the weighting's output on the
+    mini-batch that held row i, under the policy of that moment); ``tau_h[e, i]`` that mini-batch's
+    entropy threshold.
+    """
+
+    weights: torch.Tensor  # [E, N, L]
+    tau_h: torch.Tensor  # [E, N]
+    cells: torch.Tensor  # [E, N, L] int8 phase cell (index into PHASE_KEYS) the update's counts used
+    logprobs: torch.Tensor  # [E, N, L] float32 log p the weighting compared (its p is exp in float64)
+    entropy: torch.Tensor  # [E, N, L] float32 H the weighting compared
+
+    @staticmethod
+    def empty(epochs: int, batch: Batch) -> UpdateRecord:
+        n, L = batch.input_ids.shape
+        return UpdateRecord(torch.ones(epochs, n, L), torch.full((epochs, n), float("nan")),
+                            torch.full((epochs, n, L), -1, dtype=torch.int8), torch.zeros(epochs, n, L),
+                            torch.zeros(epochs, n, L))
+
+    def put(self, epoch: int, rows: torch.Tensor, ctx: Any, tw: Any, tau_h: float, tau_p: float) -> None:
+        """Store what one mini-batch's weighting gave its first ``len(rows)`` rows (the real ones;
+        padding rows come after them): applied weights, tau_h, and each token's phase cell."""
+        from stapo.core.algos import phase_cells
+
+        k = len(rows)
+        rows = rows.cpu()
+        self.weights[epoch, rows] = tw.weights[:k].detach().float().cpu()
+        self.tau_h[epoch, rows] = tau_h
+        self.cells[epoch, rows] = phase_cells(ctx, tau_p=tau_p, tau_h=tau_h)[:k].cpu()  # [k, L]
+        self.logprobs[epoch, rows] = ctx.logprobs[:k].detach().float().cpu()
+        self.entropy[epoch, rows] = ctx.entropy[:k].detach().float().cpu()
+
+
+def loss_sums() -> dict[str, float]:
+    """Empty running sums of one update's loss terms (``add_loss_sums`` fills, ``update_metrics`` reads)."""
+    return {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "tokens": 0.0, "ratio_sum": 0.0}
+
+
+def add_loss_sums(sums: dict[str, float], loss: torch.Tensor, m: dict[str, Any]) -> None:
+    """Add one micro-batch's loss and its policy loss's counts to ``sums`` (both update paths)."""
+    sums["loss"] += float(loss.detach())
+    sums["clip_low"] += float(m["clip_low_count"])
+    sums["clip_high"] += float(m["clip_high_count"])
+    sums["tokens"] += float(m["token_count"])
+    sums["ratio_sum"] += float(m["ratio_sum"])
+
+
+def update_metrics(diag: dict[str, float], taus: Sequence[float], p05: float, sums: dict[str, float],
+                   step_out: Sequence[dict[str, float]], epochs: int) -> dict[str, float]:
+    """The update's logged metrics: token diagnostics counted from its own weightings (``diag``,
+    summed over mini-batches and epochs), the thresholds it used, and the loss / clip sums and
+    optimizer outputs (``step_out``: one per optimizer step), as ``stapo.core.update.update_policy``
+    logs them."""
+    from stapo.core.algos import fractions_from_counts
+
+    tokens = max(sums["tokens"], 1.0)
+    token_diag = fractions_from_counts(diag)
+    token_diag["tokens/valid"] = diag["tokens"] / epochs  # every epoch sees each row once
+    return {
+        **token_diag,
+        "stapo/silenced_count": diag["silenced"],
+        "stapo/tau_h": mean_or_nan(taus),
+        "entropy/p05": p05,
+        "actor/loss": sums["loss"] / len(step_out),
+        "actor/grad_norm": mean_or_nan([o.get("grad_norm", float("nan")) for o in step_out]),
+        "actor/lr": step_out[-1].get("lr", float("nan")),
+        "actor/skipped_updates": float(sum(o.get("skipped", 0.0) for o in step_out)),
+        "actor/clip_frac_low": sums["clip_low"] / tokens,
+        "actor/clip_frac_high": sums["clip_high"] / tokens,
+        "actor/ratio_mean": sums["ratio_sum"] / tokens,
+    }
