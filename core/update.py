@@ -280,9 +280,7 @@ class UpdateParts:
     """The configured pieces of an update, resolved once from the registries, with what they read."""
 
     weigh: Any  # the TOKEN_WEIGHTS entry's function
-    policy_loss: str  # POLICY_LOSSES name (compute_policy_objective looks it up)
-    aggregation: str  # AGGREGATIONS name
-    loss_fn: Any  # POLICY_LOSSES entry (the fused path and the clip metrics call it directly)
+    loss_fn: Any  # POLICY_LOSSES entry
     agg: Any  # AGGREGATIONS entry
     params: dict[str, Any]  # the weighting's keywords
     loss_kw: dict[str, Any]  # the policy loss's keywords
@@ -308,8 +306,6 @@ def update_parts(cfg: Config, extra_params: dict[str, Any] | None = None) -> Upd
     spec, loss_fn = token_weighting_spec(a.token_weighting), get_policy_loss(a.policy_loss)
     return UpdateParts(
         weigh=spec.fn,
-        policy_loss=a.policy_loss,
-        aggregation=a.aggregation,
         loss_fn=loss_fn,
         agg=get_aggregation(a.aggregation),
         params={**weighting_params(cfg), **(extra_params or {})},
@@ -509,7 +505,7 @@ class MiniBatch:
         old = self.old[sl] if self.old is not None else lp.detach()
         # the entropy bonus needs trainer.entropy_grad (checked by the config)
         return compute_policy_objective(lp, old, self.adv[sl], self.mask[sl], tw.select(sl),
-                                        policy_loss=p.policy_loss, aggregation=p.aggregation, normalizer=norm,
+                                        policy_loss=p.loss_fn, aggregation=p.agg, normalizer=norm,
                                         loss_kwargs=p.loss_kw, terms=[t.rows(sl) for t in terms], entropy=ent,
                                         entropy_coef=self.entropy_coef)
 

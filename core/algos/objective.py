@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .aggregation import get_aggregation
-from .losses import get_policy_loss
+from .aggregation import Aggregation, get_aggregation
+from .losses import PolicyLossFn, get_policy_loss
 from .regularizers import TokenTerm, add_terms, entropy_bonus
 from .weights import TokenWeights
 
@@ -33,8 +33,8 @@ def compute_policy_objective(
     mask: Tensor,
     weights: TokenWeights,
     *,
-    policy_loss: str = "ppo_clip",
-    aggregation: str = "token-mean",
+    policy_loss: str | PolicyLossFn = "ppo_clip",
+    aggregation: str | Aggregation = "token-mean",
     normalizer: float | Tensor | None = None,
     eps_low: float = 0.2,
     eps_high: float = 0.28,
@@ -47,15 +47,16 @@ def compute_policy_objective(
     """Loss for one micro-batch and its summable metrics; every tensor [B, T].
 
     ``normalizer`` is the GLOBAL normalizer of the optimizer mini-batch (see ``aggregation``);
-    None means "this call is the whole mini-batch" and uses the local one. ``loss_kwargs`` are the
+    None means "this call is the whole mini-batch" and uses the local one. ``policy_loss`` and
+    ``aggregation`` are registry names or the registered objects (the update resolves them once). ``loss_kwargs`` are the
     policy loss's own options beyond the clip ranges (e.g. MASPO's). ``terms`` (KL to a reference,
     Lp-Reg's proxy KL: ``regularizers.TokenTerm``) are added to the per-token loss before it is
     weighted and aggregated, so a token the weighting removed carries no term gradient either and
     the normalizer is shared. ``entropy_coef`` > 0 subtracts ``entropy_coef * aggregate(entropy)``
     (the entropy bonus; ``entropy`` must carry gradient).
     """
-    agg = get_aggregation(aggregation)
-    loss_fn = get_policy_loss(policy_loss)
+    agg = get_aggregation(aggregation) if isinstance(aggregation, str) else aggregation
+    loss_fn = get_policy_loss(policy_loss) if isinstance(policy_loss, str) else policy_loss
     kw = {"eps_low": eps_low, "eps_high": eps_high, "dual_clip_c": dual_clip_c, **(loss_kwargs or {})}
     per_token, metrics = loss_fn(logprobs, old_logprobs, advantages, mask, **kw)  # [B, T]
     per_token = add_terms(per_token, logprobs, terms)  # [B, T]
