@@ -9,7 +9,7 @@ Each measurement is a fresh process (``python -c``) that runs the service's warm
 stream, empties the grader's
 caches and grades the stream once in order with ``grade`` (cold caches, like one worker seeing the
 stream for the first time), timing every item. Items are classed as the service sees them: no
-answer marker (``marker_answer`` is None: cut off, math-verify's search runs), first sight of a
+answer marker (``extract`` under budget ``cheap`` finds none: cut off, math-verify's search runs), first sight of a
 (gold, extracted answer) pair, repeat. ``before`` and ``after`` alternate (b, a, b, a, ...) so
 load from other jobs on a shared machine falls on both; the table reports each round and the
 median. Grading seconds per stream bound the service: with W workers and no other overhead it
@@ -44,7 +44,7 @@ for p, g, m in build_stream(n, seed=seed, style=style, golds=golds):
     t0 = time.perf_counter()
     r = grader.grade(p, g)
     dt = time.perf_counter() - t0
-    if grader.marker_answer(p) is None:
+    if (a := grader.extract(p, budget="cheap")) is None or a.text is None:
         cls = "no_marker"
     else:
         cls = "first" if (g, r.extracted) not in seen else "repeat"

@@ -8,16 +8,20 @@
 
 The command builds and validates the config and checks its inputs (model path, data source) before
 it writes anything, so a mistake fails in a second with a one-line message and no run dir left
-behind; then it calls :func:`stapo.core.loop.train`. Ctrl-C stops the run and prints the last
-checkpoint and the exact command that resumes it.
+behind; then it takes the run dir's lock and calls :func:`stapo.core.loop.train` (the run dir's
+rules: :mod:`stapo.core.rundir`). Ctrl-C, or SIGTERM after a checkpoint of the step in flight,
+stops the run and prints the last checkpoint and the exact command that resumes it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
+import signal
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -108,10 +112,11 @@ def command(
         if resume:
             if run_dir is None:
                 raise CLIError("--resume needs --run-dir pointing at an existing run")
+            _check_not_busy(run_dir)  # a run still writing it: say so first
             saved = run_dir / "config.yaml"
-            if config is None and not saved.is_file():
-                raise CLIError(f"{run_dir} has no config.yaml to resume from; is it a run dir?")
-            path = resolve_config_path(config) if config is not None else saved
+            if config is None and not saved.is_file() and not fresh:
+                raise CLIError(f"{run_dir} has no config.yaml to resume from; is it a run dir? (--fresh starts one)")
+            path = saved if config is None and saved.is_file() else resolve_config_path(config)
         else:
             path = resolve_config_path(config)
         if recipe is not None:
@@ -126,34 +131,44 @@ def command(
     if plan:
         print_plan(cfg, world_size, card_gib, as_json)
         return
-    if run_dir is None:
+    if run_dir is None:  # under a launcher each rank names one; rank 0's is used (stapo.core.rundir)
         run_dir = Path("runs") / f"{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if not resume and (run_dir / "metrics.jsonl").exists():
-        raise CLIError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --run-dir")
-    if resume:
-        _check_resumable(run_dir, fresh)
     check_inputs(cfg)
     check_launch(cfg)
     cfg = plan_at_start(cfg, card_gib)
     quiet_known_noise(cfg.trainer.backend)
+    with _owned(run_dir) as owner:
+        if not resume and _holds_run(run_dir):
+            raise CLIError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --run-dir")
+        if resume and _check_resumable(run_dir, fresh, cfg.trainer.max_steps):
+            return
+        _train(cfg, path, run_dir, resume, owner, say)
 
+
+def _train(cfg: Config, path: Path, run_dir: Path, resume: bool, owner: _Owner, say: Callable[..., None]) -> None:
+    """Run the loop; on a failure before the first step, remove what this command wrote."""
     from stapo.core.loop import train
     from stapo.core.rewards import RewardError
+    from stapo.core.rundir import SharedDirError
 
-    created = not run_dir.exists()
-    say(f"run dir: {run_dir}  (config: {path})")
+    say(f"run dir: {run_dir}  (config: {path})")  # rank 0's: the other ranks take its name (agree_run_dir)
     try:
         result = train(cfg, run_dir, resume=resume, log=say)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:  # Ctrl-C, and SIGTERM (stapo.core.rundir.Stopped)
         _quiet_grader_shutdown()
-        _interrupted(cfg, run_dir)
-        raise typer.Exit(130) from None
+        owner.clean_up(keep_config=True)
+        if owner.rank0:  # (another rank's run_dir may be its own default name, not the run's)
+            _interrupted(cfg, run_dir, err)
+        raise typer.Exit(getattr(err, "exit_code", 130)) from None
     except RewardError as err:
+        owner.clean_up()
         raise CLIError(f"training stopped: {err}") from None
+    except SharedDirError as err:
+        owner.clean_up()
+        raise CLIError(str(err)) from None
     except BaseException:
         _quiet_grader_shutdown()
-        if created:
-            _remove_if_empty_run(run_dir)
+        owner.clean_up()
         raise
     say(
         f"done: {result.steps} steps in {result.wall_s:.0f}s; validation accuracy "
@@ -221,46 +236,137 @@ def name_mismatch(cfg: Config) -> list[str]:
             f"`--recipe {name}` takes the {name} recipe's method keys."]
 
 
-def _check_resumable(run_dir: Path, fresh: bool) -> None:
-    """``--resume`` needs a checkpoint; ``--fresh`` starts a run dir without one over, and says so."""
-    from stapo.core.checkpoint import latest_checkpoint
+def _check_resumable(run_dir: Path, fresh: bool, max_steps: int) -> bool:
+    """``--resume`` needs a checkpoint; ``--fresh`` starts a run dir without one over, and says so.
+    True: the run has finished (its last checkpoint is ``trainer.max_steps``), said so, nothing to do."""
+    from stapo.core.checkpoint import checkpoint_step, latest_checkpoint
 
-    if latest_checkpoint(run_dir) is not None:
-        return
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        if checkpoint_step(ckpt) < max_steps:
+            return False
+        typer.echo(
+            f"{run_dir} has finished: its last checkpoint is step {checkpoint_step(ckpt)} of trainer.max_steps="
+            f"{max_steps}; nothing to do (to train further: --resume --set trainer.max_steps=N)"
+        )
+        return True
     if not fresh:
         raise CLIError(
             f"{run_dir} has no checkpoint to resume from (one is written every checkpoint.every steps and "
             "at the end); add --fresh to start it over from step 0"
         )
     typer.echo(f"{run_dir} has no checkpoint: starting over from step 0 (--fresh)")
+    return False
 
 
-def _interrupted(cfg: Config, run_dir: Path) -> None:
-    """Ctrl-C: where the run stopped, its last checkpoint and the command that continues it."""
+def _holds_run(run_dir: Path) -> bool:
+    """A run dir with metrics or a checkpoint: a new run there would mix with it."""
+    from stapo.core.checkpoint import list_checkpoints
+
+    return (run_dir / "metrics.jsonl").exists() or bool(list_checkpoints(run_dir))
+
+
+def _check_not_busy(run_dir: Path) -> None:
+    from stapo.core.rundir import RunDirBusy, check_not_busy
+
+    try:
+        check_not_busy(run_dir)
+    except RunDirBusy as err:
+        raise CLIError(str(err)) from None
+
+
+class _Owner:
+    """What this command owns in its run dir: what it must remove when the run fails before its first step.
+
+    Under a launcher only rank 0 takes the lock and cleans up (the other ranks write only checkpoint
+    shards, which exist only after a step)."""
+
+    def __init__(self, run_dir: Path, rank0: bool) -> None:
+        from stapo.core.checkpoint import checkpoint_step, latest_checkpoint
+
+        self.run_dir, self.rank0 = run_dir, rank0
+        self.created = not run_dir.exists()
+        self.before = set() if self.created else {p.name for p in run_dir.iterdir()}
+        ckpt = latest_checkpoint(run_dir)
+        self.start = checkpoint_step(ckpt) if ckpt is not None else 0  # the step this run starts after
+
+    def clean_up(self, *, keep_config: bool = False) -> None:
+        """When no step finished: remove what this command added (``config.yaml`` kept for an
+        interrupted run, so that ``--resume --fresh`` starts it again with the same config)."""
+        from stapo.core.rundir import LOCK_NAME
+        from stapo.core.tracking import read_jsonl
+
+        rows = read_jsonl(self.run_dir / "metrics.jsonl")
+        if not self.rank0 or not self.run_dir.is_dir() or (rows and int(rows[-1]["step"]) > self.start):
+            return
+        keep = self.before | {LOCK_NAME} | ({"config.yaml"} if keep_config else set())
+        for p in self.run_dir.iterdir():
+            if p.name not in keep:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+@contextlib.contextmanager
+def _owned(run_dir: Path) -> Iterator[_Owner]:
+    """Hold the run dir's lock (rank 0) and handle SIGTERM like Ctrl-C for the command's lifetime;
+    a run dir this command made and left empty is removed at the end."""
+    from stapo.core.rundir import RunDirBusy, install_signal_handlers, lock_run_dir
+
+    owner = _Owner(run_dir, int(os.environ.get("RANK", "0")) == 0)
+    lock = None
+    if owner.rank0:
+        try:
+            lock = lock_run_dir(run_dir)
+        except RunDirBusy as err:
+            raise CLIError(str(err)) from None
+        if lock.previous:
+            typer.echo(f"note: {run_dir}: taking over the lock of a run that is no longer running ({lock.previous})",
+                       err=True)
+    previous = install_signal_handlers()
+    try:
+        yield owner
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        if lock is not None:
+            lock.release()
+            if owner.created and run_dir.is_dir() and not any(run_dir.iterdir()):
+                run_dir.rmdir()
+
+
+def _interrupted(cfg: Config, run_dir: Path, err: KeyboardInterrupt) -> None:
+    """Ctrl-C or SIGTERM: where the run stopped, its last checkpoint and the command that continues it."""
     from stapo.core.checkpoint import latest_checkpoint
+    from stapo.core.rundir import Stopped
     from stapo.core.tracking import read_jsonl
 
-    err = typer.echo
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    echo = typer.echo
+    metrics = run_dir / "metrics.jsonl"
+    rows = read_jsonl(metrics)
     done = int(rows[-1]["step"]) if rows else 0
     total = cfg.trainer.max_steps
-    if done == 0:
+    what = f"stopped by {err}" if isinstance(err, Stopped) else "interrupted"
+    if isinstance(err, Stopped) and err.checkpointed:
+        where = f"after step {done} of {total}"
+    elif done == 0:
         where = "before the first step finished"
     else:
         where = f"during step {done + 1} of {total}" if done < total else "after the last step"
-    err("", err=True)
-    err(f"interrupted {where}; {done} step(s) done (metrics: {run_dir / 'metrics.jsonl'})", err=True)
+    files = f" (metrics: {metrics})" if metrics.exists() else ""
+    echo("", err=True)
+    echo(f"{what} {where}; {done} step(s) done{files}", err=True)
     ckpt = latest_checkpoint(run_dir)
     quoted = shlex.quote(str(run_dir))
     if ckpt is not None:
-        err(f"last checkpoint: {ckpt}", err=True)
-        err(f"resume with: stapo train --run-dir {quoted} --resume", err=True)
-    else:
+        echo(f"last checkpoint: {ckpt}", err=True)
+        echo(f"resume with: stapo train --run-dir {quoted} --resume", err=True)
+    elif (run_dir / "config.yaml").is_file():
         every = cfg.checkpoint.every
         when = f"checkpoint.every={every} writes one every {every} steps" if every else (
             "checkpoint.every=0 writes one only at the end")
-        err(f"no checkpoint yet ({when})", err=True)
-        err(f"start it over with: stapo train --run-dir {quoted} --resume --fresh", err=True)
+        echo(f"no checkpoint yet ({when})", err=True)
+        echo(f"start it over with: stapo train --run-dir {quoted} --resume --fresh", err=True)
+    else:
+        echo(f"nothing was kept in {run_dir}; run the same command to start again", err=True)
 
 
 def _quiet_grader_shutdown() -> None:
@@ -270,13 +376,6 @@ def _quiet_grader_shutdown() -> None:
     import logging
 
     logging.getLogger("stapo.verifier_service.pool").setLevel(logging.ERROR)
-
-
-def _remove_if_empty_run(run_dir: Path) -> None:
-    """A run dir this command made and that failed before its first step holds only config.yaml:
-    remove it, so that a failed start leaves nothing behind."""
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {"config.yaml"}:
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _silent(message: str = "", **_: object) -> None:

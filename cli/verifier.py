@@ -137,7 +137,8 @@ def serve(
 
     sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
 
-    from stapo.verifier_service.app import create_app, redact_access_log
+    from stapo.verifier_service.app import create_app
+    from stapo.verifier_service.middleware import redact_access_log
 
     redact_access_log()
     uvicorn.run(

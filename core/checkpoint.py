@@ -26,7 +26,8 @@ import torch
 
 from stapo.core.config import Config, save_config
 
-__all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints"]
+__all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
+           "checkpoint_step"]
 
 _PREFIX = "step_"
 
@@ -60,7 +61,12 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / "meta.json").exists()]
-    return sorted(done, key=lambda p: int(p.name[len(_PREFIX) :]))
+    return sorted(done, key=checkpoint_step)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint folder holds (``step_000010`` -> 10)."""
+    return int(Path(path).name[len(_PREFIX) :])
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

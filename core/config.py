@@ -805,6 +805,11 @@ class CheckpointConfig(_Section):
     every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept on disk.")
     export_hf: bool = Field(True, description="Save the final policy in Hugging Face format (`final/`).")
+    on_signal: bool = Field(
+        True,
+        description="On SIGTERM (Slurm, Kubernetes, `docker stop`) finish the step in flight, write a checkpoint "
+        "and exit 143, so a preempted job loses at most that step (false: stop at once, like Ctrl-C).",
+    )
 
 
 class LoggingConfig(_Section):

@@ -136,7 +136,6 @@ class _Run:
         # token-mean normalizer and the S2T thresholds are reduced across ranks; rank 0 writes files.
         self.rank = int(self.backend.rank)
         self.world_size = int(self.backend.world_size)
-        self.placement.record(run_dir / "ranks", self.backend.device)  # which host / GPU each rank took
         if cfg.rollout.prompts_per_step % self.world_size:
             raise ValueError(
                 f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be divisible by the "
@@ -323,23 +322,32 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
     needed) -> update -> weight sync -> metrics / validation / checkpoint. The extras are hooks
     (``stapo.core.extras``: ``run.hooks``), called at their named phases with the step's
     :class:`~stapo.core.extras.StepState`; nothing below branches on a particular extra.
+    Nothing is written before the run is built and the ranks agree on rank 0's ``run_dir``; a
+    SIGTERM stops the run at a step boundary, after a checkpoint (``stapo.core.rundir``).
     """
     from stapo.core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from stapo.core.distributed import DataParallel
     from stapo.core.extras import StepState, legacy_hook_state
+    from stapo.core.rundir import Stopped, agree_run_dir, stop_at_once, stop_at_step_boundary, stop_requested
     from stapo.core.tracking import LiveView, Tracker, truncate_jsonl
 
     t_start = time.time()
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    run = _Run(cfg, run_dir, log)
+    run = _Run(cfg, Path(run_dir), log)
     hooks = run.hooks
     dp = DataParallel(run.backend)
     main = run.rank == 0
+    try:  # nothing is written before the run is built and every rank agrees on rank 0's run dir
+        run_dir = run.run_dir = agree_run_dir(run_dir, dp)
+        run.placement.record(run_dir / "ranks", run.backend.device)  # which host / GPU each rank took
+        if main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, run_dir / "config.yaml")
+        tracker = Tracker(run_dir, cfg) if main else _NullTracker()
+    except BaseException:
+        run.close()
+        raise
     if not main:
         log = _quiet
-    tracker = Tracker(run_dir, cfg) if main else _NullTracker()
     start = 0
     val_before: float | None = None
     ckpt = latest_checkpoint(run_dir) if resume else None
@@ -366,6 +374,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
     view = LiveView(cfg.trainer.max_steps, start, enabled=main and cfg.logging.live and sys.stderr.isatty(), log=log)
     last_val: float | None = val_before
     try:
+        stop_at_step_boundary(cfg.checkpoint.on_signal)  # SIGTERM: checkpoint at the step's end (stapo.core.rundir)
         for step in range(start + 1, cfg.trainer.max_steps + 1):
             t_step = time.time()
             seed_everything(derive_seed(cfg.trainer.seed, step))
@@ -408,9 +417,18 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             metrics["perf/tokens_per_s"] = metrics.pop("_tokens") / max(metrics["time/step_s"], 1e-9)
             tracker.log(step, metrics)
             view.update(metrics)
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.trainer.max_steps:
+            saved = cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.trainer.max_steps
+            if saved:
                 checkpoint(step)
+            # a stop asked during the last step lets the run finish (its checkpoint, export, summary)
+            last = step == cfg.trainer.max_steps
+            signum = stop_requested(dp) if cfg.checkpoint.on_signal and not last else None  # same on every rank
+            if signum is not None:
+                if not saved:
+                    checkpoint(step)
+                raise Stopped(signum, checkpointed=True)
 
+        stop_at_once()
         view.close()
         end = cfg.trainer.max_steps
         if run.val_prompts and end > start:
@@ -423,6 +441,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
         if cfg.checkpoint.export_hf:
             run.backend.export_hf(run_dir / "final", run.tokenizer)
     finally:
+        stop_at_once()
         view.close()
         tracker.close()
         run.close()

@@ -243,8 +243,9 @@ def _convert_demo(model_cfg: ModelConfig) -> Path:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         (tmp / _CACHE_MARKER).write_text(json.dumps(marker, indent=2))
-        for f in tmp.iterdir():  # safetensors writes 0600 files: make the cache readable like any file
-            os.chmod(f, 0o666 & ~umask)
+        from stapo.core.trainer.base import make_readable
+
+        make_readable(tmp)  # safetensors writes 0600 files: the cache is readable like any file
         try:
             os.rename(tmp, target)
         except OSError:

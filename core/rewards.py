@@ -54,7 +54,7 @@ class RewardBatch:
     status: list[str]  # [N] grader status per item: ok | no_answer | undecided | timeout | error | too_large
     statuses: Counter = field(default_factory=Counter)
     retried: int = 0
-    rules: Counter = field(default_factory=Counter)  # items per deciding grader rule (GradeResult.rule)
+    rules: Counter = field(default_factory=Counter)  # items per deciding grader rule (Verdict.rule)
 
 
 def grader_workers_per_rank(environ: Mapping[str, str] = os.environ) -> int:

@@ -60,13 +60,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from stapo.verifier_service.grader import GradeResult, grade
+from stapo.verifier_service.grader import Verdict, grade
 
 FAILED = frozenset({"timeout", "error", "too_large", "undecided"})
 
 
 class Verifier(Protocol):
-    def verify(self, items: Sequence[Any]) -> list[GradeResult]: ...
+    def verify(self, items: Sequence[Any]) -> list[Verdict]: ...
 
 
 class LocalVerifier:
@@ -79,7 +79,7 @@ class LocalVerifier:
         kw = {**Settings().pool_kwargs(), **pool_kwargs}
         self.pool = GraderPool(**kw)
 
-    def verify(self, items: Sequence[Any]) -> list[GradeResult]:
+    def verify(self, items: Sequence[Any]) -> list[Verdict]:
         return self.pool.grade_many(items)
 
     def close(self) -> None:
@@ -183,7 +183,7 @@ _failure_value = failure_score  # the adapters' keyword argument of the same nam
 # --------------------------------------------------------------------------- verl
 
 
-def _verl_dict(r: GradeResult, fail_value: float) -> dict[str, Any]:
+def _verl_dict(r: Verdict, fail_value: float) -> dict[str, Any]:
     # verl appends every key to reward_extra_info and logs them: keep the same keys for every item.
     failed = r.status in FAILED
     return {
@@ -243,7 +243,7 @@ class _Deadline(Exception):
     pass
 
 
-def _grade_here(prediction: str, gold: str, mode: str, deadline_s: float, max_chars: int) -> GradeResult:
+def _grade_here(prediction: str, gold: str, mode: str, deadline_s: float, max_chars: int) -> Verdict:
     """Grade in this process under a SIGALRM deadline (main thread only; else through the pool)."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         return get_verifier(None).verify([(prediction, gold, mode)])[0]
@@ -256,13 +256,13 @@ def _grade_here(prediction: str, gold: str, mode: str, deadline_s: float, max_ch
     try:
         return grade(prediction, gold, mode, max_chars=max_chars)
     except _Deadline:
-        return GradeResult(False, 0.0, "timeout", None, deadline_s * 1e3)
+        return Verdict(False, 0.0, "timeout", None, deadline_s * 1e3)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
 
 
-def _grade_here_within_limits(prediction: str, gold: str, mode: str) -> GradeResult:
+def _grade_here_within_limits(prediction: str, gold: str, mode: str) -> Verdict:
     """In-process grading with the limits every other route applies (the service's and the pool's):
     ``$STAPO_VERIFIER_MAX_PREDICTION_CHARS`` / ``..._MAX_GOLD_CHARS`` (``too_large``) and
     ``$STAPO_VERIFIER_DEADLINE_S``, read through the same ``Settings``."""

@@ -13,20 +13,12 @@ import collections
 import dataclasses
 import hashlib
 import threading
-import time
 from typing import NamedTuple
 
-from stapo.verifier_service.grader import GradeResult, dapo_line, marker_answer, quick_no_answer, quick_rule
+from stapo.verifier_service.grader import Answer, Verdict, compare, extract
 
 Item = tuple[str, str, str]
 """(prediction, gold, mode): what travels to a worker."""
-
-VERDICT_MAX_CHARS = 16_000
-VERDICT_MAX_BOXES = 8
-"""The verdict cache's extraction runs in the server process, which has no deadline: only
-predictions this short with this few boxes go through it (worst case ~10 ms); the rest always go
-to a worker."""
-
 
 def digest(*fields: str) -> bytes:
     """blake2b-128 of the fields, each preceded by its UTF-8 length: distinct tuples, distinct digests."""
@@ -48,72 +40,37 @@ class VerdictKey(NamedTuple):
 
     digest: bytes
     """of mode + gold + the answer the verdict reads: equal digests, equal verdicts"""
-    extracted: str
-    """the answer as ``grade`` reports it (``GradeResult.extracted``)"""
-    answer: str
-    """the string the verdict reads (mode ``math``: = extracted; ``dapo``: the raw, unstripped line)"""
+    answer: Answer
+    """the final answer as ``grader.extract`` finds it under budget ``cheap``"""
+
+    @property
+    def extracted(self) -> str | None:
+        return self.answer.extracted
 
 
-def verdict_key(item: Item) -> VerdictKey | None:
-    """(digest of mode + gold + extracted answer, extracted answer, answer) when the grader's verdict
-    depends on nothing else; None when only a worker can tell (no marker: math-verify's search; prose
-    in the answer; too long). Uses the grader's own cheap extraction (``marker_answer``,
-    ``dapo_line``), so the key and the grade cannot drift apart; tests/service/test_fairness.py
-    checks that the key's answer equals what ``grade`` extracts.
-    """
+VERDICT_MAX_GOLD = 2_000
+"""Longest gold the verdict cache keys on (the key's memory; a gold this long is rare)."""
+
+
+def cheap_answer(item: Item) -> Answer | None:
+    """The item's final answer when ``grader.extract`` finds it under budget ``cheap`` (markers only,
+    bounded texts), else None: only a worker can tell. The grader's own extraction, so a key and a
+    grade cannot drift apart."""
     pred, gold, mode = item
-    # Box matching is linear per box, so few boxes in a bounded text ("\\boxed{" x 5000 takes seconds).
-    if len(pred) > VERDICT_MAX_CHARS or len(gold) > 2_000 or mode not in ("math", "dapo"):
-        return None
-    if pred.count("boxed") + pred.count("fbox") > VERDICT_MAX_BOXES:
+    if len(gold) > VERDICT_MAX_GOLD:
         return None
     try:
-        if mode == "dapo":
-            answer = dapo_line(pred)
-            ext = answer.strip() if answer is not None else None
-        else:
-            answer = ext = marker_answer(pred, mode)
+        return extract(pred, mode, budget="cheap")
     except Exception:  # the worker will say what went wrong
         return None
-    if ext is None or answer is None:
-        return None
-    return VerdictKey(digest("verdict", mode, gold, answer), ext, answer)
 
 
-def inline_grade(gold: str, mode: str, vk: VerdictKey) -> GradeResult | None:
-    """The item's result, with its deciding rule, when ``grader.quick_rule`` decides it in this process, else None.
-
-    Most first sights on an RL stream are integers against an integer gold (DAPO-Math-17k, GSM8K)
-    or an answer equal to the gold up to markup: a worker would take microseconds to grade them,
-    after a round trip that costs more than the grading.
-    """
-    t0 = time.perf_counter()
-    try:
-        quick = quick_rule(gold, vk.answer, mode)
-    except Exception:  # the worker will say what went wrong
-        return None
-    if quick is None:
-        return None
-    ok, rule = quick
-    return GradeResult(ok, 1.0 if ok else 0.0, "ok", vk.extracted, (time.perf_counter() - t0) * 1e3, rule)
+def verdict_key(gold: str, answer: Answer) -> VerdictKey:
+    """The key of a verdict: it depends on the mode, the gold and the answer's text only."""
+    return VerdictKey(digest("verdict", answer.mode, gold, answer.text or ""), answer)
 
 
-def inline_no_answer(item: Item) -> GradeResult | None:
-    """The item's 'no_answer' result when ``grader.quick_no_answer`` decides it in this process (a
-    response cut off before any marker), else None: the same result a worker would return."""
-    pred, gold, mode = item
-    if len(pred) > VERDICT_MAX_CHARS:
-        return None
-    t0 = time.perf_counter()
-    try:
-        if not quick_no_answer(pred, gold, mode):
-            return None
-    except Exception:  # the worker will say what went wrong
-        return None
-    return GradeResult(False, 0.0, "no_answer", None, (time.perf_counter() - t0) * 1e3, "no-answer")
-
-
-def untimed(r: GradeResult) -> GradeResult:
+def untimed(r: Verdict) -> Verdict:
     """The result as a cache serves it: same verdict (and every other field), ``ms`` 0."""
     return dataclasses.replace(r, ms=0.0)
 
@@ -123,16 +80,16 @@ class ByteLRU:
 
     def __init__(self, max_bytes: int, max_entries: int) -> None:
         self.max_bytes, self.max_entries = max_bytes, max_entries
-        self.data: collections.OrderedDict[bytes, tuple[GradeResult, int]] = collections.OrderedDict()
+        self.data: collections.OrderedDict[bytes, tuple[Verdict, int]] = collections.OrderedDict()
         self.bytes = 0
         self.lock = threading.Lock()
 
     @staticmethod
-    def size_of(r: GradeResult) -> int:
+    def size_of(r: Verdict) -> int:
         # key (16 B digest object ~49 B) + result object + dict slot; the extracted text dominates
         return 260 + (len(r.extracted) * 4 if r.extracted else 0)
 
-    def get(self, key: bytes) -> GradeResult | None:
+    def get(self, key: bytes) -> Verdict | None:
         if self.max_bytes <= 0 or self.max_entries <= 0:
             return None
         with self.lock:
@@ -142,7 +99,7 @@ class ByteLRU:
             self.data.move_to_end(key)
             return hit[0]
 
-    def put(self, key: bytes, r: GradeResult) -> None:
+    def put(self, key: bytes, r: Verdict) -> None:
         if self.max_bytes <= 0 or self.max_entries <= 0:
             return
         n = self.size_of(r)
@@ -170,7 +127,7 @@ class ByteLRU:
 class Plan:
     """One request after the caches answered what they could (``Memo.plan``)."""
 
-    results: list[GradeResult | None]
+    results: list[Verdict | None]
     leaders: list[int] = dataclasses.field(default_factory=list)  # items to grade, first of their kind
     dups: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # leader -> the same item again
     vdups: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # leader -> same (mode, gold, answer)
@@ -185,8 +142,11 @@ class Memo:
 
     The two result caches share ``max_bytes``. 'timeout' and 'error' are never remembered as
     results (a retry re-grades); a timed-out item's key is, so that its retry gets a longer deadline.
-    ``inline``: verdicts ``grader.quick_rule`` decides, and the 'no_answer' of a response cut off
-    before any marker (``grader.quick_no_answer``), are given in this process (no round trip)."""
+    ``inline``: verdicts ``grader.compare`` decides under budget ``cheap`` (among them the 'no_answer'
+    of a response cut off before any marker) are given in this process (no round trip): most first
+    sights on an RL stream are integers against an integer gold (DAPO-Math-17k, GSM8K), an answer
+    equal to the gold up to markup, or a cut-off response; a worker would take microseconds to grade
+    them, after a round trip that costs more than the grading."""
 
     def __init__(self, max_bytes: int, max_entries: int, *, verdicts: bool = True, inline: bool = True) -> None:
         self.verdict_cache, self.inline = verdicts, inline and verdicts
@@ -213,7 +173,7 @@ class Memo:
         for i, item in enumerate(items):
             pred, gold, mode = item
             if len(pred) > max_chars[0] or len(gold) > max_chars[1]:
-                p.results[i] = GradeResult(False, 0.0, "too_large", None, 0.0)
+                p.results[i] = Verdict(False, 0.0, "too_large", None, 0.0)
                 p.counts["too_large"] += 1
                 continue
             key = cache_key(item)
@@ -225,7 +185,9 @@ class Memo:
                 p.results[i] = r
                 p.counts["cache_hits"] += 1
                 continue
-            if self.verdict_cache and (vk := verdict_key(item)) is not None:
+            answer = cheap_answer(item) if self.verdict_cache else None
+            if answer is not None and answer.text is not None:
+                vk = verdict_key(gold, answer)
                 if (v := self.verdicts.get(vk.digest)) is not None:
                     p.results[i] = v
                     self.results.put(key, v)  # the same item again skips the extraction too
@@ -236,7 +198,7 @@ class Memo:
                     p.keys[i] = key
                     p.counts["verdict_hits"] += 1
                     continue
-                if self.inline and (r := inline_grade(gold, mode, vk)) is not None:
+                if self.inline and (r := compare(gold, answer, budget="cheap")) is not None:
                     p.results[i] = r
                     self.verdicts.put(vk.digest, untimed(r))
                     self.results.put(key, untimed(r))
@@ -244,8 +206,8 @@ class Memo:
                     continue
                 vleaders[vk.digest] = i
                 p.vkeys[i] = vk
-            elif self.inline and (r := inline_no_answer(item)) is not None:
-                p.results[i] = r
+            elif answer is not None and self.inline and (r := compare(gold, answer, budget="cheap")) is not None:
+                p.results[i] = r  # no answer: a response cut off before any
                 self.results.put(key, untimed(r))
                 p.counts["inline_verdicts"] += 1
                 continue
@@ -256,7 +218,7 @@ class Memo:
         p.leaders = list(leaders.values())
         return p
 
-    def settle(self, p: Plan, leader: int, r: GradeResult, *, remember: bool = True) -> list[int]:
+    def settle(self, p: Plan, leader: int, r: Verdict, *, remember: bool = True) -> list[int]:
         """A leader's result: into the plan (its duplicates too) and the caches. Returns the followers
         whose verdict it does not decide (a timeout, an error, another answer): they are graded too.
         ``remember`` False: a 'timeout' that was not graded (a spent budget) marks nothing."""

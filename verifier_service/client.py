@@ -15,7 +15,7 @@
 
     from stapo.verifier_service.client import VerifierClient
     with VerifierClient(["http://10.0.0.5:8000", "http://10.0.0.6:8000"], token="...") as vc:
-        results = vc.verify([{"prediction": "... \\\\boxed{2}", "gold": "2"}])   # list[GradeResult]
+        results = vc.verify([{"prediction": "... \\\\boxed{2}", "gold": "2"}])   # list[Verdict]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from stapo.verifier_service.grader import GradeResult
+from stapo.verifier_service.grader import Verdict
 from stapo.verifier_service.schemas import VerifyItem, as_item
 
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
@@ -57,13 +57,13 @@ def _urls(urls: str | Sequence[str]) -> list[str]:
     return out
 
 
-def _parse_results(data: Any, n: int, url: str) -> list[GradeResult]:
+def _parse_results(data: Any, n: int, url: str) -> list[Verdict]:
     try:
         res = data["results"]
         if len(res) != n:
             raise ValueError(f"{len(res)} results for {n} items")
         return [
-            GradeResult(
+            Verdict(
                 bool(r["correct"]),
                 float(r["score"]),
                 r["status"],
@@ -169,8 +169,8 @@ class VerifierClient(_Base):
         super().__init__(urls, **kw)
         self._http = httpx.Client(timeout=self.timeout_s, headers=self._headers)
 
-    def verify(self, items: Sequence[VerifyItem | dict | Sequence[str]]) -> list[GradeResult]:
-        """Grade items; one ``GradeResult`` per item, in order. Raises ``VerifierUnavailable``."""
+    def verify(self, items: Sequence[VerifyItem | dict | Sequence[str]]) -> list[Verdict]:
+        """Grade items; one ``Verdict`` per item, in order. Raises ``VerifierUnavailable``."""
         batches = self._batches(items)
         if not batches:
             return []
@@ -181,7 +181,7 @@ class VerifierClient(_Base):
                 parts = list(ex.map(self._send, range(len(batches)), batches))
         return [r for part in parts for r in part]
 
-    def _send(self, k: int, batch: list[dict[str, str]]) -> list[GradeResult]:
+    def _send(self, k: int, batch: list[dict[str, str]]) -> list[Verdict]:
         last = "no attempt made"
         attempt = waited = 0
         while attempt <= self.retries:
@@ -235,18 +235,18 @@ class AsyncVerifierClient(_Base):
         super().__init__(urls, **kw)
         self._http = httpx.AsyncClient(timeout=self.timeout_s, headers=self._headers)
 
-    async def verify(self, items: Sequence[VerifyItem | dict | Sequence[str]]) -> list[GradeResult]:
+    async def verify(self, items: Sequence[VerifyItem | dict | Sequence[str]]) -> list[Verdict]:
         batches = self._batches(items)
         sem = asyncio.Semaphore(self.concurrency)
 
-        async def one(k: int, b: list[dict[str, str]]) -> list[GradeResult]:
+        async def one(k: int, b: list[dict[str, str]]) -> list[Verdict]:
             async with sem:
                 return await self._send(k, b)
 
         parts = await asyncio.gather(*(one(k, b) for k, b in enumerate(batches)))
         return [r for part in parts for r in part]
 
-    async def _send(self, k: int, batch: list[dict[str, str]]) -> list[GradeResult]:
+    async def _send(self, k: int, batch: list[dict[str, str]]) -> list[Verdict]:
         last = "no attempt made"
         attempt = waited = 0
         while attempt <= self.retries:

@@ -68,12 +68,3 @@ def dapo_normalize(answer: str) -> str:
     if s.replace(",", "").isdigit():
         s = s.replace(",", "")
     return s.strip()
-
-
-def dapo_is_correct(prediction: str, gold: str) -> tuple[bool, str | None]:
-    """(correct, extracted) under the DAPO rule; extracted is None when there is no ``Answer:`` line."""
-    raw = dapo_extract(prediction)
-    if raw is None:
-        return False, None
-    pred = dapo_normalize(raw)
-    return pred == dapo_normalize(gold), raw.strip()

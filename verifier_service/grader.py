@@ -1,10 +1,16 @@
 """The math grader: extract a model's final answer, compare it with a gold answer, return a status.
 
-This is the one function every reward path calls (in-process pool, HTTP service, evals)::
+Math-Verify's shape (``parse`` / ``verify``): :func:`extract` finds the answer, :func:`compare`
+judges it against the gold, and :func:`grade` (= ``compare(gold, extract(prediction))``, guarded) is
+what every reward path calls (in-process pool, HTTP workers, evals)::
 
     from stapo.verifier_service.grader import grade
     grade("... so the answer is \\boxed{\\frac{1}{2}}", "0.5")
-    # GradeResult(correct=True, score=1.0, status='ok', extracted='\\frac{1}{2}', ms=..., rule='exact-number')
+    # Verdict(correct=True, score=1.0, status='ok', extracted='\\frac{1}{2}', ms=..., rule='exact-number')
+
+Both take a ``budget``: ``"full"`` (a worker, under a deadline) or ``"cheap"`` (the service's server
+process, no deadline: markers only, and only the rules of ``RULES`` that declare themselves cheap,
+on short strings; None where only the full budget can tell). A cheap verdict is always the full one.
 
 Every verdict names the rule that decided it (``rule``) and the answer it compared (``extracted``);
 ``stapo verifier explain GOLD RESPONSE`` prints both.
@@ -19,7 +25,7 @@ Pipeline of mode ``math`` (policies and their reasons in docs/verifier.md):
    found -> ``no_answer``. Inside a marker's answer "and"/"or" make a list and trailing words are a
    unit (``_marker_answer_form``);
 3. comparison: the ordered table of named rules ``RULES`` (the first rule that says yes or no
-   decides; its name is ``GradeResult.rule``), cheapest first: digits joined by spaces (``1 2 3`` is not
+   decides; its name is ``Verdict.rule``), cheapest first: digits joined by spaces (``1 2 3`` is not
    123); canonical string equality; multiple-choice letters;
    text answers; exact numbers (``fractions.Fraction``); unordered multi-answer lists and
    ordered tuples/intervals element by element; finally math-verify's symbolic ``verify`` on
@@ -30,8 +36,8 @@ Pipeline of mode ``math`` (policies and their reasons in docs/verifier.md):
    ``numeric.py`` that differs far beyond math-verify's rounding, bracketed lists of numbers with an
    unmatched element, words with no math against a number, assignments ``y = G`` with different
    right sides, different interval unions, different matrices, cut-off fragments that neither
-   latex2sympy nor math-verify's search can read (``_surely_unequal``; ``GraderSettings.fast_reject``
-   off switches them off). These only ever say "no"; every "yes" still comes from math-verify.
+   latex2sympy nor math-verify's search can read (``_surely_unequal``). These only ever say "no";
+   every "yes" still comes from math-verify.
    ``tests/unit/test_grader_numeric.py`` and ``tests/unit/test_grader_rejections.py`` check them
    against it.
 
@@ -56,7 +62,7 @@ from functools import lru_cache
 from typing import Literal
 
 from stapo.verifier_service import mathverify
-from stapo.verifier_service.dapo import TAIL_CHARS, dapo_extract, dapo_is_correct, dapo_normalize
+from stapo.verifier_service.dapo import TAIL_CHARS, dapo_extract, dapo_normalize
 from stapo.verifier_service.extract import (
     THINK_MODES,
     apply_think,
@@ -81,28 +87,7 @@ from stapo.verifier_service.numeric import differ as numeric_differ
 from stapo.verifier_service.numeric import evaluate as evaluate_numeric
 from stapo.verifier_service.numeric import variables as numeric_variables
 
-__all__ = [
-    "MAX_CHARS",
-    "MODES",
-    "GradeResult",
-    "Status",
-    "answers_equivalent",
-    "cache_clear",
-    "cache_info",
-    "configure",
-    "GraderSettings",
-    "RULES",
-    "RULE_NAMES",
-    "SETTINGS",
-    "UNDECIDED",
-    "extract_answer",
-    "final_answer",
-    "get_mode",
-    "grade",
-    "quick_rule",
-    "quick_verdict",
-    "register_mode",
-]
+__all__ = ["Answer", "Verdict", "compare", "extract", "grade"]
 
 Status = Literal["ok", "no_answer", "undecided", "timeout", "error", "too_large"]
 """``ok``: compared, ``correct`` is the verdict. ``no_answer``: the response has no answer (a
@@ -112,7 +97,7 @@ gold (the gold is not readable as math): no verdict, ``correct`` is False and me
 ``no_answer`` are verdicts; a reward function must not turn the others into a number silently
 (``core/rewards.py`` drops their groups and counts them)."""
 UNDECIDED = "undecided"
-"""``GradeResult.rule`` of an ``undecided`` grade: the table ran out without a verdict."""
+"""``Verdict.rule`` of an ``undecided`` grade: the table ran out without a verdict."""
 MAX_CHARS = 20_000
 """Default per-field size limit (prediction and gold each), checked before any parsing."""
 RESULT_CACHE_SIZE = 65_536
@@ -123,8 +108,13 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 logger = logging.getLogger(__name__)
 
 
+Budget = Literal["cheap", "full"]
+"""``full``: every rule and math-verify's search (a worker, under a deadline). ``cheap``: only steps
+whose cost is linear in short inputs (a process with no deadline); None where they cannot tell."""
+
+
 @dataclass(frozen=True)
-class GradeResult:
+class Verdict:
     """The outcome of grading one prediction: a failure is a status, never a silent ``correct=False``."""
 
     correct: bool
@@ -135,40 +125,31 @@ class GradeResult:
     rule: str | None = None
     """The name of the rule that decided (``RULES`` in mode ``math``, ``"dapo"`` in mode ``dapo``;
     ``"no-answer"`` when nothing was extracted; ``UNDECIDED`` with status ``undecided``; None when
-    no rule ran: ``too_large``, ``error``, ``timeout``). Fresh, quick (``quick_rule``) and cached
-    verdicts all carry it."""
+    no rule ran: ``too_large``, ``error``, ``timeout``). Fresh, cheap and cached verdicts all carry it."""
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-# ---------------------------------------------------------------------------------------------
-# mode registry
-# ---------------------------------------------------------------------------------------------
-ModeFn = Callable[[str, str, str], tuple]
-"""(prediction, gold, think) -> (correct, status, extracted) or (correct, status, extracted, rule)."""
+@dataclass(frozen=True)
+class Answer:
+    """A response's final answer as :func:`extract` found it: what :func:`compare` reads."""
 
-MODES: dict[str, ModeFn] = {}
+    text: str | None
+    """Mode ``math``: the answer in the form the rules read; mode ``dapo``: the raw ``Answer:`` line
+    (unstripped: the DAPO normalizer reads it so). None: the response has no answer."""
+    mode: str = "math"
 
+    @property
+    def status(self) -> Status:
+        return "ok" if self.text is not None else "no_answer"
 
-def register_mode(name: str) -> Callable[[ModeFn], ModeFn]:
-    """Register a grading mode by name; registering a name twice is an error."""
-
-    def deco(fn: ModeFn) -> ModeFn:
-        if name in MODES:
-            raise ValueError(f"grading mode {name!r} is already registered")
-        MODES[name] = fn
-        return fn
-
-    return deco
-
-
-def get_mode(name: str) -> ModeFn:
-    """The mode function registered as ``name``; a miss lists the valid names."""
-    try:
-        return MODES[name]
-    except KeyError:
-        raise ValueError(f"mode: unknown grading mode {name!r}; valid: {', '.join(sorted(MODES))}") from None
+    @property
+    def extracted(self) -> str | None:
+        """The answer as a verdict reports it (``Verdict.extracted``)."""
+        if self.text is None or self.mode != "dapo":
+            return self.text
+        return self.text.strip()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,12 +396,12 @@ def _base_equal(gb: re.Match | None, pb: re.Match | None, g: _Info, p: _Info) ->
     return False
 
 
-Verdict = bool | None
+RuleVerdict = bool | None
 """A rule's answer: True / False decides, None passes to the next rule."""
-RuleFn = Callable[[str, str, "_Info", "_Info"], Verdict]
+RuleFn = Callable[[str, str, "_Info", "_Info"], RuleVerdict]
 
 
-def _rule_empty(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_empty(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     return False if not g.canon or not p.canon else None
 
 
@@ -436,7 +417,7 @@ def _spaced_digits(s: str) -> str | None:
     return t if _SPACED_DIGITS_RE.match(t) and not _THOUSANDS_SPACED_RE.match(t) else None
 
 
-def _rule_spaced_digits(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_spaced_digits(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     # digits joined by spaces are several numbers, not the integer they spell ("1 2 3" is not 123;
     # canonical() drops those spaces). A gold written the same way passes on to string equality.
     spaced = _spaced_digits(pred)
@@ -445,16 +426,16 @@ def _rule_spaced_digits(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
     return None if _spaced_digits(gold) == spaced else False
 
 
-def _rule_same_string(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_same_string(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     return True if g.canon == p.canon else None
 
 
-def _rule_choice(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_choice(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     # multiple choice never goes to sympy; an expression in the letter is not the option
     return _pred_choice(p.canon) == g.choice if g.choice is not None else None
 
 
-def _rule_text(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_text(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     if g.text is None:
         return None
     # a text gold ("Evelyn" is not E*v*e*l*y*n): the prediction's words, however written ("no" for
@@ -463,7 +444,7 @@ def _rule_text(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
     return p_text is not None and p_text == g.text
 
 
-def _rule_base(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_base(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     # numerals in another base: the base is part of the answer (4210_5 != 4210_6)
     gb, pb = _BASE_NUM_RE.match(g.canon), _BASE_NUM_RE.match(p.canon)
     if gb is None and pb is None:
@@ -481,7 +462,7 @@ def _numbers(gold: str, pred: str, g: _Info, p: _Info) -> tuple[Num, Num] | None
     return (g.num, p_num) if g.num is not None and p_num is not None else None
 
 
-def _rule_exact_number(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_exact_number(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     nums = _numbers(gold, pred, g, p)
     if nums is None:
         return None
@@ -500,11 +481,11 @@ def _rounded_number(gold: str, pred: str, g: _Info, p: _Info) -> bool:
     )
 
 
-def _rule_rounded_gold_number(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_rounded_gold_number(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     return True if _rounded_number(gold, pred, g, p) else None
 
 
-def _rule_clock(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_clock(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     # "1:30 p.m." = "1:30\\text{ pm}" = "13:30"; a clock gold needs a clock answer
     gc = _clock(g.canon)
     if gc is None:
@@ -513,7 +494,7 @@ def _rule_clock(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
     return pc is not None and _clock_equal(gc, pc)
 
 
-def _rule_unordered_list(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_unordered_list(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     # "2, 3" (also against "\\{3, 2\\}"); each item may be "x=2". Says only yes.
     if len(g.items) <= 1:
         return None
@@ -527,7 +508,7 @@ def _rule_unordered_list(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
     return None
 
 
-def _rule_function_name(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_function_name(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     # "f(x) = 2x+1" = "y = 2x+1" = "g(x) = 2x+1": compare right-hand sides
     if len(g.eq_parts) == 2 and len(p.eq_parts) == 2 and g.eq_parts[0] != p.eq_parts[0]:
         if _fn_lhs_compatible(g.eq_parts[0], p.eq_parts[0]):
@@ -535,7 +516,7 @@ def _rule_function_name(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
     return None
 
 
-def _rule_inequality_set(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_inequality_set(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     # "x < -2 or x > 3" against an interval / union gold: the same set written as intervals
     if _INEQ_IN_RE.search(g.canon):
         return None
@@ -545,7 +526,7 @@ def _rule_inequality_set(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
     return None
 
 
-def _rule_equation_sides(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_equation_sides(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     # follow the gold's form: "x=2" vs "2" and "2" vs "x=2" compare right-hand sides
     g_eq, p_eq = len(g.eq_parts) > 1, len(p.eq_parts) > 1
     if p_eq and not g_eq and len(g.items) == 1:
@@ -564,14 +545,14 @@ def _rule_equation_sides(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
     return None
 
 
-def _rule_element_of(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_element_of(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     m = _IN_RE.match(p.canon)
     if m and len(g.eq_parts) == 1 and "\\in" not in g.canon:
         return _equiv(gold, m.group(1))
     return None
 
 
-def _rule_brackets(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_brackets(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     # tuples / intervals / sets: same brackets, elements in order (sets: any order). Says only yes.
     if g.bracket is not None and p.bracket is not None:
         (glo, ghi, gi), (plo, phi, pi) = g.bracket, p.bracket
@@ -587,20 +568,20 @@ def _rule_brackets(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
     return None
 
 
-def _rule_rounded_gold(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_rounded_gold(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     # a gold shown rounded (0.6667) and an exact answer that rounds to it (\\frac{2}{3}). Says only yes.
     return True if g.num is not None and g.num.decimal and _rounded_gold_match(g, pred, None) else None
 
 
-def _rule_compound_quantity(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_compound_quantity(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     return False if g.num is not None and _compound_quantity(pred) else None
 
 
-def _rule_surely_unequal(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_surely_unequal(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     return False if _surely_unequal(gold, pred) else None
 
 
-def _rule_math_verify(gold: str, pred: str, g: _Info, p: _Info) -> Verdict:
+def _rule_math_verify(gold: str, pred: str, g: _Info, p: _Info) -> RuleVerdict:
     # math-verify's symbolic verify on golds parsed whole; exact constants compared at 50 digits.
     # A gold that does not parse cannot be compared at all: undecided (None; the grade's status says
     # so), never a guess. An answer that does not parse is "no", as in math-verify (``verify`` of an
@@ -631,43 +612,55 @@ def _constant_relation(exprs: tuple) -> bool:
     return False
 
 
-RULES: tuple[tuple[str, RuleFn], ...] = (
-    ("empty", _rule_empty),
-    ("spaced-digits", _rule_spaced_digits),
-    ("same-string", _rule_same_string),
-    ("choice-letter", _rule_choice),
-    ("text", _rule_text),
-    ("base-numeral", _rule_base),
-    ("exact-number", _rule_exact_number),
-    ("rounded-gold-number", _rule_rounded_gold_number),
-    # ---- the rules above are the cheap ones (strings and exact numbers): CHEAP_RULES
-    ("clock-time", _rule_clock),
-    ("unordered-list", _rule_unordered_list),
-    ("function-name", _rule_function_name),
-    ("inequality-set", _rule_inequality_set),
-    ("equation-sides", _rule_equation_sides),
-    ("element-of", _rule_element_of),
-    ("brackets", _rule_brackets),
-    ("rounded-gold", _rule_rounded_gold),
-    ("compound-quantity", _rule_compound_quantity),
-    ("surely-unequal", _rule_surely_unequal),
-    ("math-verify", _rule_math_verify),
+@dataclass(frozen=True)
+class Rule:
+    """One comparison step of mode ``math``: says yes, no, or passes (None)."""
+
+    name: str
+    """what ``Verdict.rule`` says when this rule decides"""
+    fn: RuleFn
+    cheap: bool
+    """True: string and exact-number work whose cost is linear in short inputs (no sympy, no
+    math-verify), so a process with no deadline may run it (``compare(..., budget="cheap")``)."""
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("empty", _rule_empty, cheap=True),
+    Rule("spaced-digits", _rule_spaced_digits, cheap=True),
+    Rule("same-string", _rule_same_string, cheap=True),
+    Rule("choice-letter", _rule_choice, cheap=True),
+    Rule("text", _rule_text, cheap=True),
+    Rule("base-numeral", _rule_base, cheap=True),
+    Rule("exact-number", _rule_exact_number, cheap=True),
+    Rule("rounded-gold-number", _rule_rounded_gold_number, cheap=True),
+    Rule("clock-time", _rule_clock, cheap=False),
+    Rule("unordered-list", _rule_unordered_list, cheap=False),
+    Rule("function-name", _rule_function_name, cheap=False),
+    Rule("inequality-set", _rule_inequality_set, cheap=False),
+    Rule("equation-sides", _rule_equation_sides, cheap=False),
+    Rule("element-of", _rule_element_of, cheap=False),
+    Rule("brackets", _rule_brackets, cheap=False),
+    Rule("rounded-gold", _rule_rounded_gold, cheap=False),
+    Rule("compound-quantity", _rule_compound_quantity, cheap=False),
+    Rule("surely-unequal", _rule_surely_unequal, cheap=False),
+    Rule("math-verify", _rule_math_verify, cheap=False),
 )
 """The comparison of mode ``math`` as an ordered table: each rule says yes, no, or passes (None);
-the first that decides gives the verdict and its name (``GradeResult.rule``). Cheapest first.
+the first that decides gives the verdict and its name (``Verdict.rule``). Cheapest first.
 ``math-verify`` decides whenever the gold parses; when it does not and no rule before it decided,
-the grade's status is ``undecided`` (rule ``UNDECIDED``)."""
-CHEAP_RULES = 8
-"""How many rules of ``RULES`` are string and exact-number tests (``quick_rule`` runs only these)."""
-RULE_NAMES = tuple(name for name, _ in RULES)
+the grade's status is ``undecided`` (rule ``UNDECIDED``). Budget ``cheap`` runs the table up to its
+first rule that is not cheap: every verdict it gives is the one the whole table gives."""
+RULE_NAMES = tuple(r.name for r in RULES)
 
 
-def _decide(gold: str, pred: str, rules: tuple[tuple[str, RuleFn], ...]) -> tuple[Verdict, str | None]:
+def _decide(gold: str, pred: str, budget: Budget) -> tuple[RuleVerdict, str | None]:
     g, p = _info(gold), _info(pred)
-    for name, fn in rules:
-        verdict = fn(gold, pred, g, p)
+    for rule in RULES:
+        if budget == "cheap" and not rule.cheap:
+            break  # a costly rule comes first in the full table: what follows it is not the table's verdict
+        verdict = rule.fn(gold, pred, g, p)
         if verdict is not None:
-            return bool(verdict), name
+            return bool(verdict), rule.name
     return None, None
 
 
@@ -675,7 +668,7 @@ def _decide(gold: str, pred: str, rules: tuple[tuple[str, RuleFn], ...]) -> tupl
 def _equiv_rule(gold: str, pred: str) -> tuple[bool | None, str]:
     """(verdict, name of the rule that decided) for the extracted prediction ``pred`` against ``gold``;
     verdict None (``UNDECIDED``) when no rule could decide: the gold is not readable as math."""
-    verdict, name = _decide(gold, pred, RULES)
+    verdict, name = _decide(gold, pred, "full")
     return (None, UNDECIDED) if verdict is None else (verdict, name or "math-verify")
 
 
@@ -751,7 +744,8 @@ def _env_flag(name: str, default: bool) -> bool:
 
 @dataclass(frozen=True)
 class GraderSettings:
-    """The grader's policies, one frozen object per process (``SETTINGS``; ``configure`` replaces it).
+    """The grader's policies a user may choose, one frozen object per process (``SETTINGS``;
+    ``configure`` replaces it).
 
     Each field has an environment twin read at import (``GraderSettings.from_env``), so a worker
     process started by the pool or the service gets the same policies as its parent's environment.
@@ -762,32 +756,11 @@ class GraderSettings:
     physics keys) accepts an answer that shows the gold was rounded and rounds to it at the gold's
     precision (``\\frac{2}{3}``, ``\\frac{\\pi}{4}``, ``0.78540``; ``_rounded_gold_match``). Off: only exact
     matches (exact golds are never matched by shorter decimals either way: docs/verifier.md)."""
-    fast_reject: bool = True
-    """``STAPO_GRADER_FAST_REJECT``: run the rejections (``_surely_unequal``) before math-verify. They
-    only ever say "no" where math-verify says no, so switching them off changes times, never
-    verdicts (tests compare the two)."""
-    prose_as_text: bool = True
-    """``STAPO_GRADER_PROSE_AS_TEXT``: an answer that is still a sentence after math-verify's search
-    (words it found no math in, or a span of words around math it reported as its first candidate:
-    "Let me double-check: $\\frac{255", a response cut off after ``</think>``) is compared as text
-    only: the cheap rules (equal canonical strings, choice letters, text answers). Only three words
-    in a row count (``_SENTENCE_RE``): a single word ("infinity", a mangled command) or juxtaposed
-    variables ("RCs") still go to sympy. That is how math-verify compares a string it could not
-    parse (string equality, ``compare_single_extraction``); latex2sympy would read the words as
-    products of one-letter symbols and spend 10-50 ms in ANTLR and sympy to find them unequal.
-    Tests switch it off to check that no verdict of the tables, the dev corpus or the streams changes."""
-    search_oracle: bool = True
-    """``STAPO_GRADER_SEARCH_ORACLE``: answer math-verify's parse attempts inside ``_search_fallback``
-    without parsing where the reported string cannot depend on them (tests switch it off to compare
-    with the real search)."""
 
     @classmethod
     def from_env(cls) -> GraderSettings:
         return cls(
             rounded_gold=_env_flag("STAPO_GRADER_ROUNDED_GOLD", True),
-            fast_reject=_env_flag("STAPO_GRADER_FAST_REJECT", True),
-            prose_as_text=_env_flag("STAPO_GRADER_PROSE_AS_TEXT", True),
-            search_oracle=_env_flag("STAPO_GRADER_SEARCH_ORACLE", True),
         )
 
 
@@ -1180,8 +1153,6 @@ def _brackets_unequal(gold: str, pred: str) -> bool:
 
 def _surely_unequal(gold: str, pred: str) -> bool:
     """Would math-verify surely say no? Each rule below says why; False means "ask math-verify"."""
-    if not SETTINGS.fast_reject:
-        return False
     return (
         _numerically_unequal(gold, pred)
         or _word_soup(gold, pred)
@@ -1589,11 +1560,11 @@ def _search_fallback(body: str) -> str | None:
     whether it parses only for a match with several LaTeX groups; so during this call a one-group
     match, a plain-text expression, and any candidate the numeric parser accepts are answered
     "parses" without running ANTLR or sympy (the oracles of ``mathverify.py``, the seam). The search then stops at its first candidate instead of parsing
-    every failing one (on cut-off RL responses ~10x less time; ``SETTINGS.search_oracle`` off is the
-    real search, and tests compare the two).
+    every failing one (on cut-off RL responses ~10x less time; tests/unit/test_grader_numeric.py
+    compares it with the real search, ``mathverify.search(..., oracle=False)``).
     """
     found = mathverify.search(
-        body, oracle=SETTINGS.search_oracle, surely_parses=lambda latex: _surely_parses(latex)
+        body, oracle=True, surely_parses=lambda latex: _surely_parses(latex)
     )
     strs = [f for f in found if isinstance(f, str) and f.strip()]
     if strs:
@@ -1695,180 +1666,173 @@ def _marker_answer_form(extracted: str) -> tuple[str, bool]:
     return extracted, _is_prose(extracted)
 
 
-def _extract_math(prediction: str, think: str) -> tuple[Status, str | None]:
-    """Mode ``math``'s final answer: marker extraction, then math-verify's search for prose or no marker."""
+def _extract_math(prediction: str, think: str, budget: Budget) -> Answer | None:
+    """Mode ``math``'s final answer: marker extraction, then math-verify's search for prose or no marker.
+
+    Budget ``cheap`` stops where the search would run (no marker in a finished response, a marker's
+    answer that is prose) and on texts whose box matching could take long: None, only ``full`` can tell."""
+    if budget == "cheap" and (
+        len(prediction) > _CHEAP_MAX_CHARS or prediction.count("boxed") + prediction.count("fbox") > _CHEAP_MAX_BOXES
+    ):
+        return None
     extracted = extract_answer(prediction, think=think)
     prose = False
     if extracted is not None:
         extracted, prose = _marker_answer_form(extracted)
     if extracted is None or prose:
         if extracted is None and not response_finished(prediction, think=think):
-            return "no_answer", None  # cut off mid-work with no marker: nothing was committed to
+            return Answer(None)  # cut off mid-work with no marker: nothing was committed to
+        if budget == "cheap":
+            return None
         body = extracted if extracted is not None else apply_think(prediction, think)
         if body is None or not body.strip():
-            return "no_answer", None
+            return Answer(None)
         found = _search_fallback(body)
         if found is not None:
             extracted = found
-        if extracted is None:
-            return "no_answer", None
-    return "ok", extracted
+    return Answer(extracted)
+
+
+def _extract_dapo(prediction: str, think: str, budget: Budget) -> Answer:
+    """Mode ``dapo``'s raw ``Answer:`` text, unstripped: the DAPO normalizer reads it so ("Answer: x is
+    a " normalizes differently from "x is a"); ``Answer.extracted`` reports it stripped."""
+    body = apply_think(prediction, think)
+    return Answer(dapo_extract(body) if body is not None else None, "dapo")
 
 
 def _math_gold(gold: str) -> str:
-    """Mode ``math``'s gold as compared (``gold_answer`` + ``latexify``): one definition for ``grade``
-    in the workers and ``quick_rule`` in the server process, so the two cannot drift apart."""
+    """Mode ``math``'s gold as compared: the answer part of the gold, in LaTeX notation."""
     return latexify(gold_answer(gold))
-
-
-@register_mode("math")
-def _grade_math(prediction: str, gold: str, think: str) -> tuple[bool, Status, str | None]:
-    gold_ans = _math_gold(gold)
-    if not strip_delims(gold_ans):
-        raise ValueError("gold: empty answer")
-    status, extracted = _extract_math(prediction, think)
-    if extracted is None:
-        return False, status, None, "no-answer"
-    if SETTINGS.prose_as_text and _SENTENCE_RE.search(extracted) and _is_prose(extracted):
-        verdict, rule = _decide(gold_ans, extracted, RULES[:CHEAP_RULES])
-        return verdict is True, "ok", extracted, rule if verdict is not None else "prose-as-text"
-    correct, rule = _equiv_rule(gold_ans, extracted)
-    if correct is None:
-        return False, "undecided", extracted, rule
-    return correct, "ok", extracted, rule
 
 
 # three words in a row (not command names): a sentence, not a product of variables ("RCs + LCs^2")
 _SENTENCE_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}\s+[A-Za-z]{2,}\s+[A-Za-z]{2,}")
 
 
-@register_mode("dapo")
-def _grade_dapo(prediction: str, gold: str, think: str) -> tuple[bool, Status, str | None]:
-    body = apply_think(prediction, think)
-    if body is None:
-        return False, "no_answer", None, "no-answer"
-    correct, extracted = dapo_is_correct(body, gold)
-    if extracted is None:
-        return False, "no_answer", None, "no-answer"
-    return correct, "ok", extracted, "dapo"
-
-
-def marker_answer(prediction: str, mode: str = "math", *, think: str = "optional") -> str | None:
-    """The answer :func:`grade` compares with the gold when it is found by markers alone, else None.
-
-    Cheap and bounded (no math-verify search), for the service's parent-side verdict cache
-    (``pool.verdict_key``): in mode ``math`` a marker answer that is not prose is exactly the string
-    ``_grade_math`` compares; in mode ``dapo`` the stripped ``Answer:`` text is. None means "only a
-    worker can tell" (no marker, prose: the search fallback runs there). One function for both, so
-    the cache key and the grade cannot drift apart.
-    """
-    if mode == "dapo":
-        raw = dapo_line(prediction, think=think)
-        return raw.strip() if raw is not None else None
-    if mode != "math":
+def _compare_math(gold: str, answer: str | None, budget: Budget) -> tuple[bool, Status, str] | None:
+    if budget == "cheap" and len(gold) > _CHEAP_MAX_GOLD:
         return None
-    extracted = extract_answer(prediction, think=think)
-    if extracted is None:
-        return None
-    extracted, prose = _marker_answer_form(extracted)
-    return None if prose else extracted
-
-
-def dapo_line(prediction: str, *, think: str = "optional") -> str | None:
-    """Mode ``dapo``'s raw ``Answer:`` text, unstripped: its verdict reads this string and the gold only.
-
-    (``marker_answer`` reports it stripped, as ``grade`` does; the DAPO normalizer sees it unstripped,
-    and "Answer: x is a " normalizes differently from "x is a", so a verdict cache keys on this.)
-    """
-    body = apply_think(prediction, think)
-    return dapo_extract(body) if body is not None else None
-
-
-QUICK_MAX_CHARS = 64
-"""Longest gold and answer (mode ``math``) that :func:`quick_rule` decides; RL answers are short."""
-QUICK_MAX_GOLD_DAPO = 400
-"""Longest gold :func:`quick_rule` normalizes in mode ``dapo`` (the answer line is <= 300 chars)."""
-
-
-def _quick_math_gold(gold: str) -> str | None:
-    """Mode ``math``'s gold as ``grade`` compares it, for the server-process checks (:func:`quick_rule`,
-    :func:`quick_no_answer`); None when they leave the item to a worker: a gold longer than
-    ``QUICK_MAX_CHARS``, or an empty one (``grade`` says "error" there: the worker reports it)."""
-    if len(gold) > QUICK_MAX_CHARS:
-        return None
-    gold_ans = _math_gold(strip_special_tokens(gold))  # grade strips the gold's tokens before the mode
-    return gold_ans if strip_delims(gold_ans) else None
-
-
-def quick_verdict(gold: str, answer: str, mode: str = "math") -> bool | None:
-    """``grade``'s verdict for a response whose final answer is ``answer``, when string and exact-number
-    steps decide it; None when only a worker can (sympy, math-verify, long strings).
-    (:func:`quick_rule` without the rule's name.)"""
-    quick = quick_rule(gold, answer, mode)
-    return None if quick is None else quick[0]
-
-
-def quick_rule(gold: str, answer: str, mode: str = "math") -> tuple[bool, str] | None:
-    """(verdict, deciding rule) of ``grade`` for a response whose final answer is ``answer``, when
-    string and exact-number steps decide it; None when only a worker can (sympy, math-verify, long
-    strings).
-
-    For the service's server process: it has no deadline, so this runs only steps whose cost is
-    linear in short inputs. Mode ``math``: ``answer`` is :func:`marker_answer`'s string, and the
-    verdict is ``_decide`` over the cheap rules of :data:`RULES` -- equal canonical strings, choice
-    letters, text answers, numerals in a base, exact numbers -- so a decided verdict and its rule
-    are the ones a worker would return. Mode ``dapo``: ``answer`` is :func:`dapo_line`'s raw text
-    and the verdict is the DAPO normalizer's string equality (``dapo.py``, rule ``dapo``), always decided.
-    """
-    if mode == "dapo":
-        if len(answer) > TAIL_CHARS or len(gold) > QUICK_MAX_GOLD_DAPO:
+    gold_ans = _math_gold(gold)
+    if not strip_delims(gold_ans):
+        if budget == "cheap":
+            return None  # an 'error': the full budget reports it
+        raise ValueError("gold: empty answer")
+    if answer is None:
+        return False, "no_answer", "no-answer"
+    if budget == "cheap":
+        if len(answer) > _CHEAP_MAX_GOLD:
             return None
-        return dapo_normalize(answer) == dapo_normalize(strip_special_tokens(gold)), "dapo"
-    if mode != "math" or len(answer) > QUICK_MAX_CHARS:
+        verdict, rule = _decide(gold_ans, answer, "cheap")
+        return None if verdict is None or rule is None else (verdict, "ok", rule)
+    if _SENTENCE_RE.search(answer) and _is_prose(answer):
+        # A sentence left after math-verify's search (words it found no math in, or a span of words
+        # around math it reported as its first candidate: "Let me double-check: $\frac{255", a
+        # response cut off after ``</think>``) is compared as text only: the cheap rules. Only three
+        # words in a row count: a single word ("infinity") or juxtaposed variables ("RCs") still go
+        # to sympy. That is how math-verify compares a string it could not parse (string equality,
+        # ``compare_single_extraction``); latex2sympy would read the words as products of one-letter
+        # symbols and spend 10-50 ms in ANTLR and sympy to find them unequal.
+        verdict, rule = _decide(gold_ans, answer, "cheap")
+        return verdict is True, "ok", rule if verdict is not None else "prose-as-text"
+    correct, rule = _equiv_rule(gold_ans, answer)
+    if correct is None:
+        return False, "undecided", rule
+    return correct, "ok", rule
+
+
+def _compare_dapo(gold: str, answer: str | None, budget: Budget) -> tuple[bool, Status, str] | None:
+    if answer is None:
+        return False, "no_answer", "no-answer"
+    if budget == "cheap" and (len(answer) > TAIL_CHARS or len(gold) > _CHEAP_MAX_GOLD_DAPO):
         return None
-    gold_ans = _quick_math_gold(gold)
-    if gold_ans is None:
-        return None
-    verdict, rule = _decide(gold_ans, answer, RULES[:CHEAP_RULES])
-    return None if verdict is None or rule is None else (verdict, rule)
+    return dapo_normalize(answer) == dapo_normalize(gold), "ok", "dapo"
 
 
-def quick_no_answer(prediction: str, gold: str, mode: str = "math") -> bool:
-    """Does :func:`grade` answer 'no_answer' (rule ``no-answer``) for this item from the cut-off rule
-    alone? Mode ``math`` only: the response has no marker and did not finish
-    (``extract.response_finished``), and the gold is not empty (an empty gold is an 'error').
-
-    For the service's server process, next to :func:`quick_rule`: a response cut off mid-work is
-    ~2% of an RL stream, and a round trip to a worker for it costs more than this linear check."""
-    if mode != "math" or _quick_math_gold(gold) is None:
-        return False
-    return extract_answer(prediction) is None and not response_finished(prediction)
+_CHEAP_MAX_CHARS = 16_000
+_CHEAP_MAX_BOXES = 8
+"""Budget ``cheap`` extracts from responses this short with this few boxes (box matching is linear
+per box: worst case ~10 ms); the rest need the full budget."""
+_CHEAP_MAX_GOLD = 64
+"""Longest gold and answer (mode ``math``) that budget ``cheap`` compares; RL answers are short."""
+_CHEAP_MAX_GOLD_DAPO = 400
+"""Longest gold budget ``cheap`` normalizes in mode ``dapo`` (the answer line is <= 300 chars)."""
 
 
-def final_answer(
+@dataclass(frozen=True)
+class _Mode:
+    extract: Callable[[str, str, Budget], Answer | None]
+    """(prediction, think, budget) -> the answer; None only under budget ``cheap``"""
+    compare: Callable[[str, str | None, Budget], tuple[bool, Status, str] | None]
+    """(gold, answer text, budget) -> (correct, status, rule); None only under budget ``cheap``"""
+
+
+_MODES: dict[str, _Mode] = {
+    "math": _Mode(_extract_math, _compare_math),
+    "dapo": _Mode(_extract_dapo, _compare_dapo),
+}
+"""Mode ``math``: markers, math-verify's search, the ``RULES`` table. Mode ``dapo``: the DAPO
+recipe's ``Answer:`` line and string normalization (``dapo.py``)."""
+
+
+def _mode(name: str) -> _Mode:
+    try:
+        return _MODES[name]
+    except KeyError:
+        raise ValueError(f"mode: unknown grading mode {name!r}; valid: {', '.join(sorted(_MODES))}") from None
+
+
+def _check_think(think: str) -> None:
+    if think not in THINK_MODES:
+        raise ValueError(f"think: unknown mode {think!r}; valid: {', '.join(THINK_MODES)}")
+
+
+def extract(
     prediction: str,
     mode: str = "math",
     *,
     think: str = "optional",
     special_tokens: tuple[str, ...] = (),
-) -> tuple[Status, str | None]:
-    """(status, extracted answer) exactly as :func:`grade` extracts it, without a gold.
+    budget: Budget = "full",
+) -> Answer | None:
+    """The final answer of a response, exactly as :func:`grade` reads it (no gold needed).
 
-    For a parent-side verdict cache keyed by (gold, extracted answer, mode): in mode ``math`` the
-    verdict depends on the response only through this string (``grade`` compares it with the
-    gold), so equal keys give equal verdicts. In mode ``dapo`` the extracted text is the raw
-    ``Answer:`` line, also the only thing the verdict reads. Status is ``ok`` or ``no_answer``
-    (never raises for bad text; raises ``ValueError`` for an unknown mode or think).
+    ``Answer(None, mode)`` when the response has none. Budget ``full`` always answers; budget
+    ``cheap`` (for a process with no deadline: the service's server process) runs markers only, on
+    bounded texts, and returns None where only the full budget can tell (math-verify's search).
+    Raises ``ValueError`` for an unknown ``mode`` or ``think``; bad text is never an exception of its own.
+    ``special_tokens``: model-specific tokens removed on top of ``extract.SPECIAL_TOKENS`` (the common
+    chat templates' end-of-turn, padding and role tokens).
     """
-    get_mode(mode)
-    if think not in THINK_MODES:
-        raise ValueError(f"think: unknown mode {think!r}; valid: {', '.join(THINK_MODES)}")
+    fn = _mode(mode).extract
+    _check_think(think)
     if special_tokens:
         prediction = strip_special_tokens(prediction, tuple(special_tokens))
-    if mode == "dapo":  # the ``Answer:`` line is found by its marker or not at all
-        raw = marker_answer(prediction, "dapo", think=think)
-        return ("ok", raw) if raw is not None else ("no_answer", None)
-    return _extract_math(prediction, think)
+    return fn(prediction, think, budget)
+
+
+def compare(gold: str, answer: Answer, budget: Budget = "full") -> Verdict | None:
+    """Is ``answer`` (from :func:`extract`, in its mode) the gold's answer? A :class:`Verdict` naming
+    the rule that decided.
+
+    Budget ``full`` always answers (raises ``ValueError`` for an empty gold: :func:`grade` makes that
+    an 'error'). Budget ``cheap`` runs only the rules that declare themselves cheap, on short golds
+    and answers, and returns None where a costly rule (or an error) would be needed; every verdict it
+    gives is the one ``full`` gives.
+    """
+    t0 = time.perf_counter()
+    fn = _mode(answer.mode).compare
+    try:
+        out = fn(strip_special_tokens(gold), answer.text, budget)
+    except Exception:
+        if budget == "cheap":
+            return None  # the full budget reports what went wrong
+        raise
+    if out is None:
+        return None
+    correct, status, rule = out
+    correct = bool(correct) and status == "ok"
+    extracted = answer.extracted if status != "no_answer" else None
+    return Verdict(correct, 1.0 if correct else 0.0, status, extracted, (time.perf_counter() - t0) * 1e3, rule)
 
 
 def grade(
@@ -1879,29 +1843,22 @@ def grade(
     think: str = "optional",
     max_chars: int = MAX_CHARS,
     special_tokens: tuple[str, ...] = (),
-) -> GradeResult:
-    """Grade one prediction against one gold answer; see the module docstring for the pipeline.
-
-    ``special_tokens``: model-specific tokens removed from the prediction on top of
-    ``extract.SPECIAL_TOKENS`` (the common chat templates' end-of-turn, padding and role tokens).
+) -> Verdict:
+    """``compare(gold, extract(prediction))`` with the full budget, guarded: a size check first
+    (``too_large``), and any exception on the data becomes status ``error``. Raises ``ValueError``
+    only for an unknown ``mode`` or ``think`` (the service maps those to 422).
     """
-    fn = get_mode(mode)
-    if think not in THINK_MODES:
-        raise ValueError(f"think: unknown mode {think!r}; valid: {', '.join(THINK_MODES)}")
+    _mode(mode)
+    _check_think(think)
     t0 = time.perf_counter()
     try:
         if not isinstance(prediction, str) or not isinstance(gold, str):
             raise TypeError("prediction and gold must be str")
         if len(prediction) > max_chars or len(gold) > max_chars:
-            return GradeResult(False, 0.0, "too_large", None, (time.perf_counter() - t0) * 1e3)
-        if special_tokens:  # the common chat templates' tokens are removed by extract.apply_think
-            prediction = strip_special_tokens(prediction, tuple(special_tokens))
-        out = fn(prediction, strip_special_tokens(gold), think)
+            return Verdict(False, 0.0, "too_large", None, (time.perf_counter() - t0) * 1e3)
+        answer = extract(prediction, mode, think=think, special_tokens=special_tokens)
+        verdict = compare(gold, answer)
     except Exception:
         logger.debug("grading failed", exc_info=True)
-        return GradeResult(False, 0.0, "error", None, (time.perf_counter() - t0) * 1e3)
-    correct, status, extracted = out[:3]
-    rule = out[3] if len(out) > 3 else mode
-    correct = bool(correct) and status == "ok"
-    ms = (time.perf_counter() - t0) * 1e3
-    return GradeResult(correct, 1.0 if correct else 0.0, status, extracted, ms, rule)
+        return Verdict(False, 0.0, "error", None, (time.perf_counter() - t0) * 1e3)
+    return replace(verdict, ms=(time.perf_counter() - t0) * 1e3)

@@ -5,9 +5,10 @@ code (a GMP factorial) or ``str()`` of a power tower: the only deadline that alw
 enforced from outside, by killing the worker. Each item is one task of pebble's ``ProcessPool``
 with ``timeout=`` its deadline: pebble starts the workers, kills and replaces one whose task
 overruns, reports one that died under its task (``ProcessExpired``) and retires one after
-``max_tasks`` tasks. stapo's own: caches (``cache.py``), fair queueing across requests (pebble
-gets at most one task per worker), admission (:class:`PoolBusy`), request budgets, and what
-pebble 5 does not do (docs/verifier.md): replacing the pebble pool when it gave up (a worker died
+``max_tasks`` tasks. stapo's own, in three parts: what is known already (``cache.py``: caches,
+inline verdicts), what runs next (``scheduler.py``, no processes: fair queueing across requests,
+pebble getting at most one task per worker, admission (``PoolBusy``), request budgets, deadlines),
+and this module, the supervisor of the processes, for what pebble 5 does not do (docs/verifier.md): replacing the pebble pool when it gave up (a worker died
 while no task ran) or a worker's memory grew, backing off after start-up failures
 (:class:`PoolBroken`), and fork safety.
 
@@ -38,7 +39,6 @@ import multiprocessing as mp
 import multiprocessing.util
 import operator
 import os
-import re
 import resource
 import signal
 import sys
@@ -50,50 +50,17 @@ from typing import Any
 
 import pebble
 
-from stapo.verifier_service.cache import Item, Memo, Plan, verdict_key  # noqa: F401 (verdict_key: re-export)
-from stapo.verifier_service.grader import GradeResult
-from stapo.verifier_service.schemas import VerifyItem, as_item  # noqa: F401 (as_item: re-export)
+from stapo.verifier_service.cache import Memo
+from stapo.verifier_service.grader import Verdict
+from stapo.verifier_service.scheduler import Job, RetryLater, Scheduler
+from stapo.verifier_service.schemas import VerifyItem, as_item
 
 log = logging.getLogger("stapo.verifier_service.pool")
 
-EWMA_ALPHA = 0.05
-"""Weight of one item in the per-mode running mean of grading time (admission, fair queueing)."""
-INITIAL_ITEM_S = 0.005
-"""Per-item time assumed for a mode before any of its items were graded."""
 MAX_RESTART_BACKOFF_S = 60.0
 TICK_S = 0.05
 """How often request budgets and workers are looked at while work is pending."""
-COSTLY_KEY = "costly"
-
-COSTLY = re.compile(
-    r"\^\s*\{[^{}]*\^|\^\s*\w+\s*\^|[\d})]\s*!|(?:[{(\[][^{}()\[\]]*){12}"  # towers, factorials, nesting
-    r"|\^\s*\{?\s*[-+]?\d{6}|\d\s*[eE]\s*\+?\d{5}"  # exponents of 6+ digits (1.5 \times 10^{99999999}, 1.5e99999)
-    r"|\^[^()]*\)\s*\^"  # left-nested powers ((9^9)^9)^9
-    r"|\\Gamma\b|\\binom\s*\{[^{}]*(?:\^|\d{5})"  # Gamma, binomials of huge numbers
-)
-"""Shapes that can hold a worker for a whole deadline: a power tower (``5^{5^{5^5}}``), a factorial,
-brackets nested 12 deep, an exponent of six or more digits, left-nested powers, Gamma, a binomial of
-a huge number. Only the order of work and the admission estimate depend on it."""
-
-
-FIRST_SLICE = 0.1
-"""An item's first run gets this share of its deadline while other work waits (``_dispatch``)."""
-
-
-def looks_costly(prediction: str) -> bool:
-    """Whether the end of a response (where the answer is) has a shape that can take a deadline.
-
-    Such items go after the rest of their request: a request that mixes ordinary items with
-    pathological ones gets its ordinary items graded first, within its budget. Shapes it misses
-    (``\\Gamma(10^9)``, ``99999^{99999999}``, a float times ``10^{99999999}``) are found by their
-    first run instead: it is a slice (``FIRST_SLICE``) of the deadline while other work waits, and an
-    item that outruns it goes behind its request's other unsent items (ahead of the known costly
-    shapes) with the rest of its deadline. Verdicts do
-    not depend on it."""
-    return COSTLY.search(prediction, max(0, len(prediction) - 2000)) is not None
-
-
-FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(GradeResult)))
+FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(Verdict)))
 """A result travels from a worker as a plain tuple of its fields (cheaper to pickle than the object)."""
 
 
@@ -101,24 +68,33 @@ class PoolClosed(RuntimeError):
     """The pool was closed; it grades nothing more."""
 
 
-class RetryLater(RuntimeError):
-    def __init__(self, msg: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(msg)
-        self.retry_after_s = retry_after_s
-
-
-class PoolBusy(RetryLater):
-    """Too much work is queued: back off for ``retry_after_s`` and retry (the service answers 429)."""
-
-
 class PoolBroken(RetryLater):
     """Workers die while starting, again and again (an import error, a memory limit set too low);
     the pool tries again in ``retry_after_s``."""
 
 
-def status_result(status: str) -> GradeResult:
+def status_result(status: str) -> Verdict:
     """A result that carries only a status (too_large, error): never correct, score 0."""
-    return GradeResult(correct=False, score=0.0, status=status, extracted=None, ms=0.0)
+    return Verdict(correct=False, score=0.0, status=status, extracted=None, ms=0.0)
+
+
+def _start_fork_server() -> None:
+    """Start this process's fork server now, with SIGINT ignored while it starts.
+
+    The server imports the warm-up (seconds) before it installs its own guard against Ctrl-C, so a
+    Ctrl-C in that window printed a long traceback from inside sympy / ANTLR. An ignored SIGINT is
+    inherited by the server (Python keeps an inherited SIG_IGN) and by the workers it forks; the
+    pool, not the terminal, ends them. Off the main thread the server starts on first use, as before.
+    """
+    import multiprocessing.forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # --------------------------------------------------------------------------- worker process
@@ -155,7 +131,7 @@ def grade_item(pred: str, gold: str, mode: str, max_chars: int) -> tuple[int, in
         r = grade(pred, gold, mode, max_chars=max_chars)
     except BaseException as err:  # math-verify's TimeoutException is a BaseException; never requeued
         log.debug("grade raised %r", err)
-        r = GradeResult(False, 0.0, "error", None, (time.perf_counter() - t0) * 1000.0)
+        r = Verdict(False, 0.0, "error", None, (time.perf_counter() - t0) * 1000.0)
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return os.getpid(), next(TASKS), rss_mb, FIELDS(r)
 
@@ -180,27 +156,6 @@ class RecordingContext:
         p = self.ctx.Process(*args, **kwargs)
         self.procs.append(p)
         return p
-
-
-class Job:
-    """One submit() call: its cache plan (results, duplicates) and its queue of leaders to send."""
-
-    def __init__(self, items: list[Item], plan: Plan) -> None:
-        self.items, self.plan = items, plan
-        self.future: concurrent.futures.Future[list[GradeResult]] = concurrent.futures.Future()
-        self.costly = {i for i in plan.leaders if looks_costly(items[i][0])}
-        self.known_costly = frozenset(self.costly)  # by shape, before anything ran
-        self.sliced: dict[int, float] = {}  # leader -> seconds its first run had before it was cut
-        self.queue = collections.deque(sorted(plan.leaders, key=lambda i: i in self.costly))  # costly last
-        self.pending = collections.Counter(self.kind(i) for i in plan.leaders)  # queued or in flight
-        self.crashes: collections.Counter[int] = collections.Counter()
-        self.served = 0.0  # estimated worker-seconds sent so far (the fair-queueing key)
-        self.expires: float | None = None
-        self.default_expires: float | None = None  # becomes ``expires`` when an item times out
-        self.cancelled = False
-
-    def kind(self, i: int) -> str:
-        return COSTLY_KEY if i in self.costly else self.items[i][2]
 
 
 _POOLS: weakref.WeakSet[GraderPool] = weakref.WeakSet()
@@ -314,11 +269,17 @@ class GraderPool:
             # every worker (and every replacement) is born warm: ~20 ms instead of ~0.5 s.
             warm = ["stapo.verifier_service.warmup"] if self.worker_args[1] else []
             self._ctx.set_forkserver_preload(["stapo.verifier_service.pool", *warm])
-        self._lock = threading.Lock()
-        self._outstanding: dict[Job, None] = {}  # jobs with items queued or in flight, in arrival order
+            _start_fork_server()
+        self.sched = Scheduler(
+            self.size,
+            self.deadline_s,
+            max_pending_items=self.max_pending_items,
+            max_queue_s=self.max_queue_s,
+            retry_deadline_factor=self.retry_deadline_factor,
+            stats=self.stats,
+        )
+        self._lock = self.sched.lock  # guards the scheduler's queues and ``_running`` together
         self._running: dict[Any, tuple[Job, int, float, bool]] = {}  # pebble future -> item, deadline, sliced
-        self._pending_items = 0  # queued + in flight
-        self._item_s: dict[str, float] = {}  # mode -> running mean of per-item seconds (timeouts too)
         self._closing = self._stop = self._recycle = False
         self._broken: str | None = None
         self._restart_at = 0.0
@@ -349,7 +310,7 @@ class GraderPool:
             with contextlib.suppress(Exception):
                 old.join(timeout=5.0)  # pebble stops the workers (they die at once) and settles the futures
         for job, i, *_ in lost:
-            self._requeue(job, [i])
+            self.sched.requeue(job, [i])
         self._unready_since = time.monotonic()
         if start:
             pool = pebble.ProcessPool(
@@ -374,7 +335,7 @@ class GraderPool:
         pebble's and multiprocessing's exit handlers stop and join every worker they know of, the
         parent's included; each worker's (public) sentinel is pointed at a closed pipe, so the
         child sees them as ended. Nothing is sent to the parent's workers."""
-        self._lock = threading.Lock()
+        self._lock = self.sched.lock = threading.Lock()
         self.memo.reset_locks()
         self._pebble = None
         for p in self._ctx.procs:
@@ -407,7 +368,7 @@ class GraderPool:
         budget_s: float | None = None,
         default_budget_s: float | None = None,
     ) -> concurrent.futures.Future:
-        """Queue items; the future resolves to ``list[GradeResult]`` in input order.
+        """Queue items; the future resolves to ``list[Verdict]`` in input order.
 
         ``budget_s``: items not graded this many seconds from now answer 'timeout' (the caller will
         have given up); nothing of the request runs past it. Without it, ``default_budget_s`` from
@@ -416,7 +377,7 @@ class GraderPool:
         machine can make of an ordinary one): a request of items
         the grader cannot finish answers in bounded time, and a large batch of ordinary items is
         never cut.
-        Every result names the rule that decided it (``GradeResult.rule``), cached ones too.
+        Every result names the rule that decided it (``Verdict.rule``), cached ones too.
         Cancelling the future drops the queued items.
         Raises :class:`PoolBusy` (too much queued work), :class:`PoolBroken`, :class:`PoolClosed`.
         """
@@ -441,41 +402,24 @@ class GraderPool:
             if not plan.leaders:
                 job.future.set_result(plan.results)  # type: ignore[arg-type]
                 return job.future
-            if self._pending_items + len(plan.leaders) > self.max_pending_items:
-                self.stats["rejected"] += 1
-                raise PoolBusy(
-                    f"{self._pending_items} items already queued (max_pending_items={self.max_pending_items}); "
-                    "retry later",
-                    5.0,
-                )
-            queued_s, new_s = self._queued_seconds(), self._job_seconds(job)
-            if queued_s > 0 and queued_s + new_s > self.max_queue_s:
-                wait = max(1.0, queued_s + new_s - self.max_queue_s)
-                self.stats["rejected"] += 1
-                raise PoolBusy(
-                    f"about {queued_s:.0f} s of grading already queued and this request adds {new_s:.1f} s; "
-                    f"the bound is max_queue_s={self.max_queue_s:g}; retry in {wait:.0f} s",
-                    wait,
-                )
-            self._outstanding[job] = None
-            self._pending_items += len(plan.leaders)
+            self.sched.admit_locked(job)  # or PoolBusy
         job.future.add_done_callback(lambda f, j=weakref.ref(job): self._on_future_done(f, j))
         if budget_s is not None:
             self._wake()  # the watchdog's tick shortens while a budget runs
         self._dispatch()
         return job.future
 
-    def grade_many(self, items: Iterable[VerifyItem | dict[str, Any] | Sequence[str]]) -> list[GradeResult]:
+    def grade_many(self, items: Iterable[VerifyItem | dict[str, Any] | Sequence[str]]) -> list[Verdict]:
         """Grade items (blocking); one result per item, in order."""
         return self.submit(items).result()
 
     async def agrade_many(
         self, items: Iterable[VerifyItem | dict[str, Any] | Sequence[str]], *, budget_s: float | None = None
-    ) -> list[GradeResult]:
+    ) -> list[Verdict]:
         """Grade items without blocking the event loop; cancelling the awaiting task cancels the job."""
         return await asyncio.wrap_future(self.submit(items, budget_s=budget_s))
 
-    def grade(self, prediction: str, gold: str, mode: str = "math") -> GradeResult:
+    def grade(self, prediction: str, gold: str, mode: str = "math") -> Verdict:
         return self.grade_many([(prediction, gold, mode)])[0]
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -503,12 +447,12 @@ class GraderPool:
         return self._closing
 
     def pending_items(self) -> int:
-        return self._pending_items
+        return self.sched.pending_items
 
     def queued_seconds(self) -> float:
         """Estimated seconds of grading pending (queued or in flight), spread over the workers."""
         with self._lock:
-            return self._queued_seconds()
+            return self.sched.queued_seconds_locked()
 
     def cache_len(self) -> int:
         return len(self.memo)
@@ -525,7 +469,7 @@ class GraderPool:
             if self._stop:
                 return
             self._closing = True
-            jobs = [j.future for j in self._outstanding]
+            jobs = [j.future for j in self.sched.outstanding]
         concurrent.futures.wait(jobs, timeout)  # (a broken pool fails them)
         self._stop = True
         self._wake()
@@ -539,77 +483,22 @@ class GraderPool:
 
     # ----------------------------------------------------------------- bookkeeping
 
-    def _est_s(self, kind: str) -> float:
-        return self.deadline_s if kind == COSTLY_KEY else self._item_s.get(kind, INITIAL_ITEM_S)
-
-    def _job_seconds(self, job: Job) -> float:
-        """A job's pending work in wall seconds over all workers; never more than its budget: a costly
-        shape counts a deadline, and a request without a budget gets one as soon as one times out."""
-        ordinary = sum(n * self._est_s(k) for k, n in job.pending.items() if k != COSTLY_KEY) / self.size
-        costly = job.pending[COSTLY_KEY] * self.deadline_s / self.size
-        if job.expires is not None:
-            return min(ordinary + costly, max(0.0, job.expires - time.monotonic()))
-        if job.default_expires is not None:
-            costly = min(costly, max(0.0, job.default_expires - time.monotonic()))
-        return ordinary + costly
-
-    def _queued_seconds(self) -> float:
-        return sum(self._job_seconds(j) for j in self._outstanding)
-
-    def _observe(self, mode: str, seconds: float) -> None:
-        old = self._item_s.get(mode)
-        self._item_s[mode] = seconds if old is None else old + EWMA_ALPHA * (seconds - old)
-
     def _on_future_done(self, fut: concurrent.futures.Future, ref: Any) -> None:
         """The caller cancelled (the HTTP client went away): drop what is still queued."""
         job = ref()
         if job is not None and fut.cancelled():
-            self._drop_queued(job, cancelled=True)
+            self.sched.drop_queued(job, cancelled=True)
 
-    def _forget_locked(self, job: Job, idx: Iterable[int]) -> None:
-        """These leaders of ``job`` are no longer pending here (answered or dropped); under the lock."""
-        for i in idx:
-            job.pending[job.kind(i)] -= 1
-            self._pending_items -= 1
-        if not +job.pending:
-            self._outstanding.pop(job, None)
-
-    def _drop_queued(self, job: Job, *, cancelled: bool) -> None:
-        """Remove a job's queued items: cancelled -> forgotten; budget spent -> answered 'timeout'."""
-        with self._lock:
-            idx = list(job.queue)
-            job.queue.clear()
-            if cancelled:
-                job.cancelled = True
-                self._forget_locked(job, idx)
-                self.stats["cancelled_items"] += len(idx)
-                return
-            self.stats["expired_items"] += len(idx)
-        for i in idx:
-            self._complete(job, i, GradeResult(False, 0.0, "timeout", None, 0.0), count=False)
-
-    def _requeue(self, job: Job, idx: list[int]) -> None:
-        """Items to send again (a lost worker, a verdict that did not carry over): their job's head."""
-        with self._lock:  # the cancelled flag is set under this lock too
-            if job.cancelled:
-                self._forget_locked(job, idx)
-                return
-            job.queue.extendleft(reversed(idx))
-
-    def _complete(self, job: Job, leader: int, r: GradeResult, *, count: bool = True) -> None:
+    def _complete(self, job: Job, leader: int, r: Verdict, *, count: bool = True) -> None:
         """A leader's result (``count`` False: a spent budget's ungraded 'timeout', not the item's fault)."""
         followers = self.memo.settle(job.plan, leader, r, remember=count)
         if r.status in ("timeout", "error") and count:
             self.stats[r.status + "s"] += 1
             if r.status == "timeout" and job.expires is None:
                 job.expires = job.default_expires  # this request holds items the grader cannot finish
-        with self._lock:
-            job.pending.update(job.kind(f) for f in followers)  # their leader's verdict did not carry over
-            self._pending_items += len(followers)
-            self._forget_locked(job, [leader])
-            done = not +job.pending
+        done = self.sched.settle(job, leader, followers)  # their leader's verdict did not carry over
         if followers:
-            self._requeue(job, followers)
+            self.sched.requeue(job, followers)
         if done and not job.future.done():
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 job.future.set_result(job.plan.results)  # type: ignore[arg-type]
@@ -620,13 +509,6 @@ class GraderPool:
 
     # ----------------------------------------------------------------- scheduling
 
-    def _pick(self) -> Job | None:
-        """The open job that has received the least worker time (ties: the oldest); expired jobs are
-        left for the watchdog to answer."""
-        now = time.monotonic()
-        open_jobs = (j for j in self._outstanding if j.queue and (j.expires is None or now <= j.expires))
-        return min(open_jobs, key=lambda j: j.served, default=None)
-
     def _dispatch(self) -> None:
         """Hand pebble one item per free worker (on submit, on each finished task, by the watchdog)."""
         while True:
@@ -635,45 +517,18 @@ class GraderPool:
                 full = len(self._running) >= self.size
                 if pool is None or full or self._broken or self._stop or self._recycle:
                     return
-                job = self._pick()
-                if job is None:
+                task = self.sched.take_locked()
+                if task is None:
                     return
-                i = job.queue.popleft()
-                job.served += self._est_s(job.kind(i))
-                deadline = self.deadline_s * (self.retry_deadline_factor if i in job.plan.retried else 1)
-                deadline -= job.sliced.get(i, 0.0)
-                sliced = i not in job.costly and i not in job.plan.retried and self._work_waits()
-                if sliced:  # cut at a slice while others wait; it goes on later (_slice_out)
-                    deadline *= FIRST_SLICE
-                if job.expires is not None:  # nothing runs past the request's budget
-                    deadline = min(deadline, max(0.05, job.expires - time.monotonic()))
+                job, i, deadline, sliced = task
                 try:
                     fut = pool.schedule(grade_item, (*job.items[i], self.max_chars), timeout=deadline)
                 except Exception as err:  # the pebble pool stopped working: the watchdog replaces it
                     log.warning("grader pool: could not send a task (%r)", err)
-                    job.queue.appendleft(i)
+                    self.sched.give_back_locked(job, i)
                     return
                 self._running[fut] = (job, i, deadline, sliced)
             fut.add_done_callback(self._on_task_done)
-
-    def _work_waits(self) -> bool:
-        """Is any item queued (not yet sent) in any request? Under the lock."""
-        return any(j.queue for j in self._outstanding)
-
-    def _slice_out(self, job: Job, i: int, ran_s: float) -> None:
-        """An item outran its first slice: it counts as costly now and goes behind the request's
-        other unsent items (ahead of the shapes known to be costly: on a loaded machine an ordinary
-        item can outrun a slice too) with the rest of its deadline."""
-        with self._lock:
-            if job.cancelled:
-                self._forget_locked(job, [i])
-                return
-            job.pending[job.kind(i)] -= 1
-            job.costly.add(i)
-            job.pending[COSTLY_KEY] += 1
-            job.sliced[i] = ran_s
-            at = next((n for n, j in enumerate(job.queue) if j in job.known_costly), len(job.queue))
-            job.queue.insert(at, i)
 
     def _on_task_done(self, fut: Any) -> None:
         """A task's future resolved (in a pebble thread): answer the item, or send it again."""
@@ -686,12 +541,12 @@ class GraderPool:
             err = concurrent.futures.CancelledError() if fut.cancelled() else fut.exception()
             if fut.cancelled() and job.expires is not None and time.monotonic() >= job.expires:
                 # cut by the request's spent budget (_watch): not the item's fault, nothing remembered
-                self._complete(job, i, GradeResult(False, 0.0, "timeout", None, deadline * 1000.0), count=False)
+                self._complete(job, i, Verdict(False, 0.0, "timeout", None, deadline * 1000.0), count=False)
             elif err is None:
                 pid, tasks, rss, fields = fut.result()
-                r = GradeResult(*fields)
+                r = Verdict(*fields)
                 if i not in job.costly:
-                    self._observe(job.items[i][2], r.ms / 1000.0)
+                    self.sched.observe(job.items[i][2], r.ms / 1000.0)
                 self._complete(job, i, r)
                 self.stats["recycled_items"] += tasks == self.max_tasks  # pebble retires the worker now
                 if self.worker_max_rss_mb and rss > self.worker_max_rss_mb and not self._recycle:
@@ -703,12 +558,12 @@ class GraderPool:
             elif isinstance(err, concurrent.futures.TimeoutError) and sliced:  # its first slice ran out
                 self.stats["restarts_timeout"] += 1
                 self.stats["sliced_items"] += 1
-                self._slice_out(job, i, deadline)
+                self.sched.slice_out(job, i, deadline)
             elif isinstance(err, concurrent.futures.TimeoutError):  # pebble killed the worker
                 self.stats["restarts_timeout"] += 1
                 if i not in job.costly:
-                    self._observe(job.items[i][2], deadline)
-                self._complete(job, i, GradeResult(False, 0.0, "timeout", None, deadline * 1000.0))
+                    self.sched.observe(job.items[i][2], deadline)
+                self._complete(job, i, Verdict(False, 0.0, "timeout", None, deadline * 1000.0))
             elif isinstance(err, pebble.ProcessExpired):  # the worker died under it (killed, out of memory)
                 self.stats["restarts_crash"] += 1
                 log.warning("grader worker died (%s); pebble replaces it", err)
@@ -716,9 +571,9 @@ class GraderPool:
                 if job.crashes[i] > self.crash_retries:
                     self._complete(job, i, status_result("error"))
                 else:
-                    self._requeue(job, [i])
+                    self.sched.requeue(job, [i])
             else:  # the pool is stopping, or pebble's pool broke: nobody's item to blame
-                self._requeue(job, [i])
+                self.sched.requeue(job, [i])
                 self._wake()
         except Exception:  # pragma: no cover - a bug here must not hang every caller
             log.exception("grader pool: handling a finished task failed")
@@ -730,18 +585,17 @@ class GraderPool:
         """Worker start-up and deaths, restarts after failures, memory recycling, spent budgets."""
         try:
             while not self._stop:
-                busy = self._running or any(j.expires is not None for j in list(self._outstanding))
+                busy = self._running or any(j.expires is not None for j in list(self.sched.outstanding))
                 if self._ready_r.poll(TICK_S if busy else 0.25):
                     while self._ready_r.poll():
                         if pid := self._ready_r.recv():
                             self._on_ready(pid)
                 self._check_workers()
                 now = time.monotonic()
-                for job in list(self._outstanding):
-                    if job.expires is not None and now > job.expires:
-                        if job.queue:
-                            self._drop_queued(job, cancelled=False)
-                        self._cut_running(job)
+                for job in self.sched.expired(now):
+                    for i in self.sched.drop_queued(job, cancelled=False):
+                        self._complete(job, i, Verdict(False, 0.0, "timeout", None, 0.0), count=False)
+                    self._cut_running(job)
                 self._dispatch()
         except BaseException:  # pragma: no cover - a bug here must not hang every caller
             log.exception("grader pool watchdog crashed")
@@ -817,14 +671,7 @@ class GraderPool:
     def _fail_all(self, err: Exception) -> None:
         """Stop the workers and fail every outstanding job with ``err``."""
         self._replace_pebble(start=False)
-        with self._lock:
-            jobs = list(self._outstanding)
-            self._outstanding.clear()
-            for job in jobs:
-                self._forget_locked(job, list(job.queue))
-                job.queue.clear()
-                job.cancelled = True
-        for job in jobs:
+        for job in self.sched.clear():
             if not job.future.done():
                 job.future.set_exception(err)
 

@@ -58,6 +58,7 @@ __all__ = [
     "compute_token_stats",
     "compute_token_loss",
     "compute_token_distribution",
+    "make_readable",
     "stat_targets",
     "head_logit_transform",
     "check_token_batch",
@@ -149,6 +150,20 @@ class TrainerBackend(Protocol):
 # ----------------------------------------------------------------------------- LR schedule
 
 SCHEDULES = ("constant", "cosine", "linear")
+
+
+def make_readable(folder: Path) -> None:
+    """Give the files in ``folder`` the mode any other file gets (0644 under the default umask 022).
+
+    safetensors writes 0600 files, so an exported model would be readable by its writer only (under
+    compose the trainer runs as uid 10001 and the host user could not read ``RUN/final``)."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in Path(folder).iterdir():
+        if f.is_file():
+            os.chmod(f, 0o666 & ~umask)
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, schedule: str) -> float:

@@ -70,6 +70,7 @@ from stapo.core.trainer.base import (
     enable_activation_checkpointing,
     forward_as,
     make_lr_scheduler,
+    make_readable,
 )
 
 __all__ = ["DeepSpeedBackend", "build_ds_config", "init_distributed", "sync_buckets"]
@@ -510,6 +511,7 @@ class DeepSpeedBackend:
             self.model.save_pretrained(path, state_dict=sd, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)
+            make_readable(path)
         if self.world_size > 1:
             dist.barrier()
 

@@ -39,6 +39,7 @@ from stapo.core.trainer.base import (
     compute_token_stats,
     enable_activation_checkpointing,
     make_lr_scheduler,
+    make_readable,
     stat_targets,
 )
 from stapo.core.trainer.prefix import can_share_prefix, prefix_shared_token_stats
@@ -244,6 +245,7 @@ class TorchBackend:
         self.model.save_pretrained(path, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
+        make_readable(path)
 
     # ------------------------------------------------------------------ data parallel (identities)
 

@@ -2,7 +2,7 @@
 
 The session server (conftest) has 2 workers, a 2 s deadline and the default budget factor (2.8), so
 a request without a budget that holds items the grader cannot finish answers within 3 deadlines (6 s). Its ordinary
-items are graded first, so they are graded right: shapes ``pool.looks_costly`` knows go after the rest
+items are graded first, so they are graded right: shapes ``scheduler.looks_costly`` knows go after the rest
 of their request, and shapes it does not know are cut at their first slice of the deadline and sent
 again after the rest.
 """
@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from stapo.verifier_service.pool import looks_costly
+from stapo.verifier_service.scheduler import looks_costly
 from tests.service.conftest import DEADLINE_S, start_server, sympy_items
 
 BUDGET_S = 3 * DEADLINE_S  # the bound: Settings.default_budget_factor (2.8) x the deadline + the cut-off

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from stapo.verifier_service.grader import GradeResult, grade
+from stapo.verifier_service.grader import Verdict, grade
 
-HAS_RULE = "rule" in {f.name for f in dataclasses.fields(GradeResult)}
+HAS_RULE = "rule" in {f.name for f in dataclasses.fields(Verdict)}
 
 ITEMS = [
     {"prediction": "so \\boxed{\\frac{1}{2}}", "gold": "0.5"},
@@ -24,7 +24,7 @@ def test_plain_results_have_no_rule(http):
     assert r.status_code == 200 and "rule" not in r.json()["results"][0]
 
 
-@pytest.mark.skipif(not HAS_RULE, reason="GradeResult has no 'rule' field yet (the grader's rule table)")
+@pytest.mark.skipif(not HAS_RULE, reason="Verdict has no 'rule' field yet (the grader's rule table)")
 def test_explain_names_the_rule_and_the_extracted_answer(http):
     want = [grade(it["prediction"], it["gold"], it.get("mode", "math")) for it in ITEMS]
     for _ in range(2):  # the second time every item is a cache hit: the rule is kept
@@ -47,7 +47,7 @@ def _counter(http, line_start: str) -> float:
     return float(next(line for line in text.splitlines() if line.startswith(line_start)).split()[-1])
 
 
-def test_quick_verdicts_and_cache_hits_carry_the_rule(http):
+def test_inline_verdicts_and_cache_hits_carry_the_rule(http):
     """A verdict decided in the server process (string and exact-number rules, no worker) names its
     rule, and so does the cached verdict that answers the same items again: first a plain request
     (decided inline), then ``explain: true`` twice, answered from the cache (``ms`` 0)."""

@@ -172,7 +172,7 @@ def test_verdict_key_agrees_with_the_grader():
     """The parent-side verdict cache keys on the answer the parent extracts; it must be the answer the
     grader extracts, or a cached verdict would be served for a different answer. Checked on the RL
     streams and on end-of-turn tokens (the grader may strip them: then this test says the key must too)."""
-    from stapo.verifier_service.pool import verdict_key
+    from stapo.verifier_service.grader import extract
 
     items = build_stream(600, seed=7) + build_stream(300, seed=8, style="answer_line")
     items = [(p, g, "dapo" if "Answer:" in p and k % 2 else m) for k, (p, g, m) in enumerate(items)]
@@ -186,12 +186,12 @@ def test_verdict_key_agrees_with_the_grader():
     ]
     keyed = 0
     for p, g, m in items:
-        k = verdict_key((p, g, m))
-        if k is None:
+        k = extract(p, m, budget="cheap")
+        if k is None or k.text is None:
             continue
         keyed += 1
         r = grade(p, g, m)
-        assert r.status == "ok" and r.extracted == k[1], (p[-80:], g, m, k[1], r)
+        assert r.status == "ok" and r.extracted == k.extracted, (p[-80:], g, m, k, r)
     assert keyed > 0.8 * len(items)
 
 
@@ -199,7 +199,14 @@ def test_inline_no_answer_agrees_with_the_grader():
     """The server process answers a response cut off before any marker itself ('no_answer'); that must
     be exactly what a worker's ``grade`` returns, and never taken for a response that finished or for
     an empty gold (the grader says 'error' there)."""
-    from stapo.verifier_service.cache import inline_no_answer
+    from stapo.verifier_service.grader import compare, extract
+
+    def inline_no_answer(item: tuple[str, str, str]):
+        pred, gold, mode = item
+        answer = extract(pred, mode, budget="cheap")
+        if answer is None or answer.text is not None:
+            return None
+        return compare(gold, answer, budget="cheap")
 
     items = build_stream(800, seed=11, cutoff_frac=0.3) + build_stream(
         300, seed=12, cutoff_frac=0.3, style="answer_line"
@@ -208,7 +215,7 @@ def test_inline_no_answer_agrees_with_the_grader():
         ("Let me compute $x^2 +", "5", "math"),  # cut inside a math span
         ("Multiplying both sides by 6, we get", "612", "math"),  # cut on a word
         ("Let me compute $x^2 +", "", "math"),  # empty gold: an error, not a no_answer
-        ("Let me compute $x^2 +", "5", "dapo"),  # mode dapo: left to the worker
+        ("Let me compute $x^2 +", "5", "dapo"),  # mode dapo: no Answer: line
         ("so the total is 5.", "5", "math"),  # finished: math-verify's search may find 5
         ("5", "5", "math"),
     ]

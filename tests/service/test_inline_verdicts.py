@@ -1,4 +1,4 @@
-"""Verdicts decided in the server process (``grader.quick_verdict`` through ``pool.inline_grade``).
+"""Verdicts decided in the server process (``grader.compare(..., budget="cheap")`` in ``cache.Memo.plan``).
 
 The server process decides a first-seen (gold, answer) pair itself when only string and exact-number
 tests are needed; everything else goes to a worker. What must hold: a decided verdict is the one
@@ -16,10 +16,19 @@ from importlib import resources
 import httpx
 import pytest
 
-from stapo.verifier_service.grader import grade, quick_verdict
+from stapo.verifier_service.grader import Answer, compare, extract, grade
 from stapo.verifier_service.loadgen import build_stream, load_golds
-from stapo.verifier_service.pool import verdict_key
 from tests.service.conftest import start_server
+
+
+def cheap_verdict(gold: str, answer: str, mode: str) -> bool | None:
+    """The verdict budget ``cheap`` gives for a response whose final answer is ``answer``; None: only a
+    worker can tell (or the mode is unknown)."""
+    try:
+        v = compare(gold, Answer(answer, mode), budget="cheap")
+    except ValueError:
+        return None
+    return None if v is None else v.correct
 
 
 def _corpus_dev() -> list[tuple[str, str, str]]:
@@ -40,15 +49,15 @@ def test_a_decided_verdict_is_the_graders(source):
     items = _corpus_dev() if source == "corpus_dev" else _streams()
     decided = 0
     for pred, gold, mode in items:
-        vk = verdict_key((pred, gold, mode))
-        if vk is None:
+        answer = extract(pred, mode, budget="cheap")
+        if answer is None or answer.text is None:
             continue
-        q = quick_verdict(gold, vk.answer, mode)
+        q = cheap_verdict(gold, answer.text, mode)
         if q is None:
             continue
         decided += 1
         r = grade(pred, gold, mode)
-        assert r.status == "ok" and r.correct is q and r.extracted == vk.extracted, (
+        assert r.status == "ok" and r.correct is q and r.extracted == answer.extracted, (
             pred[-120:],
             gold,
             mode,
@@ -76,7 +85,7 @@ def test_a_decided_verdict_is_the_graders(source):
         ("y = 2x + 3", "y=2x+3", "math", True),  # equal up to spacing: no sympy needed
         ("y = 2x + 3", "y=7x+3", "math", None),  # an equation: a worker decides
         ("\\sqrt{2}", "\\sqrt{3}", "math", None),
-        ("1" * 70, "1" * 70, "math", None),  # longer than QUICK_MAX_CHARS: a worker decides
+        ("1" * 70, "1" * 70, "math", None),  # longer than budget cheap compares: a worker decides
         ("5", "5", "verify_only_math_and_dapo", None),
         ("5", "5 a ", "dapo", True),  # DAPO removes "a " before spaces: 5
         ("5", "5 a", "dapo", False),  # ... but not a trailing "a": 5a
@@ -84,8 +93,8 @@ def test_a_decided_verdict_is_the_graders(source):
         ("1/2", "0.5", "dapo", False),  # the DAPO rule is strings only
     ],
 )
-def test_quick_verdict_by_hand(gold, answer, mode, expected):
-    assert quick_verdict(gold, answer, mode) is expected
+def test_cheap_verdict_by_hand(gold, answer, mode, expected):
+    assert cheap_verdict(gold, answer, mode) is expected
 
 
 def test_hostile_answers_are_not_worked_on_in_the_server_process():
@@ -100,9 +109,9 @@ def test_hostile_answers_are_not_worked_on_in_the_server_process():
     t0 = time.monotonic()
     for a in hostile:
         for g in ("1", "10^{400}", a):
-            quick_verdict(g, a, "math")
+            cheap_verdict(g, a, "math")
     assert time.monotonic() - t0 < 5.0
-    assert quick_verdict("1", "9^{9^{9^{9^9}}}", "math") is None  # only a worker (with a deadline) may try
+    assert cheap_verdict("1", "9^{9^{9^{9^9}}}", "math") is None  # only a worker (with a deadline) may try
 
 
 def test_service_answers_the_same_with_and_without_inline_verdicts(server):

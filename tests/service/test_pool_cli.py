@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 from stapo.cli.common import CLIError
 from stapo.cli.verifier import app as verifier_app
 from stapo.cli.verifier import build_settings
-from stapo.verifier_service.pool import GraderPool, PoolBusy, PoolClosed
+from stapo.verifier_service.pool import GraderPool, PoolClosed
+from stapo.verifier_service.scheduler import PoolBusy
 
 
 @pytest.fixture(scope="module")

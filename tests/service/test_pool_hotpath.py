@@ -16,9 +16,10 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from stapo.verifier_service.cache import cache_key, verdict_key
+from stapo.verifier_service.cache import cache_key, cheap_answer, verdict_key
 from stapo.verifier_service.grader import grade
-from stapo.verifier_service.pool import GraderPool, as_item
+from stapo.verifier_service.pool import GraderPool
+from stapo.verifier_service.schemas import as_item
 
 
 def test_as_item_fast_path_and_its_limits():
@@ -34,7 +35,7 @@ def test_as_item_fast_path_and_its_limits():
     class S(str):
         pass
 
-    out = as_item((S("x"), "y", "math"))  # a str subclass goes through pydantic, as before
+    out = as_item((S("x"), "y", "math"))  # a str subclass goes through pydantic (validated, returned as str)
     assert out == ("x", "y", "math")
 
 
@@ -50,17 +51,17 @@ def _by_hand(*parts: str) -> bytes:
 def test_keys_are_blake2b_of_length_prefixed_fields():
     for pred, gold, mode in [("so \\boxed{2}", "2", "math"), ("\ud800 lone", "é", "dapo"), ("", "", "math")]:
         assert cache_key((pred, gold, mode)) == _by_hand(mode, gold, pred)
-    vk = verdict_key(("so \\boxed{4}", "4", "math"))
-    assert vk is not None and vk.digest == _by_hand("verdict", "math", "4", "4")
+    vk = verdict_key("4", cheap_answer(("so \\boxed{4}", "4", "math")))
+    assert vk.digest == _by_hand("verdict", "math", "4", "4")
 
 
 def test_a_pair_that_collides_when_fields_are_joined_gets_its_own_verdict():
-    """Joined with NUL (the scheme before length prefixes), these two items are one key: the second
+    """Joined with NUL (a separator instead of length prefixes), these two items are one key: the second
     would have been answered with the first one's cached verdict."""
     first = ("x\x00\\boxed{3}", "3", "math")  # the box says 3, the gold is 3: correct
     second = ("\\boxed{3}", "3\x00x", "math")  # the gold is "3<NUL>x": not 3
     joined = [f"{m}\x00{g}\x00{p}\x00" for p, g, m in (first, second)]
-    assert joined[0] == joined[1]  # the old key's input: a real collision
+    assert joined[0] == joined[1]  # a joined key's input: a real collision
     assert cache_key(first) != cache_key(second)
     want = [grade(*first), grade(*second)]
     assert want[0].correct != want[1].correct  # the verdicts differ, so a shared key would be wrong

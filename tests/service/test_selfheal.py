@@ -17,7 +17,7 @@ import time
 import httpx
 import pebble
 
-from stapo.verifier_service.grader import GradeResult
+from stapo.verifier_service.grader import Verdict
 from stapo.verifier_service.pool import GraderPool, PoolBroken
 from tests.service.conftest import free_port
 
@@ -162,7 +162,7 @@ def test_caches_are_bounded_in_bytes():
 
     lru = ByteLRU(max_bytes=50_000, max_entries=10_000)
     for k in range(500):
-        lru.put(k.to_bytes(16, "big"), GradeResult(True, 1.0, "ok", "x" * 1000, 0.0))
+        lru.put(k.to_bytes(16, "big"), Verdict(True, 1.0, "ok", "x" * 1000, 0.0))
     assert lru.bytes <= 50_000 and 0 < len(lru) < 20
     assert lru.get((499).to_bytes(16, "big")) is not None and lru.get((0).to_bytes(16, "big")) is None
     with GraderPool(workers=1, deadline_s=5.0, cache_max_mb=0.05) as pool:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from stapo.verifier_service import grader
-from stapo.verifier_service.grader import RULE_NAMES, GradeResult, grade
+from stapo.verifier_service.grader import RULE_NAMES, Verdict, grade
 
 FALSE_POSITIVES = [
     # a unit word after an expression in a box is a unit: the expression stays whole
@@ -242,7 +242,8 @@ def test_every_verdict_names_its_rule_and_answer():
 def test_rule_table_is_ordered_and_ends_in_math_verify():
     assert RULE_NAMES[:3] == ("empty", "spaced-digits", "same-string") and RULE_NAMES[-1] == "math-verify"
     assert len(set(RULE_NAMES)) == len(RULE_NAMES)
-    assert RULE_NAMES[: grader.CHEAP_RULES][-1] == "rounded-gold-number"
+    cheap = [r.name for r in grader.RULES if r.cheap]
+    assert cheap == list(RULE_NAMES[: len(cheap)]) and cheap[-1] == "rounded-gold-number"
 
 
 def test_grade_result_is_serializable_and_picklable():
@@ -250,7 +251,7 @@ def test_grade_result_is_serializable_and_picklable():
     assert pickle.loads(pickle.dumps(res)) == res
     d = res.to_dict()
     assert d["rule"] == "same-string" and d["extracted"] == "2"
-    assert GradeResult(True, 1.0, "ok", "2").rule is None  # positional construction still works
+    assert Verdict(True, 1.0, "ok", "2").rule is None  # positional construction still works
 
 
 def test_rule_shares_metric():
@@ -350,31 +351,28 @@ def test_differential_dev_split_no_false_positive(family):
     assert not wrong, wrong
 
 
-def test_quick_verdicts_name_the_rule_a_worker_would():
-    """The server process's quick path (``quick_rule`` on ``marker_answer``'s string) gives the
+def test_cheap_verdicts_name_the_rule_a_worker_would():
+    """The server process's cheap path (``compare`` on ``extract``'s answer, budget ``cheap``) gives the
     verdict *and* the rule of a full ``grade``: a cached or inline verdict is as auditable as a fresh one."""
     import json
     from importlib import resources
 
-    from stapo.verifier_service.grader import dapo_line, marker_answer, quick_rule
+    from stapo.verifier_service.grader import compare, extract
 
     text = resources.files("stapo.verifier_service").joinpath("data/corpus_dev.jsonl").read_text("utf-8")
     rows = [json.loads(line) for line in text.splitlines() if line.strip()][::7]
     decided = 0
     for row in rows:
-        answer = marker_answer(row["prediction"])
-        quick = quick_rule(row["gold"], answer) if answer is not None else None
+        answer = extract(row["prediction"], budget="cheap")
+        quick = compare(row["gold"], answer, budget="cheap") if answer is not None else None
         if quick is None:
             continue
         decided += 1
         res = grade(row["prediction"], row["gold"])
-        assert (res.correct, res.rule) == quick, (row, res)
+        assert (res.correct, res.rule) == (quick.correct, quick.rule), (row, res)
     assert decided > len(rows) // 4, (decided, len(rows))
-    assert (
-        quick_rule("5", dapo_line("Work.\nAnswer: 5"), "dapo")
-        == (True, "dapo")
-        == (grade("Work.\nAnswer: 5", "5", "dapo").correct, "dapo")
-    )
+    dapo = compare("5", extract("Work.\nAnswer: 5", "dapo", budget="cheap"), "cheap")
+    assert (dapo.correct, dapo.rule) == (True, "dapo") == (grade("Work.\nAnswer: 5", "5", "dapo").correct, "dapo")
 
 
 def test_framework_adapters_give_the_failure_value_for_undecided(monkeypatch):

@@ -14,7 +14,6 @@ Run: ``pytest tests/unit/test_grader_numeric.py`` (~10 s).
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import mpmath
 import pytest
@@ -204,13 +203,19 @@ def test_generated_strings_read_like_latex2sympy():
 # --------------------------------------------------------------------------- fast paths vs the exact path
 
 
+def _real_search(monkeypatch) -> None:
+    """math-verify's search as it is, every parse attempt run (``mathverify.search`` without its oracle)."""
+    real = mathverify.search
+    monkeypatch.setattr(mathverify, "search", lambda body, **kw: real(body, oracle=False, surely_parses=kw["surely_parses"]))
+
+
 def _exact_only(monkeypatch) -> None:
-    """Switch every grader shortcut off: what grade() did before the fast paths."""
+    """Switch every grader shortcut off: grade() by the exact path alone."""
     monkeypatch.setattr(grader, "_numerically_unequal", lambda g, p: False)
     monkeypatch.setattr(grader, "_word_soup", lambda g, p: False)
     monkeypatch.setattr(grader, "_brackets_unequal", lambda g, p: False)
     monkeypatch.setattr(grader, "_surely_parses", lambda latex: False)
-    monkeypatch.setattr(grader, "SETTINGS", replace(grader.SETTINGS, search_oracle=False))
+    _real_search(monkeypatch)
     grader.cache_clear()
 
 
@@ -287,7 +292,7 @@ def test_search_oracle_finds_the_same_string(monkeypatch):
         "then $f(x) = x^2 - 79x + 9$ and $\\begin{matrix}$",
     ]
     fast = [grader._search_fallback(b) for b in bodies]
-    monkeypatch.setattr(grader, "SETTINGS", replace(grader.SETTINGS, search_oracle=False))
+    _real_search(monkeypatch)
     slow = [grader._search_fallback(b) for b in bodies]
     assert fast == slow
 

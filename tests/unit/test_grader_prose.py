@@ -1,4 +1,4 @@
-"""Sentences left after math-verify's search are compared as text (``GraderSettings.prose_as_text``).
+"""Sentences left after math-verify's search are compared as text (``grader._SENTENCE_RE``).
 
 A response cut off after ``</think>`` ("Let me double-check: $\\frac{255") or a bare one-line answer
 in words has no math for the search to find; latex2sympy would read the words as products of
@@ -11,7 +11,7 @@ tables, the dev corpus and the RL streams (the held-back corpus is left to
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+import re
 from importlib import resources
 
 import pytest
@@ -36,13 +36,13 @@ def _items(source: str) -> list[tuple[str, str, str]]:
 
 
 @pytest.fixture
-def prose_off():
+def prose_off(monkeypatch):
+    """``grade`` with no answer taken for a sentence: every answer goes through the whole rule table."""
+
     def run(pred: str, gold: str, mode: str):
-        old = grader.configure(replace(grader.SETTINGS, prose_as_text=False))
-        try:
+        with monkeypatch.context() as m:
+            m.setattr(grader, "_SENTENCE_RE", re.compile(r"(?!)"))
             return grade(pred, gold, mode)
-        finally:
-            grader.configure(old)
 
     return run
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from stapo.verifier_service.extract import SPECIAL_TOKENS, extract_answer, strip_special_tokens
-from stapo.verifier_service.grader import final_answer, grade
+from stapo.verifier_service.grader import extract, grade
 
 END_TOKENS = [
     "<|im_end|>",
@@ -78,18 +78,23 @@ def test_list_and_helpers():
         assert tok in SPECIAL_TOKENS
     assert strip_special_tokens("x < 3 and y > 2") == "x < 3 and y > 2"  # comparison signs are not tokens
     assert extract_answer("Answer: 3/4<|im_end|>") == "3/4"
-    assert final_answer("Answer: 3/4<|im_end|>") == ("ok", "3/4")
-    assert final_answer("Answer: 3/4<|im_end|>", "dapo") == ("ok", "3/4")
-    assert final_answer("no answer here at all, and it is rather long text that goes on " * 3) == (
+    assert _found("Answer: 3/4<|im_end|>") == ("ok", "3/4")
+    assert _found("Answer: 3/4<|im_end|>", "dapo") == ("ok", "3/4")
+    assert _found("no answer here at all, and it is rather long text that goes on " * 3) == (
         "no_answer",
         None,
     )
     with pytest.raises(ValueError, match="mode"):
-        final_answer("1", "bogus")
+        extract("1", "bogus")
 
 
-def test_final_answer_agrees_with_grade():
+def _found(prediction: str, mode: str = "math") -> tuple[str, str | None]:
+    a = extract(prediction, mode)
+    return a.status, a.extracted
+
+
+def test_extract_agrees_with_grade():
     preds = ["so \\boxed{\\frac12}<|im_end|>", "Answer: 0.5</s>", "The answer is $1/2$.", "1/2", "hello"]
     for p in preds:
         for mode in ("math", "dapo"):
-            assert final_answer(p, mode)[1] == grade(p, "1/2", mode).extracted, (p, mode)
+            assert _found(p, mode)[1] == grade(p, "1/2", mode).extracted, (p, mode)

@@ -117,9 +117,10 @@ def test_registry_lists_engines_and_rejects_duplicates_and_misses():
     assert ENGINES == {
         "hf": "stapo.core.rollout.hf:HFRolloutEngine",
         "vllm": "stapo.core.rollout.vllm:VLLMRolloutEngine",
+        "vllm_server": "stapo.core.rollout.vllm_server:ServerRolloutEngine",
     }
     assert get_engine_class("hf") is HFRolloutEngine
-    with pytest.raises(KeyError, match="valid names: hf, vllm"):
+    with pytest.raises(KeyError, match="valid names: hf, vllm, vllm_server"):
         get_engine_class("sglang")
     with pytest.raises(ValueError, match="already registered"):
         register_engine("hf", "x.y:Z")
