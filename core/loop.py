@@ -77,23 +77,15 @@ from stapo.core.update import (
     micro_spec,
     needs_old_pass,
     old_pass_calls,
-    policy_loss_params,
     stats_temperature,
     token_stats_batched,
-    update_parts,
     update_policy,
-    weighting_params,
 )
 
 if TYPE_CHECKING:
     from stapo.core.extras import StepState
 
-__all__ = [
-    "train", "TrainResult", "derive_seed",
-    # the update lives in stapo.core.update; re-exported for the loop's callers
-    "policy_loss_params", "stats_temperature", "token_stats_batched", "update_parts", "update_policy",
-    "weighting_params",
-]
+__all__ = ["train", "TrainResult"]
 
 
 # ----------------------------------------------------------------------------- the parts of a run

@@ -289,10 +289,6 @@ class UpdateParts:
     reads_stats: bool  # the weighting reads p / H (registry declaration)
     fused: bool  # fused LM-head loss possible (elementwise loss, no entropy gradient, switched on)
 
-    @property
-    def micro(self) -> int:
-        return self.spec.rows
-
 
 def update_parts(cfg: Config, extra_params: dict[str, Any] | None = None) -> UpdateParts:
     from stapo.core.algos import (
@@ -540,11 +536,6 @@ class MiniBatch:
                                            temperature=p.temperature, position_ids=m.position_ids)
         return loss, m.to_rows(lp.detach().float()), m.to_rows(ent.detach().float())
 
-
-def useful_fraction(micros: Sequence[Micro], batch: Batch) -> float:
-    """Real tokens / computed tokens over ``micros`` (1.0 when packed: no padding)."""
-    real = sum(int(batch.attention_mask[m.rows].sum()) for m in micros)
-    return real / max(sum(m.tokens for m in micros), 1)
 
 
 # ----------------------------------------------------------------------------- the update's diagnostics
