@@ -32,6 +32,8 @@ from types import SimpleNamespace
 
 import torch
 
+from stapo.core import batch as batch_mod
+
 
 def lengths(n: int, *, median: float, sigma: float, lo: int, hi: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
@@ -98,7 +100,7 @@ def one(args: argparse.Namespace, micro: dict, before=None) -> dict[str, float]:
     if before is None:
         br, mod = deep_grpo.collate_branches(run, kept, [len(kept)]), deep_grpo
     else:  # that commit's local loss on its own BranchRollouts (row-micro-batched statistics)
-        batch = loop.collate(kept, 0)
+        batch = batch_mod.collate(kept, 0)
         lp, ent = loop.token_stats_batched(run.backend, batch, cfg.trainer.micro_batch_size, 1.0)
         suffix = before.suffix_mask(batch.response_mask, torch.tensor([s.prefix_len for s in kept]))
         br, mod = before.BranchRollouts(kept, batch, suffix, lp, ent, [len(kept)], None), before

@@ -114,6 +114,7 @@ def _tiny_cfg(device: str, **trainer: Any) -> Any:
 
 def _rl_batch(vocab: int, seed: int = 0) -> Any:
     from stapo.core import loop
+    from stapo.core.batch import collate
 
     g = torch.Generator().manual_seed(seed)
     seqs = []
@@ -124,7 +125,7 @@ def _rl_batch(vocab: int, seed: int = 0) -> Any:
             s = loop.Sequence_(prompt, torch.randint(3, vocab, (r,), generator=g).tolist(), "stop", "", "0", grp)
             s.advantage = float(torch.randn(1, generator=g))
             seqs.append(s)
-    return loop.collate(seqs, pad_id=0)
+    return collate(seqs, pad_id=0)
 
 
 def _grads_after(cfg: Any, fused: bool, autocast: bool = True) -> dict[str, torch.Tensor]:

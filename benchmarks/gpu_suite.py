@@ -153,6 +153,7 @@ def _long_tail_batch(vocab: int, lengths: list[int], prompt_len: int, group: int
     import torch
 
     from stapo.core import loop
+    from stapo.core.batch import collate
 
     g = torch.Generator().manual_seed(seed)
     seqs = []
@@ -162,7 +163,7 @@ def _long_tail_batch(vocab: int, lengths: list[int], prompt_len: int, group: int
         s = loop.Sequence_(prompt, torch.randint(3, vocab, (r,), generator=g).tolist(), "stop", "", "0", i // group)
         s.advantage = float(torch.randn(1, generator=g))
         seqs.append(s)
-    return loop.collate(seqs, pad_id=0)
+    return collate(seqs, pad_id=0)
 
 
 def _update_cfg(model_dir: str, dev: str, trainer: dict[str, Any], algorithm: dict[str, Any] | None = None) -> Any:

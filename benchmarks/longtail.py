@@ -46,6 +46,7 @@ def lengths(n: int, *, median: float, sigma: float, lo: int, hi: int, seed: int)
 
 def make_batch(args: argparse.Namespace, vocab: int):
     from stapo.core import loop
+    from stapo.core.batch import collate
 
     g = torch.Generator().manual_seed(args.seed)
     resp_lens = lengths(args.prompts * args.n, median=args.median, sigma=args.sigma, lo=32, hi=2048, seed=args.seed)
@@ -57,7 +58,7 @@ def make_batch(args: argparse.Namespace, vocab: int):
             s = loop.Sequence_(prompt, torch.randint(3, vocab, (r,), generator=g).tolist(), "stop", "", "0", group=p)
             s.advantage = float(torch.randn(1, generator=g))
             seqs.append(s)
-    return loop.collate(seqs, pad_id=0), resp_lens
+    return collate(seqs, pad_id=0), resp_lens
 
 
 # Qwen2.5-1.5B (its config.json on the Hugging Face hub): hidden 1536, 28 layers, MLP 8960, 12 query

@@ -107,7 +107,7 @@ def _stapo_cfg(args: argparse.Namespace, extra: list[str]) -> Any:
 def _step_prompts(cfg: Any, tokenizer: Any, steps: int) -> list[Any]:
     """The prompt records stapo's loop uses for steps 1..steps, in order."""
     from stapo.core.data import load_prompts
-    from stapo.core.loop import prompts_for_step
+    from stapo.core.sampler import prompts_for_step
 
     train, _ = load_prompts(cfg.data, tokenizer)
     out = []

@@ -111,7 +111,7 @@ class FleetLearner:
         self._batches[step] = self._pool.submit(self._produce, step, version)
 
     def _produce(self, step: int, version: int) -> tuple[list[Any], dict[str, float]]:
-        from stapo.core.loop import rollout_and_grade
+        from stapo.core.rollouts import rollout_and_grade
 
         engine = _AtVersion(self.engine, version, self._stop)
         self._thread_run.engine = engine
@@ -130,7 +130,7 @@ class FleetLearner:
         return staleness(step, generating_version(step, self.k, self.start)) > 0
 
     def rollouts(self, step: int) -> tuple[list[Any], dict[str, float]]:
-        from stapo.core.loop import record_groups
+        from stapo.core.rollouts import record_groups
         from stapo.core.sampler import prompts_per_round
 
         t0 = time.time()

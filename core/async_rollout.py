@@ -21,7 +21,7 @@ holding its own copy of the policy; weights go to it as a state dict of tensors 
 ``torch.multiprocessing`` queue at every version boundary (:meth:`AsyncRollouts.publish`), and
 generated batches come back through another. The producer samples with the step's seed and grades
 through the verifier (local pool or remote service) with the same wave overlap as the synchronous
-loop (``stapo.core.loop.rollout_and_grade``: the one implementation of "sample and grade a step").
+loop (``stapo.core.rollouts.rollout_and_grade``: the one implementation of "sample and grade a step").
 Each sequence carries the behaviour log-probs recorded at generation (``Completion.logprobs``) and
 the version that sampled it.
 
@@ -332,8 +332,9 @@ def producer_main(cfg_data: dict[str, Any], start: int, end: int, world_size: in
     run = None
     try:
         torch.set_num_threads(threads)
+        from stapo.core.batch import derive_seed, seed_everything
         from stapo.core.config import config_from_dict
-        from stapo.core.loop import derive_seed, rollout_and_grade, seed_everything
+        from stapo.core.rollouts import rollout_and_grade
 
         cfg = config_from_dict(cfg_data)
         run = _ProducerRun(cfg)
@@ -415,7 +416,7 @@ class AsyncLearner:
         return staleness(step, generating_version(step, self.k, self.start)) > 0
 
     def rollouts(self, step: int) -> tuple[list[Any], dict[str, float]]:
-        from stapo.core.loop import record_groups
+        from stapo.core.rollouts import record_groups
         from stapo.core.sampler import prompts_per_round
 
         t0 = time.time()

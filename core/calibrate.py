@@ -8,7 +8,7 @@ magnitude (docs/algorithms.md, "S2T thresholds"), so this measures it on the run
    prompts, ``rollout.n`` responses each, in batches of ``rollout.prompts_per_step``: one batch =
    one training step's population);
 2. grade with the configured grader and take advantages as the loop does
-   (:func:`stapo.core.loop.shape_and_advantage`, and DAPO's dynamic sampling filter when on);
+   (:func:`stapo.core.rollouts.shape_and_advantage`, and DAPO's dynamic sampling filter when on);
 3. teacher-force every sampled token through the configured trainer backend (the training dtype,
    autocast and chunking; :func:`stapo.core.update.token_stats_batched`) for p and H;
 4. for each (tau_p, tau_h) of a grid, count the tokens :func:`stapo.core.algos.s2t_mask` (the one
@@ -90,20 +90,14 @@ def collect(cfg: Config, *, limit: int, progress: Callable[[str, int, int], None
 
     ``progress(phase, done, total)`` is called after each batch. One process (no launcher).
     """
+    from stapo.core.batch import Sequence_, collate, derive_seed, seed_everything
     from stapo.core.data import encode_prompt, load_prompts
-    from stapo.core.loop import (
-        Sequence_,
-        collate,
-        derive_seed,
-        mixed_groups,
-        prompts_for_step,
-        seed_everything,
-        shape_and_advantage,
-    )
     from stapo.core.models import load_policy
     from stapo.core.placement import resolve_device
     from stapo.core.rewards import RewardFunction
     from stapo.core.rollout import SamplingParams, build_rollout_engine
+    from stapo.core.rollouts import mixed_groups, shape_and_advantage
+    from stapo.core.sampler import prompts_for_step
     from stapo.core.trainer import build_trainer_backend
     from stapo.core.update import micro_spec, stats_temperature, token_stats_batched
 

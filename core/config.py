@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from stapo.core.weighting_options import S2TOptions, StareOptions, TopEntropyOptions, WeightingOptions
 
 __all__ = [
     "Config",
@@ -334,104 +336,6 @@ class RolloutConfig(_Section):
 # ----------------------------------------------------------------------------- algorithm
 
 
-class S2TOptions(_Section):
-    """STAPO's S2T mask: silence tokens with A > 0, p < tau_p and H < tau_h.
-
-    Provenance tags (docs/algorithms.md, "S2T thresholds"): [paper-reading] = the values a
-    machine-written reading of the paper's PDF gives (tau_p 0.002, tau_h at the 80% quantile; the
-    paper's own text is not reachable); [ours: measured rate r on model m] = our choice, with the
-    silenced rate `stapo calibrate` measured for it. The defaults are [ours].
-    """
-
-    tau_p: float = Field(
-        0.01, gt=0, lt=1,
-        description="Probability threshold (absolute). [ours: measured rate 3.4e-4 on SmolLM2-135M-Instruct, with "
-                    "tau_h_quantile 0.05; docs/algorithms.md, S2T thresholds] ([paper-reading]: 0.002).",
-    )
-    tau_h: float | None = Field(
-        None, ge=0, description="Absolute entropy threshold (nats). Set one of tau_h, tau_h_quantile, target_rate."
-    )
-    tau_h_quantile: float | None = Field(
-        0.05,
-        gt=0,
-        lt=1,
-        description="Entropy threshold as a quantile of the global batch's valid-token entropies. [ours: measured "
-                    "rate 3.4e-4 on SmolLM2-135M-Instruct, with tau_p 0.01] ([paper-reading]: 0.8).",
-    )
-    target_rate: float | None = Field(
-        None,
-        gt=0,
-        lt=1,
-        description=(
-            "Our extension, not the paper's: choose tau_h on each optimizer mini-batch's global tokens (all ranks) "
-            "so that this fraction of the valid tokens is silenced (at most: fewer when fewer tokens have A > 0 "
-            "and p < tau_p). Instead of tau_h / tau_h_quantile (set tau_h_quantile=null)."
-        ),
-    )
-    tau_h_scope: Literal["step", "minibatch"] = Field(
-        "step",
-        description=(
-            "Population of the tau_h_quantile: `step` = every valid response token of the step's global "
-            "batch under the policy at the start of the update (one threshold for all mini-batches and "
-            "PPO epochs); `minibatch` = each optimizer mini-batch's tokens under the current policy. "
-            "See docs/algorithms.md."
-        ),
-    )
-    watch_steps: int = Field(
-        20, ge=1,
-        description="Judge the silenced rate over windows of this many steps (a window grows until "
-                    "watch_min_rate predicts >= 5 silenced tokens); warn once when it is outside "
-                    "[watch_min_rate, watch_max_rate].",
-    )
-    watch_min_rate: float = Field(
-        1e-5, ge=0, le=1,
-        description="Warn when a window silenced nothing where this rate predicts >= 5 tokens (0: never).",
-    )
-    watch_max_rate: float = Field(
-        1e-2, gt=0, le=1, description="Warn when a window's silenced fraction exceeds this (1: never)."
-    )
-
-    @model_validator(mode="after")
-    def _one_tau_h(self) -> S2TOptions:
-        given = [k for k in ("tau_h", "tau_h_quantile", "target_rate") if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError(
-                "set exactly one of tau_h (absolute), tau_h_quantile (e.g. 0.05) and target_rate (e.g. 1e-4); "
-                f"got {', '.join(given) or 'none'}: to use another than tau_h_quantile also set tau_h_quantile=null"
-            )
-        return self
-
-
-class TopEntropyOptions(_Section):
-    """20-Entropy: gradient only on the top-rho fraction of tokens by entropy."""
-
-    rho: float = Field(0.2, gt=0, le=1, description="Fraction of highest-entropy tokens that keep their gradient.")
-    denominator: Literal["kept", "all"] = Field(
-        "kept", description="Token-mean denominator: only kept tokens, or all valid tokens."
-    )
-
-
-class StareOptions(_Section):
-    """STARE (arXiv 2606.19236): surprisal-quantile reweighting with a target-entropy gate."""
-
-    top_ratio: float = Field(0.1, ge=0, le=1, description="Top fraction of tokens by surprisal that is reweighted.")
-    w: float = Field(1.1, gt=0, description="Weight of high-surprisal positive-advantage tokens.")
-    m: float = Field(0.9, gt=0, description="Weight of high-surprisal negative-advantage tokens (variant C2).")
-    variant: Literal["O1", "C2"] = Field("O1", description="`O1`: positive side only; `C2`: both sides.")
-    target_entropy: float = Field(0.3, ge=0, description="Gate: reweight only when batch mean entropy < this.")
-    adaptive: bool = Field(
-        False,
-        description=(
-            "STARE's adaptive schedule (hp-luo/STARE `STAREController`): every step W <- clip(W + alpha * "
-            "sgn(H_tgt - H), [1, w_max]) and M <- clip(M - alpha * sgn(H_tgt - H), [m_min, 1]), H the step's "
-            "mean entropy. Off: W and M stay fixed (the authors' default)."
-        ),
-    )
-    alpha: float = Field(0.01, ge=0, description="Adaptive schedule step size (authors' default 0.01).")
-    w_max: float = Field(1.5, ge=1, description="Adaptive schedule: upper bound of W (authors' default 1.5).")
-    m_min: float = Field(0.5, gt=0, le=1, description="Adaptive schedule: lower bound of M (authors' default 0.5).")
-
-
 class LpRegOptions(_Section):
     """Lp-Reg (arXiv 2510.03222, CarlanLark/Lp-Reg-dev): low-probability regularization.
 
@@ -589,25 +493,36 @@ class AlgorithmConfig(_Section):
     name: str = Field(
         "stapo", description="Label of the recipe, for reports (stapo, dapo, grpo, 20-entropy, justrl, stare, lp-reg, ...)."
     )
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = Field("grpo", description="Advantage estimator.")
+    advantage: str = Field("grpo", description="Advantage estimator (a name registered in `ADVANTAGES`: grpo, dr_grpo, rloo).")
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon added to the group std.")
-    token_weighting: Literal["none", "s2t", "top_entropy", "stare"] = Field(
-        "s2t", description="Which tokens get gradient and how much: `s2t` is STAPO, `none` is GRPO/DAPO."
+    token_weighting: str = Field(
+        "s2t",
+        description="Which tokens get gradient and how much (a name registered in `TOKEN_WEIGHTS`: none, s2t, "
+                    "top_entropy, stare): `s2t` is STAPO, `none` is GRPO/DAPO.",
     )
     s2t: S2TOptions = Field(default_factory=S2TOptions, description="S2T thresholds (also used by phase metrics).")
     top_entropy: TopEntropyOptions = Field(default_factory=TopEntropyOptions, description="20-Entropy options.")
     stare: StareOptions = Field(default_factory=StareOptions, description="STARE options.")
+    weighting_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options of a token weighting registered outside stapo (its registration's options model "
+                    "validates them); the built-in weightings read their own section (s2t, top_entropy, stare).",
+    )
     lp_reg: LpRegOptions = Field(default_factory=LpRegOptions, description="Lp-Reg options.")
-    policy_loss: Literal["ppo_clip", "gspo", "maspo"] = Field(
-        "ppo_clip", description="Per-token policy loss: `ppo_clip` (hard clip), `gspo` (sequence ratio), `maspo` (soft)."
+    policy_loss: str = Field(
+        "ppo_clip",
+        description="Per-token policy loss (a name registered in `POLICY_LOSSES`): `ppo_clip` (hard clip), `gspo` "
+                    "(sequence ratio), `maspo` (soft).",
     )
     maspo: MaspoOptions = Field(default_factory=MaspoOptions, description="MASPO options (with `policy_loss: maspo`).")
     deep_grpo: DeepGRPOOptions = Field(default_factory=DeepGRPOOptions, description="DEEP-GRPO pivot resampling.")
     eps_low: float = Field(0.2, ge=0, le=1, description="Lower clip range of the ratio (DAPO: 0.2; 1: no lower clip).")
     eps_high: float = Field(0.28, ge=0, description="Upper clip range (DAPO clip-higher: 0.28).")
     dual_clip_c: float | None = Field(None, gt=1, description="Dual-clip constant for negative advantages (off).")
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
-        "token-mean", description="How per-token losses become one number (over the whole optimizer mini-batch)."
+    aggregation: str = Field(
+        "token-mean",
+        description="How per-token losses become one number over the whole optimizer mini-batch (a name registered "
+                    "in `AGGREGATIONS`: token-mean, seq-mean-token-mean, seq-mean-token-sum).",
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty (0: off); see `algorithm.kl`.")
     kl: KLOptions = Field(default_factory=KLOptions, description="KL penalty: reference model, estimator, loss or reward.")
@@ -661,6 +576,45 @@ class AlgorithmConfig(_Section):
         description="Optimizer steps per pass: the step's rows split into exactly this many mini-batches, sizes "
                     "differing by at most one (a step left with fewer rows than this is refused).",
     )
+
+
+    @field_validator("advantage", "token_weighting", "policy_loss", "aggregation")
+    @classmethod
+    def _registered(cls, name: str, info: Any) -> str:
+        """Names are checked against the registries themselves (imported here: the config loads without torch)."""
+        from stapo.core import algos
+
+        registry = {"advantage": algos.ADVANTAGES, "token_weighting": algos.TOKEN_WEIGHTS,
+                    "policy_loss": algos.POLICY_LOSSES, "aggregation": algos.AGGREGATIONS}[info.field_name]
+        if name not in registry:
+            raise ValueError(f"unknown {registry.kind} {name!r}; valid names: {', '.join(registry.names())}")
+        return name
+
+    @model_validator(mode="after")
+    def _weighting_options(self) -> AlgorithmConfig:
+        self.token_weighting_options()  # a plug-in's options validated now, before any model loads
+        return self
+
+    def token_weighting_options(self) -> WeightingOptions | None:
+        """The configured weighting's options: the section whose model its registration states (the
+        built-ins), else ``weighting_options`` validated by that model; None when it takes none."""
+        from stapo.core.algos import token_weighting_spec
+
+        model = token_weighting_spec(self.token_weighting).options
+        if model is None:
+            if self.weighting_options:
+                raise ValueError(f"weighting_options: token weighting {self.token_weighting!r} takes no options")
+            return None
+        for name, field in type(self).model_fields.items():
+            if field.annotation is model:
+                if self.weighting_options:
+                    raise ValueError(f"weighting_options: set algorithm.{name}.* for {self.token_weighting!r}")
+                return getattr(self, name)
+        try:
+            return model.model_validate(self.weighting_options)
+        except ValidationError as e:
+            bad = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+            raise ValueError(f"weighting_options for {self.token_weighting!r}: {bad}") from None
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -985,13 +939,14 @@ def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[s
                     f"--set {'.'.join(path)}: unknown field {part!r} in {where}; allowed: {', '.join(fields)}"
                 )
             annotation = fields[part].annotation if model is not None else None
+            mapping = get_origin(annotation) is dict  # a free-form section (algorithm.weighting_options)
             model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
             if i == len(path) - 1:
                 node[part] = value
             else:
                 nxt = node.get(part)
                 if not isinstance(nxt, dict):
-                    if model is None:
+                    if model is None and not mapping:
                         raise ConfigError(f"--set {'.'.join(path)}: {part!r} is not a section")
                     nxt = {}
                     node[part] = nxt

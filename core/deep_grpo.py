@@ -259,7 +259,7 @@ def set_local_advantages(cfg: Any, kept: list[Any]) -> list[Any]:
     (``algorithm.deep_grpo.local_advantage``; the shaped rewards, as the global advantages use)."""
     if not kept:
         return kept
-    from stapo.core.loop import group_sequences
+    from stapo.core.batch import group_sequences
 
     groups = list(group_sequences(kept).values())
     rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [P, K]
@@ -289,8 +289,8 @@ def collate_branches(run: Any, kept: list[Any], counts: list[int]) -> BranchRoll
     under data parallelism), their continuation mask and the sampling policy's statistics from a
     no-grad pass micro-batched as the update's (``trainer.micro_batch_tokens``: packed), with the
     busiest rank's number of forwards on every rank. ``counts``: kept branch rows of every rank."""
+    from stapo.core.batch import collate_with_pad_row
     from stapo.core.distributed import DataParallel
-    from stapo.core.loop import collate_with_pad_row
     from stapo.core.update import micro_spec, old_pass_calls, stats_temperature, token_stats_batched
 
     cfg, dp = run.cfg, DataParallel(run.backend)
@@ -337,9 +337,10 @@ class DeepGRPO(LoopHook):
     # ----------------------------------------------------------------------------- rollouts
 
     def rollout_branches(self, run: Any, step: int, seqs: list[Any]) -> tuple[BranchRollouts | None, dict[str, float]]:
+        from stapo.core.batch import Sequence_, derive_seed
         from stapo.core.distributed import DataParallel
-        from stapo.core.loop import Sequence_, derive_seed, shape_and_advantage
         from stapo.core.rollout import SamplingParams
+        from stapo.core.rollouts import shape_and_advantage
 
         cfg, o = self.cfg, self.opts
         dp = DataParallel(run.backend)
@@ -428,9 +429,17 @@ class DeepGRPO(LoopHook):
         self._local = {}
         if br is None or lam == 0.0:
             return None
+        from stapo.core.batch import Batch, derive_seed
         from stapo.core.distributed import DataParallel, minibatch_rows
-        from stapo.core.loop import Batch, derive_seed, step_entropy_thresholds
-        from stapo.core.update import MiniBatch, build_micro, lockstep, split_rows, update_parts, with_padding
+        from stapo.core.update import (
+            MiniBatch,
+            build_micro,
+            lockstep,
+            split_rows,
+            step_entropies,
+            update_parts,
+            with_padding,
+        )
 
         cfg, backend = self.cfg, run.backend
         a = cfg.algorithm
@@ -442,10 +451,9 @@ class DeepGRPO(LoopHook):
         local = Batch(br.batch.input_ids, br.batch.attention_mask, br.suffix, br.batch.advantages)
         lengths = local.attention_mask.sum(1).cpu()  # [N] real tokens per row
         params = parts.params
-        if a.token_weighting == "s2t":  # tau_h_scope=step: one threshold from the pre-update continuations
-            _, tau_step = step_entropy_thresholds(cfg, br.old_ent, br.suffix, backend.all_gather_1d)
-            if tau_step is not None:
-                params = {**params, "tau_h": tau_step, "tau_h_quantile": None}
+        options = a.token_weighting_options()
+        if options is not None and options.fixes_per_step():  # e.g. S2T's tau_h_scope=step: from the continuations
+            params = {**params, **options.step_arguments(step_entropies(br.old_ent, br.suffix, backend.all_gather_1d))}
         plan: list[list[torch.Tensor]] = []  # this rank's micro-batches (batch rows) per mini-batch
         calls: list[int] = []  # forwards per mini-batch (every rank's max)
 

@@ -16,6 +16,11 @@ One step of :func:`train`::
              -> weight sync     (trainer -> rollout engine; a no-op when hf shares the model)
              -> metrics, token dump (rank 0 writes), validation, checkpoint
 
+Each phase lives in the module that owns it and none of them imports this one (a test checks):
+``stapo.core.batch`` (sequences, the padded batch, seeds), ``stapo.core.rollouts`` (sample, grade,
+shape, advantages, dynamic sampling), ``stapo.core.update`` (the update and its diagnostics); this
+module strings them together.
+
 Everything a recipe may add (asynchronous rollouts, the prompt sampler's step, DEEP-GRPO, the KL
 reference, Lp-Reg, STARE's controller, DAPO's overlong filter) is a hook with one interface, registered
 by name (``stapo.core.extras``: ``LoopHook`` phases sample / on_batch / needs_old_stats /
@@ -40,157 +45,47 @@ replays the remaining steps exactly (CPU).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
+from stapo.core.batch import (
+    Batch,
+    Sequence_,
+    collate_with_pad_row,
+    derive_seed,
+    mean_or_nan,
+    seed_everything,
+)
 from stapo.core.config import Config, save_config
-from stapo.core.rewards import rule_shares
-from stapo.core.sampler import dynamic_sampling_refill, prompts_per_round
+from stapo.core.rollouts import (
+    dynamic_sampling_refill,
+    rollout_and_grade,
+    rollout_metrics,
+    shape_and_advantage,
+)
 from stapo.core.trainer.base import begin_rollout_step
 from stapo.core.update import (
+    UpdateRecord,
     micro_spec,
     needs_old_pass,
     old_pass_calls,
-    policy_loss_params,
     stats_temperature,
     token_stats_batched,
-    update_parts,
     update_policy,
-    weighting_params,
 )
 
 if TYPE_CHECKING:
     from stapo.core.extras import StepState
 
-__all__ = [
-    "train", "TrainResult", "derive_seed",
-    # the update lives in stapo.core.update; re-exported for the loop's callers
-    "policy_loss_params", "stats_temperature", "token_stats_batched", "update_parts", "update_policy",
-    "weighting_params",
-]
-
-
-# ----------------------------------------------------------------------------- small helpers
-
-
-def derive_seed(*parts: int) -> int:
-    """A stable 31-bit seed from integers (Python's hash() is salted per process)."""
-    digest = hashlib.sha256(",".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def prompts_for_step(n_prompts: int, step: int, per_step: int, seed: int, round_: int = 0) -> list[int]:
-    """Indices of a step's prompts: consecutive slices of per-epoch seeded permutations.
-
-    Extra dynamic-sampling rounds (``round_ > 0``) draw from their own seeded stream so that the
-    main cursor, and thus every later step, is the same with or without resampling.
-    """
-    if round_:
-        rng = np.random.default_rng(derive_seed(seed, step, round_))
-        return [int(i) for i in rng.choice(n_prompts, size=per_step, replace=per_step > n_prompts)]
-    out = []
-    for i in range((step - 1) * per_step, step * per_step):
-        epoch, pos = divmod(i, n_prompts)
-        perm = np.random.default_rng(derive_seed(seed, epoch)).permutation(n_prompts)
-        out.append(int(perm[pos]))
-    return out
-
-
-@dataclass
-class Sequence_:
-    """One sampled response with everything the update needs."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    finish_reason: str
-    text: str
-    gold: str
-    group: int
-    reward: float = 0.0
-    correct: bool = False
-    valid: bool = True
-    advantage: float = 0.0
-    # asynchronous rollouts (stapo.core.async_rollout): the policy version that sampled it (None: the
-    # weights this step starts from) and the log-probs its sampler recorded
-    version: int | None = None
-    behaviour_logprobs: list[float] | None = None
-
-
-@dataclass
-class Batch:
-    """Padded tensors: prompts left-padded, responses right-padded, one row per sequence."""
-
-    input_ids: torch.Tensor  # [N, L]
-    attention_mask: torch.Tensor  # [N, L]
-    response_mask: torch.Tensor  # [N, L] bool
-    advantages: torch.Tensor  # [N, L] (advantage broadcast over the response)
-
-    def rows(self, idx: torch.Tensor) -> Batch:
-        return Batch(self.input_ids[idx], self.attention_mask[idx], self.response_mask[idx], self.advantages[idx])
-
-    def to(self, device: torch.device) -> Batch:
-        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.response_mask, self.advantages)))
-
-
-def collate(seqs: Sequence[Sequence_], pad_id: int) -> Batch:
-    p_len = max(len(s.prompt_ids) for s in seqs)
-    r_len = max(max(len(s.response_ids) for s in seqs), 1)
-    n = len(seqs)
-    ids = torch.full((n, p_len + r_len), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, p_len + r_len), dtype=torch.long)
-    resp = torch.zeros((n, p_len + r_len), dtype=torch.bool)
-    adv = torch.zeros((n, p_len + r_len), dtype=torch.float32)
-    for i, s in enumerate(seqs):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        ids[i, p_len - p : p_len] = torch.tensor(s.prompt_ids)
-        ids[i, p_len : p_len + r] = torch.tensor(s.response_ids, dtype=torch.long)
-        attn[i, p_len - p : p_len + r] = 1
-        resp[i, p_len : p_len + r] = True
-        adv[i, p_len : p_len + r] = s.advantage
-    return Batch(ids, attn, resp, adv)
-
-
-def collate_with_pad_row(seqs: Sequence[Sequence_], pad_id: int, *, pad: bool) -> Batch:
-    """``collate`` plus, when ``pad``, one trailing zero-weight row (data parallel).
-
-    The padding row is a real token sequence (the first kept one, or two pad tokens on a rank that
-    kept nothing) with an all-False response mask and advantage 0: forwards through it are ordinary
-    (no fully masked attention row, so no NaN), and it carries no loss and no gradient. A rank runs
-    it whenever it has fewer rows than the busiest rank, so every rank joins every collective.
-    """
-    if not pad:
-        return collate(seqs, pad_id)
-    if not seqs:
-        return Batch(torch.full((1, 2), pad_id, dtype=torch.long), torch.ones((1, 2), dtype=torch.long),
-                     torch.zeros((1, 2), dtype=torch.bool), torch.zeros((1, 2), dtype=torch.float32))
-    b = collate(seqs, pad_id)  # [N, L] each; the padding row copies row 0's tokens, nothing else
-    return Batch(
-        torch.cat([b.input_ids, b.input_ids[:1]]),
-        torch.cat([b.attention_mask, b.attention_mask[:1]]),
-        torch.cat([b.response_mask, torch.zeros_like(b.response_mask[:1])]),
-        torch.cat([b.advantages, torch.zeros_like(b.advantages[:1])]),
-    )
-
-
-def _mean(xs: Sequence[float]) -> float:
-    return float(sum(xs) / len(xs)) if xs else float("nan")
+__all__ = ["train", "TrainResult"]
 
 
 # ----------------------------------------------------------------------------- the parts of a run
@@ -278,288 +173,6 @@ def vllm_tp_size(cfg: Config) -> int:
 
 
 # ----------------------------------------------------------------------------- phases of a step
-
-
-def rollout_and_grade(run: _Run, step: int, round_: int) -> tuple[list[Sequence_], dict[str, float]]:
-    """Sample G responses for this step's prompts and grade them."""
-    from stapo.core.rollout import SamplingParams
-
-    cfg = run.cfg
-    idx = run.sampler.select(step, round_, prompts_per_round(cfg))  # uniform: prompts_for_step
-    recs = [run.train_prompts[i] for i in idx[run.rank :: run.world_size]]  # this rank's share
-    sampling = SamplingParams(
-        n=cfg.rollout.n,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        seed=derive_seed(cfg.trainer.seed, step, round_, run.rank),
-        ignore_eos=cfg.rollout.ignore_eos,
-        logprobs=cfg.rollout.async_.enabled,  # only the async producer reads behaviour log-probs
-    )
-    # With the hf engine, a step larger than one generate call (rollout.batch_size
-    #    sequences) is sampled in waves, and each wave is graded (in a thread; the grader's work runs
-    #    in its own processes or service) while the next one generates. Wave 0 keeps the step's seed,
-    #    so a single-wave step samples exactly what it did before.
-    per_wave = max(1, cfg.rollout.batch_size // cfg.rollout.n) if cfg.rollout.engine == "hf" else len(recs)
-    waves = [recs[i : i + per_wave] for i in range(0, len(recs), per_wave)] or [recs]
-    seqs: list[Sequence_] = []
-    futures = []
-    t_grade: list[float] = []
-
-    def grade(wave_seqs: list[Sequence_]) -> Any:
-        t = time.time()
-        out = run.rewards([s.text for s in wave_seqs], [s.gold for s in wave_seqs])
-        t_grade.append(time.time() - t)
-        return out
-
-    from concurrent.futures import ThreadPoolExecutor
-
-    t_roll = 0.0
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="grade") as pool:
-        for w, wave in enumerate(waves):
-            params = sampling if w == 0 else replace(sampling, seed=derive_seed(sampling.seed or 0, w))
-            t1 = time.time()
-            groups = run.engine.generate([run.encode(r) for r in wave], params)
-            t_roll += time.time() - t1
-            base = len(seqs) // cfg.rollout.n
-            wave_seqs = [
-                Sequence_(run.encode(rec), list(c.token_ids), c.finish_reason, c.text, rec.answer, group=base + g)
-                for g, (rec, comps) in enumerate(zip(wave, groups, strict=True))
-                for c in comps
-            ]
-            seqs += wave_seqs
-            futures.append((wave_seqs, pool.submit(grade, wave_seqs)))
-        t_wait = time.time()
-        failed = retried = no_answer = 0
-        for wave_seqs, fut in futures:
-            graded = fut.result()
-            for s, r, v, c in zip(wave_seqs, graded.rewards, graded.valid, graded.correct, strict=True):
-                s.reward, s.valid, s.correct = r, v, c
-            failed += graded.valid.count(False)  # no reward computed: timeout, error, undecided
-            retried += graded.retried
-            no_answer += graded.statuses.get("no_answer", 0)
-    record_groups(run, idx[run.rank :: run.world_size], seqs)  # the sampler learns from observed accuracies
-    times = {"time/rollout_s": t_roll, "time/reward_s": time.time() - t_wait, "time/reward_total_s": sum(t_grade),
-             "reward/failed": failed, "reward/retried": retried, "reward/no_answer_frac": no_answer / max(len(seqs), 1),
-             **rule_shares([fut.result() for _, fut in futures])}
-    return seqs, times
-
-
-def group_sequences(seqs: Sequence[Sequence_]) -> dict[int, list[Sequence_]]:
-    """Sequences by group id, groups and members in order of first appearance."""
-    by_group: dict[int, list[Sequence_]] = {}
-    for s in seqs:
-        by_group.setdefault(s.group, []).append(s)
-    return by_group
-
-
-def record_groups(run: _Run, idx: Sequence[int], seqs: list[Sequence_]) -> None:
-    """Tell the prompt sampler each valid group's accuracy and whether its rewards were all equal."""
-    groups = group_sequences(seqs)
-    ok = [(i, g) for i, g in zip(idx, (groups.get(k, []) for k in range(len(idx))), strict=True)
-          if g and all(s.valid for s in g)]
-    run.sampler.record([i for i, _ in ok], [_mean([float(s.correct) for s in g]) for _, g in ok],
-                       [len({s.reward for s in g}) == 1 for _, g in ok])
-
-
-def shape_and_advantage(cfg: Config, seqs: list[Sequence_]) -> list[Sequence_]:
-    """Overlong shaping, drop groups with a failed reward, group advantages; returns kept sequences."""
-    from stapo.core.algos import get_advantage, overlong_penalty
-
-    if cfg.algorithm.overlong.enabled:
-        lengths = torch.tensor([len(s.response_ids) for s in seqs], dtype=torch.float32)
-        pen = overlong_penalty(
-            lengths,
-            max_len=cfg.rollout.max_new_tokens,
-            buffer=cfg.algorithm.overlong.buffer,
-            penalty=cfg.algorithm.overlong.penalty,
-        )
-        for s, p in zip(seqs, pen.tolist(), strict=True):
-            s.reward += p
-    groups = [g for g in group_sequences(seqs).values() if all(s.valid for s in g)]
-    if not groups:
-        return []
-    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [P, G]
-    adv = get_advantage(cfg.algorithm.advantage)(rewards, eps=cfg.algorithm.adv_eps)  # [P, G]
-    for g, row in zip(groups, adv.tolist(), strict=True):
-        for s, a in zip(g, row, strict=True):
-            s.advantage = a
-    return [s for g in groups for s in g]
-
-
-def mixed_groups(seqs: list[Sequence_], metric: str = "acc") -> list[Sequence_]:
-    """DAPO dynamic sampling: keep only groups whose accuracies (``metric="acc"``, DAPO) or shaped
-    rewards (``"reward"``) are not all equal."""
-    from stapo.core.algos import dynamic_sampling_filter, dynamic_sampling_values
-
-    groups = list(group_sequences(seqs).values())
-    if not groups:
-        return []
-    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [P, G]
-    correct = torch.tensor([[float(s.correct) for s in g] for g in groups], dtype=torch.float32)  # [P, G]
-    keep = dynamic_sampling_filter(dynamic_sampling_values(rewards, correct, metric=metric))  # [P]
-    return [s for g, k in zip(groups, keep.tolist(), strict=True) if k for s in g]
-
-
-def trim_kept(kept: list[Sequence_], want: int, n: int, dp: Any) -> list[Sequence_]:
-    """Cut the GLOBAL kept batch to ``want`` sequences (whole groups of ``n``).
-
-    One process: the first ``want``, as DAPO fills its batch. Data parallel: the ranks' kept group
-    counts are all-gathered and :func:`stapo.core.distributed.balanced_quota` says how many groups
-    each keeps, so the global batch has ``min(want, total)`` sequences spread as evenly as possible.
-    """
-    from stapo.core.distributed import balanced_quota
-
-    if not dp.multi:
-        return kept[:want]
-    quota = balanced_quota(dp.counts(len(kept) // n), want // n)
-    return kept[: quota[dp.rank] * n]
-
-
-def rollout_metrics(dp: Any, all_seqs: Sequence[Sequence_], metrics: dict[str, float]) -> dict[str, float]:
-    """Reward, accuracy and length metrics over EVERY rank's sampled sequences (one all_gather).
-
-    Also sums the per-rank reward failure / retry counts; ``_tokens`` (global response tokens) is
-    for the throughput metric.
-    """
-    lengths = [len(s.response_ids) for s in all_seqs]
-    rewards = [s.reward for s in all_seqs]
-    local = [
-        float(len(all_seqs)), math.fsum(rewards), math.fsum(r * r for r in rewards),
-        float(sum(s.correct for s in all_seqs)), float(sum(lengths)),
-        float(sum(s.finish_reason == "length" for s in all_seqs)),
-        float(metrics.get("reward/failed", 0.0)), float(metrics.get("reward/retried", 0.0)),
-        float(metrics.get("reward/no_answer_frac", 0.0)), float(max(lengths, default=0)),
-    ]
-    rows = dp.gather_rows(local)
-    tot = [math.fsum(col) for col in zip(*rows, strict=True)]
-    n = tot[0]
-    mean = tot[1] / n if n else float("nan")
-    return {
-        "reward/mean": mean,
-        "reward/std": math.sqrt(max(tot[2] / n - mean * mean, 0.0)) if n else float("nan"),
-        "reward/accuracy": tot[3] / n if n else float("nan"),
-        "response_length/mean": tot[4] / n if n else float("nan"),
-        "response_length/max": max(r[9] for r in rows),
-        "response_length/clip_ratio": tot[5] / n if n else float("nan"),
-        "reward/failed": tot[6],
-        "reward/retried": tot[7],
-        "reward/no_answer_frac": tot[8] / len(rows),  # equal shares of the step's prompts per rank
-        "_tokens": tot[4],
-    }
-
-
-def step_entropy_thresholds(cfg: Config, old_ent: torch.Tensor, mask: torch.Tensor,
-                            gather: Callable[[torch.Tensor], torch.Tensor] | None) -> tuple[float, float | None]:
-    """(global 5th entropy percentile of the step batch, the step's tau_h or None).
-
-    The step's tau_h is ``algorithm.s2t.tau_h`` when absolute, else, with ``tau_h_scope=step``, the
-    ``tau_h_quantile`` of every valid response token's entropy in the step's GLOBAL batch under the
-    pre-update policy; None with ``tau_h_scope=minibatch`` (each mini-batch resolves its own).
-    One all_gather, on every rank.
-    """
-    from stapo.core.algos import quantile
-
-    s2t = cfg.algorithm.s2t
-    with torch.no_grad():
-        local = old_ent.detach()[mask.bool()]  # [n_valid]
-        allv = gather(local) if gather is not None else local
-    p05 = quantile(allv, 0.05)
-    if s2t.tau_h is not None:
-        return p05, float(s2t.tau_h)
-    if s2t.tau_h_quantile is not None and s2t.tau_h_scope == "step":
-        return p05, quantile(allv, float(s2t.tau_h_quantile))
-    return p05, None
-
-
-def update_diagnostics(cfg: Config, ctx: Any, tw: Any, tau_step: float | None, diag: dict[str, float]) -> float:
-    """Add one mini-batch's global token counts (from the weighting's own output) to ``diag``;
-    returns the tau_h it used: the weighting's (S2T), else the step's, else this mini-batch's quantile."""
-    from stapo.core.algos import resolve_tau_h, token_counts
-
-    s2t = cfg.algorithm.s2t
-    tau = tw.info.get("tau_h", tau_step)
-    if tau is None:  # (a weighting other than s2t with a rate target: its cells at the 5th percentile)
-        tau = resolve_tau_h(ctx.entropy, ctx.mask, tau_h_quantile=s2t.tau_h_quantile or 0.05, gather=ctx.gather)
-    for k, v in token_counts(ctx, tw, tau_p=s2t.tau_p, tau_h=float(tau)).items():
-        diag[k] = diag.get(k, 0.0) + v
-    return float(tau)
-
-
-@dataclass
-class UpdateRecord:
-    """What the update's own token weightings produced, per local row, for the token dump.
-
-    ``weights[e, i]`` is the weight row i got in PPO epoch e (the weighting's output on the
-    mini-batch that held row i, under the policy of that moment); ``tau_h[e, i]`` that mini-batch's
-    entropy threshold.
-    """
-
-    weights: torch.Tensor  # [E, N, L]
-    tau_h: torch.Tensor  # [E, N]
-    cells: torch.Tensor  # [E, N, L] int8 phase cell (index into PHASE_KEYS) the update's counts used
-    logprobs: torch.Tensor  # [E, N, L] float32 log p the weighting compared (its p is exp in float64)
-    entropy: torch.Tensor  # [E, N, L] float32 H the weighting compared
-
-    @staticmethod
-    def empty(epochs: int, batch: Batch) -> UpdateRecord:
-        n, L = batch.input_ids.shape
-        return UpdateRecord(torch.ones(epochs, n, L), torch.full((epochs, n), float("nan")),
-                            torch.full((epochs, n, L), -1, dtype=torch.int8), torch.zeros(epochs, n, L),
-                            torch.zeros(epochs, n, L))
-
-    def put(self, epoch: int, rows: torch.Tensor, ctx: Any, tw: Any, tau_h: float, tau_p: float) -> None:
-        """Store what one mini-batch's weighting gave its first ``len(rows)`` rows (the real ones;
-        padding rows come after them): applied weights, tau_h, and each token's phase cell."""
-        from stapo.core.algos import phase_cells
-
-        k = len(rows)
-        rows = rows.cpu()
-        self.weights[epoch, rows] = tw.weights[:k].detach().float().cpu()
-        self.tau_h[epoch, rows] = tau_h
-        self.cells[epoch, rows] = phase_cells(ctx, tau_p=tau_p, tau_h=tau_h)[:k].cpu()  # [k, L]
-        self.logprobs[epoch, rows] = ctx.logprobs[:k].detach().float().cpu()
-        self.entropy[epoch, rows] = ctx.entropy[:k].detach().float().cpu()
-
-
-def loss_sums() -> dict[str, float]:
-    """Empty running sums of one update's loss terms (``add_loss_sums`` fills, ``update_metrics`` reads)."""
-    return {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "tokens": 0.0, "ratio_sum": 0.0}
-
-
-def add_loss_sums(sums: dict[str, float], loss: torch.Tensor, m: dict[str, Any]) -> None:
-    """Add one micro-batch's loss and its policy loss's counts to ``sums`` (both update paths)."""
-    sums["loss"] += float(loss.detach())
-    sums["clip_low"] += float(m["clip_low_count"])
-    sums["clip_high"] += float(m["clip_high_count"])
-    sums["tokens"] += float(m["token_count"])
-    sums["ratio_sum"] += float(m["ratio_sum"])
-
-
-def update_metrics(diag: dict[str, float], taus: Sequence[float], p05: float, sums: dict[str, float],
-                   step_out: Sequence[dict[str, float]], epochs: int) -> dict[str, float]:
-    """The update's logged metrics: token diagnostics counted from its own weightings (``diag``,
-    summed over mini-batches and epochs), the thresholds it used, and the loss / clip sums and
-    optimizer outputs (``step_out``: one per optimizer step), as ``stapo.core.update.update_policy``
-    logs them."""
-    from stapo.core.algos import fractions_from_counts
-
-    tokens = max(sums["tokens"], 1.0)
-    token_diag = fractions_from_counts(diag)
-    token_diag["tokens/valid"] = diag["tokens"] / epochs  # every epoch sees each row once
-    return {
-        **token_diag,
-        "stapo/silenced_count": diag["silenced"],
-        "stapo/tau_h": _mean(taus),
-        "entropy/p05": p05,
-        "actor/loss": sums["loss"] / len(step_out),
-        "actor/grad_norm": _mean([o.get("grad_norm", float("nan")) for o in step_out]),
-        "actor/lr": step_out[-1].get("lr", float("nan")),
-        "actor/skipped_updates": float(sum(o.get("skipped", 0.0) for o in step_out)),
-        "actor/clip_frac_low": sums["clip_low"] / tokens,
-        "actor/clip_frac_high": sums["clip_high"] / tokens,
-        "actor/ratio_mean": sums["ratio_sum"] / tokens,
-    }
 
 
 def validate(run: _Run) -> dict[str, float]:
@@ -683,7 +296,7 @@ def dump_tokens(run: _Run, step: int, seqs: list[Sequence_], batch: Batch, rows:
     taus = [t for t in record.tau_h[0].tolist() if math.isfinite(t)]
     d = run.run_dir / "dumps"
     d.mkdir(exist_ok=True)
-    payload = {"step": step, "tau_p": cfg.algorithm.s2t.tau_p, "tau_h": _mean(taus),
+    payload = {"step": step, "tau_p": cfg.algorithm.s2t.tau_p, "tau_h": mean_or_nan(taus),
                "tau_h_scope": cfg.algorithm.s2t.tau_h_scope,
                "token_weighting": cfg.algorithm.token_weighting, "sequences": out}
     tmp = d / f".step_{step:06d}.json.tmp"

@@ -347,9 +347,9 @@ def plan_memory(cfg: Config, world_size: int, card_gib: float, shape: ModelShape
         ref = shape.params * ref_b // (world_size if t.backend == "deepspeed" and t.zero_stage == 3 else 1)
     micro = micro_batches(cfg, world_size)
     mem = update_memory(cfg, shape, micro, nbytes)
-    from stapo.core.algos import get_token_weighting, reads_stats
+    from stapo.core.algos import token_weighting_spec
 
-    reads = reads_stats(get_token_weighting(a.token_weighting)) or a.lp_reg.enabled
+    reads = token_weighting_spec(a.token_weighting).reads_stats or a.lp_reg.enabled
     kept = micro.count * mem["graph"]  # every micro-batch's graph alive until the mini-batch's weights are known
     runtime = int(RUNTIME_GIB * GIB) if cuda else 0
     card = card_gib * GIB

@@ -193,7 +193,7 @@ def minp_stats_batched(model: torch.nn.Module, input_ids: torch.Tensor, attentio
 
 def _rows_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor) -> Any:
     """The three tensors as a ``loop.Batch`` (what ``build_micro`` reads; no advantages needed)."""
-    from stapo.core.loop import Batch
+    from stapo.core.batch import Batch
 
     return Batch(input_ids, attention_mask, response_mask, torch.zeros(input_ids.shape, device=input_ids.device))
 

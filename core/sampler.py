@@ -52,7 +52,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from stapo.core.batch import derive_seed
+
 __all__ = [
+    "prompts_for_step",
     "PromptSampler",
     "UniformSampler",
     "GoldilocksSampler",
@@ -63,7 +66,6 @@ __all__ = [
     "refill_until_full",
     "RefillResult",
     "DynamicSamplingExhausted",
-    "dynamic_sampling_refill",
 ]
 
 
@@ -129,14 +131,13 @@ class _Recorder:
 
 
 class UniformSampler(_Recorder):
-    """Seeded epochs (``stapo.core.loop.prompts_for_step``); logs the zero-variance share for comparison."""
+    """Seeded epochs (:func:`prompts_for_step`); logs the zero-variance share for comparison."""
 
     def __init__(self, n_prompts: int, seed: int) -> None:
         super().__init__()
         self.n_prompts, self.seed = n_prompts, seed
 
     def select(self, step: int, round_: int, per_step: int) -> list[int]:
-        from stapo.core.loop import prompts_for_step
 
         return prompts_for_step(self.n_prompts, step, per_step, self.seed, round_)
 
@@ -432,32 +433,18 @@ def refill_until_full(
         rounds += 1
 
 
-def dynamic_sampling_refill(run: Any, step: int, kept: list[Any], all_seqs: list[Any], metrics: dict[str, float],
-                            dp: Any) -> list[Any]:
-    """The loop's dynamic-sampling step: filter round 0 (``kept``), refill, trim to the step's batch.
+def prompts_for_step(n_prompts: int, step: int, per_step: int, seed: int, round_: int = 0) -> list[int]:
+    """Indices of a step's prompts: consecutive slices of per-epoch seeded permutations.
 
-    Appends every sampled sequence to ``all_seqs`` (for rollout metrics and DEEP-GRPO) and adds the
-    rounds' timings and counts to ``metrics``; returns this rank's share of the trimmed batch."""
-    from stapo.core.loop import mixed_groups, rollout_and_grade, shape_and_advantage, trim_kept
-
-    cfg = run.cfg
-    a, n = cfg.algorithm, cfg.rollout.n
-
-    def sample_round(round_: int) -> list[Any]:
-        more, m2 = rollout_and_grade(run, step, round_)
-        for key in ("time/rollout_s", "time/reward_s", "reward/failed", "reward/retried"):
-            metrics[key] = metrics.get(key, 0.0) + m2.get(key, 0.0)
-        for s in more:
-            s.group += 10_000 * round_  # group ids stay unique across rounds
-        all_seqs.extend(more)
-        return mixed_groups(shape_and_advantage(cfg, more), a.dynamic_sampling_metric)
-
-    res = refill_until_full(
-        mixed_groups(kept, a.dynamic_sampling_metric), sample_round, lambda k: dp.total(len(k)) // n,
-        want_prompts=cfg.rollout.prompts_per_step, max_rounds=a.max_gen_rounds, on_exhausted=a.gen_rounds_exhausted,
-    )
-    out = trim_kept(res.kept, cfg.rollout.prompts_per_step * n, n, dp)
-    metrics["dapo/kept_groups"] = dp.total(len(out)) / n
-    metrics["dapo/gen_rounds"] = float(res.rounds)
-    metrics["dapo/underfilled"] = float(res.underfilled)
+    Extra dynamic-sampling rounds (``round_ > 0``) draw from their own seeded stream so that the
+    main cursor, and thus every later step, is the same with or without resampling.
+    """
+    if round_:
+        rng = np.random.default_rng(derive_seed(seed, step, round_))
+        return [int(i) for i in rng.choice(n_prompts, size=per_step, replace=per_step > n_prompts)]
+    out = []
+    for i in range((step - 1) * per_step, step * per_step):
+        epoch, pos = divmod(i, n_prompts)
+        perm = np.random.default_rng(derive_seed(seed, epoch)).permutation(n_prompts)
+        out.append(int(perm[pos]))
     return out

@@ -50,14 +50,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from stapo.core.batch import Batch, derive_seed, mean_or_nan
 from stapo.core.config import Config
 
 if TYPE_CHECKING:
     from stapo.core.extras import StepExtras
-    from stapo.core.loop import Batch, UpdateRecord
     from stapo.core.trainer.base import TrainerBackend
 
 __all__ = [
+    "UpdateRecord",
+    "add_loss_sums",
+    "entropy_thresholds",
+    "loss_sums",
+    "step_entropies",
+    "step_entropy_thresholds",
+    "update_diagnostics",
+    "update_metrics",
     "MicroSpec",
     "Micro",
     "UpdateParts",
@@ -250,14 +258,9 @@ def old_pass_calls(dp: Any, batch: Batch, spec: MicroSpec, real: int) -> int:
 
 
 def weighting_params(cfg: Config) -> dict[str, Any]:
-    """Keyword arguments of the configured token weighting: its config section, field for field."""
-    a = cfg.algorithm
-    section = getattr(a, a.token_weighting, None)  # a config section named like the weighting, if any
-    # tau_h_scope (the update's choice of population) and the rate watch (the loop's) are not arguments
-    return section.model_dump(exclude=_NOT_WEIGHTING_ARGS) if section is not None else {}
-
-
-_NOT_WEIGHTING_ARGS = {"tau_h_scope", "watch_steps", "watch_min_rate", "watch_max_rate"}
+    """Keyword arguments of the configured token weighting: what its options model gives."""
+    options = cfg.algorithm.token_weighting_options()
+    return options.arguments() if options is not None else {}
 
 
 def policy_loss_params(cfg: Config) -> dict[str, Any]:
@@ -276,7 +279,7 @@ def stats_temperature(cfg: Config) -> float:
 class UpdateParts:
     """The configured pieces of an update, resolved once from the registries, with what they read."""
 
-    weigh: Any  # TOKEN_WEIGHTS entry
+    weigh: Any  # the TOKEN_WEIGHTS entry's function
     loss_fn: Any  # POLICY_LOSSES entry
     agg: Any  # AGGREGATIONS entry
     params: dict[str, Any]  # the weighting's keywords
@@ -286,31 +289,26 @@ class UpdateParts:
     reads_stats: bool  # the weighting reads p / H (registry declaration)
     fused: bool  # fused LM-head loss possible (elementwise loss, no entropy gradient, switched on)
 
-    @property
-    def micro(self) -> int:
-        return self.spec.rows
-
 
 def update_parts(cfg: Config, extra_params: dict[str, Any] | None = None) -> UpdateParts:
     from stapo.core.algos import (
         get_aggregation,
         get_policy_loss,
-        get_token_weighting,
         is_elementwise,
-        reads_stats,
+        token_weighting_spec,
     )
 
     a = cfg.algorithm
-    weigh, loss_fn = get_token_weighting(a.token_weighting), get_policy_loss(a.policy_loss)
+    spec, loss_fn = token_weighting_spec(a.token_weighting), get_policy_loss(a.policy_loss)
     return UpdateParts(
-        weigh=weigh,
+        weigh=spec.fn,
         loss_fn=loss_fn,
         agg=get_aggregation(a.aggregation),
         params={**weighting_params(cfg), **(extra_params or {})},
         loss_kw={"eps_low": a.eps_low, "eps_high": a.eps_high, "dual_clip_c": a.dual_clip_c, **policy_loss_params(cfg)},
         spec=micro_spec(cfg),
         temperature=stats_temperature(cfg),
-        reads_stats=reads_stats(weigh),
+        reads_stats=spec.reads_stats,
         fused=cfg.trainer.fused_loss and is_elementwise(loss_fn) and not cfg.trainer.entropy_grad,
     )
 
@@ -318,8 +316,9 @@ def update_parts(cfg: Config, extra_params: dict[str, Any] | None = None) -> Upd
 def needs_old_pass(cfg: Config, extras_need_stats: bool = False) -> bool:
     """Whether a step runs the no-grad pass over its batch before the update (module docstring)."""
     a = cfg.algorithm
-    step_tau = a.token_weighting == "s2t" and a.s2t.tau_h_quantile is not None and a.s2t.tau_h_scope == "step"
-    return a.ppo_epochs * a.mini_batches > 1 or extras_need_stats or (step_tau and a.mini_batches > 1)
+    options = a.token_weighting_options()
+    per_step = options is not None and options.fixes_per_step()  # e.g. S2T's tau_h_scope=step
+    return a.ppo_epochs * a.mini_batches > 1 or extras_need_stats or (per_step and a.mini_batches > 1)
 
 
 # ----------------------------------------------------------------------------- the update
@@ -351,14 +350,6 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
     """
     from stapo.core.distributed import DataParallel, check_minibatches, group_minibatches, minibatch_rows
     from stapo.core.extras import extras_of
-    from stapo.core.loop import (
-        add_loss_sums,
-        derive_seed,
-        loss_sums,
-        step_entropy_thresholds,
-        update_diagnostics,
-    )
-    from stapo.core.loop import update_metrics as make_metrics
 
     cfg, backend = run.cfg, run.backend
     a = cfg.algorithm
@@ -374,10 +365,12 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
     check_minibatches(sum(counts), a.mini_batches)
     gather, reduce = backend.all_gather_1d, backend.all_reduce_sum
     lengths = batch.attention_mask.sum(1).cpu()  # [N] real tokens per row
-    p05, tau_step = (step_entropy_thresholds(cfg, old_ent, batch.response_mask, gather) if old_ent is not None
-                     else (None, None))
-    if tau_step is not None and a.token_weighting == "s2t":
-        params = {**params, "tau_h": tau_step, "tau_h_quantile": None, "target_rate": None}
+    p05, tau_step = None, None
+    if old_ent is not None:  # the step's statistics: the diagnostics' thresholds, the keywords fixed per step
+        allv = step_entropies(old_ent, batch.response_mask, gather)  # [n_valid] all ranks
+        p05, tau_step = entropy_thresholds(cfg, allv)
+        options = a.token_weighting_options()
+        params = {**params, **(options.step_arguments(allv) if options is not None else {})}
     reads = parts.reads_stats or extras.terms_read_stats
     bounded = reads and cfg.trainer.update_memory == "bounded"  # "auto" was resolved by the memory plan
     keep_graphs = reads and not bounded
@@ -471,7 +464,7 @@ def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old
     # normalizer is all-reduced), so the ranks' losses and clip counts add up (one gather, every rank).
     keys = ("loss", "clip_low", "clip_high", "tokens", "ratio_sum")
     sums = dict(zip(keys, dp.sum([sums[k] for k in keys]), strict=True))
-    return make_metrics(diag, taus, float("nan") if p05 is None else p05, sums, step_out, a.ppo_epochs)
+    return update_metrics(diag, taus, float("nan") if p05 is None else p05, sums, step_out, a.ppo_epochs)
 
 
 @dataclass(frozen=True)
@@ -502,16 +495,15 @@ class MiniBatch:
     def loss(self, sl: slice, lp: torch.Tensor, ent: torch.Tensor, tw: Any, norm: Any,
              terms: list[Any]) -> tuple[torch.Tensor, dict[str, Any]]:
         """Micro-batch ``sl``'s share of the mini-batch loss from its log-probs with graph [b, L]."""
-        from stapo.core.algos.regularizers import add_terms, entropy_bonus
+        from stapo.core.algos import compute_policy_objective
 
         p = self.parts
         old = self.old[sl] if self.old is not None else lp.detach()
-        per_tok, mets = p.loss_fn(lp, old, self.adv[sl], self.mask[sl], **p.loss_kw)
-        per_tok = add_terms(per_tok, lp, [t.rows(sl) for t in terms])
-        loss = p.agg.aggregate(per_tok, tw.select(sl), normalizer=norm)
-        if self.entropy_coef:  # entropy bonus (needs trainer.entropy_grad: checked by the config)
-            loss = loss + entropy_bonus(ent, tw.select(sl), p.agg, norm, coef=self.entropy_coef)
-        return loss, mets
+        # the entropy bonus needs trainer.entropy_grad (checked by the config)
+        return compute_policy_objective(lp, old, self.adv[sl], self.mask[sl], tw.select(sl),
+                                        policy_loss=p.loss_fn, aggregation=p.agg, normalizer=norm,
+                                        loss_kwargs=p.loss_kw, terms=[t.rows(sl) for t in terms], entropy=ent,
+                                        entropy_coef=self.entropy_coef)
 
     def fused(self, backend: TrainerBackend, m: Micro, sl: slice, tw: Any, norm: Any,
               terms: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -545,8 +537,128 @@ class MiniBatch:
         return loss, m.to_rows(lp.detach().float()), m.to_rows(ent.detach().float())
 
 
-def useful_fraction(micros: Sequence[Micro], batch: Batch) -> float:
-    """Real tokens / computed tokens over ``micros`` (1.0 when packed: no padding)."""
-    real = sum(int(batch.attention_mask[m.rows].sum()) for m in micros)
-    return real / max(sum(m.tokens for m in micros), 1)
 
+# ----------------------------------------------------------------------------- the update's diagnostics
+
+
+def step_entropies(old_ent: torch.Tensor, mask: torch.Tensor,
+                   gather: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """Every valid response token's entropy in the step's GLOBAL batch [n_valid] (one all_gather)."""
+    with torch.no_grad():
+        local = old_ent.detach()[mask.bool()]  # [n_valid]
+        return gather(local) if gather is not None else local
+
+
+def entropy_thresholds(cfg: Config, allv: torch.Tensor) -> tuple[float, float | None]:
+    """(5th entropy percentile of ``allv``, the step's tau_h or None): see :func:`step_entropy_thresholds`."""
+    from stapo.core.algos import quantile
+
+    s2t = cfg.algorithm.s2t
+    p05 = quantile(allv, 0.05)
+    if s2t.tau_h is not None:
+        return p05, float(s2t.tau_h)
+    if s2t.tau_h_quantile is not None and s2t.tau_h_scope == "step":
+        return p05, quantile(allv, float(s2t.tau_h_quantile))
+    return p05, None
+
+
+def step_entropy_thresholds(cfg: Config, old_ent: torch.Tensor, mask: torch.Tensor,
+                            gather: Callable[[torch.Tensor], torch.Tensor] | None) -> tuple[float, float | None]:
+    """(global 5th entropy percentile of the step batch, the step's tau_h or None).
+
+    The step's tau_h is ``algorithm.s2t.tau_h`` when absolute, else, with ``tau_h_scope=step``, the
+    ``tau_h_quantile`` of every valid response token's entropy in the step's GLOBAL batch under the
+    pre-update policy; None with ``tau_h_scope=minibatch`` (each mini-batch resolves its own).
+    One all_gather, on every rank.
+    """
+    return entropy_thresholds(cfg, step_entropies(old_ent, mask, gather))
+
+
+def update_diagnostics(cfg: Config, ctx: Any, tw: Any, tau_step: float | None, diag: dict[str, float]) -> float:
+    """Add one mini-batch's global token counts (from the weighting's own output) to ``diag``;
+    returns the tau_h it used: the weighting's (S2T), else the step's, else this mini-batch's quantile."""
+    from stapo.core.algos import resolve_tau_h, token_counts
+
+    s2t = cfg.algorithm.s2t
+    tau = tw.info.get("tau_h", tau_step)
+    if tau is None:  # (a weighting other than s2t with a rate target: its cells at the 5th percentile)
+        tau = resolve_tau_h(ctx.entropy, ctx.mask, tau_h_quantile=s2t.tau_h_quantile or 0.05, gather=ctx.gather)
+    for k, v in token_counts(ctx, tw, tau_p=s2t.tau_p, tau_h=float(tau)).items():
+        diag[k] = diag.get(k, 0.0) + v
+    return float(tau)
+
+
+@dataclass
+class UpdateRecord:
+    """What the update's own token weightings produced, per local row, for the token dump.
+
+    ``weights[e, i]`` is the weight row i got in PPO epoch e (the weighting's output on the
+    mini-batch that held row i, under the policy of that moment); ``tau_h[e, i]`` that mini-batch's
+    entropy threshold.
+    """
+
+    weights: torch.Tensor  # [E, N, L]
+    tau_h: torch.Tensor  # [E, N]
+    cells: torch.Tensor  # [E, N, L] int8 phase cell (index into PHASE_KEYS) the update's counts used
+    logprobs: torch.Tensor  # [E, N, L] float32 log p the weighting compared (its p is exp in float64)
+    entropy: torch.Tensor  # [E, N, L] float32 H the weighting compared
+
+    @staticmethod
+    def empty(epochs: int, batch: Batch) -> UpdateRecord:
+        n, L = batch.input_ids.shape
+        return UpdateRecord(torch.ones(epochs, n, L), torch.full((epochs, n), float("nan")),
+                            torch.full((epochs, n, L), -1, dtype=torch.int8), torch.zeros(epochs, n, L),
+                            torch.zeros(epochs, n, L))
+
+    def put(self, epoch: int, rows: torch.Tensor, ctx: Any, tw: Any, tau_h: float, tau_p: float) -> None:
+        """Store what one mini-batch's weighting gave its first ``len(rows)`` rows (the real ones;
+        padding rows come after them): applied weights, tau_h, and each token's phase cell."""
+        from stapo.core.algos import phase_cells
+
+        k = len(rows)
+        rows = rows.cpu()
+        self.weights[epoch, rows] = tw.weights[:k].detach().float().cpu()
+        self.tau_h[epoch, rows] = tau_h
+        self.cells[epoch, rows] = phase_cells(ctx, tau_p=tau_p, tau_h=tau_h)[:k].cpu()  # [k, L]
+        self.logprobs[epoch, rows] = ctx.logprobs[:k].detach().float().cpu()
+        self.entropy[epoch, rows] = ctx.entropy[:k].detach().float().cpu()
+
+
+def loss_sums() -> dict[str, float]:
+    """Empty running sums of one update's loss terms (``add_loss_sums`` fills, ``update_metrics`` reads)."""
+    return {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "tokens": 0.0, "ratio_sum": 0.0}
+
+
+def add_loss_sums(sums: dict[str, float], loss: torch.Tensor, m: dict[str, Any]) -> None:
+    """Add one micro-batch's loss and its policy loss's counts to ``sums`` (both update paths)."""
+    sums["loss"] += float(loss.detach())
+    sums["clip_low"] += float(m["clip_low_count"])
+    sums["clip_high"] += float(m["clip_high_count"])
+    sums["tokens"] += float(m["token_count"])
+    sums["ratio_sum"] += float(m["ratio_sum"])
+
+
+def update_metrics(diag: dict[str, float], taus: Sequence[float], p05: float, sums: dict[str, float],
+                   step_out: Sequence[dict[str, float]], epochs: int) -> dict[str, float]:
+    """The update's logged metrics: token diagnostics counted from its own weightings (``diag``,
+    summed over mini-batches and epochs), the thresholds it used, and the loss / clip sums and
+    optimizer outputs (``step_out``: one per optimizer step), as ``stapo.core.update.update_policy``
+    logs them."""
+    from stapo.core.algos import fractions_from_counts
+
+    tokens = max(sums["tokens"], 1.0)
+    token_diag = fractions_from_counts(diag)
+    token_diag["tokens/valid"] = diag["tokens"] / epochs  # every epoch sees each row once
+    return {
+        **token_diag,
+        "stapo/silenced_count": diag["silenced"],
+        "stapo/tau_h": mean_or_nan(taus),
+        "entropy/p05": p05,
+        "actor/loss": sums["loss"] / len(step_out),
+        "actor/grad_norm": mean_or_nan([o.get("grad_norm", float("nan")) for o in step_out]),
+        "actor/lr": step_out[-1].get("lr", float("nan")),
+        "actor/skipped_updates": float(sum(o.get("skipped", 0.0) for o in step_out)),
+        "actor/clip_frac_low": sums["clip_low"] / tokens,
+        "actor/clip_frac_high": sums["clip_high"] / tokens,
+        "actor/ratio_mean": sums["ratio_sum"] / tokens,
+    }

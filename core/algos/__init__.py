@@ -3,7 +3,8 @@
 Families (each a ``Registry`` with a ``get_*`` accessor that lists valid names on a miss):
 
 - ``ADVANTAGES``    rewards [P, G] -> advantages [P, G]: grpo, dr_grpo, rloo
-- ``TOKEN_WEIGHTS`` TokenContext -> TokenWeights: none, s2t (STAPO), top_entropy, stare
+- ``TOKEN_WEIGHTS`` TokenContext -> TokenWeights: none, s2t (STAPO), top_entropy, stare; each registered
+                    with its options model and whether it reads p / H (``register_token_weighting``)
 - ``KL_ESTIMATORS`` per-token KL estimators: k1, k2, k3
 - ``POLICY_LOSSES`` per-token loss [B, T] + summable metrics: ppo_clip (clip-higher, dual-clip), gspo,
                     maspo (soft mass-adaptive asymmetric trust region, ``maspo.py``)
@@ -37,17 +38,18 @@ from .stapo import stapo_loss
 from .weights import (
     TOKEN_WEIGHTS,
     TokenContext,
+    TokenWeighting,
     TokenWeightingFn,
     TokenWeights,
     below_thresholds,
     broadcast_advantages,
-    declare_reads_stats,
     get_token_weighting,
     quantile,
-    reads_stats,
+    register_token_weighting,
     resolve_tau_h,
     s2t_mask,
     tau_h_for_rate,
+    token_weighting_spec,
     top_fraction_threshold,
 )
 
@@ -70,9 +72,10 @@ __all__ = [
     "broadcast_advantages",
     "compute_policy_objective",
     "declare_elementwise",
-    "declare_reads_stats",
+    "TokenWeighting",
     "is_elementwise",
-    "reads_stats",
+    "register_token_weighting",
+    "token_weighting_spec",
     "dynamic_sampling_filter",
     "dynamic_sampling_values",
     "fractions_from_counts",

@@ -6,15 +6,15 @@
 
 ``stapo_loss`` is built from the registry pieces (the ``s2t`` weighting, the ``ppo_clip`` loss and
 the ``token-mean`` aggregation): sum(m * l) / sum(m) over this call's tokens, where m = 0 for
-silenced tokens (advantage > 0, p < tau_p, H < tau_h) and l is the clip-higher PPO loss. For
-gradient accumulation, use ``compute_policy_objective`` with a global normalizer instead.
+silenced tokens (advantage > 0, p < tau_p, H < tau_h) and l is the clip-higher PPO loss. It calls
+``compute_policy_objective``, the function the trainer calls per micro-batch; for gradient
+accumulation, call that with the mini-batch's global normalizer instead.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from .aggregation import get_aggregation
 from .objective import compute_policy_objective
 from .weights import TokenContext, get_token_weighting, resolve_tau_h, s2t_mask
 
@@ -36,18 +36,9 @@ def stapo_loss(
     """STAPO loss (token-mean over this call's un-silenced tokens) and its metrics."""
     ctx = TokenContext(logprobs, entropy, advantages, mask)
     tw = get_token_weighting("s2t")(ctx, tau_p=tau_p, tau_h=tau_h)
-    agg = get_aggregation("token-mean")
-    loss, metrics = compute_policy_objective(
-        logprobs,
-        old_logprobs,
-        ctx.advantages,
-        ctx.mask,
-        tw,
-        policy_loss="ppo_clip",
-        aggregation="token-mean",
-        normalizer=agg.normalizer(tw, ctx.mask),
-        eps_low=eps_low,
-        eps_high=eps_high,
+    loss, metrics = compute_policy_objective(  # the trainer's objective, over this call's tokens
+        logprobs, old_logprobs, ctx.advantages, ctx.mask, tw,
+        policy_loss="ppo_clip", aggregation="token-mean", eps_low=eps_low, eps_high=eps_high,
     )
     metrics["silenced_count"] = metrics["token_count"] - metrics["denom_count"]
     return loss, metrics

@@ -33,6 +33,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from stapo.core.weighting_options import S2TOptions, StareOptions, TopEntropyOptions, WeightingOptions
+
 from .registry import Registry
 
 Gather = Callable[[Tensor], Tensor]
@@ -112,25 +114,45 @@ class TokenWeights:
 
 
 class TokenWeightingFn(Protocol):
-    """Contract of a token weighting. ``reads_stats`` (declared at registration, see
-    :func:`reads_stats`) says whether the weights depend on the log-probs / entropies: the update
-    gets a weighting that reads none its weights before any forward."""
+    """Contract of a token weighting's function: the batch's statistics in, weights out; its keyword
+    arguments are the fields of its registration's options model."""
 
     def __call__(self, ctx: TokenContext, **params: float | str | None) -> TokenWeights: ...
 
 
-def declare_reads_stats(fn: TokenWeightingFn, value: bool) -> TokenWeightingFn:
-    """Record on a registered weighting whether it reads p / H (``fn.reads_stats``)."""
-    fn.reads_stats = value  # type: ignore[attr-defined]
-    return fn
+@dataclass(frozen=True)
+class TokenWeighting:
+    """A registered token weighting with its contract.
+
+    ``options``: the pydantic model (a ``stapo.core.weighting_options.WeightingOptions``) whose fields
+    are the function's keywords, None when it takes none; the config holds one instance of it.
+    ``reads_stats``: whether the weights depend on the log-probs / entropies; one that reads none gets
+    its weights before any forward (one forward + backward per micro-batch, no kept graphs)."""
+
+    fn: TokenWeightingFn
+    options: type[WeightingOptions] | None
+    reads_stats: bool
 
 
-def reads_stats(fn: TokenWeightingFn) -> bool:
-    """Whether a weighting reads p / H; undeclared (plug-in) weightings are assumed to (the safe side)."""
-    return bool(getattr(fn, "reads_stats", True))
+TOKEN_WEIGHTS: Registry[TokenWeighting] = Registry("token weighting")
 
 
-TOKEN_WEIGHTS: Registry[TokenWeightingFn] = Registry("token weighting")
+def register_token_weighting(
+    name: str, *, options: type[WeightingOptions] | None, reads_stats: bool
+) -> Callable[[TokenWeightingFn], TokenWeightingFn]:
+    """Decorator: register a weighting function under ``name`` with its options model and what it reads.
+
+        @register_token_weighting("half", options=HalfOptions, reads_stats=False)
+        def half(ctx, *, scale): ...
+
+    Then ``algorithm.token_weighting: half`` trains with it; its options come from
+    ``algorithm.weighting_options`` (checked by ``HalfOptions`` when the config is built)."""
+
+    def decorator(fn: TokenWeightingFn) -> TokenWeightingFn:
+        TOKEN_WEIGHTS.add(name, TokenWeighting(fn, options, bool(reads_stats)))
+        return fn
+
+    return decorator
 
 
 # ----------------------------------------------------------------------------- batch statistics
@@ -217,7 +239,7 @@ def _valid_weights(ctx: TokenContext) -> Tensor:
 # ----------------------------------------------------------------------------- weightings
 
 
-@TOKEN_WEIGHTS.register("none")
+@register_token_weighting("none", options=None, reads_stats=False)  # the mask only
 def no_weighting(ctx: TokenContext) -> TokenWeights:
     """Every valid token weighs 1 and counts in the denominator (GRPO / DAPO / JustRL)."""
     return TokenWeights(weights=_valid_weights(ctx), denom_mask=ctx.mask.clone(), info={})
@@ -283,7 +305,7 @@ def tau_h_for_rate(ctx: TokenContext, *, tau_p: float, rate: float) -> float:
         return float(torch.kthvalue(ents.cpu(), k + 1).values)
 
 
-@TOKEN_WEIGHTS.register("s2t")
+@register_token_weighting("s2t", options=S2TOptions, reads_stats=True)
 def s2t_weighting(
     ctx: TokenContext,
     *,
@@ -316,7 +338,7 @@ def s2t_weighting(
         )
 
 
-@TOKEN_WEIGHTS.register("top_entropy")
+@register_token_weighting("top_entropy", options=TopEntropyOptions, reads_stats=True)
 def top_entropy_weighting(ctx: TokenContext, *, rho: float = 0.2, denominator: str = "kept") -> TokenWeights:
     """20-Entropy (Wang et al. 2025, "Beyond the 80/20 Rule"): gradient only on the top-``rho``
     fraction of valid tokens by entropy, ranked over the whole (gathered) batch.
@@ -342,7 +364,7 @@ def top_entropy_weighting(ctx: TokenContext, *, rho: float = 0.2, denominator: s
         )
 
 
-@TOKEN_WEIGHTS.register("stare")
+@register_token_weighting("stare", options=StareOptions, reads_stats=True)
 def stare_weighting(
     ctx: TokenContext,
     *,
@@ -405,11 +427,11 @@ def stare_weighting(
         return TokenWeights(weights=weights.to(dtype), denom_mask=ctx.mask.clone(), info=info)
 
 
-declare_reads_stats(no_weighting, False)  # the mask only
-for _fn in (s2t_weighting, top_entropy_weighting, stare_weighting):
-    declare_reads_stats(_fn, True)  # thresholds / gates over the batch's p or H
-
-
 def get_token_weighting(name: str) -> TokenWeightingFn:
-    """The token weighting registered as ``name`` (KeyError listing valid names on a miss)."""
+    """The function of the token weighting registered as ``name`` (KeyError listing valid names on a miss)."""
+    return TOKEN_WEIGHTS.get(name).fn
+
+
+def token_weighting_spec(name: str) -> TokenWeighting:
+    """The registration of ``name``: function, options model, what it reads (KeyError listing valid names)."""
     return TOKEN_WEIGHTS.get(name)

@@ -27,6 +27,7 @@ import torch
 
 from stapo.configs import preset_path
 from stapo.core import loop
+from stapo.core.batch import collate
 from stapo.core.config import config_from_dict, load_config
 from stapo.core.models import load_policy
 from stapo.core.tracking import read_jsonl
@@ -83,7 +84,7 @@ def rl_batch(vocab: int, seed: int = 0) -> loop.Batch:
         seqs.append(loop.Sequence_(ids[:p], ids[p:], "stop", "", "0", group=i // 3))
     for s, a in zip(seqs, [1.2, -0.4, -0.8, 0.9, 0.0, -0.9], strict=True):
         s.advantage = a
-    return loop.collate(seqs, pad_id=0)
+    return collate(seqs, pad_id=0)
 
 
 def old_stats(b, batch, seed=0):

@@ -48,7 +48,7 @@ LOOP_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, torch
     from stapo.configs import preset_path
-    from stapo.core import loop
+    from stapo.core import loop, rollouts
     from stapo.core.config import load_config
 
     if __name__ == "__main__":  # the grader's workers (spawn/forkserver) import __main__ again
@@ -72,7 +72,8 @@ LOOP_SCRIPT = textwrap.dedent(
             seen.setdefault("seqs", []).append((step, seqs))  # rewards read at the end: shaping mutates them
             return seqs, m
 
-        loop._Run.__init__, loop.rollout_and_grade = init_spy, roll_spy
+        loop._Run.__init__ = init_spy
+        loop.rollout_and_grade = rollouts.rollout_and_grade = roll_spy  # round 0 and dynamic sampling's refills
         loop.train(cfg, run_dir, resume=resume, log=lambda m: None)
         rewards = {}
         for step, seqs in seen.pop("seqs", []):

@@ -253,6 +253,7 @@ def test_bounded_update_matches_kept_graphs_under_zero3():
     from types import SimpleNamespace
 
     from stapo.core import loop, update
+    from stapo.core.batch import collate
     from stapo.core.models import load_policy
 
     g = torch.Generator().manual_seed(0)
@@ -263,7 +264,7 @@ def test_bounded_update_matches_kept_graphs_under_zero3():
             s = loop.Sequence_(prompt, torch.randint(3, 60, (2 + k,), generator=g).tolist(), "stop", "", "0", group=grp)
             s.advantage = (-1.0) ** k * (0.5 + 0.25 * k)
             seqs.append(s)
-    batch = loop.collate(seqs, pad_id=0)
+    batch = collate(seqs, pad_id=0)
     out = {}
     for mode in ("keep_graphs", "bounded"):
         cfg = config_from_dict({

@@ -482,7 +482,7 @@ def test_async_staleness_0_on_the_fleet_equals_the_synchronous_loop(tmp_path, ti
 def test_async_staleness_1_overlaps_generation_with_the_update(tmp_path, tiny_policy):
     """k = 1: step t+1's requests reach the servers before the weights of step t do (they were in
     flight during step t's update), the versions are the fixed schedule, VCPO reads the servers' log-probs."""
-    from stapo.core.loop import derive_seed
+    from stapo.core.batch import derive_seed
 
     model, tok = tiny_policy
     rows, _, (s1, s2) = _fleet_run(

@@ -35,6 +35,7 @@ from stapo.core.config import TinyModel, config_from_dict
 from stapo.core.extras import StepExtras
 from stapo.core.models import build_tiny_model
 from stapo.core.reference import ReferencePolicy, minp_stats_batched
+from stapo.core.rollouts import mixed_groups
 from stapo.core.trainer.base import compute_token_stats
 
 D = torch.float64
@@ -61,8 +62,8 @@ def test_dynamic_sampling_filters_on_accuracy_not_shaped_reward():
     g1 = [seq(1, c, r) for c, r in ((True, 1.0), (False, -1.0), (False, -1.0), (False, -1.0))]
     g2 = [seq(2, False, -1.0) for _ in range(4)]
     seqs = g0 + g1 + g2
-    assert {s.group for s in loop.mixed_groups(seqs, "acc")} == {1}
-    assert {s.group for s in loop.mixed_groups(seqs, "reward")} == {0, 1}
+    assert {s.group for s in mixed_groups(seqs, "acc")} == {1}
+    assert {s.group for s in mixed_groups(seqs, "reward")} == {0, 1}
     vals = dynamic_sampling_values(t([[1.0, 0.5]]), t([[1.0, 1.0]]), metric="acc")
     assert vals.tolist() == [[1.0, 1.0]]
     with pytest.raises(ValueError, match="dynamic_sampling_metric"):

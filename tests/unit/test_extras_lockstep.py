@@ -18,6 +18,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from stapo.core import loop
+from stapo.core.batch import collate, collate_with_pad_row
 from stapo.core.config import config_from_dict
 from stapo.core.extras import StepExtras
 from stapo.core.reference import minp_stats_batched
@@ -51,14 +52,14 @@ class _Counter:
 @pytest.mark.parametrize("n_real", [3, 0])
 def test_minp_pass_makes_exactly_calls_forwards_and_pads_with_the_padding_row(n_real):
     model = _tiny()
-    batch = loop.collate_with_pad_row(_seqs(n_real), 0, pad=True)  # [n_real + 1, L], last row: padding
+    batch = collate_with_pad_row(_seqs(n_real), 0, pad=True)  # [n_real + 1, L], last row: padding
     counter = _Counter(model)
     kept, pmax = minp_stats_batched(model, batch.input_ids, batch.attention_mask, batch.response_mask, min_p=0.3,
                                     micro_batch=2, temperature=1.0, chunk_size=4, calls=4, pad_row=n_real)
     assert counter.n == 4  # the busiest rank's count, not this rank's ceil(n_real / 2)
     assert kept[n_real].abs().sum() == 0 and pmax[n_real].abs().sum() == 0  # the padding row: no response
     if n_real:  # real rows: the same statistics as an unpadded pass, row by row
-        plain = loop.collate(_seqs(n_real), 0)
+        plain = collate(_seqs(n_real), 0)
         k1, m1 = minp_stats_batched(model, plain.input_ids, plain.attention_mask, plain.response_mask, min_p=0.3,
                                     micro_batch=1, temperature=1.0, chunk_size=4)
         torch.testing.assert_close(kept[:n_real], k1)
@@ -80,7 +81,7 @@ def test_prepare_with_padding_row_reference_on_real_rows_and_proxy_pass_padded(n
     with torch.no_grad():
         for p in ex.reference.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    batch = loop.collate_with_pad_row(_seqs(n_real), 0, pad=True)
+    batch = collate_with_pad_row(_seqs(n_real), 0, pad=True)
     with torch.no_grad():
         old_lp, old_ent = compute_token_stats(policy, batch.input_ids, batch.attention_mask, batch.response_mask,
                                               chunk_size=4)
@@ -113,7 +114,7 @@ def test_partitioned_reference_makes_exactly_calls_forwards(n_real):
                               frozen_copy=frozen_copy)
     ex = StepExtras(cfg, backend)
     assert made == [(torch.float32, False)] and ex.reference.partitioned
-    batch = loop.collate_with_pad_row(_seqs(n_real), 0, pad=True)
+    batch = collate_with_pad_row(_seqs(n_real), 0, pad=True)
     with torch.no_grad():
         old_lp, old_ent = compute_token_stats(policy, batch.input_ids, batch.attention_mask, batch.response_mask,
                                               chunk_size=4)

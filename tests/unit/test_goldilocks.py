@@ -8,8 +8,13 @@ import math
 import numpy as np
 import pytest
 
-from stapo.core.loop import prompts_for_step
-from stapo.core.sampler import GoldilocksSampler, HashedNgramFeatures, UniformSampler, group_utility
+from stapo.core.sampler import (
+    GoldilocksSampler,
+    HashedNgramFeatures,
+    UniformSampler,
+    group_utility,
+    prompts_for_step,
+)
 
 N, PER_STEP, G = 240, 8, 8
 LEVELS = 12

@@ -205,11 +205,12 @@ def test_behaviour_logprobs_go_to_the_response_positions_of_stale_rows_only() ->
 
     from stapo.core import loop
     from stapo.core.async_rollout import behaviour_logprobs
+    from stapo.core.batch import collate
 
     seqs = [loop.Sequence_([5, 6], [7, 8, 9], "stop", "", "0", group=0, version=0, behaviour_logprobs=[-1.0, -2.0, -3.0]),
             loop.Sequence_([5], [7], "stop", "", "0", group=0, version=2, behaviour_logprobs=[-9.0]),
             loop.Sequence_([5], [7, 8], "stop", "", "0", group=0)]
-    batch = loop.collate(seqs, pad_id=0)  # prompt width 2, response width 3
+    batch = collate(seqs, pad_id=0)  # prompt width 2, response width 3
     prox = torch.full(batch.input_ids.shape, -0.5)
     beh, stale = behaviour_logprobs(seqs, batch, prox, step=3)  # weights of version 2 start step 3
     assert stale.tolist() == [True, False, False]
@@ -229,6 +230,7 @@ def test_vcpo_baseline_per_minibatch_at_the_current_weights(one_thread) -> None:
 
     from stapo.core import loop, update
     from stapo.core.async_rollout import MinVarianceBaseline, OffPolicyStep
+    from stapo.core.batch import collate
     from stapo.core.config import config_from_dict
     from stapo.core.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
@@ -251,7 +253,7 @@ def test_vcpo_baseline_per_minibatch_at_the_current_weights(one_thread) -> None:
             seqs.append(loop.Sequence_(prompt, resp, "stop", "", "0", group=grp, reward=float(k % 2 + k // 3)))
     for s_ in seqs:
         s_.advantage = 0.25  # stands for the group-mean advantages; the baseline replaces them
-    batch = loop.collate(seqs, pad_id=0)
+    batch = collate(seqs, pad_id=0)
     w = torch.tensor([1.0, 2.0, 0.5, 1.0, 1.0, 1.0, 3.0, 1.0], dtype=torch.float64)  # sequence weights
     rewards = torch.tensor([s_.reward for s_ in seqs], dtype=torch.float64)
     base = MinVarianceBaseline(rewards=rewards, groups=[s_.group for s_ in seqs], seq_weights=w, is_cap=1.5,

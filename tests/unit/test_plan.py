@@ -237,6 +237,7 @@ MEASURE = r"""
 import json, sys, torch
 from types import SimpleNamespace
 from stapo.core import loop, plan, update
+from stapo.core.batch import collate
 from stapo.core.config import config_from_dict
 from stapo.core.models import load_policy
 from stapo.core.trainer.torch_backend import TorchBackend
@@ -262,7 +263,7 @@ for grp in range(ROWS // 4):
         s = loop.Sequence_(prompt, torch.randint(3, 60, (S - 128,), generator=g).tolist(), "length", "", "0", group=grp)
         s.advantage = (-1.0) ** k
         seqs.append(s)
-batch = loop.collate(seqs, pad_id=0)
+batch = collate(seqs, pad_id=0)
 
 def rss(key):
     return int(next(x for x in open("/proc/self/status") if x.startswith(key)).split()[1]) * 1024

@@ -44,16 +44,15 @@ PAD_ENTROPY = -5.0  # far outside the valid range: a threshold that counts paddi
 
 
 def public(name: str):
-    """A public function of the update path, wherever it lives (the update is being consolidated
-    into one module; its public functions keep their names)."""
-    for mod in ("stapo.core.update", "stapo.core.loop"):
+    """A public name of the update path: the update's module or the step's data shapes."""
+    for mod in ("stapo.core.update", "stapo.core.batch"):
         try:
             m = importlib.import_module(mod)
         except ImportError:
             continue
         if hasattr(m, name):
             return getattr(m, name)
-    raise AssertionError(f"no public {name} in stapo.core.update or stapo.core.loop")
+    raise AssertionError(f"no public {name} in stapo.core.update or stapo.core.batch")
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 
 from stapo.core import loop, update
 from stapo.core.algos import AGGREGATIONS, POLICY_LOSSES, TOKEN_WEIGHTS
+from stapo.core.batch import collate
 from stapo.core.config import config_from_dict
 from stapo.core.models import load_policy
 from stapo.core.trainer import prefix
@@ -56,7 +57,7 @@ def grouped_batch(vocab: int, seed: int = 0) -> loop.Batch:
                                        "0", group=grp))
     for s, a in zip(seqs, [1.1, -0.4, 0.7, -1.4, 0.9, 0.9, -0.9, -0.9], strict=True):
         s.advantage = a
-    return loop.collate(seqs, pad_id=0)
+    return collate(seqs, pad_id=0)
 
 
 def sgd_backend(cfg, model):

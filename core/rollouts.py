@@ -1,0 +1,216 @@
+"""The rollout phase of a step: sample G responses per prompt, grade them, shape rewards and take
+group advantages; DAPO's dynamic sampling (more rounds until enough groups have mixed outcomes).
+
+The one implementation of "sample and grade a step": the synchronous loop (``stapo.core.loop``), the
+asynchronous producer (``stapo.core.async_rollout``) and the fleet (``stapo.core.async_fleet``) call
+:func:`rollout_and_grade`. ``run`` is the loop's run: it has ``cfg``, ``engine``, ``rewards``,
+``sampler``, ``train_prompts``, ``encode``, ``rank`` and ``world_size``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from stapo.core.batch import Sequence_, derive_seed, group_sequences, mean_or_nan
+from stapo.core.config import Config
+from stapo.core.rewards import rule_shares
+from stapo.core.sampler import prompts_per_round, refill_until_full
+
+__all__ = ["dynamic_sampling_refill", "mixed_groups", "record_groups", "rollout_and_grade", "rollout_metrics",
+           "shape_and_advantage", "trim_kept"]
+
+
+def rollout_and_grade(run: Any, step: int, round_: int) -> tuple[list[Sequence_], dict[str, float]]:
+    """Sample G responses for this step's prompts and grade them."""
+    from stapo.core.rollout import SamplingParams
+
+    cfg = run.cfg
+    idx = run.sampler.select(step, round_, prompts_per_round(cfg))  # uniform: prompts_for_step
+    recs = [run.train_prompts[i] for i in idx[run.rank :: run.world_size]]  # this rank's share
+    sampling = SamplingParams(
+        n=cfg.rollout.n,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        seed=derive_seed(cfg.trainer.seed, step, round_, run.rank),
+        ignore_eos=cfg.rollout.ignore_eos,
+        logprobs=cfg.rollout.async_.enabled,  # only the async producer reads behaviour log-probs
+    )
+    # With the hf engine, a step larger than one generate call (rollout.batch_size
+    #    sequences) is sampled in waves, and each wave is graded (in a thread; the grader's work runs
+    #    in its own processes or service) while the next one generates. Wave 0 keeps the step's seed,
+    #    so a single-wave step samples exactly what it did before.
+    per_wave = max(1, cfg.rollout.batch_size // cfg.rollout.n) if cfg.rollout.engine == "hf" else len(recs)
+    waves = [recs[i : i + per_wave] for i in range(0, len(recs), per_wave)] or [recs]
+    seqs: list[Sequence_] = []
+    futures = []
+    t_grade: list[float] = []
+
+    def grade(wave_seqs: list[Sequence_]) -> Any:
+        t = time.time()
+        out = run.rewards([s.text for s in wave_seqs], [s.gold for s in wave_seqs])
+        t_grade.append(time.time() - t)
+        return out
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    t_roll = 0.0
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="grade") as pool:
+        for w, wave in enumerate(waves):
+            params = sampling if w == 0 else replace(sampling, seed=derive_seed(sampling.seed or 0, w))
+            t1 = time.time()
+            groups = run.engine.generate([run.encode(r) for r in wave], params)
+            t_roll += time.time() - t1
+            base = len(seqs) // cfg.rollout.n
+            wave_seqs = [
+                Sequence_(run.encode(rec), list(c.token_ids), c.finish_reason, c.text, rec.answer, group=base + g)
+                for g, (rec, comps) in enumerate(zip(wave, groups, strict=True))
+                for c in comps
+            ]
+            seqs += wave_seqs
+            futures.append((wave_seqs, pool.submit(grade, wave_seqs)))
+        t_wait = time.time()
+        failed = retried = no_answer = 0
+        for wave_seqs, fut in futures:
+            graded = fut.result()
+            for s, r, v, c in zip(wave_seqs, graded.rewards, graded.valid, graded.correct, strict=True):
+                s.reward, s.valid, s.correct = r, v, c
+            failed += graded.valid.count(False)  # no reward computed: timeout, error, undecided
+            retried += graded.retried
+            no_answer += graded.statuses.get("no_answer", 0)
+    record_groups(run, idx[run.rank :: run.world_size], seqs)  # the sampler learns from observed accuracies
+    times = {"time/rollout_s": t_roll, "time/reward_s": time.time() - t_wait, "time/reward_total_s": sum(t_grade),
+             "reward/failed": failed, "reward/retried": retried, "reward/no_answer_frac": no_answer / max(len(seqs), 1),
+             **rule_shares([fut.result() for _, fut in futures])}
+    return seqs, times
+
+
+def record_groups(run: Any, idx: Sequence[int], seqs: list[Sequence_]) -> None:
+    """Tell the prompt sampler each valid group's accuracy and whether its rewards were all equal."""
+    groups = group_sequences(seqs)
+    ok = [(i, g) for i, g in zip(idx, (groups.get(k, []) for k in range(len(idx))), strict=True)
+          if g and all(s.valid for s in g)]
+    run.sampler.record([i for i, _ in ok], [mean_or_nan([float(s.correct) for s in g]) for _, g in ok],
+                       [len({s.reward for s in g}) == 1 for _, g in ok])
+
+
+def shape_and_advantage(cfg: Config, seqs: list[Sequence_]) -> list[Sequence_]:
+    """Overlong shaping, drop groups with a failed reward, group advantages; returns kept sequences."""
+    from stapo.core.algos import get_advantage, overlong_penalty
+
+    if cfg.algorithm.overlong.enabled:
+        lengths = torch.tensor([len(s.response_ids) for s in seqs], dtype=torch.float32)
+        pen = overlong_penalty(
+            lengths,
+            max_len=cfg.rollout.max_new_tokens,
+            buffer=cfg.algorithm.overlong.buffer,
+            penalty=cfg.algorithm.overlong.penalty,
+        )
+        for s, p in zip(seqs, pen.tolist(), strict=True):
+            s.reward += p
+    groups = [g for g in group_sequences(seqs).values() if all(s.valid for s in g)]
+    if not groups:
+        return []
+    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [P, G]
+    adv = get_advantage(cfg.algorithm.advantage)(rewards, eps=cfg.algorithm.adv_eps)  # [P, G]
+    for g, row in zip(groups, adv.tolist(), strict=True):
+        for s, a in zip(g, row, strict=True):
+            s.advantage = a
+    return [s for g in groups for s in g]
+
+
+def mixed_groups(seqs: list[Sequence_], metric: str = "acc") -> list[Sequence_]:
+    """DAPO dynamic sampling: keep only groups whose accuracies (``metric="acc"``, DAPO) or shaped
+    rewards (``"reward"``) are not all equal."""
+    from stapo.core.algos import dynamic_sampling_filter, dynamic_sampling_values
+
+    groups = list(group_sequences(seqs).values())
+    if not groups:
+        return []
+    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [P, G]
+    correct = torch.tensor([[float(s.correct) for s in g] for g in groups], dtype=torch.float32)  # [P, G]
+    keep = dynamic_sampling_filter(dynamic_sampling_values(rewards, correct, metric=metric))  # [P]
+    return [s for g, k in zip(groups, keep.tolist(), strict=True) if k for s in g]
+
+
+def trim_kept(kept: list[Sequence_], want: int, n: int, dp: Any) -> list[Sequence_]:
+    """Cut the GLOBAL kept batch to ``want`` sequences (whole groups of ``n``).
+
+    One process: the first ``want``, as DAPO fills its batch. Data parallel: the ranks' kept group
+    counts are all-gathered and :func:`stapo.core.distributed.balanced_quota` says how many groups
+    each keeps, so the global batch has ``min(want, total)`` sequences spread as evenly as possible.
+    """
+    from stapo.core.distributed import balanced_quota
+
+    if not dp.multi:
+        return kept[:want]
+    quota = balanced_quota(dp.counts(len(kept) // n), want // n)
+    return kept[: quota[dp.rank] * n]
+
+
+def rollout_metrics(dp: Any, all_seqs: Sequence[Sequence_], metrics: dict[str, float]) -> dict[str, float]:
+    """Reward, accuracy and length metrics over EVERY rank's sampled sequences (one all_gather).
+
+    Also sums the per-rank reward failure / retry counts; ``_tokens`` (global response tokens) is
+    for the throughput metric.
+    """
+    lengths = [len(s.response_ids) for s in all_seqs]
+    rewards = [s.reward for s in all_seqs]
+    local = [
+        float(len(all_seqs)), math.fsum(rewards), math.fsum(r * r for r in rewards),
+        float(sum(s.correct for s in all_seqs)), float(sum(lengths)),
+        float(sum(s.finish_reason == "length" for s in all_seqs)),
+        float(metrics.get("reward/failed", 0.0)), float(metrics.get("reward/retried", 0.0)),
+        float(metrics.get("reward/no_answer_frac", 0.0)), float(max(lengths, default=0)),
+    ]
+    rows = dp.gather_rows(local)
+    tot = [math.fsum(col) for col in zip(*rows, strict=True)]
+    n = tot[0]
+    mean = tot[1] / n if n else float("nan")
+    return {
+        "reward/mean": mean,
+        "reward/std": math.sqrt(max(tot[2] / n - mean * mean, 0.0)) if n else float("nan"),
+        "reward/accuracy": tot[3] / n if n else float("nan"),
+        "response_length/mean": tot[4] / n if n else float("nan"),
+        "response_length/max": max(r[9] for r in rows),
+        "response_length/clip_ratio": tot[5] / n if n else float("nan"),
+        "reward/failed": tot[6],
+        "reward/retried": tot[7],
+        "reward/no_answer_frac": tot[8] / len(rows),  # equal shares of the step's prompts per rank
+        "_tokens": tot[4],
+    }
+
+
+def dynamic_sampling_refill(run: Any, step: int, kept: list[Any], all_seqs: list[Any], metrics: dict[str, float],
+                            dp: Any) -> list[Any]:
+    """The loop's dynamic-sampling step: filter round 0 (``kept``), refill, trim to the step's batch.
+
+    Appends every sampled sequence to ``all_seqs`` (for rollout metrics and DEEP-GRPO) and adds the
+    rounds' timings and counts to ``metrics``; returns this rank's share of the trimmed batch."""
+    cfg = run.cfg
+    a, n = cfg.algorithm, cfg.rollout.n
+
+    def sample_round(round_: int) -> list[Any]:
+        more, m2 = rollout_and_grade(run, step, round_)
+        for key in ("time/rollout_s", "time/reward_s", "reward/failed", "reward/retried"):
+            metrics[key] = metrics.get(key, 0.0) + m2.get(key, 0.0)
+        for s in more:
+            s.group += 10_000 * round_  # group ids stay unique across rounds
+        all_seqs.extend(more)
+        return mixed_groups(shape_and_advantage(cfg, more), a.dynamic_sampling_metric)
+
+    res = refill_until_full(
+        mixed_groups(kept, a.dynamic_sampling_metric), sample_round, lambda k: dp.total(len(k)) // n,
+        want_prompts=cfg.rollout.prompts_per_step, max_rounds=a.max_gen_rounds, on_exhausted=a.gen_rounds_exhausted,
+    )
+    out = trim_kept(res.kept, cfg.rollout.prompts_per_step * n, n, dp)
+    metrics["dapo/kept_groups"] = dp.total(len(out)) / n
+    metrics["dapo/gen_rounds"] = float(res.rounds)
+    metrics["dapo/underfilled"] = float(res.underfilled)
+    return out
