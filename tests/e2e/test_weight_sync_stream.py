@@ -167,8 +167,11 @@ def test_streamed_sync_holds_at_most_one_bucket(measured):
 @pytest.mark.long
 def test_a_consumer_that_keeps_the_stream_holds_the_whole_model(measured):
     """The control: the same measure sees a list of the whole stream (what the sync must never build)."""
+    # the same SLACK both ways: the process frees or allocates its own small objects between the
+    # baseline and the peak (seen: 40 KB under load); a whole model (1.5 MiB) is far beyond one bucket
     for m in measured:
-        assert m["control_peak"] >= m["model_bytes"], (m["control_peak"], m["model_bytes"])
+        assert m["control_peak"] >= m["model_bytes"] - SLACK, (m["control_peak"], m["model_bytes"])
+        assert m["control_peak"] > 4 * BUCKET_MB * 2**20
 
 
 def test_buckets_group_consecutive_parameters_within_the_size():
