@@ -18,7 +18,7 @@ weights sampled which batch does not depend on timing. Here nothing is copied to
   reserved at version v. The servers hold one version at a time; the schedule never needs two.
 - ``max_staleness: 0`` generates step t's batch with the weights step t starts from, with the
   synchronous loop's prompts and seeds: the updates are the synchronous loop's on the same servers
-  (tests/service/test_rollout_server.py).
+  (tests/e2e/test_rollout_server.py).
 
 Failure: a batch whose requests no server answered raises :class:`RolloutServersUnavailable` in
 the step that needs it, naming the URLs; with several ranks, every rank learns that some rank failed
