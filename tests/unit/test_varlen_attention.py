@@ -229,7 +229,13 @@ def test_mask_builder_skips_the_mask_only_for_packed_rows():
     cfg = LlamaConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1,
                       vocab_size=16, intermediate_size=16)
 
-    def both(embeds, **kw):
+    import inspect
+
+    # the cache's keyword: `cache` from transformers 5.24, `past_key_values` before
+    cache_kw = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+    def both(embeds, cache, **kw):
+        kw[cache_kw] = cache
         out = {}
         for name in (va.VARLEN_SDPA, "sdpa"):
             cfg._attn_implementation = name
