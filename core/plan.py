@@ -18,9 +18,10 @@ longest forward, h hidden size, n layers)::
                    weights, gradients and moments (16 B/param) plus, on CUDA, autocast's bf16
                    weight copies (2 B/param).
     activations    the longest micro-batch (T tokens): with gradient checkpointing each layer's
-                   input (n T h) plus one layer recomputed for its backward; without it every
-                   layer's activations. Plus the chunked LM head (logits_chunk_size x vocab, fp32).
-                   One update of a small model on CPU measures within 15% of this.
+                   input (n T h) plus one layer recomputed for its backward and the gradients
+                   flowing through it (1.5 layers); without it every layer's activations. Plus the
+                   chunked LM head (logits_chunk_size x vocab, fp32). On CPU a small model's
+                   update measures within 3% of this (benchmarks/plan_memory.py).
     kept graphs    a weighting that reads p / H (s2t, top_entropy, stare; Lp-Reg's term) needs the
                    whole mini-batch's statistics before any backward: stapo.core.update keeps every
                    micro-batch's graph (its checkpointed inputs) until then. When those graphs do
@@ -35,8 +36,9 @@ longest forward, h hidden size, n layers)::
 
 The peak is the largest of three phases: generate (model states + vLLM), update (model states +
 activations + kept graphs, vLLM asleep), weight sync. Activation and kept-graph terms are our
-accounting of what the update's forwards save (tests/unit/test_plan.py holds it against a measured
-CPU peak); the model states are DeepSpeed's.
+accounting of what the update's forwards save, held against measured CPU peaks
+(benchmarks/plan_memory.py; tests/unit/test_plan.py checks the kept graphs and the optimizer's
+bytes); the model states are DeepSpeed's.
 """
 
 from __future__ import annotations
@@ -250,9 +252,11 @@ def update_memory(cfg: Config, shape: ModelShape, micro: Micro, nbytes: int) -> 
     per_token_out = 2 * T * 4  # log-probs and entropies, fp32
     saved = shape.layers * T * shape.hidden * nbytes if ckpt else shape.layers * layer_activations(shape, T, nbytes)
     graph = saved + final_hidden + per_token_out
-    # backward: one layer's activations (recomputed under checkpointing) while its gradients flow; one
-    # layer's worth, not two, is what a CPU run measures (tests/unit/test_plan.py)
-    work = layer_activations(shape, T, nbytes) + head
+    # backward: one layer's activations (recomputed under checkpointing) and the gradients flowing
+    # through it, half a layer again: what a CPU update measures in steady state (AdamW's moments
+    # resident, libraries warm; benchmarks/plan_memory.py)
+    layer = layer_activations(shape, T, nbytes)
+    work = layer + layer // 2 + head
     return {"graph": graph, "activations": graph + work, "work": work}
 
 
