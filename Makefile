@@ -26,7 +26,7 @@ lint: setup
 	$(BIN)/ruff check .
 
 test: setup lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=40 $(PYTEST_ARGS)
 
 # The verifier's tests on other Python minors (CI runs this after `make test`, which uses $(PY)).
 # The service never imports torch, so each minor gets its own venv, .venv-py<minor>, with the
