@@ -42,3 +42,38 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def stapo_main(monkeypatch, capsys):
+    """Run ``stapo ARGS...`` in this process through the console entry point -> (exit code, stdout,
+    stderr): what a user's shell sees, typer's own argument handling included."""
+
+    def run(*args: str) -> tuple[int, str, str]:
+        import sys
+
+        from stapo.cli.main import main
+
+        monkeypatch.setattr(sys, "argv", ["stapo", *args])
+        with pytest.raises(SystemExit) as exc:
+            main()
+        out = capsys.readouterr()
+        return int(exc.value.code or 0), out.out, out.err
+
+    return run
+
+
+@pytest.fixture
+def stub_train(monkeypatch) -> list:
+    """``stapo train`` up to the loop: ``loop.train`` records the config it was given and returns at
+    once (the CLI's checks, plan and run-dir handling all run). The list fills with those configs."""
+    from stapo.core import loop
+
+    seen: list = []
+
+    def finishes(cfg, run_dir, *, resume=False, log=print):
+        seen.append(cfg)
+        return loop.TrainResult(run_dir, cfg.trainer.max_steps, None, None, 0.0)
+
+    monkeypatch.setattr(loop, "train", finishes)
+    return seen

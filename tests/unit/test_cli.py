@@ -31,97 +31,87 @@ def test_version():
 # the first line of the message, and that nothing was written.
 
 
-def _main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    from stapo.cli.main import main
-
-    monkeypatch.setattr(sys, "argv", ["stapo", *args])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    out = capsys.readouterr()
-    return int(exc.value.code or 0), out.out, out.err
-
-
 def _first(text: str) -> str:
     return text.strip().splitlines()[0]
 
 
-def test_bad_config_fails_before_model_load(monkeypatch, capsys, tmp_path):
-    code, _out, err = _main(monkeypatch, capsys, "train", "--config", "tiny", "--set", "algorithm.tau_hh=1",
+def test_bad_config_fails_before_model_load(monkeypatch, capsys, tmp_path, stapo_main):
+    code, _out, err = stapo_main("train", "--config", "tiny", "--set", "algorithm.tau_hh=1",
                             "--run-dir", str(tmp_path / "r"))
     assert code == 2
     assert "algorithm.tau_hh: unknown field" in err
     assert not (tmp_path / "r").exists()  # nothing was written, no model was loaded
 
 
-def test_unknown_preset_lists_presets(monkeypatch, capsys, tmp_path):
-    code, _out, err = _main(monkeypatch, capsys, "train", "--config", "nope", "--run-dir", str(tmp_path / "r"))
+def test_unknown_preset_lists_presets(monkeypatch, capsys, tmp_path, stapo_main):
+    code, _out, err = stapo_main("train", "--config", "nope", "--run-dir", str(tmp_path / "r"))
     assert code == 2 and "presets:" in err and "tiny" in err
 
 
-def test_resume_needs_run_dir(monkeypatch, capsys):
-    code, _out, err = _main(monkeypatch, capsys, "train", "--resume")
+def test_resume_needs_run_dir(monkeypatch, capsys, stapo_main):
+    code, _out, err = stapo_main("train", "--resume")
     assert code == 2 and "--resume needs --run-dir" in err
 
 
-def _train_fails(monkeypatch, capsys, tmp_path, *sets: str) -> str:
+def _train_fails(stapo_main, tmp_path, *sets: str) -> str:
     run = tmp_path / "run"
     args = ["train", "--config", "tiny", "--run-dir", str(run)]
     for s in sets:
         args += ["--set", s]
-    code, _out, err = _main(monkeypatch, capsys, *args)
+    code, _out, err = stapo_main(*args)
     assert code == 2, err
     assert not run.exists()  # checked before the run dir was made
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 2
     return _first(err)
 
 
-def test_missing_model_path(monkeypatch, capsys, tmp_path):
-    line = _train_fails(monkeypatch, capsys, tmp_path, f"model.name_or_path={tmp_path / 'nope' / 'model'}")
+def test_missing_model_path(monkeypatch, capsys, tmp_path, stapo_main):
+    line = _train_fails(stapo_main, tmp_path, f"model.name_or_path={tmp_path / 'nope' / 'model'}")
     assert line.startswith("error: model.name_or_path:") and "does not exist" in line and "tiny-random" in line
 
 
-def test_folder_that_is_not_a_model(monkeypatch, capsys, tmp_path):
+def test_folder_that_is_not_a_model(monkeypatch, capsys, tmp_path, stapo_main):
     folder = tmp_path / "notes"
     folder.mkdir()
     (folder / "readme.txt").write_text("hi")
-    line = _train_fails(monkeypatch, capsys, tmp_path, f"model.name_or_path={folder}")
+    line = _train_fails(stapo_main, tmp_path, f"model.name_or_path={folder}")
     assert line.startswith(f"error: model.name_or_path: {folder} is a folder but not a model (no config.json)")
 
 
-def test_binary_data_file(monkeypatch, capsys, tmp_path):
+def test_binary_data_file(monkeypatch, capsys, tmp_path, stapo_main):
     data = tmp_path / "data.jsonl"
     data.write_bytes(b'{"problem": "1+1", "answer": "2"}\n\x9b\xff\x00binary')
-    line = _train_fails(monkeypatch, capsys, tmp_path, f"data.source={data}")
+    line = _train_fails(stapo_main, tmp_path, f"data.source={data}")
     assert line == (f"error: data.source: {data} is not UTF-8 text (byte 0x9b at offset 34); give a "
                     ".jsonl/.json file of UTF-8 text, or a .parquet file")
 
 
-def test_binary_data_file_in_prepare(monkeypatch, capsys, tmp_path):
+def test_binary_data_file_in_prepare(monkeypatch, capsys, tmp_path, stapo_main):
     data = tmp_path / "data.json"
     data.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
     out = tmp_path / "prepared"
-    code, _o, err = _main(monkeypatch, capsys, "prepare", "--source", str(data), "--out", str(out))
+    code, _o, err = stapo_main("prepare", "--source", str(data), "--out", str(out))
     assert code == 2 and _first(err).startswith(f"error: data.source: {data} is not UTF-8 text (byte 0x89")
     assert not out.exists()
 
 
-def test_missing_data_file_says_not_found(monkeypatch, capsys, tmp_path):
-    line = _train_fails(monkeypatch, capsys, tmp_path, f"data.source={tmp_path / 'missing.jsonl'}")
+def test_missing_data_file_says_not_found(monkeypatch, capsys, tmp_path, stapo_main):
+    line = _train_fails(stapo_main, tmp_path, f"data.source={tmp_path / 'missing.jsonl'}")
     assert line.startswith(f"error: data.source: file not found: {tmp_path / 'missing.jsonl'}")
     # a bare name that is neither a file nor a known source is still "unknown source"
-    line = _train_fails(monkeypatch, capsys, tmp_path, "data.source=gsm9k")
+    line = _train_fails(stapo_main, tmp_path, "data.source=gsm9k")
     assert line.startswith("error: data.source: unknown source 'gsm9k'")
 
 
-def test_empty_config_is_an_error(monkeypatch, capsys, tmp_path):
+def test_empty_config_is_an_error(monkeypatch, capsys, tmp_path, stapo_main):
     cfg = tmp_path / "empty.yaml"
     cfg.write_text("\n# nothing here\n")
-    code, _o, err = _main(monkeypatch, capsys, "train", "--config", str(cfg), "--run-dir", str(tmp_path / "r"))
+    code, _o, err = stapo_main("train", "--config", str(cfg), "--run-dir", str(tmp_path / "r"))
     assert code == 2 and _first(err).startswith(f"error: {cfg}: the config file is empty")
     assert not (tmp_path / "r").exists()
 
 
-def test_unexpected_error_is_short_and_debug_shows_traceback(monkeypatch, capsys, tmp_path):
+def test_unexpected_error_is_short_and_debug_shows_traceback(monkeypatch, capsys, tmp_path, stapo_main):
     from stapo.core import loop
 
     def boom(*a, **k):
@@ -129,23 +119,23 @@ def test_unexpected_error_is_short_and_debug_shows_traceback(monkeypatch, capsys
 
     monkeypatch.setattr(loop, "train", boom)
     args = ["train", "--config", "tiny", "--run-dir", str(tmp_path / "r")]
-    code, _o, err = _main(monkeypatch, capsys, *args)
+    code, _o, err = stapo_main(*args)
     assert code == 1 and _first(err) == "error: RuntimeError: boom"
     assert "--debug" in err.splitlines()[1] and "Traceback" not in err
     assert not (tmp_path / "r").exists()
-    code, _o, err = _main(monkeypatch, capsys, *args, "--debug")
+    code, _o, err = stapo_main(*args, "--debug")
     assert code == 1 and "Traceback (most recent call last)" in err and "RuntimeError: boom" in err
 
 
 # ----------------------------------------------------------------------------- resume and Ctrl-C
 
 
-def test_resume_without_checkpoint_refuses(monkeypatch, capsys, tmp_path):
+def test_resume_without_checkpoint_refuses(monkeypatch, capsys, tmp_path, stapo_main):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text((preset_path("tiny")).read_text())
     before = sorted(p.name for p in run.iterdir())
-    code, _o, err = _main(monkeypatch, capsys, "train", "--config", "tiny", "--run-dir", str(run), "--resume")
+    code, _o, err = stapo_main("train", "--config", "tiny", "--run-dir", str(run), "--resume")
     assert code == 2
     assert _first(err).startswith(f"error: {run} has no checkpoint to resume from")
     assert "--fresh" in err
@@ -179,11 +169,11 @@ def _after(err: str, prefix: str) -> list[str]:
     return lines[next(i for i, line in enumerate(lines) if line.startswith(prefix)):]
 
 
-def test_ctrl_c_names_checkpoint_and_resume_command(monkeypatch, capsys, tmp_path):
+def test_ctrl_c_names_checkpoint_and_resume_command(monkeypatch, capsys, tmp_path, stapo_main):
     """A real tiny run interrupted after step 2 (checkpoint of step 1); the printed command resumes it."""
     run = tmp_path / "run"
     _interrupt_at(monkeypatch, 2)
-    code, _o, err = _main(monkeypatch, capsys, "train", "--config", "tiny", "--run-dir", str(run), *FAST,
+    code, _o, err = stapo_main("train", "--config", "tiny", "--run-dir", str(run), *FAST,
                           "--set", "trainer.max_steps=3", "--set", "checkpoint.every=1")
     assert code == 130
     lines = _after(err, "interrupted")
@@ -192,12 +182,12 @@ def test_ctrl_c_names_checkpoint_and_resume_command(monkeypatch, capsys, tmp_pat
     assert lines[2] == f"resume with: stapo train --run-dir {run} --resume"
     assert "lost" not in err and "Traceback" not in err
     monkeypatch.undo()
-    code, out, err = _main(monkeypatch, capsys, *lines[2].split(": ", 1)[1].split()[1:])  # the exact command
+    code, out, err = stapo_main(*lines[2].split(": ", 1)[1].split()[1:])  # the exact command
     assert code == 0, err
     assert "(step 1)" in out and "done: 3 steps" in out
 
 
-def test_ctrl_c_without_checkpoint_then_fresh(monkeypatch, capsys, tmp_path):
+def test_ctrl_c_without_checkpoint_then_fresh(monkeypatch, capsys, tmp_path, stapo_main):
     from stapo.core import loop
 
     run = tmp_path / "run"
@@ -214,7 +204,7 @@ def test_ctrl_c_without_checkpoint_then_fresh(monkeypatch, capsys, tmp_path):
         return loop.TrainResult(run_dir, cfg.trainer.max_steps, None, None, 0.0)
 
     monkeypatch.setattr(loop, "train", interrupted)
-    code, _o, err = _main(monkeypatch, capsys, "train", "--config", "tiny", "--run-dir", str(run))
+    code, _o, err = stapo_main("train", "--config", "tiny", "--run-dir", str(run))
     assert code == 130
     assert err.strip().splitlines() == [
         f"interrupted during step 2 of 3; 1 step(s) done (metrics: {run / 'metrics.jsonl'})",
@@ -222,9 +212,9 @@ def test_ctrl_c_without_checkpoint_then_fresh(monkeypatch, capsys, tmp_path):
         f"start it over with: stapo train --run-dir {run} --resume --fresh",
     ]
     monkeypatch.setattr(loop, "train", finishes)
-    code, _o, err = _main(monkeypatch, capsys, "train", "--run-dir", str(run), "--resume")  # no --fresh: refused
+    code, _o, err = stapo_main("train", "--run-dir", str(run), "--resume")  # no --fresh: refused
     assert code == 2 and _first(err).startswith(f"error: {run} has no checkpoint to resume from")
-    code, out, err = _main(monkeypatch, capsys, "train", "--run-dir", str(run), "--resume", "--fresh")
+    code, out, err = stapo_main("train", "--run-dir", str(run), "--resume", "--fresh")
     assert code == 0, err
     assert f"{run} has no checkpoint: starting over from step 0 (--fresh)" in out.splitlines()
     assert calls == [True]
@@ -257,22 +247,9 @@ def test_recipe_method_keys_apply_to_tiny():
         0.2, 0.2, "seq-mean-token-mean")
 
 
-def _stub_train(monkeypatch) -> list:
-    from stapo.core import loop
-
-    seen = []
-
-    def finishes(cfg, run_dir, *, resume=False, log=print):
-        seen.append(cfg)
-        return loop.TrainResult(run_dir, cfg.trainer.max_steps, None, None, 0.0)
-
-    monkeypatch.setattr(loop, "train", finishes)
-    return seen
-
-
-def test_train_recipe_flag_and_set_order(monkeypatch, capsys, tmp_path):
-    seen = _stub_train(monkeypatch)
-    code, _o, err = _main(monkeypatch, capsys, "train", "--config", "tiny", "--recipe", "grpo",
+def test_train_recipe_flag_and_set_order(monkeypatch, capsys, tmp_path, stapo_main, stub_train):
+    seen = stub_train
+    code, _o, err = stapo_main("train", "--config", "tiny", "--recipe", "grpo",
                           "--set", "algorithm.eps_high=0.3", "--run-dir", str(tmp_path / "r"))
     assert code == 0, err
     assert "warning" not in err
@@ -281,20 +258,19 @@ def test_train_recipe_flag_and_set_order(monkeypatch, capsys, tmp_path):
     assert cfg.algorithm.eps_high == 0.3  # --set wins over the recipe
 
 
-def test_label_only_name_warns(monkeypatch, capsys, tmp_path):
-    _stub_train(monkeypatch)
-    code, _o, err = _main(monkeypatch, capsys, "train", "--config", "tiny", "--set", "algorithm.name=grpo",
+def test_label_only_name_warns(monkeypatch, capsys, tmp_path, stapo_main, stub_train):
+    code, _o, err = stapo_main("train", "--config", "tiny", "--set", "algorithm.name=grpo",
                           "--run-dir", str(tmp_path / "r"))
     assert code == 0
     assert _first(err) == (
         "warning: algorithm.name=grpo, but algorithm.token_weighting='s2t' (the grpo recipe: 'none'): the name "
         "is only a label. `--recipe grpo` takes the grpo recipe's method keys.")
-    code, _o, err = _main(monkeypatch, capsys, "train", "--config", "tiny", "--run-dir", str(tmp_path / "r2"))
+    code, _o, err = stapo_main("train", "--config", "tiny", "--run-dir", str(tmp_path / "r2"))
     assert code == 0 and "warning" not in err  # tiny is labelled stapo and is STAPO's method
 
 
-def test_unknown_recipe(monkeypatch, capsys, tmp_path):
-    code, _o, err = _main(monkeypatch, capsys, "train", "--config", "tiny", "--recipe", "grp0",
+def test_unknown_recipe(monkeypatch, capsys, tmp_path, stapo_main):
+    code, _o, err = stapo_main("train", "--config", "tiny", "--recipe", "grp0",
                           "--run-dir", str(tmp_path / "r"))
     assert code == 2 and _first(err).startswith("error: config 'grp0' is neither a file nor a preset; presets:")
     assert not (tmp_path / "r").exists()
@@ -342,13 +318,13 @@ def test_tiny_run_updates_in_most_steps(tiny_cli_run):
     assert all(0 < r["reward/mean"] < 1 for r in rows if r["actor/grad_norm"] > 0)
 
 
-def test_compare_without_baseline_numbers_says_no_deltas(monkeypatch, capsys, tmp_path):
+def test_compare_without_baseline_numbers_says_no_deltas(monkeypatch, capsys, tmp_path, stapo_main):
     """A training run first and an eval dir second: there is nothing to take deltas against."""
     from test_compare import write_eval_dir, write_train_run  # (tests/unit is on sys.path)
 
     a = write_train_run(tmp_path, "a", steps=6, reward_slope=0.01, entropy0=1.0, val=[0.1, 0.2], algorithm="grpo")
     b = write_eval_dir(tmp_path, "b", {"math500": (4, 0.5, 0.7, 0.6)})
-    code, out, err = _main(monkeypatch, capsys, "compare", str(a), str(b), "--out", str(tmp_path / "cmp"))
+    code, out, err = stapo_main("compare", str(a), str(b), "--out", str(tmp_path / "cmp"))
     assert code == 0, err
     flat = " ".join(out.split())  # a table title wraps to the table's width
     assert "avg@k (%) — no deltas: the baseline a has no eval results" in flat and "deltas vs a" not in flat

@@ -254,24 +254,11 @@ def test_measured_kept_graphs_and_optimizer_bytes_match_the_plan():
         assert r["optimizer_bytes"] == pytest.approx(r["planned_optimizer_bytes"], abs=1)
 
 
-def _stub_train(monkeypatch) -> list:
-    from stapo.core import loop
-
-    seen = []
-
-    def finishes(cfg, run_dir, *, resume=False, log=print):
-        seen.append(cfg)
-        return loop.TrainResult(run_dir, cfg.trainer.max_steps, None, None, 0.0)
-
-    monkeypatch.setattr(loop, "train", finishes)
-    return seen
-
-
-def test_train_checks_the_plan_at_start(monkeypatch, capsys, tmp_path):
+def test_train_checks_the_plan_at_start(monkeypatch, capsys, tmp_path, stub_train):
     """On CPU the check is skipped and says so; a GPU config that cannot fit is refused before anything
     loads (trainer.device=cuda: the plan needs no GPU, the card is the config's), one that needs the
     bounded path trains with it."""
-    seen = _stub_train(monkeypatch)
+    seen = stub_train
     res = CliRunner().invoke(app, ["train", "--config", "tiny", "--run-dir", str(tmp_path / "a")])
     assert res.exit_code == 0, res.output
     assert "memory plan: skipped (CPU run" in res.stdout and len(seen) == 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
@@ -42,16 +41,6 @@ def test_a_lock_file_nobody_holds_is_a_dead_holder(tmp_path):
     lock.release()
 
 
-def _main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    from stapo.cli.main import main
-
-    monkeypatch.setattr(sys, "argv", ["stapo", *args])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    out = capsys.readouterr()
-    return int(exc.value.code or 0), out.out, out.err
-
-
 def _interrupt_on(monkeypatch, prefix: str) -> None:
     """Ctrl-C in the real loop right after it logs a line starting with ``prefix``."""
     from stapo.core import loop
@@ -72,10 +61,10 @@ def _interrupt_on(monkeypatch, prefix: str) -> None:
 TINY = ["train", "--config", "tiny", "--set", "logging.dump_tokens_every=0", "--set", "logging.live=false"]
 
 
-def test_interrupt_while_loading_leaves_nothing(monkeypatch, capsys, tmp_path):
+def test_interrupt_while_loading_leaves_nothing(monkeypatch, capsys, tmp_path, stapo_main):
     run = tmp_path / "run"
     _interrupt_on(monkeypatch, "policy ")  # the model is loaded, nothing written yet
-    code, _o, err = _main(monkeypatch, capsys, *TINY, "--run-dir", str(run))
+    code, _o, err = stapo_main(*TINY, "--run-dir", str(run))
     assert code == 130
     assert err.strip().splitlines()[-2:] == [
         "interrupted before the first step finished; 0 step(s) done",
@@ -84,10 +73,10 @@ def test_interrupt_while_loading_leaves_nothing(monkeypatch, capsys, tmp_path):
     assert not run.exists()
 
 
-def test_interrupt_before_step_one_keeps_only_the_config(monkeypatch, capsys, tmp_path):
+def test_interrupt_before_step_one_keeps_only_the_config(monkeypatch, capsys, tmp_path, stapo_main):
     run = tmp_path / "run"
     _interrupt_on(monkeypatch, "validation before training")  # val.jsonl and an event file were written
-    code, _o, err = _main(monkeypatch, capsys, *TINY, "--run-dir", str(run))
+    code, _o, err = stapo_main(*TINY, "--run-dir", str(run))
     assert code == 130
     assert err.strip().splitlines()[-3:] == [
         "interrupted before the first step finished; 0 step(s) done",
@@ -96,7 +85,7 @@ def test_interrupt_before_step_one_keeps_only_the_config(monkeypatch, capsys, tm
     ]
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
     monkeypatch.undo()
-    code, out, err = _main(monkeypatch, capsys, "train", "--run-dir", str(run), "--resume", "--fresh",
+    code, out, err = stapo_main("train", "--run-dir", str(run), "--resume", "--fresh",
                            "--set", "trainer.max_steps=1")
     assert code == 0, err
     assert len(list(run.glob("events.out.tfevents.*"))) == 1
