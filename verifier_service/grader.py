@@ -87,7 +87,9 @@ from stapo.verifier_service.numeric import differ as numeric_differ
 from stapo.verifier_service.numeric import evaluate as evaluate_numeric
 from stapo.verifier_service.numeric import variables as numeric_variables
 
-__all__ = ["Answer", "Verdict", "compare", "extract", "grade"]
+# Math-Verify's shape (parse / verify): extract, compare, grade = compare(extract). evals' maj@k
+# clusters answers with answers_equivalent (two extracted answers, no gold).
+__all__ = ["Answer", "Verdict", "answers_equivalent", "compare", "extract", "grade"]
 
 Status = Literal["ok", "no_answer", "undecided", "timeout", "error", "too_large"]
 """``ok``: compared, ``correct`` is the verdict. ``no_answer``: the response has no answer (a
