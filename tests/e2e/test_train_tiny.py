@@ -18,6 +18,7 @@ from stapo.configs import preset_path
 from stapo.core import loop
 from stapo.core.config import load_config
 from stapo.core.tracking import read_jsonl
+from stapo.core.update import Actor
 
 REQUIRED = [
     "step", "reward/mean", "reward/std", "entropy/mean", "stapo/silenced_frac",
@@ -129,19 +130,19 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, monkeypatch):
             "trainer.lr=0.01"]
     loop.train(tiny(*over), tmp_path / "a", log=lambda m: None)
 
-    real = loop.update_policy
+    real = Actor.update
     calls = {"n": 0}
 
-    def crash_at_step_3(run, batch, old_lp, old_ent, step, **kw):
-        if step == 3:
+    def crash_at_step_3(actor, inputs):
+        if inputs.step == 3:
             raise KeyboardInterrupt("killed")  # like a kill mid-step, after step 2's checkpoint
         calls["n"] += 1
-        return real(run, batch, old_lp, old_ent, step, **kw)
+        return real(actor, inputs)
 
-    monkeypatch.setattr(loop, "update_policy", crash_at_step_3)
+    monkeypatch.setattr(Actor, "update", crash_at_step_3)
     with pytest.raises(KeyboardInterrupt):
         loop.train(tiny(*over), tmp_path / "b", log=lambda m: None)
-    monkeypatch.setattr(loop, "update_policy", real)
+    monkeypatch.setattr(Actor, "update", real)
     loop.train(tiny(*over), tmp_path / "b", resume=True, log=lambda m: None)
     a, b = _deterministic_rows(tmp_path / "a"), _deterministic_rows(tmp_path / "b")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
