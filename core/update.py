@@ -259,10 +259,10 @@ def weighting_params(cfg: Config) -> dict[str, Any]:
 
 
 def policy_loss_params(cfg: Config) -> dict[str, Any]:
-    """Extra keyword arguments of the configured policy loss: its config section (``maspo``), if any."""
-    a = cfg.algorithm
-    section = getattr(a, a.policy_loss, None)
-    return section.model_dump() if section is not None else {}
+    """Extra keyword arguments of the configured policy loss: what its registration's options model
+    gives (``algorithm.maspo`` for ``maspo``), beyond the clip ranges every loss gets."""
+    options = cfg.algorithm.policy_loss_options()
+    return options.arguments() if options is not None else {}
 
 
 def stats_temperature(cfg: Config) -> float:
@@ -275,7 +275,7 @@ class UpdateParts:
     """The configured pieces of an update, resolved once from the registries, with what they read."""
 
     weigh: Any  # the TOKEN_WEIGHTS entry's function
-    loss_fn: Any  # POLICY_LOSSES entry
+    loss_fn: Any  # the POLICY_LOSSES entry's function
     agg: Any  # AGGREGATIONS entry
     params: dict[str, Any]  # the weighting's keywords
     loss_kw: dict[str, Any]  # the policy loss's keywords
@@ -286,25 +286,20 @@ class UpdateParts:
 
 
 def update_parts(cfg: Config, extra_params: dict[str, Any] | None = None) -> UpdateParts:
-    from stapo.core.algos import (
-        get_aggregation,
-        get_policy_loss,
-        is_elementwise,
-        token_weighting_spec,
-    )
+    from stapo.core.algos import get_aggregation, policy_loss_spec, token_weighting_spec
 
     a = cfg.algorithm
-    spec, loss_fn = token_weighting_spec(a.token_weighting), get_policy_loss(a.policy_loss)
+    spec, loss = token_weighting_spec(a.token_weighting), policy_loss_spec(a.policy_loss)
     return UpdateParts(
         weigh=spec.fn,
-        loss_fn=loss_fn,
+        loss_fn=loss.fn,
         agg=get_aggregation(a.aggregation),
         params={**weighting_params(cfg), **(extra_params or {})},
         loss_kw={"eps_low": a.eps_low, "eps_high": a.eps_high, "dual_clip_c": a.dual_clip_c, **policy_loss_params(cfg)},
         spec=micro_spec(cfg),
         temperature=stats_temperature(cfg),
         reads_stats=spec.reads_stats,
-        fused=cfg.trainer.fused_loss and is_elementwise(loss_fn) and not cfg.trainer.entropy_grad,
+        fused=cfg.trainer.fused_loss and loss.elementwise and not cfg.trainer.entropy_grad,
     )
 
 

@@ -159,20 +159,23 @@ def test_reward_outage_fails_loudly(tmp_path):
 
 
 def test_nan_loss_skips_update_and_is_logged(tmp_path, monkeypatch):
-    from stapo.core import algos
+    from stapo.core.algos import POLICY_LOSSES, PolicyLoss
 
-    real = algos.get_policy_loss
+    cfg = tiny("data.val_size=0", "trainer.max_steps=1")
+    name = cfg.algorithm.policy_loss
+    real = POLICY_LOSSES.get(name)
 
-    def nan_loss(name):
-        fn = real(name)
+    def nan_loss(*a, **k):
+        per_tok, m = real.fn(*a, **k)
+        return per_tok * float("nan"), m
 
-        def wrapped(*a, **k):
-            per_tok, m = fn(*a, **k)
-            return per_tok * float("nan"), m
+    def restore():
+        POLICY_LOSSES.unregister(name)
+        POLICY_LOSSES.add(name, real)
 
-        return wrapped
-
-    monkeypatch.setattr(algos, "get_policy_loss", nan_loss)
+    # the configured loss's registration, its function swapped for one whose loss is NaN (unfused path)
+    POLICY_LOSSES.unregister(name)
+    POLICY_LOSSES.add(name, PolicyLoss(nan_loss, real.options, elementwise=False))
     seen = {}
     orig = loop._Run.__init__
 
@@ -182,8 +185,10 @@ def test_nan_loss_skips_update_and_is_logged(tmp_path, monkeypatch):
         seen["before"] = _params(self.model)
 
     monkeypatch.setattr(loop._Run, "__init__", spy)
-    cfg = tiny("data.val_size=0", "trainer.max_steps=1")
-    loop.train(cfg, tmp_path / "nan", log=lambda m: None)
+    try:
+        loop.train(cfg, tmp_path / "nan", log=lambda m: None)
+    finally:
+        restore()
     row = read_jsonl(tmp_path / "nan" / "metrics.jsonl")[0]
     assert row["actor/skipped_updates"] == 1.0
     assert torch.equal(seen["before"], _params(seen["model"]))
