@@ -38,8 +38,8 @@ keeps the run's own estimator, our earlier variant). The recoverability model ge
 pivot, (t/T, any of its K branches succeeded), as the authors' ``BranchingFeedback`` does
 (``deep_grpo.outcome: any_of_k``; ``per_branch``, one sample per branch, is our earlier variant).
 
-``local_loss_hook``: returns a callable that the update (``Actor.update``) runs right before each optimizer step;
-it adds lambda * L_local to the accumulated gradient, where L_local is the configured policy loss
+``local_loss_hook``: returns a callable that the update (``Actor.update``) runs right before each
+optimizer step; it adds lambda * L_local to the accumulated gradient, where L_local is the configured policy loss
 with the configured token weighting and aggregation over the branch rows of that mini-batch, with the
 shared prefix masked out (only continuation tokens count, in the loss and in its normalizer). So the
 update is grad(L_global) + lambda grad(L_local), each stream under its own normalizer: the authors'

@@ -382,7 +382,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             if cfg.algorithm.dynamic_sampling:
                 kept = dynamic_sampling_refill(run, step, kept, all_seqs, metrics, dp)
             st = StepState(step, all_seqs, kept, metrics, temperature=stats_temperature(cfg))
-            metrics.update(hooks.on_batch(st))  # Goldilocks' teacher, DEEP-GRPO's branches, DAPO's overlong filter
+            metrics.update(hooks.on_batch(st))  # Goldilocks' teacher, DEEP-GRPO's branches, overlong filter
             st.counts = dp.counts(len(st.kept))
             metrics.update(rollout_metrics(dp, all_seqs, metrics))
             metrics["batch/sequences"] = float(sum(st.counts))
@@ -470,7 +470,8 @@ def update_step(run: _Run, st: StepState, dp: Any) -> None:
         st.calls = old_pass_calls(dp, batch, st.spec, len(st.kept))
         st.old_lp, st.old_ent = token_stats_batched(run.backend, batch, st.spec, st.temperature,
                                                     calls=st.calls, pad_row=st.pad_row)
-    metrics.update(hooks.before_update(st))  # async's off-policy weights, KL / Lp-Reg / STARE constants, DEEP-GRPO's local loss
+    # async's off-policy weights, KL / Lp-Reg / STARE constants, DEEP-GRPO's local loss
+    metrics.update(hooks.before_update(st))
     metrics["time/stats_s"] = time.time() - t0
 
     def before_step(update: int, fresh: bool) -> None:

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import HookRun
 
 import stapo.core.extras as extras
 from stapo.configs import preset_path
@@ -29,7 +30,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 def _hooks(*overrides: str, sampler=None):
     cfg = load_config(preset_path("tiny"), list(overrides))
-    return build_hooks(SimpleNamespace(cfg=cfg, sampler=sampler, backend=None))
+    return build_hooks(HookRun(cfg, sampler=sampler))
 
 
 def test_registry_order_is_the_documented_one():
