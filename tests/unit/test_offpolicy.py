@@ -227,12 +227,11 @@ def test_vcpo_baseline_per_minibatch_at_the_current_weights(one_thread) -> None:
     Checked against the model's own logits on each unpadded row."""
     import copy
 
-    from conftest import run_hooks
-
     from stapo.core import loop, update
     from stapo.core.async_rollout import MinVarianceBaseline, OffPolicyStep
     from stapo.core.batch import collate
     from stapo.core.config import config_from_dict
+    from stapo.core.extras import Hooks
     from stapo.core.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
@@ -267,7 +266,7 @@ def test_vcpo_baseline_per_minibatch_at_the_current_weights(one_thread) -> None:
     base.advantages = lambda b, bt, rows, *a: seen.append(sorted(rows)) or real_adv(b, bt, rows, *a)
     inputs = update.UpdateInputs(batch, old_lp, None, step=1, off_policy=step,
                                  before_step=lambda i, fresh: snaps.append(copy.deepcopy(backend.model)))
-    update.Actor(cfg, backend, run_hooks(cfg)).update(inputs)
+    update.Actor(cfg, backend, Hooks()).update(inputs)  # (the off-policy step is the input; no layer acts inside)
     assert sorted(seen) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # each group whole, one per optimizer step
     second = seen[1]
     ref = snaps[1]  # the weights the second mini-batch started from (its baseline was taken there)
