@@ -3,7 +3,7 @@
 A tiny random Llama; branch rows with log-normal response lengths (median ~300 tokens, clipped to
 32-2,048) after a 64-token prompt, each branching at a random third of its response. One step's
 local term over several optimizer mini-batches (``DeepGRPO.local_loss_hook``'s ``before_step`` per
-update, as ``update_policy`` calls it), S2T weighting (it reads p and H). Counted exactly: gradient
+update, as ``Actor.update`` calls it), S2T weighting (it reads p and H). Counted exactly: gradient
 and no-grad forwards, tokens every forward computes, and so the useful-token fraction; timed: wall
 and this process's CPU seconds (on a shared machine the CPU seconds are the work done):
 

@@ -132,9 +132,9 @@ def _grads_after(cfg: Any, fused: bool, autocast: bool = True) -> dict[str, torc
     """Gradients of the first optimizer step of one update on the tiny model (``autocast=False``: the
     backend's bf16 autocast switched off, so CUDA computes in fp32 like the CPU)."""
     import contextlib
-    from types import SimpleNamespace
 
-    from stapo.core import loop
+    from stapo.core import update
+    from stapo.core.extras import Hooks
     from stapo.core.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
@@ -154,8 +154,8 @@ def _grads_after(cfg: Any, fused: bool, autocast: bool = True) -> dict[str, torc
         return real()
 
     b.step = step
-    old_lp, old_ent = loop.token_stats_batched(b, batch, 4, 1.0)
-    loop.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, old_lp, old_ent, step=1)
+    old_lp, old_ent = update.token_stats_batched(b, batch, 4, 1.0)
+    update.Actor(cfg, b, Hooks()).update(update.UpdateInputs(batch, old_lp, old_ent, step=1))
     assert all(torch.isfinite(p).all() for p in b.model.parameters()), "non-finite weights after the step"
     return grads
 

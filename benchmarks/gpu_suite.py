@@ -327,9 +327,8 @@ def _plan_peak(a: argparse.Namespace, over: list[str]) -> dict[str, Any]:
 
 
 def part_update_memory(a: argparse.Namespace) -> dict[str, Any]:
-    from types import SimpleNamespace
-
     from stapo.core import update
+    from stapo.core.extras import Hooks
     from stapo.core.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
@@ -344,7 +343,7 @@ def part_update_memory(a: argparse.Namespace) -> dict[str, Any]:
     _peak_reset(dev)
     before = _peak_gib(dev)
     t0 = time.perf_counter()
-    metrics = update.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, None, None, step=1)
+    metrics = update.Actor(cfg, b, Hooks()).update(update.UpdateInputs(batch, None, None, step=1))
     _sync(dev)
     out = {"device": dev, "responses": n_resp, "response_tokens": resp_len, "prompt_tokens": prompt_len,
            "micro_batch_tokens": budget, "keeps_graphs": bool(parts.reads_stats), "gradient_checkpointing": True,
@@ -366,11 +365,10 @@ def part_update_memory(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def part_attention(a: argparse.Namespace) -> dict[str, Any]:
-    from types import SimpleNamespace
-
     import torch
 
     from stapo.core import update
+    from stapo.core.extras import Hooks
     from stapo.core.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
@@ -410,7 +408,7 @@ def part_attention(a: argparse.Namespace) -> dict[str, Any]:
         stats_s, stats_peak = time.perf_counter() - t0, _peak_gib(dev)
         _peak_reset(dev)
         t0 = time.perf_counter()
-        update.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, None, None, step=1)
+        update.Actor(cfg, b, Hooks()).update(update.UpdateInputs(batch, None, None, step=1))
         _sync(dev)
         row = {"stats_s": round(stats_s, 3), "stats_peak_gib": stats_peak,
                "update_s": round(time.perf_counter() - t0, 3), "update_peak_gib": _peak_gib(dev)}

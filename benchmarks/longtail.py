@@ -3,7 +3,7 @@
 A tiny random Llama with a realistic vocabulary (32,000 tokens) and responses drawn from a
 long-tailed distribution (log-normal, median ~300 tokens, clipped to 32-2,048), several optimizer
 mini-batches. For each micro-batching it times one step's learner work (the no-grad old-log-prob
-pass the off-policy mini-batches need + ``update_policy``) and counts the tokens every forward
+pass the off-policy mini-batches need + ``Actor.update``) and counts the tokens every forward
 computes, so the useful-token fraction (real tokens / computed tokens) is exact, not estimated:
 
     python benchmarks/longtail.py                      # defaults below; prints a markdown table
@@ -33,7 +33,6 @@ import os
 import platform
 import statistics
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -107,11 +106,13 @@ def setup(args: argparse.Namespace, model: torch.nn.Module, micro: dict):
 def one_step(cfg, b, computed: dict, batch) -> tuple[float, float, int]:
     """(wall s, this process's CPU s, computed tokens) of one step's learner work."""
     from stapo.core import update
+    from stapo.core.extras import Hooks
 
     computed["tokens"] = 0
     t0, c0 = time.perf_counter(), time.process_time()
     old_lp, old_ent = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)
-    update.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, old_lp, old_ent, step=1)
+    # no hooks: the update's own work (a layer's before_update pass, e.g. a KL reference, is not timed here)
+    update.Actor(cfg, b, Hooks()).update(update.UpdateInputs(batch, old_lp, old_ent, step=1))
     return time.perf_counter() - t0, time.process_time() - c0, computed["tokens"]
 
 

@@ -27,7 +27,6 @@ import platform
 import subprocess
 import sys
 from datetime import datetime, timezone
-from types import SimpleNamespace
 
 MODES = ("keep_graphs", "bounded")
 S, PROMPT, ROWS = 384, 128, 12  # 12 rows of 384 tokens: 4 micro-batches of 3 rows
@@ -78,6 +77,7 @@ def child(mode: str, hidden: int, first_update: bool) -> dict:
     import torch
 
     from stapo.core import plan, update
+    from stapo.core.extras import Hooks
     from stapo.core.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
@@ -85,7 +85,7 @@ def child(mode: str, hidden: int, first_update: bool) -> dict:
     rows = batch()
 
     def one_update(cfg, backend, step):
-        update.update_policy(SimpleNamespace(cfg=cfg, backend=backend), rows, None, None, step=step)
+        update.Actor(cfg, backend, Hooks()).update(update.UpdateInputs(rows, None, None, step=step))
 
     if not first_update:
         warm = config(mode, 64, layers=2)

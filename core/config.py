@@ -26,6 +26,7 @@ from typing import Any, Literal, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from stapo.core.loss_options import MaspoOptions, PolicyLossOptions
 from stapo.core.weighting_options import S2TOptions, StareOptions, TopEntropyOptions, WeightingOptions
 
 __all__ = [
@@ -409,20 +410,6 @@ class KLOptions(_Section):
     )
 
 
-class MaspoOptions(_Section):
-    """MASPO (arXiv 2602.17550): soft Gaussian gate, mass-adaptive limiter, asymmetric risk controller.
-
-    Defaults are the authors' README recommendation (github.com/VenomRose-Juri/MASPO-RL)."""
-
-    sigma_base: float = Field(1.0, gt=0, description="Base gate width sigma_base (authors: 1; they suggest 1, 2, 3).")
-    alpha: float = Field(0.3, ge=0, description="Mass-adaptive exponent: sigma_base / p_old^alpha (authors: 0.3-0.5).")
-    sigma_high: float = Field(10.0, gt=0, description="Upper bound of the mass-adaptive width (authors: 10).")
-    beta_pos: float = Field(0.03, ge=0, description="Risk controller for A > 0: width x (1 + beta_pos A) (authors: 0.03).")
-    beta_neg: float = Field(0.03, ge=0, description="Risk controller for A < 0: width x 1 / (1 - beta_neg A) (authors: 0.03).")
-    adv_low: float = Field(0.1, gt=0, description="Lower clamp of the risk factor (authors: 0.1).")
-    adv_high: float = Field(10.0, gt=0, description="Upper clamp of the risk factor (authors: 10).")
-
-
 class DeepGRPOOptions(_Section):
     """DEEP-GRPO (arXiv 2602.14169): dense resampling from pivots of failed rollouts, local branch loss."""
 
@@ -591,9 +578,24 @@ class AlgorithmConfig(_Section):
         return name
 
     @model_validator(mode="after")
-    def _weighting_options(self) -> AlgorithmConfig:
+    def _options(self) -> AlgorithmConfig:
         self.token_weighting_options()  # a plug-in's options validated now, before any model loads
+        self.policy_loss_options()
         return self
+
+    def policy_loss_options(self) -> PolicyLossOptions | None:
+        """The configured policy loss's options: the section whose model its registration states
+        (``algorithm.maspo`` for ``maspo``); None when it takes none."""
+        from stapo.core.algos import policy_loss_spec
+
+        model = policy_loss_spec(self.policy_loss).options
+        if model is None:
+            return None
+        for name, field in type(self).model_fields.items():
+            if field.annotation is model:
+                return getattr(self, name)
+        raise ValueError(f"policy_loss: {self.policy_loss!r} takes {model.__name__}, which no section of "
+                         "algorithm holds; register it with options=None or add the section")
 
     def token_weighting_options(self) -> WeightingOptions | None:
         """The configured weighting's options: the section whose model its registration states (the

@@ -38,8 +38,8 @@ keeps the run's own estimator, our earlier variant). The recoverability model ge
 pivot, (t/T, any of its K branches succeeded), as the authors' ``BranchingFeedback`` does
 (``deep_grpo.outcome: any_of_k``; ``per_branch``, one sample per branch, is our earlier variant).
 
-``local_loss_hook``: returns a callable that ``update_policy`` runs right before each optimizer step;
-it adds lambda * L_local to the accumulated gradient, where L_local is the configured policy loss
+``local_loss_hook``: returns a callable that the update (``Actor.update``) runs right before each
+optimizer step; it adds lambda * L_local to the accumulated gradient, where L_local is the configured policy loss
 with the configured token weighting and aggregation over the branch rows of that mini-batch, with the
 shared prefix masked out (only continuation tokens count, in the loss and in its normalizer). So the
 update is grad(L_global) + lambda grad(L_local), each stream under its own normalizer: the authors'
@@ -322,17 +322,18 @@ class DeepGRPO(LoopHook):
 
     # ----------------------------------------------------------------------------- loop phases
 
-    def on_batch(self, st: StepState) -> None:
+    def on_batch(self, st: StepState) -> dict[str, float]:
         self.branches, m = self.rollout_branches(self.run, st.step, st.seqs)
-        st.metrics.update(m)
+        return m
 
-    def before_update(self, st: StepState) -> None:
+    def before_update(self, st: StepState) -> dict[str, float]:
         local = self.local_loss_hook(self.run, self.branches, st.step)
         if local is not None:
             st.before_step.append(local)
+        return {}
 
-    def after_update(self, st: StepState) -> None:
-        st.metrics.update(self.local_metrics(self.run.backend))
+    def after_update(self, st: StepState) -> dict[str, float]:
+        return self.local_metrics(self.run.backend)
 
     # ----------------------------------------------------------------------------- rollouts
 
@@ -413,7 +414,7 @@ class DeepGRPO(LoopHook):
     # ----------------------------------------------------------------------------- local loss
 
     def local_loss_hook(self, run: Any, br: BranchRollouts | None, step: int) -> Callable[[int, bool], None] | None:
-        """``before_step(update_index, fresh)`` for ``update_policy``, or None (no branches / lambda = 0).
+        """``before_step(update_index, fresh)`` for ``Actor.update``, or None (no branches / lambda = 0).
 
         Each call runs the local term of one optimizer mini-batch the way the policy update runs a
         mini-batch (``stapo.core.update``): its branch rows split into the same micro-batches

@@ -4,7 +4,9 @@
 sync -> log/checkpoint). Everything some recipes need and others do not is a :class:`LoopHook`,
 registered by name in :data:`HOOKS` and built once per run (a factory returns None when its config
 switch is off, so a plain recipe runs no hook code at all). The loop calls every built hook at named
-phases, in registry order, with one :class:`StepState` that the phases read and add to:
+phases, in registry order, with one :class:`StepState` that the phases read and add to. The
+phases that may log (``on_batch``, ``before_update``, ``after_update``) return their metrics and the
+loop merges them into the step's; a hook never edits ``StepState.metrics``:
 
 ==================  =====================================================================
 phase               when / what a hook may do there
@@ -13,17 +15,17 @@ phase               when / what a hook may do there
                     first hook that returns rollouts wins
 ``on_batch``        after grading, advantages and dynamic sampling, before collate: learn
                     from the step (Goldilocks), sample more (DEEP-GRPO's branches), drop rows
-                    from ``kept`` (DAPO's overlong filter), add metrics
+                    from ``kept`` (DAPO's overlong filter); returns metrics
 ``needs_old_stats`` whether the step must run the no-grad pass over its batch
 ``before_update``   after the old pass: the step's constants (reference / proxy log-probs,
                     STARE's controller, KL in the reward, off-policy weights) and callables
                     for ``before_step`` (run right before each optimizer step: DEEP-GRPO's
-                    local loss); only on steps with an update
+                    local loss); returns metrics; only on steps with an update
 ``weighting_params``,
 ``terms``,
 ``terms_read_stats``  inside the update, per mini-batch: live keywords for the token weighting
                     (STARE), additive per-token terms (KL, Lp-Reg) and whether those read p
-``after_update``    after the optimizer steps: metrics (only on steps with an update)
+``after_update``    after the optimizer steps: returns metrics (only on steps with an update)
 ``after_sync``      after the weights reached the rollout engine (async: publish them)
 ``state_dict`` /
 ``load_state_dict`` what survives a resume (saved under the hook's name in the checkpoint)
@@ -54,15 +56,15 @@ the advantages only after the layers before it have read them (Lp-Reg logs its s
 sampled advantages). ``tests/unit/test_hooks.py`` checks this table against the registry.
 
 A new extra is a subclass of :class:`LoopHook` plus ``@register_hook("name")`` on its factory;
-``train()`` does not change. :class:`StepExtras` builds the stability layers' hooks of a config
-without a run (for callers that drive the update themselves).
+``train()`` does not change. A factory reads what it needs from the run (``cfg``, ``backend``,
+``sampler``, ...); the run's :class:`Hooks` go to the update (``stapo.core.update.Actor``), which
+asks them for the in-update phases.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
@@ -81,8 +83,8 @@ from stapo.core.config import Config
 from stapo.core.update import MicroSpec
 
 __all__ = [
-    "HOOKS", "STABILITY_HOOKS", "Hooks", "KLInReward", "KLReference", "LoopHook", "LpReg", "OverlongFilter",
-    "StareController", "StepExtras", "StepState", "build_hooks", "extras_of", "legacy_hook_state", "register_hook",
+    "HOOKS", "Hooks", "KLInReward", "KLReference", "LoopHook", "LpReg", "OverlongFilter", "StareController",
+    "StepState", "build_hooks", "legacy_hook_state", "register_hook",
 ]
 
 
@@ -96,7 +98,7 @@ class StepState:
     step: int
     seqs: list[Any]  # every sequence sampled this step (all rounds), graded and shaped (loop.Sequence_)
     kept: list[Any]  # the rows that enter the update, in batch order (on_batch may drop some)
-    metrics: dict[str, float]  # the step's logged metrics; phases add theirs
+    metrics: dict[str, float]  # the step's logged metrics (the loop merges what the phases return)
     counts: list[int] = field(default_factory=list)  # kept rows of every rank (set after on_batch)
     batch: Any = None  # loop.Batch of ``kept`` (+ the zero-weight padding row under data parallelism)
     pad_row: int | None = None  # this rank's padding row (data parallel), else None
@@ -123,17 +125,20 @@ class LoopHook:
         """Round 0's graded rollouts of ``step`` instead of the loop's own sampling, or None."""
         return None
 
-    def on_batch(self, st: StepState) -> None:
-        """After grading, advantages and dynamic sampling, before the batch is collated."""
+    def on_batch(self, st: StepState) -> dict[str, float]:
+        """After grading, advantages and dynamic sampling, before the batch is collated; its metrics."""
+        return {}
 
     def needs_old_stats(self, st: StepState) -> bool:
         """Whether this step's update needs the no-grad pass (``st.old_lp`` / ``st.old_ent``)."""
         return False
 
-    def before_update(self, st: StepState) -> None:
-        """After the old pass (when one ran), before the first optimizer step; steps with an update only."""
+    def before_update(self, st: StepState) -> dict[str, float]:
+        """After the old pass (when one ran), before the first optimizer step (steps with an update
+        only); its metrics."""
+        return {}
 
-    # inside the update (stapo.core.update.update_policy), per mini-batch
+    # inside the update (stapo.core.update.Actor.update), per mini-batch
     terms_read_stats: bool = False  # the additive terms read the current policy's p
 
     def weighting_params(self) -> dict[str, float]:
@@ -144,8 +149,9 @@ class LoopHook:
         """Additive per-token terms for the mini-batch ``rows`` (``ctx``: its TokenContext)."""
         return []
 
-    def after_update(self, st: StepState) -> None:
-        """After the step's optimizer steps (steps with an update only)."""
+    def after_update(self, st: StepState) -> dict[str, float]:
+        """After the step's optimizer steps (steps with an update only); its metrics."""
+        return {}
 
     def after_sync(self, st: StepState) -> None:
         """After the new weights reached the rollout engine."""
@@ -179,10 +185,10 @@ def register_hook(name: str) -> Callable[[Callable[[Any], LoopHook | None]], Cal
 
 
 class Hooks:
-    """A run's built hooks, called phase by phase in registry order."""
+    """A run's built hooks (``Hooks()``: none), called phase by phase in registry order."""
 
-    def __init__(self, hooks: dict[str, LoopHook]) -> None:
-        self.by_name = dict(hooks)
+    def __init__(self, hooks: dict[str, LoopHook] | None = None) -> None:
+        self.by_name = dict(hooks or {})
 
     def __iter__(self) -> Iterator[LoopHook]:
         return iter(self.by_name.values())
@@ -197,16 +203,14 @@ class Hooks:
                 return out
         return None
 
-    def on_batch(self, st: StepState) -> None:
-        for h in self:
-            h.on_batch(st)
+    def on_batch(self, st: StepState) -> dict[str, float]:
+        return _merged(h.on_batch(st) for h in self)
 
     def needs_old_stats(self, st: StepState) -> bool:
         return any([h.needs_old_stats(st) for h in self])  # (every hook asked: none has side effects)
 
-    def before_update(self, st: StepState) -> None:
-        for h in self:
-            h.before_update(st)
+    def before_update(self, st: StepState) -> dict[str, float]:
+        return _merged(h.before_update(st) for h in self)
 
     @property
     def terms_read_stats(self) -> bool:
@@ -221,9 +225,8 @@ class Hooks:
     def terms(self, ctx: Any, rows: torch.Tensor, old_lp: torch.Tensor | None) -> list[TokenTerm]:
         return [t for h in self for t in h.terms(ctx, rows, old_lp)]
 
-    def after_update(self, st: StepState) -> None:
-        for h in self:
-            h.after_update(st)
+    def after_update(self, st: StepState) -> dict[str, float]:
+        return _merged(h.after_update(st) for h in self)
 
     def after_sync(self, st: StepState) -> None:
         for h in self:
@@ -239,6 +242,14 @@ class Hooks:
     def close(self) -> None:
         for h in self:
             h.close()
+
+
+def _merged(parts: Iterator[dict[str, float] | None]) -> dict[str, float]:
+    """The phase's metrics, hook by hook in registry order (a hook that returns None logs nothing)."""
+    out: dict[str, float] = {}
+    for m in parts:
+        out.update(m or {})
+    return out
 
 
 def build_hooks(run: Any) -> Hooks:
@@ -299,8 +310,9 @@ class OverlongFilter(LoopHook):
         """[N] bool: rows that stay in the loss."""
         return overlong_filter_keep([s.finish_reason for s in seqs])
 
-    def on_batch(self, st: StepState) -> None:
+    def on_batch(self, st: StepState) -> dict[str, float]:
         st.kept = [s for s, k in zip(st.kept, self.keep(st.kept).tolist(), strict=True) if k]
+        return {}
 
 
 class KLReference(LoopHook):
@@ -334,22 +346,24 @@ class KLReference(LoopHook):
         """The penalty's target (kl.reference=none) and its metric read the sampling policy."""
         return True
 
-    def before_update(self, st: StepState) -> None:
+    def before_update(self, st: StepState) -> dict[str, float]:
         """The reference's log-probs of the step batch (ZeRO-3: exactly ``st.calls`` forwards, the
         padding row's included; a plain copy runs the real rows only) and ``actor/kl``."""
         if st.old_lp is None or st.old_ent is None:
-            return
+            return {}
         a, batch = self.cfg.algorithm, st.batch
+        metrics: dict[str, float] = {}
         if self.reference is not None:
             self.ref_lp = self.reference.logprobs(  # [N, L]; the padding row has no response: 0
                 batch.input_ids, batch.attention_mask, batch.response_mask, micro_batch=st.spec,
                 temperature=st.temperature, calls=st.calls, pad_row=st.pad_row,
             ).to(st.old_lp.device)
             k = get_kl_estimator(a.kl.estimator)(st.old_lp, self.ref_lp)
-            st.metrics["actor/kl"] = _global_mean(self.backend, k, batch.response_mask)
+            metrics["actor/kl"] = _global_mean(self.backend, k, batch.response_mask)
         else:  # kl.reference=none: KL to the policy that sampled (0 before the update: no metric)
             self.ref_lp = st.old_lp
         st.ref_lp = self.ref_lp
+        return metrics
 
     def terms(self, ctx: Any, rows: torch.Tensor, old_lp: torch.Tensor | None) -> list[TokenTerm]:
         """``kl_coef * k(logp, ref)`` on the mini-batch ``rows`` (none with ``kl.in_reward``)."""
@@ -383,9 +397,9 @@ class LpReg(LoopHook):
         """The proxy is built from the sampling policy's log-probs."""
         return True
 
-    def before_update(self, st: StepState) -> None:
+    def before_update(self, st: StepState) -> dict[str, float]:
         if st.old_lp is None or st.old_ent is None:
-            return
+            return {}
         from stapo.core.reference import minp_stats_batched
 
         o, batch, old_lp = self.cfg.algorithm.lp_reg, st.batch, st.old_lp
@@ -396,12 +410,12 @@ class LpReg(LoopHook):
             calls=st.calls, pad_row=st.pad_row,
         )
         self.proxy_lp = minp_proxy_logprobs(old_lp, kept, pmax, min_p=o.min_p)
-        st.metrics["lp_reg/below_floor_frac"] = _global_mean(self.backend, (self.proxy_lp <= -1e3).double(), mask)
+        below = _global_mean(self.backend, (self.proxy_lp <= -1e3).double(), mask)
         # what the first update regularizes (the sampling policy is the current one then)
         gather = self.backend.all_gather_1d if _multi(self.backend) else None
         sel = lp_reg_select(old_lp, batch.advantages, mask, rho=o.rho, gather=gather)
-        st.metrics["lp_reg/regularized_frac"] = _global_mean(
-            self.backend, (sel & (old_lp < self.proxy_lp)).double(), mask)
+        regularized = _global_mean(self.backend, (sel & (old_lp < self.proxy_lp)).double(), mask)
+        return {"lp_reg/below_floor_frac": below, "lp_reg/regularized_frac": regularized}
 
     def terms(self, ctx: Any, rows: torch.Tensor, old_lp: torch.Tensor | None) -> list[TokenTerm]:
         """The proxy KL on the selected tokens of the mini-batch ``rows`` (selection: global over ranks)."""
@@ -432,11 +446,11 @@ class StareController(LoopHook):
         """The gate reads the step's entropy before the update."""
         return True
 
-    def before_update(self, st: StepState) -> None:
+    def before_update(self, st: StepState) -> dict[str, float]:
         if st.old_lp is None or st.old_ent is None:
-            return
+            return {}
         self.stare.update(_global_mean(self.backend, st.old_ent, st.batch.response_mask))
-        st.metrics.update(self.stare.metrics())
+        return self.stare.metrics()
 
     def weighting_params(self) -> dict[str, float]:
         """STARE's scheduled W, M and the gate's entropy, as keywords of the ``stare`` weighting."""
@@ -474,10 +488,10 @@ class KLInReward(LoopHook):
         """The penalty is a KL of the sampling policy."""
         return True
 
-    def before_update(self, st: StepState) -> None:
+    def before_update(self, st: StepState) -> dict[str, float]:
         if st.old_lp is None or st.old_ent is None or st.ref_lp is None:
-            return
-        st.metrics.update(self.apply(st.kept, st.batch, st.old_lp, st.ref_lp))
+            return {}
+        return self.apply(st.kept, st.batch, st.old_lp, st.ref_lp)
 
     def apply(self, seqs: Sequence[Any], batch: Any, old_lp: torch.Tensor, ref_lp: torch.Tensor) -> dict[str, float]:
         """Rewrite the rewards, advantages and ``batch.advantages`` of ``seqs``; return the metric."""
@@ -506,93 +520,6 @@ class KLInReward(LoopHook):
             stats = self.backend.all_reduce_sum(stats)
         return {"actor/kl_reward_penalty": float(stats[0] / stats[1].clamp_min(1.0))}
 
-
-#: The stability layers' hooks (each switched on by its own config keys), in registry order.
-STABILITY_HOOKS = ("overlong_filter", "kl_reference", "lp_reg", "stare", "kl_in_reward")
-
-
-class StepExtras(Hooks):
-    """The stability layers' hooks of one config, built without a run (``backend`` optional): for
-    callers that drive the old pass and ``update_policy`` themselves (tests, benchmarks). The same
-    hook objects the loop builds, driven phase by phase: :meth:`loss_rows` is ``on_batch``'s filter,
-    :meth:`prepare` the ``before_update`` of KL reference / Lp-Reg / STARE, :meth:`apply_kl_in_reward`
-    that of the KL in the reward; inside the update it is a :class:`Hooks` like the run's."""
-
-    def __init__(self, cfg: Config, backend: Any | None = None) -> None:
-        run = SimpleNamespace(cfg=cfg, backend=backend)
-        built = {name: HOOKS[name](run) for name in STABILITY_HOOKS}
-        super().__init__({name: h for name, h in built.items() if h is not None})
-        self.cfg = cfg
-        self._ref_lp: torch.Tensor | None = None  # the KL target without a kl_reference hook (set by hand)
-
-    @property
-    def reference(self) -> Any:
-        """The frozen reference policy (``kl.reference: initial`` with a backend), else None."""
-        kl = self.get("kl_reference")
-        return kl.reference if isinstance(kl, KLReference) else None
-
-    @property
-    def ref_lp(self) -> torch.Tensor | None:
-        kl = self.get("kl_reference")
-        return kl.ref_lp if isinstance(kl, KLReference) else self._ref_lp
-
-    @ref_lp.setter
-    def ref_lp(self, value: torch.Tensor | None) -> None:
-        kl = self.get("kl_reference")
-        if isinstance(kl, KLReference):
-            kl.ref_lp = value
-        else:
-            self._ref_lp = value
-
-    @property
-    def proxy_lp(self) -> torch.Tensor | None:
-        lp = self.get("lp_reg")
-        return lp.proxy_lp if isinstance(lp, LpReg) else None
-
-    @proxy_lp.setter
-    def proxy_lp(self, value: torch.Tensor | None) -> None:
-        lp = self.get("lp_reg")
-        if not isinstance(lp, LpReg):
-            raise ValueError("proxy_lp: algorithm.lp_reg.enabled is false (no lp_reg hook)")
-        lp.proxy_lp = value
-
-    def loss_rows(self, seqs: Sequence[Any]) -> torch.Tensor:
-        """[N] bool: rows that stay in the loss (DAPO's overlong filter drops truncated ones)."""
-        f = self.get("overlong_filter")
-        return f.keep(seqs) if isinstance(f, OverlongFilter) else torch.ones(len(seqs), dtype=torch.bool)
-
-    def prepare(self, batch: Any, old_lp: torch.Tensor, old_ent: torch.Tensor, *, micro_batch: int | MicroSpec,
-                temperature: float, calls: int | None = None, pad_row: int | None = None) -> dict[str, float]:
-        """The step's constants (reference / proxy log-probs, STARE's state) from the old pass's
-        statistics; returns their metrics. Data parallel: every rank calls it, with ``calls`` /
-        ``pad_row`` of the old pass (``update.token_stats_batched``, same micro-batches)."""
-        spec = micro_batch if isinstance(micro_batch, MicroSpec) else MicroSpec(int(micro_batch))
-        st = StepState(0, [], [], {}, batch=batch, pad_row=pad_row, spec=spec, calls=calls,
-                       temperature=temperature, old_lp=old_lp, old_ent=old_ent)
-        for name in ("kl_reference", "lp_reg", "stare"):
-            h = self.get(name)
-            if h is not None:
-                h.before_update(st)
-        return st.metrics
-
-    def apply_kl_in_reward(self, seqs: Sequence[Any], batch: Any, old_lp: torch.Tensor) -> dict[str, float]:
-        """``kl.in_reward``: the :class:`KLInReward` rewrite with this step's target (after
-        :meth:`prepare`); no-op otherwise."""
-        h = self.get("kl_in_reward")
-        if not isinstance(h, KLInReward) or self.ref_lp is None:
-            return {}
-        return h.apply(seqs, batch, old_lp, self.ref_lp)
-
-
-def extras_of(run: Any) -> Hooks:
-    """What the update asks for its in-update phases: the run's hooks; a run-like object without
-    them (tests drive update_policy directly) may carry a ``StepExtras`` as ``extras``, else the
-    stability hooks of its config."""
-    hooks = getattr(run, "hooks", None)
-    if hooks is not None:
-        return hooks
-    ex = getattr(run, "extras", None)
-    return ex if ex is not None else StepExtras(run.cfg, None)
 
 # ----------------------------------------------------------------------------- the registered hooks
 
@@ -626,16 +553,16 @@ class AsyncHook(LoopHook):
         # whether the step's round 0 is stale is fixed by the step: the same answer on every rank
         return self.learner.stale(st.step) or self.run.cfg.algorithm.off_policy.min_variance_baseline
 
-    def before_update(self, st: StepState) -> None:
-        if st.old_lp is None:
-            return
-        from stapo.core.async_rollout import off_policy_step
+    def before_update(self, st: StepState) -> dict[str, float]:
+        if st.old_lp is not None:
+            from stapo.core.async_rollout import off_policy_step
 
-        st.off_policy = off_policy_step(self.run, st.kept, st.batch, st.old_lp, st.step, st.temperature, self.dp)
+            st.off_policy = off_policy_step(self.run, st.kept, st.batch, st.old_lp, st.step, st.temperature, self.dp)
+        return {}
 
-    def after_update(self, st: StepState) -> None:
-        if st.off_policy is not None:  # with the LR multipliers the optimizer steps applied
-            st.metrics.update(st.off_policy.metrics)
+    def after_update(self, st: StepState) -> dict[str, float]:
+        # with the LR multipliers the optimizer steps applied
+        return dict(st.off_policy.metrics) if st.off_policy is not None else {}
 
     def after_sync(self, st: StepState) -> None:
         if self.learner is not None:
@@ -655,8 +582,8 @@ class SamplerHook(LoopHook):
     def __init__(self, sampler: Any) -> None:
         self.sampler = sampler
 
-    def on_batch(self, st: StepState) -> None:
-        st.metrics.update(self.sampler.end_step(st.step))
+    def on_batch(self, st: StepState) -> dict[str, float]:
+        return self.sampler.end_step(st.step)
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()
@@ -722,11 +649,12 @@ class S2TWatch(LoopHook):
         self.epochs = run.cfg.algorithm.ppo_epochs
         self.log = getattr(run, "log", print) if getattr(run, "rank", 0) == 0 else None
 
-    def after_update(self, st: StepState) -> None:
-        m = st.metrics
+    def after_update(self, st: StepState) -> dict[str, float]:
+        m = st.metrics  # the update's metrics (the loop merged them before this phase)
         for msg in self.watch.add(m["stapo/silenced_count"], m["tokens/valid"] * self.epochs, m["stapo/tau_h"]):
             if self.log is not None:
                 self.log(f"warning: {msg}")
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         return self.watch.state_dict()

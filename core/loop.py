@@ -73,13 +73,14 @@ from stapo.core.rollouts import (
 )
 from stapo.core.trainer.base import begin_rollout_step
 from stapo.core.update import (
+    Actor,
+    UpdateInputs,
     UpdateRecord,
     micro_spec,
     needs_old_pass,
     old_pass_calls,
     stats_temperature,
     token_stats_batched,
-    update_policy,
 )
 
 if TYPE_CHECKING:
@@ -154,6 +155,7 @@ class _Run:
         from stapo.core.extras import build_hooks
 
         self.hooks = build_hooks(self)
+        self.actor = Actor(cfg, self.backend, self.hooks)  # the update; asks the hooks for its in-update phases
 
     def encode(self, rec: Any) -> list[int]:
         if rec.id not in self._encoded:
@@ -380,7 +382,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             if cfg.algorithm.dynamic_sampling:
                 kept = dynamic_sampling_refill(run, step, kept, all_seqs, metrics, dp)
             st = StepState(step, all_seqs, kept, metrics, temperature=stats_temperature(cfg))
-            hooks.on_batch(st)  # Goldilocks' teacher, DEEP-GRPO's branches, DAPO's overlong filter
+            metrics.update(hooks.on_batch(st))  # Goldilocks' teacher, DEEP-GRPO's branches, overlong filter
             st.counts = dp.counts(len(st.kept))
             metrics.update(rollout_metrics(dp, all_seqs, metrics))
             metrics["batch/sequences"] = float(sum(st.counts))
@@ -452,7 +454,7 @@ def sync_weights(run: _Run) -> None:
 def update_step(run: _Run, st: StepState, dp: Any) -> None:
     """One step's update on ``st.kept`` (every rank, also one with no row): collate, the token dump's
     forward of the sampled policy, the old pass where the config or a hook needs it, the hooks'
-    ``before_update``, ``update_policy``, the hooks' ``after_update``, the dump. Metrics go to
+    ``before_update``, the actor's update, the hooks' ``after_update``, the dump. Metrics go to
     ``st.metrics``."""
     cfg, hooks, metrics, step = run.cfg, run.hooks, st.metrics, st.step
     t0 = time.time()
@@ -468,16 +470,18 @@ def update_step(run: _Run, st: StepState, dp: Any) -> None:
         st.calls = old_pass_calls(dp, batch, st.spec, len(st.kept))
         st.old_lp, st.old_ent = token_stats_batched(run.backend, batch, st.spec, st.temperature,
                                                     calls=st.calls, pad_row=st.pad_row)
-    hooks.before_update(st)  # async's off-policy weights, KL / Lp-Reg / STARE constants, DEEP-GRPO's local loss
+    # async's off-policy weights, KL / Lp-Reg / STARE constants, DEEP-GRPO's local loss
+    metrics.update(hooks.before_update(st))
     metrics["time/stats_s"] = time.time() - t0
 
     def before_step(update: int, fresh: bool) -> None:
         for fn in st.before_step:
             fn(update, fresh)
 
-    metrics.update(update_policy(run, batch, st.old_lp, st.old_ent, step, counts=st.counts, record=record,
-                                 off_policy=st.off_policy, before_step=before_step if st.before_step else None))
-    hooks.after_update(st)
+    metrics.update(run.actor.update(UpdateInputs(batch, st.old_lp, st.old_ent, step, counts=st.counts, record=record,
+                                                 before_step=before_step if st.before_step else None,
+                                                 off_policy=st.off_policy)))
+    metrics.update(hooks.after_update(st))
     if dumping:
         dump_tokens(run, step, st.kept, batch, dump_rows, dump_dist, record, dp)
 

@@ -1,6 +1,9 @@
 """The policy update: one implementation, padding-free micro-batches, statistics from the gradient forward.
 
-One step's update, for every weighting x policy loss x aggregation::
+The loop builds one :class:`Actor` per run (config, trainer backend, the run's hooks) and calls
+``actor.update(UpdateInputs(batch, old_lp, old_ent, step, ...))`` once per step; the actor owns the
+micro-batching, the token weights, the loss, the diagnostics and the optimizer steps, and returns
+the update's metrics. One step's update, for every weighting x policy loss x aggregation::
 
     old pass     (no grad, only where needed: see needs_old_pass) -> pi_old log-probs, step entropies
     for each PPO epoch, for each optimizer mini-batch (one global permutation, all ranks in lockstep):
@@ -46,7 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,10 +57,12 @@ from stapo.core.batch import Batch, derive_seed, mean_or_nan
 from stapo.core.config import Config
 
 if TYPE_CHECKING:
-    from stapo.core.extras import StepExtras
+    from stapo.core.extras import Hooks
     from stapo.core.trainer.base import TrainerBackend
 
 __all__ = [
+    "Actor",
+    "UpdateInputs",
     "UpdateRecord",
     "add_loss_sums",
     "entropy_thresholds",
@@ -69,7 +74,6 @@ __all__ = [
     "MicroSpec",
     "Micro",
     "UpdateParts",
-    "UpdateRun",
     "micro_spec",
     "needs_old_pass",
     "pack_rows",
@@ -78,16 +82,7 @@ __all__ = [
     "nograd_stats",
     "token_stats_batched",
     "update_parts",
-    "update_policy",
 ]
-
-
-class UpdateRun(Protocol):
-    """What the update reads from a run (``loop._Run``; tests pass a namespace)."""
-
-    cfg: Config
-    backend: TrainerBackend
-
 
 # ----------------------------------------------------------------------------- micro-batches
 
@@ -264,10 +259,10 @@ def weighting_params(cfg: Config) -> dict[str, Any]:
 
 
 def policy_loss_params(cfg: Config) -> dict[str, Any]:
-    """Extra keyword arguments of the configured policy loss: its config section (``maspo``), if any."""
-    a = cfg.algorithm
-    section = getattr(a, a.policy_loss, None)
-    return section.model_dump() if section is not None else {}
+    """Extra keyword arguments of the configured policy loss: what its registration's options model
+    gives (``algorithm.maspo`` for ``maspo``), beyond the clip ranges every loss gets."""
+    options = cfg.algorithm.policy_loss_options()
+    return options.arguments() if options is not None else {}
 
 
 def stats_temperature(cfg: Config) -> float:
@@ -280,7 +275,7 @@ class UpdateParts:
     """The configured pieces of an update, resolved once from the registries, with what they read."""
 
     weigh: Any  # the TOKEN_WEIGHTS entry's function
-    loss_fn: Any  # POLICY_LOSSES entry
+    loss_fn: Any  # the POLICY_LOSSES entry's function
     agg: Any  # AGGREGATIONS entry
     params: dict[str, Any]  # the weighting's keywords
     loss_kw: dict[str, Any]  # the policy loss's keywords
@@ -291,25 +286,20 @@ class UpdateParts:
 
 
 def update_parts(cfg: Config, extra_params: dict[str, Any] | None = None) -> UpdateParts:
-    from stapo.core.algos import (
-        get_aggregation,
-        get_policy_loss,
-        is_elementwise,
-        token_weighting_spec,
-    )
+    from stapo.core.algos import get_aggregation, policy_loss_spec, token_weighting_spec
 
     a = cfg.algorithm
-    spec, loss_fn = token_weighting_spec(a.token_weighting), get_policy_loss(a.policy_loss)
+    spec, loss = token_weighting_spec(a.token_weighting), policy_loss_spec(a.policy_loss)
     return UpdateParts(
         weigh=spec.fn,
-        loss_fn=loss_fn,
+        loss_fn=loss.fn,
         agg=get_aggregation(a.aggregation),
         params={**weighting_params(cfg), **(extra_params or {})},
         loss_kw={"eps_low": a.eps_low, "eps_high": a.eps_high, "dual_clip_c": a.dual_clip_c, **policy_loss_params(cfg)},
         spec=micro_spec(cfg),
         temperature=stats_temperature(cfg),
         reads_stats=spec.reads_stats,
-        fused=cfg.trainer.fused_loss and is_elementwise(loss_fn) and not cfg.trainer.entropy_grad,
+        fused=cfg.trainer.fused_loss and loss.elementwise and not cfg.trainer.entropy_grad,
     )
 
 
@@ -324,147 +314,171 @@ def needs_old_pass(cfg: Config, extras_need_stats: bool = False) -> bool:
 # ----------------------------------------------------------------------------- the update
 
 
-def update_policy(run: UpdateRun, batch: Batch, old_lp: torch.Tensor | None, old_ent: torch.Tensor | None,
-                  step: int, *, counts: Sequence[int] | None = None, record: UpdateRecord | None = None,
-                  before_step: Callable[[int, bool], None] | None = None,
-                  off_policy: Any = None) -> dict[str, float]:
-    """K mini-batch updates with the configured token weighting, loss and aggregation -> metrics.
+@dataclass(frozen=True)
+class UpdateInputs:
+    """One step's update, as the loop hands it over (verl's ``DataProto`` to ``update_policy``).
 
     ``old_lp`` / ``old_ent`` [N, L]: the no-grad pass's statistics (the sampling policy), or None
-    for an on-policy update without one (:func:`needs_old_pass`). ``before_step(update_index,
-    fresh)`` runs right before each optimizer step (DEEP-GRPO's local branch loss).
-    ``off_policy`` (``stapo.core.async_rollout.OffPolicyStep``), for stale asynchronous rows: the
-    loss sees each token's weight times its behaviour weight sg[pi_prox / mu] (AReaL's decoupled
-    objective, with ``old_lp`` the proximal policy), the diagnostics the weighting's own output, and
-    every optimizer step runs at VCPO's ESS-scaled LR.
-
-    Data parallel (``counts``: every rank's number of real rows; this rank's batch then ends with
-    one zero-weight padding row when it has more rows than ``counts[rank]``): mini-batches come from
-    one global permutation and every rank runs, per mini-batch, the busiest rank's number of
-    micro-batches (extra ones on the padding row), so collectives stay in lockstep.
-
-    Diagnostics are the update's own: at every mini-batch the weighting's output is counted
-    (global) and, with ``record``, stored per row for the token dump. ``stapo/silenced_count`` and
-    the phase cells sum over every mini-batch of every PPO epoch; ``stapo/tau_h`` is the mean of the
-    thresholds used; ``tau_h_scope=step`` fixes tau_h once from the step's pre-update entropies.
+    for an on-policy update without one (:func:`needs_old_pass`). ``counts``: every rank's number of
+    real rows under data parallelism (this rank's batch then ends with one zero-weight padding row
+    when it has more rows than ``counts[rank]``); None: one process, every row real. ``record``:
+    where the update stores its token weightings per row for the token dump. ``before_step(update_index,
+    fresh)`` runs right before each optimizer step (DEEP-GRPO's local branch loss). ``off_policy``
+    (``stapo.core.async_rollout.OffPolicyStep``), for stale asynchronous rows: the loss sees each
+    token's weight times its behaviour weight sg[pi_prox / mu] (AReaL's decoupled objective, with
+    ``old_lp`` the proximal policy), the diagnostics the weighting's own output, and every optimizer
+    step runs at VCPO's ESS-scaled LR.
     """
-    from stapo.core.distributed import DataParallel, check_minibatches, group_minibatches, minibatch_rows
-    from stapo.core.extras import extras_of
 
-    cfg, backend = run.cfg, run.backend
-    a = cfg.algorithm
-    extras: StepExtras = extras_of(run)
-    parts = update_parts(cfg, extras.weighting_params())  # STARE: the scheduled W, M
-    loss_fn, loss_kw, params, temp = parts.loss_fn, parts.loss_kw, parts.params, parts.temperature
-    if old_lp is None and a.ppo_epochs * a.mini_batches > 1:
-        raise ValueError("update_policy: an off-policy update (ppo_epochs * mini_batches > 1) needs old_lp")
-    dp = DataParallel(backend)
-    n = batch.input_ids.shape[0]
-    counts = [n] if counts is None else [int(c) for c in counts]
-    pad_row = counts[dp.rank] if n > counts[dp.rank] else None
-    check_minibatches(sum(counts), a.mini_batches)
-    gather, reduce = backend.all_gather_1d, backend.all_reduce_sum
-    lengths = batch.attention_mask.sum(1).cpu()  # [N] real tokens per row
-    p05, tau_step = None, None
-    if old_ent is not None:  # the step's statistics: the diagnostics' thresholds, the keywords fixed per step
-        allv = step_entropies(old_ent, batch.response_mask, gather)  # [n_valid] all ranks
-        p05, tau_step = entropy_thresholds(cfg, allv)
-        options = a.token_weighting_options()
-        params = {**params, **(options.step_arguments(allv) if options is not None else {})}
-    reads = parts.reads_stats or extras.terms_read_stats
-    bounded = reads and cfg.trainer.update_memory == "bounded"  # "auto" was resolved by the memory plan
-    keep_graphs = reads and not bounded
-    fused = parts.fused and not keep_graphs
-    diag: dict[str, float] = {}
-    taus: list[float] = []
-    sums = loss_sums()
-    step_out: list[dict[str, float]] = []
-    dev = batch.input_ids.device
-    ctx: Any = None
+    batch: Batch
+    old_lp: torch.Tensor | None  # [N, L]
+    old_ent: torch.Tensor | None  # [N, L]
+    step: int
+    counts: Sequence[int] | None = None
+    record: UpdateRecord | None = None
+    before_step: Callable[[int, bool], None] | None = None
+    off_policy: Any = None
 
-    def forward(m: Micro) -> tuple[torch.Tensor, torch.Tensor]:
-        lp, ent = backend.token_stats(m.input_ids, m.attention_mask, m.response_mask, grad=True,
-                                      temperature=temp, position_ids=m.position_ids)
-        return m.to_rows(lp), m.to_rows(ent)  # [b, L] each, graph kept
 
-    fresh = True  # parameters unchanged since the step's statistics were taken
-    for epoch in range(a.ppo_epochs):
-        gen = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch))
-        baseline = off_policy.baseline if off_policy is not None else None  # VCPO's: whole groups per mini-batch
-        rows = (group_minibatches(baseline.groups, a.mini_batches, gen) if baseline is not None
-                else minibatch_rows(counts, dp.rank, a.mini_batches, gen))
-        plan = [split_rows(r, lengths, parts.spec) for r in rows]
-        calls = lockstep(dp, [max(1, len(p)) for p in plan])
-        for sets, k in zip(plan, calls, strict=True):
-            n_real = sum(int(s.numel()) for s in sets)
-            micros = [build_micro(batch, s, parts.spec.packed)
-                      for s in with_padding(sets, k, pad_row, "update_policy")]
-            mb_rows = torch.cat([m.rows for m in micros]).to(dev)  # [n_mb] batch rows, real ones first
-            bounds = [0]
-            for m in micros:
-                bounds.append(bounds[-1] + m.rows.numel())
-            slices = [slice(s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
-            if baseline is not None:  # VCPO: this mini-batch's advantages at the current weights
-                baseline.advantages(backend, batch, mb_rows[:n_real].tolist(), old_lp, parts)
-            mb = MiniBatch(parts, params, batch.advantages[mb_rows], batch.response_mask[mb_rows],
-                           old_lp[mb_rows] if old_lp is not None else None, gather, reduce, a.entropy_coef)
-            if keep_graphs:  # statistics first: every forward's graph kept until the weights are known
-                graphs = [forward(m) for m in micros]
-                ctx, tw, norm = mb.weights(torch.cat([g[0].detach() for g in graphs]),
-                                           torch.cat([g[1].detach() for g in graphs]))
-                tw_loss = off_policy.weigh(tw, mb_rows) if off_policy is not None else tw
-                terms = extras.terms(ctx, mb_rows, old_lp)
-                losses = []
-                for sl, (lp, ent) in zip(slices, graphs, strict=True):
-                    loss, mets = mb.loss(sl, lp, ent, tw_loss, norm, terms)
-                    losses.append(loss)
-                    add_loss_sums(sums, loss, mets)
-                # ONE backward through every kept graph: a backend pairs each backward with the forwards
-                # before it (DeepSpeed's micro-step bookkeeping; ZeRO-3 re-gathers parameters for it)
-                backend.backward(torch.stack(losses).sum())
-                del graphs, losses
-            else:  # weights first (from the mask alone, or bounded: a no-grad statistics pass), then
-                # each micro-batch forward + backward at once
-                if bounded:
-                    stats = [nograd_stats(backend, m, temp) for m in micros]
-                    ctx0, tw, norm = mb.weights(torch.cat([s[0] for s in stats]), torch.cat([s[1] for s in stats]))
-                    del stats
-                else:
-                    zeros = torch.zeros(mb.mask.shape, dtype=torch.float32, device=dev)
-                    ctx0, tw, norm = mb.weights(zeros, zeros)
-                tw_loss = off_policy.weigh(tw, mb_rows) if off_policy is not None else tw
-                terms = extras.terms(ctx0, mb_rows, old_lp)
-                lps: list[torch.Tensor] = []
-                ents: list[torch.Tensor] = []
-                for m, sl in zip(micros, slices, strict=True):
-                    if fused:
-                        loss, lp, ent = mb.fused(backend, m, sl, tw_loss, norm, terms)
-                        with torch.no_grad():  # the clip metrics, from the pass's own (detached) log-probs
-                            old = mb.old[sl] if mb.old is not None else lp
-                            _, mets = loss_fn(lp, old, mb.adv[sl], mb.mask[sl], **loss_kw)
-                    else:
-                        lp, ent = forward(m)
+class Actor:
+    """The policy's update, end to end (verl's ``DataParallelPPOActor`` as the model): built once per
+    run from the config, the trainer backend and the run's hooks (``stapo.core.extras.build_hooks``;
+    the update asks them for the in-update phases: the weighting's live keywords, the additive
+    per-token terms and whether those read p), then :meth:`update` once per step."""
+
+    def __init__(self, cfg: Config, backend: TrainerBackend, hooks: Hooks) -> None:
+        self.cfg, self.backend, self.hooks = cfg, backend, hooks
+
+    def update(self, inputs: UpdateInputs) -> dict[str, float]:
+        """K mini-batch updates with the configured token weighting, loss and aggregation -> metrics.
+
+        Data parallel (``inputs.counts``): mini-batches come from one global permutation and every
+        rank runs, per mini-batch, the busiest rank's number of micro-batches (extra ones on the
+        padding row), so collectives stay in lockstep.
+
+        Diagnostics are the update's own: at every mini-batch the weighting's output is counted
+        (global) and, with ``inputs.record``, stored per row for the token dump.
+        ``stapo/silenced_count`` and the phase cells sum over every mini-batch of every PPO epoch;
+        ``stapo/tau_h`` is the mean of the thresholds used; ``tau_h_scope=step`` fixes tau_h once
+        from the step's pre-update entropies.
+        """
+        from stapo.core.distributed import DataParallel, check_minibatches, group_minibatches, minibatch_rows
+
+        cfg, backend, hooks = self.cfg, self.backend, self.hooks
+        batch, old_lp, old_ent, step = inputs.batch, inputs.old_lp, inputs.old_ent, inputs.step
+        record, before_step, off_policy = inputs.record, inputs.before_step, inputs.off_policy
+        a = cfg.algorithm
+        parts = update_parts(cfg, hooks.weighting_params())  # STARE: the scheduled W, M
+        loss_fn, loss_kw, params, temp = parts.loss_fn, parts.loss_kw, parts.params, parts.temperature
+        if old_lp is None and a.ppo_epochs * a.mini_batches > 1:
+            raise ValueError("update: an off-policy update (ppo_epochs * mini_batches > 1) needs old_lp")
+        dp = DataParallel(backend)
+        n = batch.input_ids.shape[0]
+        counts = [n] if inputs.counts is None else [int(c) for c in inputs.counts]
+        pad_row = counts[dp.rank] if n > counts[dp.rank] else None
+        check_minibatches(sum(counts), a.mini_batches)
+        gather, reduce = backend.all_gather_1d, backend.all_reduce_sum
+        lengths = batch.attention_mask.sum(1).cpu()  # [N] real tokens per row
+        p05, tau_step = None, None
+        if old_ent is not None:  # the step's statistics: the diagnostics' thresholds, the keywords fixed per step
+            allv = step_entropies(old_ent, batch.response_mask, gather)  # [n_valid] all ranks
+            p05, tau_step = entropy_thresholds(cfg, allv)
+            options = a.token_weighting_options()
+            params = {**params, **(options.step_arguments(allv) if options is not None else {})}
+        reads = parts.reads_stats or hooks.terms_read_stats
+        bounded = reads and cfg.trainer.update_memory == "bounded"  # "auto" was resolved by the memory plan
+        keep_graphs = reads and not bounded
+        fused = parts.fused and not keep_graphs
+        diag: dict[str, float] = {}
+        taus: list[float] = []
+        sums = loss_sums()
+        step_out: list[dict[str, float]] = []
+        dev = batch.input_ids.device
+        ctx: Any = None
+
+        def forward(m: Micro) -> tuple[torch.Tensor, torch.Tensor]:
+            lp, ent = backend.token_stats(m.input_ids, m.attention_mask, m.response_mask, grad=True,
+                                          temperature=temp, position_ids=m.position_ids)
+            return m.to_rows(lp), m.to_rows(ent)  # [b, L] each, graph kept
+
+        fresh = True  # parameters unchanged since the step's statistics were taken
+        for epoch in range(a.ppo_epochs):
+            gen = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch))
+            baseline = off_policy.baseline if off_policy is not None else None  # VCPO's: whole groups per mini-batch
+            rows = (group_minibatches(baseline.groups, a.mini_batches, gen) if baseline is not None
+                    else minibatch_rows(counts, dp.rank, a.mini_batches, gen))
+            plan = [split_rows(r, lengths, parts.spec) for r in rows]
+            calls = lockstep(dp, [max(1, len(p)) for p in plan])
+            for sets, k in zip(plan, calls, strict=True):
+                n_real = sum(int(s.numel()) for s in sets)
+                micros = [build_micro(batch, s, parts.spec.packed)
+                          for s in with_padding(sets, k, pad_row, "update")]
+                mb_rows = torch.cat([m.rows for m in micros]).to(dev)  # [n_mb] batch rows, real ones first
+                bounds = [0]
+                for m in micros:
+                    bounds.append(bounds[-1] + m.rows.numel())
+                slices = [slice(s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+                if baseline is not None:  # VCPO: this mini-batch's advantages at the current weights
+                    baseline.advantages(backend, batch, mb_rows[:n_real].tolist(), old_lp, parts)
+                mb = MiniBatch(parts, params, batch.advantages[mb_rows], batch.response_mask[mb_rows],
+                               old_lp[mb_rows] if old_lp is not None else None, gather, reduce, a.entropy_coef)
+                if keep_graphs:  # statistics first: every forward's graph kept until the weights are known
+                    graphs = [forward(m) for m in micros]
+                    ctx, tw, norm = mb.weights(torch.cat([g[0].detach() for g in graphs]),
+                                               torch.cat([g[1].detach() for g in graphs]))
+                    tw_loss = off_policy.weigh(tw, mb_rows) if off_policy is not None else tw
+                    terms = hooks.terms(ctx, mb_rows, old_lp)
+                    losses = []
+                    for sl, (lp, ent) in zip(slices, graphs, strict=True):
                         loss, mets = mb.loss(sl, lp, ent, tw_loss, norm, terms)
-                    backend.backward(loss)
-                    add_loss_sums(sums, loss, mets)
-                    lps.append(lp.detach().float())
-                    ents.append(ent.detach().float())
-                ctx = mb.context(torch.cat(lps), torch.cat(ents))
-            if p05 is None:  # no old pass: this (only) mini-batch's forward saw the sampling policy
-                p05, _ = step_entropy_thresholds(cfg, ctx.entropy, ctx.mask, gather)
-            tau_mb = update_diagnostics(cfg, ctx, tw, tau_step, diag)
-            taus.append(tau_mb)
-            if record is not None:
-                record.put(epoch, mb_rows[:n_real], ctx, tw, tau_mb, a.s2t.tau_p)
-            if before_step is not None:  # DEEP-GRPO: lambda * local branch loss joins this update
-                before_step(len(step_out), fresh)
-            step_out.append(off_policy.step(backend) if off_policy is not None else backend.step())
-            fresh = False
-    # Global, like every logged metric: each rank's loss is its share of the global objective (the
-    # normalizer is all-reduced), so the ranks' losses and clip counts add up (one gather, every rank).
-    keys = ("loss", "clip_low", "clip_high", "tokens", "ratio_sum")
-    sums = dict(zip(keys, dp.sum([sums[k] for k in keys]), strict=True))
-    return update_metrics(diag, taus, float("nan") if p05 is None else p05, sums, step_out, a.ppo_epochs)
+                        losses.append(loss)
+                        add_loss_sums(sums, loss, mets)
+                    # ONE backward through every kept graph: a backend pairs each backward with the forwards
+                    # before it (DeepSpeed's micro-step bookkeeping; ZeRO-3 re-gathers parameters for it)
+                    backend.backward(torch.stack(losses).sum())
+                    del graphs, losses
+                else:  # weights first (from the mask alone, or bounded: a no-grad statistics pass), then
+                    # each micro-batch forward + backward at once
+                    if bounded:
+                        stats = [nograd_stats(backend, m, temp) for m in micros]
+                        ctx0, tw, norm = mb.weights(torch.cat([s[0] for s in stats]), torch.cat([s[1] for s in stats]))
+                        del stats
+                    else:
+                        zeros = torch.zeros(mb.mask.shape, dtype=torch.float32, device=dev)
+                        ctx0, tw, norm = mb.weights(zeros, zeros)
+                    tw_loss = off_policy.weigh(tw, mb_rows) if off_policy is not None else tw
+                    terms = hooks.terms(ctx0, mb_rows, old_lp)
+                    lps: list[torch.Tensor] = []
+                    ents: list[torch.Tensor] = []
+                    for m, sl in zip(micros, slices, strict=True):
+                        if fused:
+                            loss, lp, ent = mb.fused(backend, m, sl, tw_loss, norm, terms)
+                            with torch.no_grad():  # the clip metrics, from the pass's own (detached) log-probs
+                                old = mb.old[sl] if mb.old is not None else lp
+                                _, mets = loss_fn(lp, old, mb.adv[sl], mb.mask[sl], **loss_kw)
+                        else:
+                            lp, ent = forward(m)
+                            loss, mets = mb.loss(sl, lp, ent, tw_loss, norm, terms)
+                        backend.backward(loss)
+                        add_loss_sums(sums, loss, mets)
+                        lps.append(lp.detach().float())
+                        ents.append(ent.detach().float())
+                    ctx = mb.context(torch.cat(lps), torch.cat(ents))
+                if p05 is None:  # no old pass: this (only) mini-batch's forward saw the sampling policy
+                    p05, _ = step_entropy_thresholds(cfg, ctx.entropy, ctx.mask, gather)
+                tau_mb = update_diagnostics(cfg, ctx, tw, tau_step, diag)
+                taus.append(tau_mb)
+                if record is not None:
+                    record.put(epoch, mb_rows[:n_real], ctx, tw, tau_mb, a.s2t.tau_p)
+                if before_step is not None:  # DEEP-GRPO: lambda * local branch loss joins this update
+                    before_step(len(step_out), fresh)
+                step_out.append(off_policy.step(backend) if off_policy is not None else backend.step())
+                fresh = False
+        # Global, like every logged metric: each rank's loss is its share of the global objective (the
+        # normalizer is all-reduced), so the ranks' losses and clip counts add up (one gather, every rank).
+        keys = ("loss", "clip_low", "clip_high", "tokens", "ratio_sum")
+        sums = dict(zip(keys, dp.sum([sums[k] for k in keys]), strict=True))
+        return update_metrics(diag, taus, float("nan") if p05 is None else p05, sums, step_out, a.ppo_epochs)
 
 
 @dataclass(frozen=True)
@@ -642,8 +656,7 @@ def update_metrics(diag: dict[str, float], taus: Sequence[float], p05: float, su
                    step_out: Sequence[dict[str, float]], epochs: int) -> dict[str, float]:
     """The update's logged metrics: token diagnostics counted from its own weightings (``diag``,
     summed over mini-batches and epochs), the thresholds it used, and the loss / clip sums and
-    optimizer outputs (``step_out``: one per optimizer step), as ``stapo.core.update.update_policy``
-    logs them."""
+    optimizer outputs (``step_out``: one per optimizer step), as :meth:`Actor.update` logs them."""
     from stapo.core.algos import fractions_from_counts
 
     tokens = max(sums["tokens"], 1.0)

@@ -7,7 +7,8 @@ Families (each a ``Registry`` with a ``get_*`` accessor that lists valid names o
                     with its options model and whether it reads p / H (``register_token_weighting``)
 - ``KL_ESTIMATORS`` per-token KL estimators: k1, k2, k3
 - ``POLICY_LOSSES`` per-token loss [B, T] + summable metrics: ppo_clip (clip-higher, dual-clip), gspo,
-                    maspo (soft mass-adaptive asymmetric trust region, ``maspo.py``)
+                    maspo (soft mass-adaptive asymmetric trust region, ``maspo.py``); each registered
+                    with its options model and whether it is elementwise (``register_policy_loss``)
 - ``AGGREGATIONS``  accumulation-safe scalar: token-mean, seq-mean-token-mean, seq-mean-token-sum
 
 plus DAPO's ``dynamic_sampling_filter`` / ``dynamic_sampling_values`` / ``overlong_penalty`` /
@@ -23,12 +24,13 @@ from .dapo import dynamic_sampling_filter, dynamic_sampling_values, overlong_fil
 from .losses import (
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    PolicyLoss,
     PolicyLossFn,
-    declare_elementwise,
     get_kl_estimator,
     get_policy_loss,
-    is_elementwise,
     kl_k3,
+    policy_loss_spec,
+    register_policy_loss,
 )
 from .maspo import maspo_loss  # registers "maspo"
 from .metrics import COUNT_KEYS, PHASE_KEYS, fractions_from_counts, phase_cells, token_counts, token_metrics
@@ -71,9 +73,10 @@ __all__ = [
     "below_thresholds",
     "broadcast_advantages",
     "compute_policy_objective",
-    "declare_elementwise",
+    "PolicyLoss",
     "TokenWeighting",
-    "is_elementwise",
+    "policy_loss_spec",
+    "register_policy_loss",
     "register_token_weighting",
     "token_weighting_spec",
     "dynamic_sampling_filter",

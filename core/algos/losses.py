@@ -20,13 +20,17 @@ these are exactly the tokens whose gradient the clip removes, and clip_low + cli
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
 from .registry import Registry
 from .weights import broadcast_advantages, check_bt
+
+if TYPE_CHECKING:
+    from stapo.core.loss_options import PolicyLossOptions
 
 Metrics = dict[str, Tensor]
 
@@ -51,19 +55,35 @@ class PolicyLossFn(Protocol):
     ) -> tuple[Tensor, Metrics]: ...
 
 
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registered policy loss with its contract.
+
+    ``options``: the pydantic model (a ``stapo.core.loss_options.PolicyLossOptions``) whose fields are
+    the function's keywords beyond the clip ranges, None when it takes none; the config holds one
+    instance of it (``AlgorithmConfig.policy_loss_options``). ``elementwise``: token t's loss depends
+    on its own log-prob only, so the loss can run fused inside the chunked LM-head pass (GSPO's
+    sequence ratio couples a sequence's tokens: it cannot)."""
+
+    fn: PolicyLossFn
+    options: type[PolicyLossOptions] | None
+    elementwise: bool
 
 
-def declare_elementwise(fn: PolicyLossFn, value: bool) -> PolicyLossFn:
-    """Record on a registered loss whether token t's loss depends on its own log-prob only
-    (``fn.elementwise``): such a loss can run fused inside the chunked LM-head pass."""
-    fn.elementwise = value  # type: ignore[attr-defined]
-    return fn
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
-def is_elementwise(fn: PolicyLossFn) -> bool:
-    """Whether a loss is elementwise; undeclared (plug-in) losses are assumed not (the safe side)."""
-    return bool(getattr(fn, "elementwise", False))
+def register_policy_loss(
+    name: str, *, options: type[PolicyLossOptions] | None, elementwise: bool
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: register a per-token policy loss under ``name`` with its options model and whether
+    it is elementwise (state ``False`` when unsure: the unfused path is right for every loss)."""
+
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        POLICY_LOSSES.add(name, PolicyLoss(fn, options, bool(elementwise)))
+        return fn
+
+    return decorator
 
 
 def _check_inputs(
@@ -99,7 +119,7 @@ def _ratio_metrics(
         }
 
 
-@POLICY_LOSSES.register("ppo_clip")
+@register_policy_loss("ppo_clip", options=None, elementwise=True)
 def ppo_clip_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -139,7 +159,7 @@ def ppo_clip_loss(
     return loss, metrics
 
 
-@POLICY_LOSSES.register("gspo")
+@register_policy_loss("gspo", options=None, elementwise=False)  # the sequence ratio couples a sequence's tokens
 def gspo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -175,12 +195,13 @@ def gspo_loss(
     return loss, metrics
 
 
-declare_elementwise(ppo_clip_loss, True)
-declare_elementwise(gspo_loss, False)  # the sequence ratio couples a sequence's tokens
-
-
 def get_policy_loss(name: str) -> PolicyLossFn:
-    """The policy loss registered as ``name`` (KeyError listing valid names on a miss)."""
+    """The function of the policy loss registered as ``name`` (KeyError listing valid names on a miss)."""
+    return POLICY_LOSSES.get(name).fn
+
+
+def policy_loss_spec(name: str) -> PolicyLoss:
+    """The registration of ``name``: function, options model, whether elementwise (KeyError listing valid names)."""
     return POLICY_LOSSES.get(name)
 
 

@@ -32,13 +32,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from stapo.core.loss_options import MaspoOptions
+
 from .losses import (
     _LOG_RATIO_CLAMP,
-    POLICY_LOSSES,
     Metrics,
     _check_inputs,
     _ratio_metrics,
-    declare_elementwise,
+    register_policy_loss,
 )
 
 
@@ -65,7 +66,8 @@ def gated_side(ratio: Tensor, adv: Tensor) -> Tensor:
     return ((adv > 0) & (ratio > 1.0)) | ((adv < 0) & (ratio < 1.0))
 
 
-@POLICY_LOSSES.register("maspo")
+# elementwise: each token's soft trust region reads its own log-prob only
+@register_policy_loss("maspo", options=MaspoOptions, elementwise=True)
 def maspo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -115,5 +117,3 @@ def maspo_loss(
         metrics["gated_count"] = gm.sum().to(ratio.dtype)
     return loss, metrics
 
-
-declare_elementwise(maspo_loss, True)  # each token's soft trust region reads its own log-prob only

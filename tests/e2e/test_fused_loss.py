@@ -6,7 +6,7 @@ so the LM head's precomputed gradient also reaches the input embedding):
 1. the backend contract: ``token_loss`` gives the log-probs of ``token_stats``, flat indices into
    [B, L], the gradients of ``token_stats(grad=True)`` + the same loss (also through the soft-capping
    fallback);
-2. ``loop.update_policy`` on one rollout-shaped batch (2 PPO epochs x 2 mini-batches x micro-batches,
+2. ``Actor.update`` on one rollout-shaped batch (2 PPO epochs x 2 mini-batches x micro-batches,
    clipped ratios on both sides, S2T silencing, KL and dual clip): same metrics and parameters for
    every aggregation, and the fused path is really the one taken (and not for gspo / entropy_grad);
 3. ``loop.train`` on ``configs/tiny.yaml``: same metrics rows (except time/perf) and parameters;
@@ -20,10 +20,10 @@ from __future__ import annotations
 import copy
 import math
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import run_hooks
 
 from stapo.configs import preset_path
 from stapo.core import loop
@@ -33,6 +33,7 @@ from stapo.core.models import load_policy
 from stapo.core.tracking import read_jsonl
 from stapo.core.trainer import build_trainer_backend
 from stapo.core.trainer.torch_backend import TorchBackend
+from stapo.core.update import Actor, UpdateInputs
 
 LR = 1e-2
 TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64, "seed": 0}
@@ -119,7 +120,7 @@ def run_update(cfg, batch=None, backend=None):
     b.token_loss, b.token_stats = token_loss, token_stats
     if cfg.trainer.backend == "torch":  # DeepSpeed keeps its gradients in its own buffers
         b.step = step
-    m = loop.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, old_lp, old_ent, step=1)
+    m = Actor(cfg, b, run_hooks(cfg)).update(UpdateInputs(batch, old_lp, old_ent, step=1))
     return m, params(b), calls, grads
 
 
@@ -206,7 +207,7 @@ def test_softcap_models_fall_back_to_the_logits_path():
         torch.testing.assert_close(p.grad, r, atol=1e-5, rtol=1e-4)
 
 
-# ----------------------------------------------------------------------------- update_policy
+# ----------------------------------------------------------------------------- the update
 
 
 @pytest.mark.parametrize(
@@ -219,7 +220,7 @@ def test_softcap_models_fall_back_to_the_logits_path():
     ],
     ids=["token-mean", "seq-mean-token-mean", "seq-sum+kl+dual", "none+kl"],
 )
-def test_update_policy_fused_equals_unfused(algorithm):
+def test_update_fused_equals_unfused(algorithm):
     # The fused pass needs the weights before its forward: a weighting that reads no statistics
     # (`none`); weightings that read p / H take them from an unfused gradient forward (next test).
     algorithm = {**algorithm, "token_weighting": "none"}
@@ -359,4 +360,4 @@ def test_deepspeed_fused_equals_torch_unfused(stage, ds_env):
     m, p, calls, _ = run_update(cfg)
     assert calls == {"token_loss": 8, "stats_grad": 0}
     assert_same_metrics(m, m_ref)
-    assert_same_params(p, p_ref, atol=3e-3 * LR)  # 4 AdamW updates: see test_update_policy_fused_...
+    assert_same_params(p, p_ref, atol=3e-3 * LR)  # 4 AdamW updates: see test_update_fused_equals_...

@@ -45,7 +45,7 @@ class Recorder(LoopHook):
 
     def after_update(self, st):
         self.calls.append(("after_update", st.step))
-        st.metrics["recorder/steps"] = float(st.step)
+        return {"recorder/steps": float(st.step)}
 
     def after_sync(self, st):
         self.calls.append(("after_sync", st.step))

@@ -38,7 +38,7 @@ FIXED_PRELUDE = """
 
 def fixed_deep_update(backend_name: str, root_split: list[int], branch_split: list[int],
                       micro_tokens: int | None = None) -> tuple[dict, dict]:
-    """``update_policy`` on 6 fixed root rows plus DEEP-GRPO's local term on 6 fixed branch rows (two
+    """``Actor.update`` on 6 fixed root rows plus DEEP-GRPO's local term on 6 fixed branch rows (two
     pivots of K = 3, prefixes of 2 and 3 tokens); this rank holds ``root_split[rank]`` / ``branch_split[rank]``
     of them. 2 mini-batches, micro-batches of 2 rows (or packed into ``micro_tokens``), S2T, lambda 1."""
     from types import SimpleNamespace
@@ -48,7 +48,9 @@ def fixed_deep_update(backend_name: str, root_split: list[int], branch_split: li
     from stapo.core import loop
     from stapo.core.config import config_from_dict
     from stapo.core.deep_grpo import DeepGRPO, collate_branches
+    from stapo.core.extras import Hooks
     from stapo.core.trainer import build_trainer_backend
+    from stapo.core.update import Actor, UpdateInputs
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=32, num_hidden_layers=2,
@@ -93,8 +95,9 @@ def fixed_deep_update(backend_name: str, root_split: list[int], branch_split: li
     run = SimpleNamespace(cfg=cfg, backend=backend, pad_id=0)
     br = collate_branches(run, branches, branch_split)  # the branch rows' old pass: micro-batched as configured
     deep = DeepGRPO(cfg)
-    m = loop.update_policy(run, batch, old_lp, old_ent, step=1, counts=root_split,
-                           before_step=deep.local_loss_hook(run, br, step=1))
+    actor = Actor(cfg, backend, Hooks())  # DEEP-GRPO's local loss comes in as before_step, as the hook gives it
+    m = actor.update(UpdateInputs(batch, old_lp, old_ent, step=1, counts=root_split,
+                                  before_step=deep.local_loss_hook(run, br, step=1)))
     m.update(deep.local_metrics(backend))
     params = {n: t.detach().cpu().clone() for n, t in backend.named_parameters_for_sync()}
     return m, params

@@ -1,8 +1,8 @@
 """The per-step extras (KL, Lp-Reg, STARE, entropy bonus, overlong filter) on 2 CPU ranks (gloo,
 torchrun, DeepSpeed): the same update as one process.
 
-Each extra is run the way ``loop.train`` runs it (``StepExtras.loss_rows`` -> global counts ->
-``token_stats_batched`` -> ``StepExtras.prepare`` -> ``apply_kl_in_reward`` -> ``update_policy``) on
+Each extra is run the way ``loop.train`` runs it (the hooks' ``on_batch`` -> global counts ->
+``token_stats_batched`` -> the hooks' ``before_update`` -> ``Actor.update``) on
 one fixed 6-sequence batch (3 groups of 2), split over 2 ranks unevenly ([2, 4]: both ranks hold
 rows, so every global reduction matters) and with rank 1 empty ([6, 0]: it joins every collective
 and forward with its zero-weight padding row). The final parameters must equal the one-process
@@ -82,6 +82,7 @@ SCRIPT = textwrap.dedent(
     """
     import os, sys, torch
     sys.path.insert(0, {test_dir!r})
+    sys.path.insert(0, os.path.dirname({test_dir!r}))  # tests/: conftest's helpers
     from test_multirank_extras import extras_update
     rank = int(os.environ["RANK"])
     results = {{(v, tuple(s)): extras_update("deepspeed", v, split=s) for v in {variants!r} for s in {splits!r}}}
@@ -171,13 +172,14 @@ def extras_update(backend_name: str, variant: str, split: list[int]) -> tuple[di
 
     Returns (metrics of rank 0's view, full parameters).
     """
-    from types import SimpleNamespace
+    from conftest import before_update, run_hooks
 
     from stapo.core import loop
     from stapo.core.config import config_from_dict
     from stapo.core.distributed import DataParallel
-    from stapo.core.extras import StepExtras
+    from stapo.core.extras import StepState
     from stapo.core.trainer import build_trainer_backend
+    from stapo.core.update import Actor, UpdateInputs
 
     model = tiny_model()
     cfg_dict = _merge(BASE, VARIANTS[variant][0])
@@ -185,14 +187,19 @@ def extras_update(backend_name: str, variant: str, split: list[int]) -> tuple[di
                            "device": "cpu" if backend_name == "torch" else "auto"}
     cfg = config_from_dict(cfg_dict)
     backend = build_trainer_backend(cfg, model, total_optimizer_steps=2)
-    extras = StepExtras(cfg, backend)
-    if extras.reference is not None:  # test-only: a reference that differs from the policy (same in every run)
-        perturb(extras.reference.model, partitioned=extras.reference.partitioned)
+    hooks = run_hooks(cfg, backend)
+    kl = hooks.get("kl_reference")
+    if kl is not None and kl.reference is not None:  # test-only: a reference that differs from the policy
+        perturb(kl.reference.model, partitioned=kl.reference.partitioned)  # (same in every run)
     seqs = fixed_seqs()
     dp = DataParallel(backend)
     start = sum(split[: dp.rank])
     mine = seqs[start : start + split[dp.rank]]
-    kept = [s for s, k in zip(mine, extras.loss_rows(mine).tolist(), strict=True) if k]  # as loop.train
+    filt = hooks.get("overlong_filter")  # the only on_batch of these configs (the sampler's is the loop's)
+    st = StepState(1, mine, list(mine), {})
+    if filt is not None:
+        filt.on_batch(st)
+    kept = st.kept
     counts = dp.counts(len(kept))
     micro = cfg.trainer.micro_batch_size
     batch = loop.collate_with_pad_row(kept, 0, pad=dp.multi)
@@ -200,11 +207,9 @@ def extras_update(backend_name: str, variant: str, split: list[int]) -> tuple[di
     calls = max(1, math.ceil(max(counts) / micro))
     old_lp, old_ent = loop.token_stats_batched(backend, batch, micro, 1.0, calls=calls, pad_row=pad_row)
     metrics = {"batch/sequences": float(sum(counts))}
-    metrics.update(extras.prepare(batch, old_lp, old_ent, micro_batch=micro, temperature=1.0, calls=calls,
-                                  pad_row=pad_row))
-    metrics.update(extras.apply_kl_in_reward(kept, batch, old_lp))
-    run = SimpleNamespace(cfg=cfg, backend=backend, extras=extras)
-    metrics.update(loop.update_policy(run, batch, old_lp, old_ent, step=1, counts=counts))
+    metrics.update(before_update(hooks, batch, old_lp, old_ent, micro_batch=micro, calls=calls, pad_row=pad_row,
+                                 kept=kept)[1])
+    metrics.update(Actor(cfg, backend, hooks).update(UpdateInputs(batch, old_lp, old_ent, step=1, counts=counts)))
     params = {n: t.detach().cpu().clone() for n, t in backend.named_parameters_for_sync()}
     return metrics, params
 

@@ -243,7 +243,7 @@ def test_two_rank_loop_completes_resumes_and_logs_global_metrics(loop_runs):
 
 def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch",
                  tokens: int | None = None) -> tuple[dict, dict]:
-    """``loop.update_policy`` on one fixed 6-sequence batch; this rank holds rows ``split[rank]``.
+    """``Actor.update`` on one fixed 6-sequence batch; this rank holds rows ``split[rank]``.
     ``tokens``: packed micro-batches of that token budget (else rows of 2, padded).
 
     2 mini-batches x micro-batches of 2, S2T with tau_h resolved at ``scope`` (``minibatch``: every
@@ -253,12 +253,11 @@ def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch",
     ~lr * sign(g), so a gradient entry at float-noise level can move by up to lr either way; a
     small lr keeps such entries under the 1e-5 comparison (a wrong mini-batch split moves ~lr).
     """
-    from types import SimpleNamespace
-
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from stapo.core import loop
     from stapo.core.config import config_from_dict
+    from stapo.core.extras import Hooks
     from stapo.core.trainer import build_trainer_backend
 
     torch.manual_seed(0)
@@ -293,8 +292,8 @@ def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch",
     spec = update.micro_spec(cfg)
     calls = update.old_pass_calls(DataParallel(backend), batch, spec, len(mine))
     old_lp, old_ent = loop.token_stats_batched(backend, batch, spec, 1.0, calls=calls, pad_row=pad_row)
-    run = SimpleNamespace(cfg=cfg, backend=backend)
-    m = loop.update_policy(run, batch, old_lp, old_ent, step=1, counts=split)
+    actor = update.Actor(cfg, backend, Hooks())  # (no layer of this config acts inside the update)
+    m = actor.update(update.UpdateInputs(batch, old_lp, old_ent, step=1, counts=split))
     params = {n: t.detach().cpu().clone() for n, t in backend.named_parameters_for_sync()}
     return m, params
 

@@ -4,14 +4,12 @@ the fused LM-head path gives the same gradient as the unfused one, and each term
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
+from conftest import before_update, run_hooks
 from test_fused_loss import make_backend, make_cfg, old_stats, rl_batch  # same folder: shared fixtures
 
-from stapo.core import loop
-from stapo.core.extras import StepExtras
+from stapo.core.update import Actor, UpdateInputs
 
 TERMS = {
     "kl-ref": {"token_weighting": "none", "kl_coef": 0.5, "kl": {"reference": "initial", "dtype": "float32"}},
@@ -24,9 +22,9 @@ def grads_of(cfg, with_extras=True):
     b = make_backend(cfg)
     batch = rl_batch(b.model.config.vocab_size)
     old_lp, old_ent = old_stats(b, batch)
-    ex = StepExtras(cfg, b) if with_extras else StepExtras(cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(
+    hooks = run_hooks(cfg, b) if with_extras else run_hooks(cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(
         update={"kl_coef": 0.0, "lp_reg": cfg.algorithm.lp_reg.model_copy(update={"enabled": False})})}), b)
-    m = ex.prepare(batch, old_lp, old_ent, micro_batch=2, temperature=1.0)
+    _, m = before_update(hooks, batch, old_lp, old_ent, micro_batch=2)
     grads = []
     real_step = b.step
 
@@ -35,14 +33,14 @@ def grads_of(cfg, with_extras=True):
         return real_step()
 
     b.step = step
-    loop.update_policy(SimpleNamespace(cfg=cfg, backend=b, extras=ex), batch, old_lp, old_ent, step=1)
-    return grads, m, ex
+    Actor(cfg, b, hooks).update(UpdateInputs(batch, old_lp, old_ent, step=1))
+    return grads, m, hooks
 
 
 @pytest.mark.parametrize("name", list(TERMS))
 def test_terms_fused_equal_unfused_and_matter(name):
     alg = TERMS[name]
-    g_f, m, ex = grads_of(make_cfg(trainer={"fused_loss": True}, algorithm=alg))
+    g_f, m, hooks = grads_of(make_cfg(trainer={"fused_loss": True}, algorithm=alg))
     g_u, _, _ = grads_of(make_cfg(trainer={"fused_loss": False}, algorithm=alg))
     for n in g_u[0]:  # the first update: same weights on both paths
         torch.testing.assert_close(g_f[0][n], g_u[0][n], atol=1e-6, rtol=1e-4, msg=n)
@@ -51,6 +49,7 @@ def test_terms_fused_equal_unfused_and_matter(name):
     diff = max((g_u[-1][n] - g_0[-1][n]).abs().max().item() for n in g_u[-1])
     assert diff > 1e-4, "the term did not change the gradient"
     if name.startswith("kl"):
-        assert "actor/kl" in m and ex.reference is not None
+        assert "actor/kl" in m and hooks.get("kl_reference").reference is not None
     else:
-        assert ex.proxy_lp is not None and (ex.proxy_lp != 0).any()
+        proxy_lp = hooks.get("lp_reg").proxy_lp
+        assert proxy_lp is not None and (proxy_lp != 0).any()

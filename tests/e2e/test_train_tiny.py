@@ -18,6 +18,7 @@ from stapo.configs import preset_path
 from stapo.core import loop
 from stapo.core.config import load_config
 from stapo.core.tracking import read_jsonl
+from stapo.core.update import Actor
 
 REQUIRED = [
     "step", "reward/mean", "reward/std", "entropy/mean", "stapo/silenced_frac",
@@ -129,19 +130,19 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, monkeypatch):
             "trainer.lr=0.01"]
     loop.train(tiny(*over), tmp_path / "a", log=lambda m: None)
 
-    real = loop.update_policy
+    real = Actor.update
     calls = {"n": 0}
 
-    def crash_at_step_3(run, batch, old_lp, old_ent, step, **kw):
-        if step == 3:
+    def crash_at_step_3(actor, inputs):
+        if inputs.step == 3:
             raise KeyboardInterrupt("killed")  # like a kill mid-step, after step 2's checkpoint
         calls["n"] += 1
-        return real(run, batch, old_lp, old_ent, step, **kw)
+        return real(actor, inputs)
 
-    monkeypatch.setattr(loop, "update_policy", crash_at_step_3)
+    monkeypatch.setattr(Actor, "update", crash_at_step_3)
     with pytest.raises(KeyboardInterrupt):
         loop.train(tiny(*over), tmp_path / "b", log=lambda m: None)
-    monkeypatch.setattr(loop, "update_policy", real)
+    monkeypatch.setattr(Actor, "update", real)
     loop.train(tiny(*over), tmp_path / "b", resume=True, log=lambda m: None)
     a, b = _deterministic_rows(tmp_path / "a"), _deterministic_rows(tmp_path / "b")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
@@ -158,20 +159,23 @@ def test_reward_outage_fails_loudly(tmp_path):
 
 
 def test_nan_loss_skips_update_and_is_logged(tmp_path, monkeypatch):
-    from stapo.core import algos
+    from stapo.core.algos import POLICY_LOSSES, PolicyLoss
 
-    real = algos.get_policy_loss
+    cfg = tiny("data.val_size=0", "trainer.max_steps=1")
+    name = cfg.algorithm.policy_loss
+    real = POLICY_LOSSES.get(name)
 
-    def nan_loss(name):
-        fn = real(name)
+    def nan_loss(*a, **k):
+        per_tok, m = real.fn(*a, **k)
+        return per_tok * float("nan"), m
 
-        def wrapped(*a, **k):
-            per_tok, m = fn(*a, **k)
-            return per_tok * float("nan"), m
+    def restore():
+        POLICY_LOSSES.unregister(name)
+        POLICY_LOSSES.add(name, real)
 
-        return wrapped
-
-    monkeypatch.setattr(algos, "get_policy_loss", nan_loss)
+    # the configured loss's registration, its function swapped for one whose loss is NaN (unfused path)
+    POLICY_LOSSES.unregister(name)
+    POLICY_LOSSES.add(name, PolicyLoss(nan_loss, real.options, elementwise=False))
     seen = {}
     orig = loop._Run.__init__
 
@@ -181,8 +185,10 @@ def test_nan_loss_skips_update_and_is_logged(tmp_path, monkeypatch):
         seen["before"] = _params(self.model)
 
     monkeypatch.setattr(loop._Run, "__init__", spy)
-    cfg = tiny("data.val_size=0", "trainer.max_steps=1")
-    loop.train(cfg, tmp_path / "nan", log=lambda m: None)
+    try:
+        loop.train(cfg, tmp_path / "nan", log=lambda m: None)
+    finally:
+        restore()
     row = read_jsonl(tmp_path / "nan" / "metrics.jsonl")[0]
     assert row["actor/skipped_updates"] == 1.0
     assert torch.equal(seen["before"], _params(seen["model"]))

@@ -250,7 +250,7 @@ def test_lr_per_rollout_step_under_deepspeed(stage):
 def test_bounded_update_matches_kept_graphs_under_zero3():
     """trainer.update_memory=bounded under ZeRO-3 (each forward gathers parameters; the no-grad
     statistics pass sits between DeepSpeed's micro-steps): the same parameters as keeping the graphs."""
-    from types import SimpleNamespace
+    from conftest import run_hooks
 
     from stapo.core import loop, update
     from stapo.core.batch import collate
@@ -277,6 +277,6 @@ def test_bounded_update_matches_kept_graphs_under_zero3():
         model, _ = load_policy(cfg.model, device="cpu")
         b = build_trainer_backend(cfg, model, total_optimizer_steps=2)
         old_lp, old_ent = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)
-        update.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, old_lp, old_ent, step=1)
+        update.Actor(cfg, b, run_hooks(cfg)).update(update.UpdateInputs(batch, old_lp, old_ent, step=1))
         out[mode] = params(b)
     assert_same_params(out["bounded"], out["keep_graphs"])

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import before_update, run_hooks
 
 from stapo.core import loop
 from stapo.core.algos import (
@@ -32,7 +33,7 @@ from stapo.core.algos.lpreg import (
 from stapo.core.algos.regularizers import entropy_bonus, kl_token_term, lp_reg_token_term
 from stapo.core.algos.stare import StareSchedule, stare_schedule_step
 from stapo.core.config import TinyModel, config_from_dict
-from stapo.core.extras import StepExtras
+from stapo.core.extras import StepState
 from stapo.core.models import build_tiny_model
 from stapo.core.reference import ReferencePolicy, minp_stats_batched
 from stapo.core.rollouts import mixed_groups
@@ -113,10 +114,10 @@ def test_reward_scale_through_the_real_grader():
 def test_overlong_filter_masks_exactly_the_truncated_samples():
     assert overlong_filter_keep(["stop", "length", "stop", "length"]).tolist() == [True, False, True, False]
     seqs = [seq(0, False, 0.0, finish=f) for f in ("length", "stop", "stop")]
-    on = StepExtras(config_from_dict({"algorithm": {"overlong": {"filter": True}}}))
-    off = StepExtras(config_from_dict({}))
-    assert on.loss_rows(seqs).tolist() == [False, True, True]
-    assert off.loss_rows(seqs).tolist() == [True, True, True]
+    on = run_hooks(config_from_dict({"algorithm": {"overlong": {"filter": True}}})).get("overlong_filter")
+    st = StepState(1, seqs, list(seqs), {})
+    assert on.on_batch(st) == {} and st.kept == seqs[1:]  # the loop's on_batch phase: rows leave ``kept``
+    assert run_hooks(config_from_dict({})).get("overlong_filter") is None  # off: no hook, every row stays
 
 
 # ----------------------------------------------------------------------------- KL to a reference
@@ -197,7 +198,7 @@ def test_kl_term_in_the_loss_and_actor_kl_metric():
     cfg = config_from_dict({"algorithm": {"kl_coef": 0.1, "kl": {"reference": "initial", "dtype": "float32"}}})
     policy = _tiny()
     backend = SimpleNamespace(model=policy, device=torch.device("cpu"), world_size=1)
-    ex = StepExtras(cfg, backend)
+    hooks = run_hooks(cfg, backend)
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -206,25 +207,27 @@ def test_kl_term_in_the_loss_and_actor_kl_metric():
                        torch.zeros(1, 5))
     with torch.no_grad():
         old_lp, old_ent = compute_token_stats(policy, ids, batch.attention_mask, batch.response_mask, chunk_size=4)
-    m = ex.prepare(batch, old_lp, old_ent, micro_batch=1, temperature=1.0)
-    ref_lp = ex.ref_lp
+    st, m = before_update(hooks, batch, old_lp, old_ent, micro_batch=1)
+    ref_lp = st.ref_lp
     d = (ref_lp - old_lp)[batch.response_mask]
     assert m["actor/kl"] == pytest.approx(float((d.exp() - d - 1).mean()), rel=1e-5)
     ctx = TokenContext(old_lp, old_ent, batch.advantages, batch.response_mask)
-    (term,) = ex.terms(ctx, torch.tensor([0]), old_lp)
+    (term,) = hooks.terms(ctx, torch.tensor([0]), old_lp)
     assert torch.allclose(term(old_lp)[batch.response_mask], 0.1 * (d.exp() - d - 1))
     assert term(old_lp)[~batch.response_mask].abs().sum() == 0
 
 
 def test_kl_in_reward_rewrites_rewards_and_advantages():
     cfg = config_from_dict({"algorithm": {"kl_coef": 0.5, "kl": {"in_reward": True, "estimator": "k1"}}})
-    ex = StepExtras(cfg)
+    hook = run_hooks(cfg).get("kl_in_reward")
     old = t([[0.0, -1.0, -1.0], [0.0, -2.0, -2.0]], torch.float32)
     mask = torch.tensor([[False, True, True], [False, True, True]])
     batch = loop.Batch(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), mask, torch.zeros(2, 3))
-    ex.ref_lp = t([[0.0, -1.5, -1.0], [0.0, -2.0, -3.0]], torch.float32)
     seqs = [seq(0, True, 1.0), seq(0, False, 0.0)]
-    m = ex.apply_kl_in_reward(seqs, batch, old)
+    # the target kl_reference publishes earlier in the same phase, set by hand
+    st = StepState(1, seqs, seqs, {}, batch=batch, old_lp=old, old_ent=torch.zeros(2, 3),
+                   ref_lp=t([[0.0, -1.5, -1.0], [0.0, -2.0, -3.0]], torch.float32))
+    m = hook.before_update(st)
     # k1 sums: row 0: (-1+1.5) + 0 = 0.5 -> penalty .25; row 1: 0 + (-2+3) = 1 -> penalty .5
     assert [s.reward for s in seqs] == pytest.approx([0.75, -0.5])
     a = (0.75 - 0.125) / (math.sqrt(((0.625) ** 2 * 2) / 1) + 1e-6)
@@ -236,7 +239,7 @@ def test_kl_in_reward_rewrites_rewards_and_advantages():
 def test_kl_term_gives_no_penalty_in_the_loss_when_in_reward():
     cfg = config_from_dict({"algorithm": {"kl_coef": 0.5, "kl": {"in_reward": True}}})
     ctx = TokenContext(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2, dtype=torch.bool))
-    assert StepExtras(cfg).terms(ctx, torch.tensor([0]), torch.zeros(1, 2)) == []
+    assert run_hooks(cfg).terms(ctx, torch.tensor([0]), torch.zeros(1, 2)) == []
 
 
 def test_reference_on_zero3_is_accepted():
@@ -303,13 +306,13 @@ def test_lp_reg_selection_and_kl_by_hand():
     assert logp.grad[0, 0] < 0 and logp.grad.abs().sum() == logp.grad[0, 0].abs()
 
 
-def test_lp_reg_terms_from_step_extras_use_the_rows_and_config():
+def test_lp_reg_terms_from_the_hook_use_the_rows_and_config():
     cfg = config_from_dict({"algorithm": {"token_weighting": "none", "lp_reg": {"enabled": True, "rho": 0.5, "coef": 1.0}}})
-    ex = StepExtras(cfg)
+    hooks = run_hooks(cfg)
     p = t([[0.3, 0.9, 0.2, 0.8, 0.6, 0.7]])
-    ex.proxy_lp = t([[math.log(0.4), 0.0, PROXY_FLOOR, 0.0, math.log(0.5), 0.0]])
+    hooks.get("lp_reg").proxy_lp = t([[math.log(0.4), 0.0, PROXY_FLOOR, 0.0, math.log(0.5), 0.0]])  # its before_update's
     ctx = TokenContext(p.log(), torch.zeros(1, 6, dtype=D), t([-1.0]), torch.ones(1, 6, dtype=torch.bool))
-    (term,) = ex.terms(ctx, torch.tensor([0]), p.log())
+    (term,) = hooks.terms(ctx, torch.tensor([0]), p.log())
     assert term.name == "lp_reg" and (term(p.log()) != 0).tolist() == [[True] + [False] * 5]
 
 
@@ -333,18 +336,18 @@ def test_stare_schedule_steps_by_hand():
     assert (fixed.w, fixed.m) == (1.1, 0.9)
 
 
-def test_stare_extras_feed_the_weighting_the_scheduled_weights():
+def test_stare_hook_feeds_the_weighting_the_scheduled_weights():
     cfg = config_from_dict({"algorithm": {"token_weighting": "stare",
                                           "stare": {"adaptive": True, "alpha": 0.1, "variant": "C2"}}})
-    ex = StepExtras(cfg)
+    hooks = run_hooks(cfg)
     mask = torch.ones(2, 5, dtype=torch.bool)
     batch = SimpleNamespace(response_mask=mask)
     ent = torch.full((2, 5), 0.1)  # mean 0.1 < 0.3: gate on, W 1.1 -> 1.2, M 0.9 -> 0.8
-    m = ex.prepare(batch, torch.zeros(2, 5), ent, micro_batch=2, temperature=1.0)
+    _, m = before_update(hooks, batch, torch.zeros(2, 5), ent, micro_batch=2)
     assert m["stare/reweight_w"] == pytest.approx(1.2) and m["stare/gate_on"] == 1.0
     lp = torch.log(t([[0.9, 0.05, 0.9, 0.9, 0.9], [0.02, 0.9, 0.9, 0.9, 0.9]], torch.float32))
     ctx = TokenContext(lp, ent, torch.tensor([1.0, -1.0]), mask)
-    tw = get_token_weighting("stare")(ctx, top_ratio=0.2, variant="C2", target_entropy=0.3, **ex.weighting_params())
+    tw = get_token_weighting("stare")(ctx, top_ratio=0.2, variant="C2", target_entropy=0.3, **hooks.weighting_params())
     assert tw.weights[0, 1].item() == pytest.approx(1.2) and tw.weights[1, 0].item() == pytest.approx(0.8)
 
 

@@ -2,7 +2,7 @@
 
 Under ZeRO-3 every policy forward all-gathers parameters, so each rank must make the same number of
 them whatever it holds: ``minp_stats_batched`` (Lp-Reg's proxy pass) pads its micro-batch loop to
-``calls`` with the batch's zero-weight padding row, like ``loop.token_stats_batched``; so does the
+``calls`` with the batch's zero-weight padding row, like ``update.token_stats_batched``; so does the
 frozen reference when it is partitioned like the policy (ZeRO-3), while a plain reference copy
 (ZeRO 0-2) is a local module and runs on real rows only. The 2-rank equivalence of the whole update
 is tests/e2e/test_multirank_extras.py.
@@ -15,12 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import before_update, run_hooks
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from stapo.core import loop
 from stapo.core.batch import collate, collate_with_pad_row
 from stapo.core.config import config_from_dict
-from stapo.core.extras import StepExtras
 from stapo.core.reference import minp_stats_batched
 from stapo.core.trainer.base import compute_token_stats
 
@@ -77,22 +77,23 @@ def test_prepare_with_padding_row_reference_on_real_rows_and_proxy_pass_padded(n
                                           "lp_reg": {"enabled": True, "min_p": 0.3, "rho": 1.0}}})
     policy = _tiny()
     backend = type("B", (), {"model": policy, "device": torch.device("cpu"), "world_size": 1})()
-    ex = StepExtras(cfg, backend)
+    hooks = run_hooks(cfg, backend)
+    reference = hooks.get("kl_reference").reference
     with torch.no_grad():
-        for p in ex.reference.model.parameters():
+        for p in reference.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     batch = collate_with_pad_row(_seqs(n_real), 0, pad=True)
     with torch.no_grad():
         old_lp, old_ent = compute_token_stats(policy, batch.input_ids, batch.attention_mask, batch.response_mask,
                                               chunk_size=4)
-    ref_calls, pol_calls = _Counter(ex.reference.model.model), _Counter(policy.model)  # the decoders
-    m = ex.prepare(batch, old_lp, old_ent, micro_batch=2, temperature=1.0, calls=3, pad_row=n_real)
+    ref_calls, pol_calls = _Counter(reference.model.model), _Counter(policy.model)  # the decoders
+    st, m = before_update(hooks, batch, old_lp, old_ent, micro_batch=2, calls=3, pad_row=n_real)
     assert pol_calls.n == 3 and ref_calls.n == -(-n_real // 2)
-    assert ex.ref_lp[n_real].abs().sum() == 0
+    assert st.ref_lp[n_real].abs().sum() == 0
     if n_real:  # the reference's log-probs of the real rows, by an unpadded call
-        want = ex.reference.logprobs(batch.input_ids[:n_real], batch.attention_mask[:n_real],
+        want = reference.logprobs(batch.input_ids[:n_real], batch.attention_mask[:n_real],
                                      batch.response_mask[:n_real], micro_batch=1, temperature=1.0)
-        torch.testing.assert_close(ex.ref_lp[:n_real], want)
+        torch.testing.assert_close(st.ref_lp[:n_real], want)
         assert m["actor/kl"] > 0
 
 
@@ -112,15 +113,16 @@ def test_partitioned_reference_makes_exactly_calls_forwards(n_real):
 
     backend = SimpleNamespace(model=policy, device=torch.device("cpu"), world_size=1, zero_stage=3,
                               frozen_copy=frozen_copy)
-    ex = StepExtras(cfg, backend)
-    assert made == [(torch.float32, False)] and ex.reference.partitioned
+    hooks = run_hooks(cfg, backend)
+    reference = hooks.get("kl_reference").reference
+    assert made == [(torch.float32, False)] and reference.partitioned
     batch = collate_with_pad_row(_seqs(n_real), 0, pad=True)
     with torch.no_grad():
         old_lp, old_ent = compute_token_stats(policy, batch.input_ids, batch.attention_mask, batch.response_mask,
                                               chunk_size=4)
-    ref_calls = _Counter(ex.reference.model.model)
-    ex.prepare(batch, old_lp, old_ent, micro_batch=2, temperature=1.0, calls=3, pad_row=n_real)
+    ref_calls = _Counter(reference.model.model)
+    st, _ = before_update(hooks, batch, old_lp, old_ent, micro_batch=2, calls=3, pad_row=n_real)
     assert ref_calls.n == 3  # the busiest rank's count, whatever this rank holds
     # the copy equals the policy here: its log-probs are the policy's, the padding row is 0
-    torch.testing.assert_close(ex.ref_lp, old_lp)
-    assert ex.ref_lp[n_real].abs().sum() == 0
+    torch.testing.assert_close(st.ref_lp, old_lp)
+    assert st.ref_lp[n_real].abs().sum() == 0

@@ -14,26 +14,27 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import HookRun
 
 import stapo.core.extras as extras
 from stapo.configs import preset_path
 from stapo.core.config import load_config
-from stapo.core.extras import HOOKS, STABILITY_HOOKS, StepState, build_hooks, legacy_hook_state
+from stapo.core.extras import HOOKS, StepState, build_hooks, legacy_hook_state
 
 DOCUMENTED = [
     "async", "sampler", "deep_grpo", "overlong_filter", "kl_reference", "lp_reg", "stare", "kl_in_reward", "s2t_watch",
 ]
+STABILITY_HOOKS = DOCUMENTED[3:-1]  # the stability layers, each switched on by its own config keys
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def _hooks(*overrides: str, sampler=None):
     cfg = load_config(preset_path("tiny"), list(overrides))
-    return build_hooks(SimpleNamespace(cfg=cfg, sampler=sampler, backend=None))
+    return build_hooks(HookRun(cfg, sampler=sampler))
 
 
 def test_registry_order_is_the_documented_one():
     assert list(HOOKS)[: len(DOCUMENTED)] == DOCUMENTED
-    assert list(STABILITY_HOOKS) == DOCUMENTED[3:-1]
     # the module's table of hooks, in its order: the first column of each row
     doc = extras.__doc__.split("Registered, in this order")[1]
     assert re.findall(r"^``(\w+)``\s{2,}", doc, flags=re.M) == DOCUMENTED
@@ -103,8 +104,8 @@ def test_kl_in_reward_reads_the_target_the_reference_hook_published():
     batch = SimpleNamespace(response_mask=mask, advantages=torch.tensor([[0.0, 0.7], [0.0, -0.7]]))
     old = torch.tensor([[0.0, -1.0], [0.0, -2.0]])
     st = StepState(1, seqs, seqs, {}, batch=batch, old_lp=old, old_ent=torch.zeros(2, 2))
-    hooks.before_update(st)
-    assert st.ref_lp is old and st.metrics == {"actor/kl_reward_penalty": 0.0}
+    assert hooks.before_update(st) == {"actor/kl_reward_penalty": 0.0}  # the phase's metrics, returned
+    assert st.ref_lp is old and st.metrics == {}  # (the loop merges them; no hook edits the step's)
     assert [s.reward for s in seqs] == [1.0, 0.0]
     assert [s.advantage for s in seqs] == pytest.approx([0.7071, -0.7071], abs=1e-4)
     assert batch.advantages[:, 1].tolist() == pytest.approx([0.7071, -0.7071], abs=1e-4)

@@ -140,3 +140,32 @@ def test_mask_and_dual_clip_errors() -> None:
         MASPO(new, old, adv, mask, dual_clip_c=3.0)
     with pytest.raises(ValueError, match="sigma_base"):
         MASPO(new, old, adv, mask, sigma_base=2.0, sigma_high=1.0)
+
+
+def test_options_come_from_the_section_the_registration_states() -> None:
+    """A loss's keywords beyond the clip ranges come from the ``algorithm`` section whose type is the
+    options model it registered with: a loss registered under another name with MASPO's model reads
+    ``algorithm.maspo``; one whose model no section holds is refused when the config is built."""
+    from stapo.core.algos import POLICY_LOSSES, policy_loss_spec, register_policy_loss
+    from stapo.core.config import config_from_dict
+    from stapo.core.loss_options import MaspoOptions, PolicyLossOptions
+    from stapo.core.update import update_parts
+
+    class Unplaced(PolicyLossOptions):
+        width: float = 1.0
+
+    assert policy_loss_spec("maspo").options is MaspoOptions and policy_loss_spec("ppo_clip").options is None
+    register_policy_loss("soft_alias", options=MaspoOptions, elementwise=True)(MASPO)
+    register_policy_loss("unplaced", options=Unplaced, elementwise=False)(PPO)
+    try:
+        for name in ("maspo", "soft_alias"):
+            cfg = config_from_dict({"algorithm": {"policy_loss": name, "maspo": {"alpha": 0.5}}})
+            kw = update_parts(cfg).loss_kw
+            assert {k: kw[k] for k in AUTHORS} == {**AUTHORS, "alpha": 0.5}, name
+        plain = config_from_dict({"algorithm": {"policy_loss": "ppo_clip", "maspo": {"alpha": 0.5}}})
+        assert set(update_parts(plain).loss_kw) == {"eps_low", "eps_high", "dual_clip_c"}
+        with pytest.raises(ValueError, match="policy_loss: 'unplaced' takes Unplaced"):
+            config_from_dict({"algorithm": {"policy_loss": "unplaced"}})
+    finally:
+        POLICY_LOSSES.unregister("soft_alias")
+        POLICY_LOSSES.unregister("unplaced")

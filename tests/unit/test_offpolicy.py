@@ -226,12 +226,12 @@ def test_vcpo_baseline_per_minibatch_at_the_current_weights(one_thread) -> None:
     summed PPO-clip loss at advantage 1, b = sum W R / sum W, A = (R - b) / population std.
     Checked against the model's own logits on each unpadded row."""
     import copy
-    from types import SimpleNamespace
 
     from stapo.core import loop, update
     from stapo.core.async_rollout import MinVarianceBaseline, OffPolicyStep
     from stapo.core.batch import collate
     from stapo.core.config import config_from_dict
+    from stapo.core.extras import Hooks
     from stapo.core.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
@@ -264,8 +264,9 @@ def test_vcpo_baseline_per_minibatch_at_the_current_weights(one_thread) -> None:
     seen: list = []
     real_adv = base.advantages
     base.advantages = lambda b, bt, rows, *a: seen.append(sorted(rows)) or real_adv(b, bt, rows, *a)
-    update.update_policy(SimpleNamespace(cfg=cfg, backend=backend), batch, old_lp, None, step=1, off_policy=step,
-                         before_step=lambda i, fresh: snaps.append(copy.deepcopy(backend.model)))
+    inputs = update.UpdateInputs(batch, old_lp, None, step=1, off_policy=step,
+                                 before_step=lambda i, fresh: snaps.append(copy.deepcopy(backend.model)))
+    update.Actor(cfg, backend, Hooks()).update(inputs)  # (the off-policy step is the input; no layer acts inside)
     assert sorted(seen) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # each group whole, one per optimizer step
     second = seen[1]
     ref = snaps[1]  # the weights the second mini-batch started from (its baseline was taken there)

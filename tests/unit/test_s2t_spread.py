@@ -20,11 +20,11 @@ import copy
 import importlib
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_hooks
 
 from stapo.core.algos import (
     AGGREGATIONS,
@@ -342,7 +342,8 @@ def run_update(cfg, model, *, mirror: bool = False):
         b.all_reduce_sum, b.all_gather_1d = MirrorRank.all_reduce_sum, MirrorRank.all_gather_1d
     batch = public("collate")(spread_sequences(model.config.vocab_size), 0)
     old_lp, old_ent = public("token_stats_batched")(b, batch, 8, 1.0)
-    metrics = public("update_policy")(SimpleNamespace(cfg=cfg, backend=b), batch, old_lp, old_ent, step=1)
+    actor = public("Actor")(cfg, b, run_hooks(cfg))
+    metrics = actor.update(public("UpdateInputs")(batch, old_lp, old_ent, step=1))
     return metrics, grads, old_lp, old_ent, batch
 
 

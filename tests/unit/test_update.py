@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import copy
 import itertools
-from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import run_hooks
 
 from stapo.core import loop, update
 from stapo.core.algos import AGGREGATIONS, POLICY_LOSSES, TOKEN_WEIGHTS
@@ -60,6 +60,12 @@ def grouped_batch(vocab: int, seed: int = 0) -> loop.Batch:
     return collate(seqs, pad_id=0)
 
 
+def update_once(cfg, backend, batch, old_lp, old_ent):
+    """One step's update as the loop runs it: ``Actor.update`` with the config's hooks (STARE's
+    controller, the KL term; built without a model: the KL's target is the sampling policy)."""
+    return update.Actor(cfg, backend, run_hooks(cfg)).update(update.UpdateInputs(batch, old_lp, old_ent, step=1))
+
+
 def sgd_backend(cfg, model):
     """A torch backend whose optimizer is plain SGD: the parameter update is lr x the accumulated
     gradient, so equal gradients give equal updates to rounding (AdamW's g / sqrt(v) would turn a
@@ -93,7 +99,7 @@ def run_update(weighting, loss, agg, mini_batches, epochs, spec, model, batch):
     cfg = make_cfg(weighting, algorithm=algorithm, share_prompt_prefix=False, **SPECS[spec])
     b = sgd_backend(cfg, model)
     old_lp, old_ent = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)
-    m = update.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, old_lp, old_ent, step=1)
+    m = update_once(cfg, b, batch, old_lp, old_ent)
     return m, {n: p.detach().clone() for n, p in b.model.named_parameters()}, old_lp, old_ent
 
 
@@ -164,10 +170,10 @@ def test_onpolicy_update_without_the_nograd_pass(tiny, weighting, spec):
     cfg = make_cfg(weighting, share_prompt_prefix=True, **SPECS[spec])
     ref_b = sgd_backend(cfg, model)
     old_lp, old_ent = update.token_stats_batched(ref_b, batch, update.micro_spec(cfg), 1.0)
-    ref_m = update.update_policy(SimpleNamespace(cfg=cfg, backend=ref_b), batch, old_lp, old_ent, step=1)
+    ref_m = update_once(cfg, ref_b, batch, old_lp, old_ent)
     b = sgd_backend(cfg, model)
     calls = count_nograd(b)
-    m = update.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, None, None, step=1)
+    m = update_once(cfg, b, batch, None, None)
     assert calls["nograd"] == 0
     if weighting == "s2t":  # the test must exercise silencing: some, not all, positive-A tokens
         assert 0 < m["stapo/silenced_count"] < batch.response_mask.sum()
@@ -187,7 +193,7 @@ def test_no_nograd_forward_inside_the_update(tiny, weighting):
     b = sgd_backend(cfg, model)
     old_lp, old_ent = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)
     calls = count_nograd(b)
-    update.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, old_lp, old_ent, step=1)
+    update_once(cfg, b, batch, old_lp, old_ent)
     assert calls["nograd"] == 0
     assert calls["grad"] == 4  # 8 rows in 4 mini-batches of 2: one micro-batch each
     assert update.needs_old_pass(cfg)  # pi_old for mini-batches 2-4
@@ -212,7 +218,7 @@ def test_bounded_update_matches_kept_graphs(tiny, weighting, spec, algorithm):
         b = sgd_backend(cfg, model)
         old_lp, old_ent = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)
         calls = count_nograd(b)
-        m = update.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, old_lp, old_ent, step=1)
+        m = update_once(cfg, b, batch, old_lp, old_ent)
         runs[mode] = (m, {n: p.detach().clone() for n, p in b.model.named_parameters()}, dict(calls))
     (m_k, p_k, c_k), (m_b, p_b, c_b) = runs["keep_graphs"], runs["bounded"]
     assert c_k["nograd"] == 0 and c_b["grad"] == c_k["grad"]
@@ -343,7 +349,7 @@ def test_unequal_minibatches_each_normalized_by_their_own_tokens(tiny):
     steps = []
     real_step = b.step
     b.step = lambda: steps.append(1) or real_step()
-    update.update_policy(SimpleNamespace(cfg=cfg, backend=b), batch, old_lp, old_ent, step=1)
+    update_once(cfg, b, batch, old_lp, old_ent)
     assert len(steps) == 5  # chunk(5) of 8 rows: 4 steps
 
     one = make_cfg("s2t", algorithm={"mini_batches": 1, "s2t": s2t}, share_prompt_prefix=False)
@@ -351,12 +357,10 @@ def test_unequal_minibatches_each_normalized_by_their_own_tokens(tiny):
     parts = global_minibatches([8], 5, torch.Generator().manual_seed(loop.derive_seed(cfg.trainer.seed, 1, 0)))
     assert sorted(len(p) for p in parts) == [1, 1, 2, 2, 2]
     for rows in parts:
-        update.update_policy(SimpleNamespace(cfg=one, backend=ref), batch.rows(rows), old_lp[rows], old_ent[rows],
-                             step=1)
+        update_once(one, ref, batch.rows(rows), old_lp[rows], old_ent[rows])
     for (n, p), (_, q) in zip(b.model.named_parameters(), ref.model.named_parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=n)
 
     nine = make_cfg("s2t", algorithm={"mini_batches": 9, "s2t": s2t}, rollout={"prompts_per_step": 9, "n": 2})
     with pytest.raises(ValueError, match=r"8 rows for algorithm.mini_batches=9"):
-        update.update_policy(SimpleNamespace(cfg=nine, backend=sgd_backend(nine, model)), batch, old_lp, old_ent,
-                             step=1)
+        update_once(nine, sgd_backend(nine, model), batch, old_lp, old_ent)
