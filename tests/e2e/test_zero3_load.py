@@ -13,7 +13,9 @@ when its engine is built). What can fail:
   teacher, must not be partitioned by accident);
 * one update (each rank half of a fixed batch, global normalizer, weight decay on) must give the
   same per-rank loss, grad norm and parameters as the same update of the model loaded whole; weight
-  decay is what tells a matrix from a 1-D gain, which a partition's 1-D placeholder would hide.
+  decay is what tells a matrix from a 1-D gain, which a partition's 1-D placeholder would hide;
+* the HF export after that update (gathered, written by rank 0, the only rank that keeps the
+  gathered copy) must hold the updated weights bit for bit.
 
 Skipped without deepspeed. ~30 s on 2 idle cores (one torchrun start, two engines per rank).
 """
@@ -65,7 +67,7 @@ SCRIPT = textwrap.dedent(
             loss = -(lp * w[sl]).sum() / n
             b.backward(loss)
             m = b.step()
-            return r, start, {{"loss": loss.item(), **m}}, params(b)
+            return b, start, {{"loss": loss.item(), **m}}, params(b)
 
         model, _ = load_policy(cfg.model, init_context=load_context(cfg))
         seen = {{
@@ -75,7 +77,10 @@ SCRIPT = textwrap.dedent(
             "tied": model.lm_head.weight is model.model.embed_tokens.weight,
             "shapes": {{n: [p.ds_numel, p.ds_tensor.numel(), p.numel()] for n, p in model.named_parameters()}},
         }}
-        rank, start, seen["partitioned_step"], after = update(model)
+        b, start, seen["partitioned_step"], after = update(model)
+        rank = b.rank
+        seen["kept_by_export"] = len(b.full_state_dict(rank0_only=True))  # only the writing rank keeps a copy
+        b.export_hf(out + "_export", tokenizer=None)
         saved = load_file(os.path.join(ckpt, "model.safetensors"))
         seen["bit_equal"] = sorted(n for n in saved if torch.equal(start[n], saved[n]))
         seen["saved"] = sorted(saved)
@@ -127,7 +132,13 @@ def test_zero3_loads_partitioned_and_updates_like_whole(tmp_path):
         assert part["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-6) and part["grad_norm"] > 0
     assert seen[0]["partitioned_step"]["loss"] != seen[1]["partitioned_step"]["loss"]  # each rank its half
 
+    buffers = len(list(model.named_buffers()))  # the rotary tables ride along
+    assert [s["kept_by_export"] for s in seen] == [len(full) + buffers, 0]
     after = torch.load(tmp_path / "out.pt")
+    from safetensors.torch import load_file
+
+    exported = load_file(tmp_path / "out_export" / "model.safetensors")
+    assert_same_params({n: exported[n] for n in full}, after["partitioned"], atol=0)
     assert_same_params(after["partitioned"], after["whole"], atol=1e-7)
     moved = max((after["partitioned"][n] - p.detach()).abs().max().item() for n, p in model.named_parameters())
     assert moved > 1e-3  # the update did something to compare
