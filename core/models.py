@@ -423,14 +423,14 @@ def load_policy(
         kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": model_cfg.trust_remote_code}
         if model_cfg.gguf_file:
             kwargs["gguf_file"] = model_cfg.gguf_file
-        try:
-            with nullcontext() if model_cfg.gguf_file else init_context:
+        with nullcontext() if model_cfg.gguf_file else init_context:  # its own errors pass through
+            try:
                 model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(
-                f"could not load model.name_or_path={name!r}: {err}\n"
-                f"(special names: {', '.join(sorted(SPECIAL_MODELS))})"
-            ) from err
+            except (OSError, ValueError) as err:
+                raise ModelLoadError(
+                    f"could not load model.name_or_path={name!r}: {err}\n"
+                    f"(special names: {', '.join(sorted(SPECIAL_MODELS))})"
+                ) from err
         if model_cfg.gguf_file:  # dequantized by transformers: plain weights from here on
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config

@@ -199,10 +199,17 @@ def _import_deepspeed() -> Any:
     return deepspeed
 
 
-def _on_cpu() -> bool:
+def _on_cpu(trainer_cfg: Any) -> bool:
+    """Whether DeepSpeed's accelerator is the CPU; a ``trainer.device`` that disagrees is refused."""
     from deepspeed.accelerator import get_accelerator
 
-    return get_accelerator().device_name() == "cpu"
+    name = get_accelerator().device_name()
+    if trainer_cfg.device != "auto" and (trainer_cfg.device == "cpu") != (name == "cpu"):
+        raise ValueError(
+            f"trainer.device={trainer_cfg.device!r} but DeepSpeed's accelerator is {name!r}; "
+            "with deepspeed use `auto` (or set DS_ACCELERATOR)"
+        )
+    return name == "cpu"
 
 
 class _ClippedAdamW(torch.optim.AdamW):
@@ -254,7 +261,7 @@ class DeepSpeedBackend:
         deepspeed = _import_deepspeed()
         from transformers.integrations import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
-        cpu = _on_cpu()
+        cpu = _on_cpu(cfg.trainer)
         init_distributed(deepspeed, cpu=cpu, timeout_s=cfg.trainer.dist_timeout_s)
         hf_ds_config = HfDeepSpeedConfig(build_ds_config(cfg.trainer, **engine_options(cfg.trainer, cpu=cpu)))
         try:
@@ -265,7 +272,6 @@ class DeepSpeedBackend:
 
     def __init__(self, cfg: Any, model: torch.nn.Module, total_optimizer_steps: int) -> None:
         deepspeed = _import_deepspeed()
-        from deepspeed.accelerator import get_accelerator
         from deepspeed.runtime.engine import DeepSpeedEngine
 
         if not hasattr(DeepSpeedEngine, "managed_gradient_accumulation"):
@@ -280,12 +286,7 @@ class DeepSpeedBackend:
         self.tcfg = tcfg = cfg.trainer
         self.total_optimizer_steps = total_optimizer_steps
         self._deepspeed = deepspeed
-        cpu = _on_cpu()
-        if tcfg.device not in ("auto",) and (tcfg.device == "cpu") != cpu:
-            raise ValueError(
-                f"trainer.device={tcfg.device!r} but DeepSpeed's accelerator is "
-                f"{get_accelerator().device_name()!r}; with deepspeed use `auto` (or set DS_ACCELERATOR)"
-            )
+        cpu = _on_cpu(tcfg)
         init_distributed(deepspeed, cpu=cpu, timeout_s=tcfg.dist_timeout_s)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()

@@ -17,7 +17,10 @@ when its engine is built). What can fail:
 * the HF export after that update (gathered, written by rank 0, the only rank that keeps the
   gathered copy) must hold the updated weights bit for bit.
 
-Skipped without deepspeed. ~30 s on 2 idle cores (one torchrun start, two engines per rank).
+In-process (no launch): the torch backend and ZeRO 0-2 load under an empty context, and a
+``trainer.device`` DeepSpeed cannot drive is refused on entering the context, before anything loads.
+
+Skipped without deepspeed. The launch: ~45 s on 2 busy cores (one torchrun start, two engines per rank).
 """
 
 from __future__ import annotations
@@ -142,3 +145,32 @@ def test_zero3_loads_partitioned_and_updates_like_whole(tmp_path):
     assert_same_params(after["partitioned"], after["whole"], atol=1e-7)
     moved = max((after["partitioned"][n] - p.detach()).abs().max().item() for n, p in model.named_parameters())
     assert moved > 1e-3  # the update did something to compare
+
+
+def _cfg(backend: str, stage: int, device: str = "auto", name: str = "tiny-random"):
+    from stapo.core.config import config_from_dict
+
+    return config_from_dict({"model": {"name_or_path": name},
+                             "trainer": {"backend": backend, "device": device, "zero_stage": stage}})
+
+
+@pytest.mark.parametrize(("backend", "stage"), [("torch", 3), ("deepspeed", 0), ("deepspeed", 2)])
+def test_only_zero3_loads_under_a_context(backend, stage):
+    """The torch backend and ZeRO 0-2 load whole: their context switches nothing on (no process group)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from stapo.core.trainer import load_context
+
+    with load_context(_cfg(backend, stage)):
+        assert not is_deepspeed_zero3_enabled()
+
+
+def test_a_device_deepspeed_does_not_drive_is_refused_before_the_load(tmp_path):
+    """trainer.device=cuda while DeepSpeed's accelerator is the CPU: one line naming the key, before
+    from_pretrained reads anything (the path does not even exist)."""
+    from stapo.core.models import load_policy
+    from stapo.core.trainer import load_context
+
+    cfg = _cfg("deepspeed", 3, device="cuda", name=str(tmp_path / "no-such-model"))
+    with pytest.raises(ValueError, match=r"^trainer.device='cuda' but DeepSpeed's accelerator is 'cpu'"):
+        load_policy(cfg.model, init_context=load_context(cfg))
