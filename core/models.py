@@ -401,8 +401,8 @@ def load_policy(
     the model partitioned over the ranks (``zero.Init``): the model is then left where ZeRO put its
     partitions, in the engine's dtype, and ``device`` does not apply. Built whole whatever the
     context: ``tiny-random`` (see ``_load_tiny``) and ``model.gguf_file`` checkpoints (transformers
-    dequantizes the whole file on every rank before any weight is loaded, so partitioning saves no
-    host memory there; the demo model is loaded from its converted HF copy, partitioned).
+    dequantizes the whole file on every rank first, and its ZeRO-3 path for GGUF is not one we run;
+    save the model in HF format to load it partitioned, as the demo model's converted copy is).
 
     The mode (``.train()`` / ``.eval()``) is left to the caller.
     Gradient checkpointing (non-reentrant) is enabled when configured. The tokenizer always has a
