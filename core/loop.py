@@ -106,21 +106,22 @@ class _Run:
 
     def __init__(self, cfg: Config, run_dir: Path, log: Callable[[str], None]) -> None:
         from stapo.core.data import encode_prompt, load_prompts
-        from stapo.core.models import load_policy
+        from stapo.core.models import count_params, load_policy
         from stapo.core.placement import rank_placement
         from stapo.core.rewards import RewardFunction
         from stapo.core.rollout import build_rollout_engine
-        from stapo.core.trainer import build_trainer_backend
+        from stapo.core.trainer import build_trainer_backend, load_context
 
         self.cfg, self.run_dir, self.log = cfg, run_dir, log
         # this rank's device, set before anything touches a GPU (stapo.core.placement); the policy
-        # loads on the CPU and the trainer backend places it there
+        # loads on the CPU (ZeRO-3: partitioned as it is built) and the trainer backend places it there
         self.placement = rank_placement(cfg.trainer.device, tp_size=vllm_tp_size(cfg))
         seed_everything(cfg.trainer.seed)
         device = self.placement.device
         t0 = time.time()
-        self.model, self.tokenizer = load_policy(cfg.model, device="cpu", compute_device=device)
-        log(f"policy {cfg.model.name_or_path}: {sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M params "
+        self.model, self.tokenizer = load_policy(cfg.model, device="cpu", compute_device=device,
+                                                 init_context=load_context(cfg))
+        log(f"policy {cfg.model.name_or_path}: {count_params(self.model) / 1e6:.1f}M params "
             f"for {device} ({time.time() - t0:.1f}s)")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         total_updates = cfg.trainer.max_steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches

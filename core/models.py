@@ -18,6 +18,7 @@ gguf support) or one of the special names in :data:`SPECIAL_MODELS`:
 Usage::
 
     model, tok = load_policy(cfg.model, device="cpu")
+    model, tok = load_policy(cfg.model, init_context=load_context(cfg))  # the trainer's (ZeRO-3: partitioned)
     tok = load_tokenizer(cfg.model)           # the tokenizer alone (data preparation)
 
 Why the pad token is always set: batched rollouts and training pad sequences; a tokenizer without a
@@ -34,6 +35,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +50,11 @@ __all__ = [
     "ModelLoadError",
     "build_tiny_model",
     "build_tiny_tokenizer",
+    "count_params",
     "demo_cache_path",
     "enable_checkpointing",
     "is_checkpointing",
+    "is_partitioned",
     "load_policy",
     "load_tokenizer",
     "resolve_device",
@@ -175,7 +179,11 @@ def build_tiny_model(tiny: TinyModel, tokenizer: Any | None = None) -> torch.nn.
     return model
 
 
-def _load_tiny(model_cfg: ModelConfig, dtype: torch.dtype) -> tuple[Any, Any]:
+def _load_tiny(model_cfg: ModelConfig, dtype: torch.dtype, init_context: AbstractContextManager[Any]) -> tuple[Any, Any]:
+    """Built whole, outside ``init_context``: a model of kilobytes whose weights are, by definition,
+    the seeded whole-model init (the same at every ZeRO stage and world size); ``zero.Init``'s
+    module-by-module init on rank 0 draws the RNG in another order and would give other weights.
+    DeepSpeed partitions it when its engine is built."""
     tok = build_tiny_tokenizer(model_cfg.tiny.vocab)
     model = build_tiny_model(model_cfg.tiny, tok).to(dtype)
     return model, tok
@@ -259,11 +267,14 @@ def _convert_demo(model_cfg: ModelConfig) -> Path:
     return target
 
 
-def _load_demo(model_cfg: ModelConfig, dtype: torch.dtype) -> tuple[Any, Any]:
+def _load_demo(model_cfg: ModelConfig, dtype: torch.dtype, init_context: AbstractContextManager[Any]) -> tuple[Any, Any]:
+    """The converted HF copy, loaded under ``init_context``; the conversion itself runs outside it
+    (it must hold and save the whole dequantized model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = _convert_demo(model_cfg)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    with init_context:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     tok = AutoTokenizer.from_pretrained(str(path))
     return model, tok
 
@@ -281,8 +292,9 @@ def _demo_tokenizer(model_cfg: ModelConfig) -> Any:
 
 # ----------------------------------------------------------------------------- registry and entry points
 
-# name -> loader(model_cfg, dtype) -> (model on CPU, tokenizer)
-SPECIAL_MODELS: dict[str, Callable[[ModelConfig, torch.dtype], tuple[Any, Any]]] = {
+# name -> loader(model_cfg, dtype, init_context) -> (model on CPU or partitioned, tokenizer); a loader
+# builds a checkpoint's model inside init_context (see load_policy) or says why not
+SPECIAL_MODELS: dict[str, Callable[[ModelConfig, torch.dtype, AbstractContextManager[Any]], tuple[Any, Any]]] = {
     TINY_MODEL: _load_tiny,
     DEMO_MODEL: _load_demo,
 }
@@ -326,6 +338,16 @@ def enable_checkpointing(model: Any) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def is_partitioned(model: torch.nn.Module) -> bool:
+    """Whether ZeRO-3 partitioned the model's parameters (each carries DeepSpeed's ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def count_params(model: torch.nn.Module) -> int:
+    """Parameters of the whole model, also when ZeRO-3 partitioned it (``ds_numel``: the full count)."""
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+
+
 def is_checkpointing(model: Any) -> bool:
     """Whether activation checkpointing is on (either transformers spelling)."""
     if hasattr(model, "is_activation_checkpointing"):
@@ -362,7 +384,11 @@ def load_tokenizer(model_cfg: ModelConfig) -> Any:
 
 
 def load_policy(
-    model_cfg: ModelConfig, *, device: str | torch.device = "cpu", compute_device: str | torch.device | None = None
+    model_cfg: ModelConfig,
+    *,
+    device: str | torch.device = "cpu",
+    compute_device: str | torch.device | None = None,
+    init_context: AbstractContextManager[Any] | None = None,
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` on ``device`` with the configured dtype.
 
@@ -370,16 +396,25 @@ def load_policy(
     ``device``). The training loop loads on the CPU for its rank's GPU and lets the trainer backend
     place the model, so no rank ever puts a whole model on a GPU that is not its own.
 
+    ``init_context``: entered around ``from_pretrained`` of a checkpoint; the trainer backend's
+    (:func:`stapo.core.trainer.load_context`). Under DeepSpeed ZeRO-3 it makes transformers build
+    the model partitioned over the ranks (``zero.Init``): the model is then left where ZeRO put its
+    partitions, in the engine's dtype, and ``device`` does not apply. Built whole whatever the
+    context: ``tiny-random`` (see ``_load_tiny``) and ``model.gguf_file`` checkpoints (transformers
+    dequantizes the whole file on every rank first, and its ZeRO-3 path for GGUF is not one we run;
+    save the model in HF format to load it partitioned, as the demo model's converted copy is).
+
     The mode (``.train()`` / ``.eval()``) is left to the caller.
     Gradient checkpointing (non-reentrant) is enabled when configured. The tokenizer always has a
     pad token, and ``model.config.pad_token_id`` matches it.
     """
     dev = resolve_device(device)
     dtype = resolve_dtype(model_cfg, dev if compute_device is None else compute_device)
+    init_context = nullcontext() if init_context is None else init_context
     name = model_cfg.name_or_path
     _check_special(name)
     if name in SPECIAL_MODELS:
-        model, tok = SPECIAL_MODELS[name](model_cfg, dtype)
+        model, tok = SPECIAL_MODELS[name](model_cfg, dtype, init_context)
         if model_cfg.tokenizer and model_cfg.tokenizer != name:
             tok = load_tokenizer(model_cfg)
     else:
@@ -388,13 +423,14 @@ def load_policy(
         kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": model_cfg.trust_remote_code}
         if model_cfg.gguf_file:
             kwargs["gguf_file"] = model_cfg.gguf_file
-        try:
-            model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(
-                f"could not load model.name_or_path={name!r}: {err}\n"
-                f"(special names: {', '.join(sorted(SPECIAL_MODELS))})"
-            ) from err
+        with nullcontext() if model_cfg.gguf_file else init_context:  # its own errors pass through
+            try:
+                model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+            except (OSError, ValueError) as err:
+                raise ModelLoadError(
+                    f"could not load model.name_or_path={name!r}: {err}\n"
+                    f"(special names: {', '.join(sorted(SPECIAL_MODELS))})"
+                ) from err
         if model_cfg.gguf_file:  # dequantized by transformers: plain weights from here on
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
@@ -403,5 +439,6 @@ def load_policy(
     _ensure_pad(tok, model)
     if model_cfg.gradient_checkpointing:
         enable_checkpointing(model)
-    model.to(dev)
+    if not is_partitioned(model):  # ZeRO-3's partitions stay where zero.Init put them
+        model.to(dev)
     return model, tok

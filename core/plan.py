@@ -11,7 +11,9 @@ longest forward, h hidden size, n layers)::
     model states   DeepSpeed's accounting of mixed-precision Adam: 16-bit weights (2 B/param),
                    16-bit + fp32 gradients (2 + 4), fp32 master weights and two moments (4 + 8);
                    ZeRO-1 partitions the fp32 states over N, ZeRO-2 also the gradients, ZeRO-3 also
-                   the weights (plus one gathered layer, 4 L). Stages 2 and 3 are DeepSpeed's own
+                   the weights (plus one gathered layer, 4 L; the policy is built partitioned
+                   under ``zero.Init``, so loading it never puts the whole model on a GPU, which
+                   is the estimator's ``zero_init=True``). Stages 2 and 3 are DeepSpeed's own
                    estimators (``estimate_zero2/3_model_states_mem_needs``); stages 0 and 1 follow
                    the same accounting (DeepSpeed has no estimator for them). ``offload_optimizer``
                    moves the fp32 states and gradients to the CPU. The torch backend keeps fp32

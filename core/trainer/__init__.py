@@ -4,6 +4,7 @@
 built, so ``stapo`` imports (and its tests run) without DeepSpeed installed.
 
     from stapo.core.trainer import build_trainer_backend
+    model, tok = load_policy(cfg.model, init_context=load_context(cfg))  # ZeRO-3: built partitioned
     backend = build_trainer_backend(cfg, model)          # cfg.trainer.backend: "torch" | "deepspeed"
     lp, ent = backend.token_stats(input_ids, attention_mask, grad=True)
     backend.backward(loss); metrics = backend.step()
@@ -14,6 +15,7 @@ the details (accumulation, data parallelism, checkpoints, multi-node launch).
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from stapo.core.lazy import LazyRegistry
@@ -24,6 +26,7 @@ __all__ = [
     "TrainerBackend",
     "build_trainer_backend",
     "get_backend_class",
+    "load_context",
     "register_backend",
     "lr_multiplier",
     "planned_optimizer_steps",
@@ -51,3 +54,15 @@ def build_trainer_backend(
     """
     total = planned_optimizer_steps(cfg) if total_optimizer_steps is None else total_optimizer_steps
     return get_backend_class(cfg.trainer.backend)(cfg, model, total_optimizer_steps=total)
+
+
+def load_context(cfg: Any) -> AbstractContextManager[Any]:
+    """The context to load the policy under for ``cfg.trainer.backend``.
+
+    A backend class that builds its model in a particular way offers a ``load_context(cfg)``
+    classmethod (DeepSpeed at ZeRO-3: partitioned as it is built, see
+    :meth:`~stapo.core.trainer.deepspeed_backend.DeepSpeedBackend.load_context`); the others load
+    the whole model on the CPU and place it themselves (an empty context).
+    """
+    make = getattr(get_backend_class(cfg.trainer.backend), "load_context", None)
+    return make(cfg) if make is not None else nullcontext()

@@ -252,9 +252,14 @@ def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict
 
     Decaying a norm gain towards 0 shrinks a layer's output rather than regularizing it; this is the
     usual split (nanoGPT, HF Trainer). Frozen parameters are left out. Empty groups are dropped.
+    A parameter partitioned by ZeRO-3's ``zero.Init`` is an empty 1-D placeholder: its own shape is
+    ``ds_shape``.
     """
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    def ndim(p: torch.nn.Parameter) -> int:
+        return len(getattr(p, "ds_shape", p.shape))
+
+    decay = [p for p in model.parameters() if p.requires_grad and ndim(p) >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and ndim(p) < 2]
     groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

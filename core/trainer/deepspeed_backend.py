@@ -28,6 +28,15 @@ How the update is made identical to the ``torch`` backend's:
 
 Precision: bf16 (with fp32 master weights in the optimizer) on GPU, fp32 on CPU.
 
+Loading at ZeRO-3: :meth:`DeepSpeedBackend.load_context` is the context the loop loads the policy
+under. It holds a ``transformers.integrations.HfDeepSpeedConfig`` of the engine's own config (the
+non-Trainer use transformers documents), so ``from_pretrained`` builds the model inside
+``deepspeed.zero.Init``: each parameter is partitioned as it is made, rank 0 reads the checkpoint
+and every other rank reads only its keys and shapes, and the weights are copied in one module at a
+time. No rank holds the whole model on its GPU, and only rank 0 reads it into host memory. The
+engine then takes the partitioned module as it is (DeepSpeed recognizes parameters that carry a
+``ds_id``). The partitions' dtype is the engine's (bf16 on GPU, fp32 on CPU).
+
 LM head under ZeRO-3: the head weight is partitioned; :func:`stapo.core.trainer.base.compute_token_stats`
 runs the chunked log-softmax as the head module's forward, so ZeRO-3's module hooks gather the
 weight before the forward and again before the backward (gradients reach it and are
@@ -54,6 +63,7 @@ import math
 import os
 import socket
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -73,7 +83,7 @@ from stapo.core.trainer.base import (
     make_readable,
 )
 
-__all__ = ["DeepSpeedBackend", "build_ds_config", "init_distributed", "sync_buckets"]
+__all__ = ["DeepSpeedBackend", "build_ds_config", "engine_options", "init_distributed", "sync_buckets"]
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +178,40 @@ def build_ds_config(trainer_cfg: Any, *, bf16: bool, offload: bool, own_clip: bo
     return config
 
 
+def engine_options(trainer_cfg: Any, *, cpu: bool) -> dict[str, bool]:
+    """:func:`build_ds_config`'s switches for ``trainer_cfg`` on this accelerator: bf16 on GPU (fp32 on
+    CPU, where DeepSpeed's bf16 path needs an accelerator), offload as configured, and our own clipping
+    where DeepSpeed has none (ZeRO-0 in fp32). One place, so the engine and the ZeRO-3 load agree."""
+    return {
+        "bf16": not cpu,
+        "offload": bool(trainer_cfg.offload_optimizer),
+        "own_clip": int(trainer_cfg.zero_stage) == 0 and cpu,
+    }
+
+
+def _import_deepspeed() -> Any:
+    try:
+        import deepspeed
+    except ImportError as err:  # pragma: no cover - exercised only without deepspeed
+        raise ImportError(
+            "trainer.backend=deepspeed needs the deepspeed package: pip install 'stapo[train]'"
+        ) from err
+    return deepspeed
+
+
+def _on_cpu(trainer_cfg: Any) -> bool:
+    """Whether DeepSpeed's accelerator is the CPU; a ``trainer.device`` that disagrees is refused."""
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().device_name()
+    if trainer_cfg.device != "auto" and (trainer_cfg.device == "cpu") != (name == "cpu"):
+        raise ValueError(
+            f"trainer.device={trainer_cfg.device!r} but DeepSpeed's accelerator is {name!r}; "
+            "with deepspeed use `auto` (or set DS_ACCELERATOR)"
+        )
+    return name == "cpu"
+
+
 class _ClippedAdamW(torch.optim.AdamW):
     """AdamW that clips to ``max_norm`` and skips non-finite updates itself (ZeRO-0 fp32 only).
 
@@ -198,14 +242,36 @@ class _ClippedAdamW(torch.optim.AdamW):
 class DeepSpeedBackend:
     """ZeRO 0-3 through a DeepSpeed engine; same contract and same update as ``TorchBackend``."""
 
-    def __init__(self, cfg: Any, model: torch.nn.Module, total_optimizer_steps: int) -> None:
+    @classmethod
+    @contextmanager
+    def load_context(cls, cfg: Any) -> Iterator[None]:
+        """The context the policy is loaded under: at ZeRO-3, ``from_pretrained`` builds it partitioned.
+
+        Inside it a ``transformers.integrations.HfDeepSpeedConfig`` of the engine's config (the same
+        :func:`build_ds_config` the engine gets) is alive, which is what makes transformers build the
+        model under ``deepspeed.zero.Init`` and load the checkpoint one gathered module at a time
+        (rank 0 reads the values). transformers keeps only a weak reference to that object, so this
+        frame holds it; it is dropped on exit, so models built later in the process (a KL reference,
+        a teacher) are not partitioned by accident. Joins the process group first: ``zero.Init``
+        partitions over it. Stages 0-2: nothing to do (the engine places the whole model).
+        """
+        if int(cfg.trainer.zero_stage) != 3:
+            yield
+            return
+        deepspeed = _import_deepspeed()
+        from transformers.integrations import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+        cpu = _on_cpu(cfg.trainer)
+        init_distributed(deepspeed, cpu=cpu, timeout_s=cfg.trainer.dist_timeout_s)
+        hf_ds_config = HfDeepSpeedConfig(build_ds_config(cfg.trainer, **engine_options(cfg.trainer, cpu=cpu)))
         try:
-            import deepspeed
-        except ImportError as err:  # pragma: no cover - exercised only without deepspeed
-            raise ImportError(
-                "trainer.backend=deepspeed needs the deepspeed package: pip install 'stapo[train]'"
-            ) from err
-        from deepspeed.accelerator import get_accelerator
+            yield
+        finally:
+            del hf_ds_config
+            unset_hf_deepspeed_config()
+
+    def __init__(self, cfg: Any, model: torch.nn.Module, total_optimizer_steps: int) -> None:
+        deepspeed = _import_deepspeed()
         from deepspeed.runtime.engine import DeepSpeedEngine
 
         if not hasattr(DeepSpeedEngine, "managed_gradient_accumulation"):
@@ -220,18 +286,16 @@ class DeepSpeedBackend:
         self.tcfg = tcfg = cfg.trainer
         self.total_optimizer_steps = total_optimizer_steps
         self._deepspeed = deepspeed
-        cpu = get_accelerator().device_name() == "cpu"
-        if tcfg.device not in ("auto",) and (tcfg.device == "cpu") != cpu:
-            raise ValueError(
-                f"trainer.device={tcfg.device!r} but DeepSpeed's accelerator is "
-                f"{get_accelerator().device_name()!r}; with deepspeed use `auto` (or set DS_ACCELERATOR)"
-            )
+        cpu = _on_cpu(tcfg)
         init_distributed(deepspeed, cpu=cpu, timeout_s=tcfg.dist_timeout_s)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.zero_stage = int(tcfg.zero_stage)
-        bf16 = not cpu
+        options = engine_options(tcfg, cpu=cpu)
         if cpu and any(p.dtype != torch.float32 for p in model.parameters()):
+            if any(hasattr(p, "ds_id") for p in model.parameters()):
+                raise ValueError("the policy was partitioned in a 16-bit dtype but DeepSpeed runs fp32 on CPU; "
+                                 "load it under DeepSpeedBackend.load_context (its config sets fp32)")
             model = model.float()  # CPU runs fp32 (DeepSpeed's bf16 path needs an accelerator)
         # the attention set on the model (None: its own), see stapo.core.trainer.attention
         self.attn_implementation = use_attention(model, self.tcfg.attn_implementation, packed=self.tcfg.micro_batch_tokens is not None)
@@ -240,9 +304,8 @@ class DeepSpeedBackend:
         if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
             model.config.use_cache = False
 
-        offload = bool(tcfg.offload_optimizer)
-        own_clip = self.zero_stage == 0 and not bf16
-        ds_config = build_ds_config(tcfg, bf16=bf16, offload=offload, own_clip=own_clip)
+        offload, own_clip = options["offload"], options["own_clip"]
+        ds_config = build_ds_config(tcfg, **options)
         groups = adamw_param_groups(model, tcfg.weight_decay)
         adam_kw = {"lr": tcfg.lr, "betas": tuple(tcfg.betas), "eps": tcfg.adam_eps}
         if offload:
@@ -493,19 +556,26 @@ class DeepSpeedBackend:
                 for i in bucket:
                     yield named[i][0], named[i][1].detach()
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state dict on CPU (gathered under ZeRO-3), on every rank."""
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The whole model's state dict on CPU (gathered under ZeRO-3), on every rank.
+
+        ``rank0_only``: the other ranks still draw the gathers (collectives) but keep nothing and
+        get ``{}``, so only the rank that writes holds a host copy of the model.
+        """
+        keep = not rank0_only or self.rank == 0
         sd = {}
         for name, t in self.named_parameters_for_sync():
-            sd[name] = t.detach().to("cpu", copy=True)
-        for name, b in self.model.named_buffers():
-            sd[name] = b.detach().to("cpu", copy=True)
+            if keep:
+                sd[name] = t.detach().to("cpu", copy=True)
+        if keep:
+            for name, b in self.model.named_buffers():
+                sd[name] = b.detach().to("cpu", copy=True)
         return sd
 
     def export_hf(self, path: Path, tokenizer: Any) -> None:
         """``save_pretrained`` of the current policy, written by rank 0 (all ranks must call it)."""
         path = Path(path)
-        sd = self.full_state_dict() if self.zero_stage == 3 else None
+        sd = self.full_state_dict(rank0_only=True) if self.zero_stage == 3 else None
         if self.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(path, state_dict=sd, safe_serialization=True)

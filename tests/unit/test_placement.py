@@ -88,7 +88,7 @@ def test_set_device_comes_before_the_policy_loads(monkeypatch, tmp_path):
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
 
-    def fake_load(model_cfg, *, device="cpu", compute_device=None):
+    def fake_load(model_cfg, *, device="cpu", compute_device=None, init_context=None):
         events.append(f"load_policy on {device} for {compute_device}")
         assert models.resolve_dtype(model_cfg, compute_device) == torch.bfloat16  # `auto` on a GPU
         raise _Stop
