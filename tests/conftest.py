@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any
 
 # One torch (OpenMP) thread for the whole run, set before torch is imported so every subprocess a test
 # starts (grader workers, the async producer, CLI runs) inherits it too. The tests' models are tiny, and
@@ -79,35 +77,3 @@ def stub_train(monkeypatch) -> list:
 
     monkeypatch.setattr(loop, "train", finishes)
     return seen
-# ----------------------------------------------------------------------------- driving the loop's phases
-
-
-@dataclass(frozen=True)
-class HookRun:
-    """What the hook factories read from a run (``loop._Run``), for tests that drive the update's
-    phases themselves: the config, the trainer backend (None: layers that need no model) and the
-    prompt sampler."""
-
-    cfg: Any
-    backend: Any = None
-    sampler: Any = None
-
-
-def run_hooks(cfg: Any, backend: Any = None) -> Any:
-    """The config's hooks, built by the registry the way ``loop._Run`` builds them."""
-    from stapo.core.extras import build_hooks
-
-    return build_hooks(HookRun(cfg, backend))
-
-
-def before_update(hooks: Any, batch: Any, old_lp: Any, old_ent: Any, *, micro_batch: Any, temperature: float = 1.0,
-                  calls: int | None = None, pad_row: int | None = None, kept: Any = ()) -> tuple[Any, dict]:
-    """The loop's ``before_update`` phase after its old pass (``loop.update_step``) on a batch the
-    test built: (the step's state, with what the hooks published there, and the phase's metrics)."""
-    from stapo.core.extras import StepState
-    from stapo.core.update import MicroSpec
-
-    spec = micro_batch if isinstance(micro_batch, MicroSpec) else MicroSpec(int(micro_batch))
-    st = StepState(0, list(kept), list(kept), {}, batch=batch, pad_row=pad_row, spec=spec, calls=calls,
-                   temperature=temperature, old_lp=old_lp, old_ent=old_ent)
-    return st, hooks.before_update(st)

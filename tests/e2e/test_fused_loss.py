@@ -23,7 +23,7 @@ import os
 
 import pytest
 import torch
-from conftest import run_hooks
+from hook_driver import run_hooks
 
 from stapo.configs import preset_path
 from stapo.core import loop

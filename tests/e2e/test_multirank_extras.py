@@ -172,7 +172,7 @@ def extras_update(backend_name: str, variant: str, split: list[int]) -> tuple[di
 
     Returns (metrics of rank 0's view, full parameters).
     """
-    from conftest import before_update, run_hooks
+    from hook_driver import before_update, run_hooks
 
     from stapo.core import loop
     from stapo.core.config import config_from_dict

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import before_update, run_hooks
+from hook_driver import before_update, run_hooks
 from test_fused_loss import make_backend, make_cfg, old_stats, rl_batch  # same folder: shared fixtures
 
 from stapo.core.update import Actor, UpdateInputs

@@ -250,7 +250,7 @@ def test_lr_per_rollout_step_under_deepspeed(stage):
 def test_bounded_update_matches_kept_graphs_under_zero3():
     """trainer.update_memory=bounded under ZeRO-3 (each forward gathers parameters; the no-grad
     statistics pass sits between DeepSpeed's micro-steps): the same parameters as keeping the graphs."""
-    from conftest import run_hooks
+    from hook_driver import run_hooks
 
     from stapo.core import loop, update
     from stapo.core.batch import collate

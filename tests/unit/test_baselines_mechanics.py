@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import before_update, run_hooks
+from hook_driver import before_update, run_hooks
 
 from stapo.core import loop
 from stapo.core.algos import (

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import before_update, run_hooks
+from hook_driver import before_update, run_hooks
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from stapo.core import loop

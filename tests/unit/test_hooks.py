@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import HookRun
+from hook_driver import HookRun
 
 import stapo.core.extras as extras
 from stapo.configs import preset_path

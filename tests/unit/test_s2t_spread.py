@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from conftest import run_hooks
+from hook_driver import run_hooks
 
 from stapo.core.algos import (
     AGGREGATIONS,

@@ -19,7 +19,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import run_hooks
+from hook_driver import run_hooks
 
 from stapo.core import loop, update
 from stapo.core.algos import AGGREGATIONS, POLICY_LOSSES, TOKEN_WEIGHTS

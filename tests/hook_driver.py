@@ -1,0 +1,40 @@
+"""Driving the loop's hook phases from a test: the config's hooks built by the registry as the loop
+builds them, and the ``before_update`` phase on a batch the test made. Imported by tests that run
+the update without the loop (``from hook_driver import ...``; tests/ is on sys.path through its
+conftest, and multi-rank workers put it there themselves)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class HookRun:
+    """What the hook factories read from a run (``loop._Run``), for tests that drive the update's
+    phases themselves: the config, the trainer backend (None: layers that need no model) and the
+    prompt sampler."""
+
+    cfg: Any
+    backend: Any = None
+    sampler: Any = None
+
+
+def run_hooks(cfg: Any, backend: Any = None) -> Any:
+    """The config's hooks, built by the registry the way ``loop._Run`` builds them."""
+    from stapo.core.extras import build_hooks
+
+    return build_hooks(HookRun(cfg, backend))
+
+
+def before_update(hooks: Any, batch: Any, old_lp: Any, old_ent: Any, *, micro_batch: Any, temperature: float = 1.0,
+                  calls: int | None = None, pad_row: int | None = None, kept: Any = ()) -> tuple[Any, dict]:
+    """The loop's ``before_update`` phase after its old pass (``loop.update_step``) on a batch the
+    test built: (the step's state, with what the hooks published there, and the phase's metrics)."""
+    from stapo.core.extras import StepState
+    from stapo.core.update import MicroSpec
+
+    spec = micro_batch if isinstance(micro_batch, MicroSpec) else MicroSpec(int(micro_batch))
+    st = StepState(0, list(kept), list(kept), {}, batch=batch, pad_row=pad_row, spec=spec, calls=calls,
+                   temperature=temperature, old_lp=old_lp, old_ent=old_ent)
+    return st, hooks.before_update(st)
