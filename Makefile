@@ -8,6 +8,10 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 EXTRAS ?= dev,train,demo
 PYTEST_ARGS ?=
+# `make test` spreads test files over this many pytest-xdist workers (one file stays on one worker:
+# its module fixtures, e.g. a 2-rank launch, run once). Most tests use one core; 2 halves the wall
+# time on the project's 2-core machines. TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup test lint test-verifier test-transformers-low check-extras demo demo-model clean bench integrations mutants
 
@@ -26,7 +30,7 @@ lint: setup
 	$(BIN)/ruff check .
 
 test: setup lint
-	$(BIN)/python -m pytest -q --durations=40 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40 $(PYTEST_ARGS)
 
 # The verifier's tests on other Python minors (CI runs this after `make test`, which uses $(PY)).
 # The service never imports torch, so each minor gets its own venv, .venv-py<minor>, with the
