@@ -8,9 +8,10 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 EXTRAS ?= dev,train,demo
 PYTEST_ARGS ?=
-# `make test` spreads test files over this many pytest-xdist workers (one file stays on one worker:
-# its module fixtures, e.g. a 2-rank launch, run once). Most tests use one core; 2 halves the wall
-# time on the project's 2-core machines. TEST_WORKERS=0 runs in this process.
+# `make test`, test-verifier and test-transformers-low spread test files over this many pytest-xdist
+# workers (one file stays on one worker: its module fixtures, e.g. a 2-rank launch, run once). Most
+# tests use one core; 2 nearly halve the wall time on the project's 2-core machines.
+# TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 
 .PHONY: setup test lint test-verifier test-transformers-low check-extras demo demo-model clean bench integrations mutants
@@ -63,7 +64,7 @@ test-verifier: $(foreach m,$(VERIFIER_MINORS),.venv-py$(m)/.installed)
 	@test -n "$(strip $(VERIFIER_MINORS))" || echo "test-verifier: skipped (VERIFIER_MINORS is empty)"
 	@for m in $(VERIFIER_MINORS); do \
 		echo "test-verifier: Python $$(.venv-py$$m/bin/python -c 'import platform; print(platform.python_version())'), no torch"; \
-		.venv-py$$m/bin/python -m pytest -q $(PYTEST_ARGS) $(VERIFIER_TESTS) || exit $$?; \
+		.venv-py$$m/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) $(VERIFIER_TESTS) || exit $$?; \
 	done
 
 # The transformers-facing tests on the LOWEST transformers pyproject allows (`make test` runs the newest
@@ -82,7 +83,7 @@ TRANSFORMERS_TESTS ?= tests/unit/test_rollout_hf.py tests/unit/test_rollout_pref
 
 test-transformers-low: .venv-tlow/.installed
 	.venv-tlow/bin/python -c 'import transformers; print("test-transformers-low: transformers", transformers.__version__)'
-	.venv-tlow/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $(TRANSFORMERS_TESTS)
+	.venv-tlow/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -p no:cacheprovider $(PYTEST_ARGS) $(TRANSFORMERS_TESTS)
 
 # `pip install ".[train,vllm]"` (the trainer image's install) resolves against the package index:
 # a pin that conflicts with the newest vLLM fails here, not in a user's image build. Needs the index
