@@ -140,7 +140,7 @@ def command(
     with _owned(run_dir) as owner:
         if not resume and _holds_run(run_dir):
             raise CLIError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --run-dir")
-        if resume and _check_resumable(run_dir, fresh, cfg.trainer.max_steps):
+        if resume and _check_resumable(run_dir, fresh, cfg.trainer.max_steps, say):
             return
         _train(cfg, path, run_dir, resume, owner, say)
 
@@ -236,16 +236,17 @@ def name_mismatch(cfg: Config) -> list[str]:
             f"`--recipe {name}` takes the {name} recipe's method keys."]
 
 
-def _check_resumable(run_dir: Path, fresh: bool, max_steps: int) -> bool:
-    """``--resume`` needs a checkpoint; ``--fresh`` starts a run dir without one over, and says so.
-    True: the run has finished (its last checkpoint is ``trainer.max_steps``), said so, nothing to do."""
+def _check_resumable(run_dir: Path, fresh: bool, max_steps: int, say: Callable[..., None]) -> bool:
+    """``--resume`` needs a checkpoint; ``--fresh`` starts a run dir without one over, and says so
+    (``say``: rank 0 only under a launcher). True: the run has finished (its last checkpoint is
+    ``trainer.max_steps``), said so, nothing to do."""
     from stapo.core.checkpoint import checkpoint_step, latest_checkpoint
 
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
         if checkpoint_step(ckpt) < max_steps:
             return False
-        typer.echo(
+        say(
             f"{run_dir} has finished: its last checkpoint is step {checkpoint_step(ckpt)} of trainer.max_steps="
             f"{max_steps}; nothing to do (to train further: --resume --set trainer.max_steps=N)"
         )
@@ -255,7 +256,7 @@ def _check_resumable(run_dir: Path, fresh: bool, max_steps: int) -> bool:
             f"{run_dir} has no checkpoint to resume from (one is written every checkpoint.every steps and "
             "at the end); add --fresh to start it over from step 0"
         )
-    typer.echo(f"{run_dir} has no checkpoint: starting over from step 0 (--fresh)")
+    say(f"{run_dir} has no checkpoint: starting over from step 0 (--fresh)")
     return False
 
 

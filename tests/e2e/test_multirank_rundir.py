@@ -75,6 +75,12 @@ def test_two_ranks_without_run_dir_write_one_run_dir_and_resume_exactly(tmp_path
     assert [r["step"] for r in resumed] == [1, 2]
     assert {k: resumed[1].get(k) for k in DETERMINISTIC} == {k: original[1].get(k) for k in DETERMINISTIC}
 
+    launch[4] = str(_port())  # the run has finished: every rank stops, rank 0 alone says so
+    done = subprocess.run([*launch, *TRAIN, "--run-dir", str(run.relative_to(tmp_path)), "--resume"], cwd=tmp_path,
+                          env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count(" has finished: its last checkpoint is step 2 of trainer.max_steps=2") == 1, done.stdout
+
 
 def _two_nodes(tmp_path: Path, cwds: list[Path]) -> list[subprocess.CompletedProcess[str]]:
     """One `deepspeed --no_ssh --node_rank=R` launcher per "node", node 0 on UTC and node 1 nine hours
