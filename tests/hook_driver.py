@@ -1,6 +1,6 @@
-"""Driving the loop's hook phases from a test: the config's hooks built by the registry as the loop
-builds them, and the ``before_update`` phase on a batch the test made. Imported by tests that run
-the update without the loop (``from hook_driver import ...``; tests/ is on sys.path through its
+"""Driving the loop from a test: the config's hooks built by the registry as the loop builds them,
+the ``before_update`` phase on a batch the test made, and a whole ``loop.train`` that hands back the
+run it built. Imported by tests (``from hook_driver import ...``; tests/ is on sys.path through its
 conftest, and multi-rank workers put it there themselves)."""
 
 from __future__ import annotations
@@ -38,3 +38,23 @@ def before_update(hooks: Any, batch: Any, old_lp: Any, old_ent: Any, *, micro_ba
     st = StepState(0, list(kept), list(kept), {}, batch=batch, pad_row=pad_row, spec=spec, calls=calls,
                    temperature=temperature, old_lp=old_lp, old_ent=old_ent)
     return st, hooks.before_update(st)
+
+
+def train_keeping_run(cfg: Any, run_dir: Any, log: Any = lambda _m: None) -> tuple[Any, Any]:
+    """``loop.train(cfg, run_dir)`` -> (its result, the run it built): for tests that look at the
+    trained model or the rollout engine afterwards (``train`` does not hand its run out)."""
+    from stapo.core import loop
+
+    seen: dict[str, Any] = {}
+    orig = loop._Run.__init__
+
+    def keep(self: Any, *a: Any, **kw: Any) -> None:
+        orig(self, *a, **kw)
+        seen["run"] = self
+
+    loop._Run.__init__ = keep
+    try:
+        result = loop.train(cfg, run_dir, log=log)
+    finally:
+        loop._Run.__init__ = orig
+    return result, seen["run"]

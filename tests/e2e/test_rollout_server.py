@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from hook_driver import train_keeping_run
 
 from stapo.core.config import TinyModel
 from stapo.core.models import build_tiny_model, build_tiny_tokenizer
@@ -292,11 +293,10 @@ def test_a_push_waits_for_requests_in_flight(model, tok):
 # ----------------------------------------------------------------------------- the loop
 
 
-def test_train_runs_through_the_servers(tmp_path, monkeypatch):
+def test_train_runs_through_the_servers(tmp_path):
     """Two `stapo train` steps with rollout.engine=vllm_server: every step's rollouts come from the
     servers, a push after each step (versions 0, 1, 2), and the servers end with the learner's weights."""
     from stapo.configs import preset_path
-    from stapo.core import loop
     from stapo.core.config import load_config
     from stapo.core.models import load_policy
 
@@ -307,16 +307,7 @@ def test_train_runs_through_the_servers(tmp_path, monkeypatch):
             *base, "rollout.engine=vllm_server", f"rollout.server.urls=[{s1.url},{s2.url}]",
             f"rollout.server.weights_dir={tmp_path / 'weights'}",
         ])
-        seen: dict = {}
-        orig = loop._Run.__init__
-
-        def keep(self, *a, **kw):
-            orig(self, *a, **kw)
-            seen["run"] = self
-
-        monkeypatch.setattr(loop._Run, "__init__", keep)
-        loop.train(cfg, tmp_path / "run", log=lambda _m: None)
-        run = seen["run"]
+        _result, run = train_keeping_run(cfg, tmp_path / "run")
         assert s1.weight_version == s2.weight_version == "2"  # pushes: start, after step 1, after step 2
         assert len(s1.requests) + len(s2.requests) >= 2 * cfg.rollout.prompts_per_step
         for srv in (s1, s2):
@@ -418,7 +409,6 @@ TIMING = ("time/", "perf/", "async/")
 def _fleet_run(tmp_path, name: str, model, tok, *overrides: str):
     """A 3-step tiny run through two stand-in servers; (metrics rows without timings, final params, servers)."""
     from stapo.configs import preset_path
-    from stapo.core import loop
     from stapo.core.config import load_config
     from stapo.core.tracking import read_jsonl
 
@@ -429,20 +419,9 @@ def _fleet_run(tmp_path, name: str, model, tok, *overrides: str):
             "rollout.engine=vllm_server", f"rollout.server.urls=[{s1.url},{s2.url}]",
             f"rollout.server.weights_dir={tmp_path / name / 'weights'}", *overrides,
         ])
-        seen: dict = {}
-        orig = loop._Run.__init__
-
-        def keep(self, *a, **kw):
-            orig(self, *a, **kw)
-            seen["run"] = self
-
-        loop._Run.__init__ = keep
-        try:
-            loop.train(cfg, tmp_path / name / "run", log=lambda _m: None)
-        finally:
-            loop._Run.__init__ = orig
+        _result, run = train_keeping_run(cfg, tmp_path / name / "run")
         rows = read_jsonl(tmp_path / name / "run" / "metrics.jsonl")
-        params = torch.cat([p.detach().flatten() for p in seen["run"].backend.model.parameters()])
+        params = torch.cat([p.detach().flatten() for p in run.backend.model.parameters()])
         return rows, params, (s1, s2)
     finally:
         s1.stop()

@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from hook_driver import train_keeping_run
 
 VLLM_PYTHON = os.environ.get("STAPO_VLLM_PYTHON") or str(Path("~/vllm-venv/bin/python").expanduser())
 
@@ -171,7 +172,6 @@ def test_a_push_arrives_on_every_server(fleet):
 
 def test_train_three_steps_then_kill_the_servers(fleet, tmp_path):
     from stapo.configs import preset_path
-    from stapo.core import loop
     from stapo.core.config import load_config
     from stapo.core.rollout import SamplingParams
     from stapo.core.rollout.vllm_server import RolloutServersUnavailable, ServerRolloutEngine
@@ -184,22 +184,11 @@ def test_train_three_steps_then_kill_the_servers(fleet, tmp_path):
         "rollout.engine=vllm_server", f"rollout.server.urls=[{u0},{u1}]",
         f"rollout.server.weights_dir={tmp_path / 'weights'}",
     ])
-    seen: dict = {}
-    orig = loop._Run.__init__
-
-    def keep(self, *a, **kw):
-        orig(self, *a, **kw)
-        seen["run"] = self
-
-    loop._Run.__init__ = keep
     t0 = time.perf_counter()
-    try:
-        loop.train(cfg, tmp_path / "run", log=print)
-    finally:
-        loop._Run.__init__ = orig
+    _result, run = train_keeping_run(cfg, tmp_path / "run", log=print)
     print(f"3 steps through 2 vLLM servers: {time.perf_counter() - t0:.1f}s")
     assert all(httpx.get(f"{u}/weight_info").json()["weight_version"] == "3" for u in (u0, u1))
-    learner = seen["run"].backend.model.eval()
+    learner = run.backend.model.eval()
     prompts = [tok.encode("12+7="), tok.encode("9-")]
     _check_greedy_matches([u0, u1], learner, tok, prompts)  # the trained weights arrived
 
