@@ -28,6 +28,8 @@ import subprocess
 import sys
 from datetime import datetime, timezone
 
+from peak_rss import MALLOC_ENV, peak, reset_peak
+
 MODES = ("keep_graphs", "bounded")
 S, PROMPT, ROWS = 384, 128, 12  # 12 rows of 384 tokens: 4 micro-batches of 3 rows
 
@@ -67,11 +69,6 @@ def batch():
     return collate(seqs, pad_id=0)
 
 
-def _rss(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(next(x for x in f if x.startswith(key)).split()[1]) * 1024
-
-
 def child(mode: str, hidden: int, first_update: bool) -> dict:
     """One measurement in this process (the parent starts a fresh one per row)."""
     import torch
@@ -95,15 +92,12 @@ def child(mode: str, hidden: int, first_update: bool) -> dict:
     cfg = config(mode, hidden)
     model, _ = load_policy(cfg.model, device="cpu")
     backend = TorchBackend(cfg, model, total_optimizer_steps=2)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak resident size restarts from here
-    before = _rss("VmRSS:")
+    before = reset_peak()  # the loaded model's resident size
     if not first_update:
         one_update(cfg, backend, 1)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        reset_peak()
     one_update(cfg, backend, 1 if first_update else 2)
-    measured = _rss("VmHWM:") - before
+    measured = peak() - before
     shape = plan.model_shape(cfg.model)
     p = plan.plan_memory(cfg, 1, 64.0, shape, cuda=False)  # its GiB are rounded to 3 decimals
     moments = sum(t.numel() * t.element_size() for st in backend.optimizer.state.values()
@@ -115,7 +109,7 @@ def child(mode: str, hidden: int, first_update: bool) -> dict:
 
 
 def measure(mode: str, hidden: int, first_update: bool = False) -> dict:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **MALLOC_ENV, "OMP_NUM_THREADS": "1"}
     args = [sys.executable, __file__, "--child", mode, "--hidden", str(hidden)]
     out = subprocess.run([*args, *(["--first-update"] if first_update else [])], capture_output=True,
                          text=True, env=env, timeout=900)

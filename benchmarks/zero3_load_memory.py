@@ -27,12 +27,9 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from peak_rss import MALLOC_ENV, peak, reset_peak, status_bytes
+
 MB = 1e6
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(next(x for x in f if x.startswith(key)).split()[1]) * 1024
 
 
 def rank_child(mode: str, ckpt: str, out: str) -> None:
@@ -54,21 +51,16 @@ def rank_child(mode: str, ckpt: str, out: str) -> None:
     })
     init_distributed(deepspeed, cpu=True)  # both modes join the group before the measurement
 
-    def reset() -> int:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the peak resident size restarts from here
-        return _status("VmRSS:")
-
-    start = reset()
-    anon0, file0 = _status("RssAnon:"), _status("RssFile:")
+    start = reset_peak()
+    anon0, file0 = status_bytes("RssAnon:"), status_bytes("RssFile:")
     context = load_context(cfg) if mode == "partitioned" else None
     model, _ = load_policy(cfg.model, init_context=context)
-    load_peak, loaded = _status("VmHWM:") - start, _status("VmRSS:") - start
-    anon, file = _status("RssAnon:") - anon0, _status("RssFile:") - file0  # private vs mapped-file pages
-    before_engine = reset()
+    load_peak, loaded = peak() - start, status_bytes("VmRSS:") - start
+    anon, file = status_bytes("RssAnon:") - anon0, status_bytes("RssFile:") - file0  # private vs mapped-file pages
+    before_engine = reset_peak()
     backend = build_trainer_backend(cfg, model, total_optimizer_steps=1)
     row = {"mode": mode, "rank": backend.rank, "load_peak": load_peak, "loaded": loaded, "loaded_anon": anon, "loaded_file": file,
-           "engine_peak": _status("VmHWM:") - before_engine + loaded, "resident_after": _status("VmRSS:") - start}
+           "engine_peak": peak() - before_engine + loaded, "resident_after": status_bytes("VmRSS:") - start}
     with open(f"{out}.rank{backend.rank}.json", "w") as f:
         json.dump(row, f)
     torch.distributed.barrier()
@@ -80,7 +72,7 @@ def launch(mode: str, ckpt: Path, tmp: Path) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "1",
+    env = {**os.environ, **MALLOC_ENV, "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": str(tmp / "ext")}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
