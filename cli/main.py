@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from collections.abc import Mapping
 from typing import Annotated
@@ -75,6 +76,8 @@ app.add_typer(rollout.app, name="rollout")
 
 
 # Library errors that are a user's to fix: their message alone says what is wrong (no traceback).
+JOB_ERROR_GRACE_S = 30.0
+"""How long a rank that does not print a :class:`JobError` waits for the launcher to end it."""
 _USER_ERRORS = ("ConfigError", "DataError", "ModelLoadError", "RewardError", "EvalStateError")
 
 
@@ -113,6 +116,10 @@ def main() -> None:
             traceback.print_exc()
         if os.environ.get("LOCAL_RANK", "0") == "0":
             _error(str(err))
+        else:
+            # The launcher ends every rank once one exits: a quiet rank that went first could end the
+            # node's first rank before its line is out. The quiet ones wait to be ended (bounded).
+            time.sleep(JOB_ERROR_GRACE_S)
         sys.exit(2)
     except CLIError as err:
         if debug:
