@@ -48,9 +48,8 @@ default ``teacher_loss_reduction: separate_stream_mean`` (``verl/trainer/config/
 of its own stream; their ``mixed_token_mean`` alternative pools the streams under one normalizer).
 With lambda = 0 the hook is None and the update is plain GRPO's, bit for bit. Truncated branch rows
 leave the local loss with DAPO's overlong filter on (:func:`loss_branches`), as the root rows leave
-the policy loss. S2T's tau_h follows ``s2t.tau_h_scope``: with ``step`` one threshold from the
-branch rows' continuation tokens under the policy at the start of the update (global over ranks),
-for every mini-batch and PPO epoch; with ``minibatch`` each mini-batch's own quantile.
+the policy loss. S2T's tau_h^(q) is each local mini-batch's own: the quantile over its continuation
+tokens' candidates under the current policy (global over ranks), as the root rows' update takes it.
 
 Micro-batching: the branch rows' no-grad pass and the local loss's forwards/backwards are split as
 the policy update's (``stapo.core.update``'s ``split_rows`` / ``build_micro``): with
@@ -437,7 +436,6 @@ class DeepGRPO(LoopHook):
             build_micro,
             lockstep,
             split_rows,
-            step_entropies,
             update_parts,
             with_padding,
         )
@@ -452,9 +450,6 @@ class DeepGRPO(LoopHook):
         local = Batch(br.batch.input_ids, br.batch.attention_mask, br.suffix, br.batch.advantages)
         lengths = local.attention_mask.sum(1).cpu()  # [N] real tokens per row
         params = parts.params
-        options = a.token_weighting_options()
-        if options is not None and options.fixes_per_step():  # e.g. S2T's tau_h_scope=step: from the continuations
-            params = {**params, **options.step_arguments(step_entropies(br.old_ent, br.suffix, backend.all_gather_1d))}
         plan: list[list[torch.Tensor]] = []  # this rank's micro-batches (batch rows) per mini-batch
         calls: list[int] = []  # forwards per mini-batch (every rank's max)
 
@@ -479,7 +474,8 @@ class DeepGRPO(LoopHook):
                 bounds.append(bounds[-1] + int(m.rows.numel()))
             slices = [slice(s0, s1) for s0, s1 in zip(bounds[:-1], bounds[1:], strict=True)]
             mbatch = MiniBatch(parts, params, local.advantages[idx], local.response_mask[idx], br.old_lp[idx],
-                               backend.all_gather_1d, backend.all_reduce_sum)  # (no entropy bonus, no terms)
+                               backend.all_gather_1d, backend.all_reduce_sum,  # (no entropy bonus, no terms)
+                               seed=derive_seed(cfg.trainer.seed, step, epoch, mb, 0xB8), rank=rank)
             losses: list[torch.Tensor] = []
             if parts.reads_stats:  # statistics first: every forward's graph kept until the weights are known
                 graphs = [forward(m) for m in micros]

@@ -148,7 +148,7 @@ OVERRIDES = [
     "algorithm.overlong.enabled=true", "algorithm.overlong.buffer=7",
     # a random tiny model is never correct: filter groups on the shaped reward, not on accuracy (DAPO's)
     "algorithm.dynamic_sampling_metric=reward",
-    "algorithm.s2t.tau_p=0.5", "algorithm.s2t.tau_h_quantile=0.9",
+    "algorithm.s2t.tau_p=0.5", "algorithm.s2t.q=0.9",
     "rollout.prompts_per_step=4", "logging.dump_tokens_every=1", "logging.live=false",
     "logging.tensorboard=false", "eval.every=1", "checkpoint.every=1", "checkpoint.keep_last=3",
     "checkpoint.export_hf=false",

@@ -230,7 +230,7 @@ def _local_loss_grads(micro: dict, algorithm: dict) -> tuple[list[dict[str, torc
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("algorithm", [{"mini_batches": 1}, {"mini_batches": 2, "token_weighting": "s2t",
-                                                               "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.5}}])
+                                                               "s2t": {"tau_p": 0.5, "q": 0.5}}])
 def test_local_loss_gradient_packed_equals_row_micro_batches(algorithm):
     """Packed token-budget micro-batches (``trainer.micro_batch_tokens``: 20 tokens, so rows share
     forwards and the 22-token row gets one of its own) vs 2 padded rows per forward: the same
@@ -264,24 +264,19 @@ def test_local_loss_gradient_packed_equals_row_micro_batches(algorithm):
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_local_loss_s2t_threshold_follows_tau_h_scope():
-    """``tau_h_scope: step`` (2 mini-batches): the local loss silences with ONE tau_h, the quantile
-    of every branch continuation token's entropy under the policy at the start of the update, so its
-    gradient equals the one with that value given as an absolute tau_h; ``minibatch`` (each
-    mini-batch's own median) gives another gradient."""
-    from stapo.core.algos import quantile
-
-    s2t = {"tau_p": 0.5, "tau_h_quantile": 0.5}
+def test_local_loss_s2t_takes_each_mini_batchs_quantile():
+    """The local loss silences with each local mini-batch's own tau_h^(q) (the paper's rule, as the
+    root rows' update): one row per forward gives the gradient of two rows per forward (a threshold
+    re-taken per micro-batch would not), and the rule is active (silencing every candidate differs)."""
     algo = {"mini_batches": 2, "token_weighting": "s2t"}
-    step, (_, _, _, br) = _local_loss_grads({"micro_batch_size": 2}, {**algo, "s2t": {**s2t, "tau_h_scope": "step"}})
-    tau = quantile(br.old_ent[br.suffix], 0.5)  # independent: the branch rows' pre-update continuation entropies
-    fixed, _ = _local_loss_grads({"micro_batch_size": 2},
-                                 {**algo, "s2t": {"tau_p": 0.5, "tau_h": tau, "tau_h_quantile": None}})
-    per_mb, _ = _local_loss_grads({"micro_batch_size": 2}, {**algo, "s2t": {**s2t, "tau_h_scope": "minibatch"}})
-    for gs, gf in zip(step, fixed, strict=True):
-        for n in gf:
-            torch.testing.assert_close(gs[n], gf[n], atol=1e-6, rtol=0, msg=n)
-    assert any(not torch.allclose(gs[n], gm[n], atol=1e-6) for gs, gm in zip(step, per_mb, strict=True) for n in gs)
+    s2t = {"tau_p": 0.5, "q": 0.5}
+    two, _ = _local_loss_grads({"micro_batch_size": 2}, {**algo, "s2t": s2t})
+    one, _ = _local_loss_grads({"micro_batch_size": 1}, {**algo, "s2t": s2t})
+    every, _ = _local_loss_grads({"micro_batch_size": 2}, {**algo, "s2t": {**s2t, "silence": "all"}})
+    for g2, g1 in zip(two, one, strict=True):
+        for n in g2:
+            torch.testing.assert_close(g1[n], g2[n], atol=1e-6, rtol=0, msg=n)
+    assert any(not torch.allclose(g2[n], ge[n], atol=1e-6) for g2, ge in zip(two, every, strict=True) for n in g2)
 
 
 def test_truncated_branches_leave_the_local_loss_with_the_overlong_filter():
