@@ -42,7 +42,7 @@ def test_every_recipe_is_shipped_with_a_header_and_sources():
 def test_stapo_is_the_papers_appendix_table():
     """arXiv 2602.15620v1, appendix "Full Training Hyperparameters" and "Training Details"."""
     c = cfg("stapo")
-    a, r, t, ro, d = c.algorithm, c.rollout, c.trainer, c.rollout, c.data
+    a, t, ro, d = c.algorithm, c.trainer, c.rollout, c.data
     assert (a.token_weighting, a.s2t.tau_p, a.s2t.q, a.s2t.silence) == ("s2t", 0.002, 0.75, "lowest_entropy")
     assert (ro.prompts_per_step, ro.n, a.mini_batches, a.ppo_epochs) == (256, 8, 4, 1)  # mini-batch 64 of 256
     assert (ro.max_new_tokens, d.max_prompt_tokens, ro.temperature, ro.top_p) == (15360, 1024, 1.0, 1.0)
