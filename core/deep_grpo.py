@@ -85,11 +85,26 @@ from torch import Tensor
 
 from stapo.core.extras import LoopHook, StepState
 
-__all__ = ["DeepGRPO", "BranchRollouts", "loss_branches", "set_local_advantages",
+__all__ = ["DeepGRPO", "BranchRollouts", "branch_minibatches", "loss_branches", "set_local_advantages",
            "OnlineLogistic", "pivot_utility", "sample_pivot", "suffix_mask", "branch_ratio", "pivot_outcomes", "local_advantages", "LOCAL_ADVANTAGES"]
 
 
 # ----------------------------------------------------------------------------- pure parts
+
+
+def branch_minibatches(n_branch: int, roots: int | None, k: int) -> int:
+    """Mini-batches that take branch rows: min(K, floor(N_branch / S)), S = roots // K the root
+    mini-batch's rows (the authors' ``num_branch_mbs = min(num_main_mbs, N_branch // S)``); K when
+    ``roots`` is None.
+
+        branch_minibatches(10, 64, 4) == 0     # fewer branch rows than one mini-batch (S = 16)
+        branch_minibatches(40, 64, 4) == 2     # two full-size branch mini-batches of 20
+    """
+    if roots is None:
+        return min(k, n_branch)
+    s = max(1, roots // k)
+    return min(k, n_branch // s)
+
 class OnlineLogistic:
     """P(success | r) = sigmoid(w r + b), refit on a sliding window of (r, success) outcomes.
 
@@ -326,7 +341,8 @@ class DeepGRPO(LoopHook):
         return m
 
     def before_update(self, st: StepState) -> dict[str, float]:
-        local = self.local_loss_hook(self.run, self.branches, st.step)
+        roots = sum(st.counts) if st.counts else len(st.kept)  # the step's global root rows
+        local = self.local_loss_hook(self.run, self.branches, st.step, roots)
         if local is not None:
             st.before_step.append(local)
         return {}
@@ -412,8 +428,14 @@ class DeepGRPO(LoopHook):
 
     # ----------------------------------------------------------------------------- local loss
 
-    def local_loss_hook(self, run: Any, br: BranchRollouts | None, step: int) -> Callable[[int, bool], None] | None:
+    def local_loss_hook(self, run: Any, br: BranchRollouts | None, step: int,
+                        roots: int | None = None) -> Callable[[int, bool], None] | None:
         """``before_step(update_index, fresh)`` for ``Actor.update``, or None (no branches / lambda = 0).
+
+        Which mini-batches get branch rows: as the authors' ``dp_actor.update_policy``, the N_branch
+        global branch rows fill min(K, floor(N_branch / S)) mini-batches (S = ``roots`` / K, the root
+        mini-batch's rows; K = ``algorithm.mini_batches``), the first ones of each epoch, balanced; with
+        fewer branch rows than S the step has no local term. ``roots`` None: S = 1 (every mini-batch).
 
         Each call runs the local term of one optimizer mini-batch the way the policy update runs a
         mini-batch (``stapo.core.update``): its branch rows split into the same micro-batches
@@ -444,6 +466,9 @@ class DeepGRPO(LoopHook):
         a = cfg.algorithm
         parts = update_parts(cfg)  # the configured weighting, loss, aggregation, micro-batching, temperature
         counts = br.counts or [br.batch.input_ids.shape[0]]
+        k_branch = branch_minibatches(sum(counts), roots, a.mini_batches)
+        if k_branch == 0:
+            return None
         rank = int(getattr(backend, "rank", 0))
         dp = DataParallel(backend)
         # the forwards' rows: the local term's tokens (the continuation) are their response positions
@@ -462,7 +487,7 @@ class DeepGRPO(LoopHook):
             epoch, mb = divmod(update, a.mini_batches)
             if mb == 0:  # a new pass over the GLOBAL branch rows, split like the root rows
                 g = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch, 0xB7))
-                plan[:] = [split_rows(r, lengths, parts.spec) for r in minibatch_rows(counts, rank, a.mini_batches, g)]
+                plan[:] = [split_rows(r, lengths, parts.spec) for r in minibatch_rows(counts, rank, k_branch, g)]
                 calls[:] = lockstep(dp, [len(sets) for sets in plan])
             if mb >= len(plan) or calls[mb] == 0:  # no branch row in this mini-batch on any rank
                 return
