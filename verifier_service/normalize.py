@@ -107,7 +107,7 @@ def join_and_or(s: str) -> str:
     """ "3 and 5", "2 \\text{ or } 3" -> "3, 5", "2, 3": words joining math items make a list, so the
     answer is read as the list it is (never searched for its last number)."""
     if ("and" not in s and "or" not in s) or _INEQUALITY_RE.search(s):
-        return s  # "x > 1 and x < 5": the connective decides the set (grader._inequalities_as_intervals)
+        return s  # "x > 1 and x < 5": the connective decides the set (rules.structure.inequalities_as_intervals)
     return _AND_OR_RE.sub(", ", s)
 
 
