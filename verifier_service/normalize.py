@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -331,28 +332,45 @@ def numbers_equal(gold: Num, pred: Num) -> bool:
 _OPEN_TO_CLOSE = {"(": ")", "[": "]", "{": "}"}
 
 
-def split_top_level(s: str, sep: str = ",") -> list[str]:
-    """Split on ``sep`` outside (), [], {} (``\\{``/``\\left(`` included): ``(1,2), 3`` -> [``(1,2)``, ``3``]."""
-    parts: list[str] = []
+def bracket_depths(s: str) -> Iterator[tuple[str, int]]:
+    """(token, nesting depth after it) along ``s``: a token is one character, or LaTeX's escaped
+    brace ``\\{`` / ``\\}`` (two characters), which nests like (), [] and {}."""
     depth = 0
-    cur: list[str] = []
     i = 0
     while i < len(s):
         c = s[i]
         if c == "\\" and i + 1 < len(s) and s[i + 1] in "{}":
             depth += 1 if s[i + 1] == "{" else -1
-            cur.append(s[i : i + 2])
+            yield s[i : i + 2], depth
             i += 2
             continue
         if c in "([{":
             depth += 1
         elif c in ")]}":
             depth -= 1
-        if c == sep and depth == 0:
+        yield c, depth
+        i += 1
+
+
+def split_top_level(s: str, sep: str = ",") -> list[str]:
+    """Split on ``sep`` outside (), [], {} (``\\{``/``\\left(`` included): ``(1,2), 3`` -> [``(1,2)``, ``3``]."""
+    parts: list[str] = []
+    cur: list[str] = []
+    for token, depth in bracket_depths(s):
+        if token == sep and depth == 0:
             parts.append("".join(cur))
             cur = []
         else:
-            cur.append(c)
-        i += 1
+            cur.append(token)
     parts.append("".join(cur))
     return [p.strip() for p in parts]
+
+
+def balanced(s: str) -> bool:
+    """Does every bracket of ``s`` close, and none close before it opens? (An escaped brace
+    ``\\}`` that closes too early is caught by the next character or the final count.)"""
+    depth = 0
+    for token, depth in bracket_depths(s):
+        if len(token) == 1 and depth < 0:
+            return False
+    return depth == 0

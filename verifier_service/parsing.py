@@ -27,6 +27,7 @@ from stapo.verifier_service import mathverify
 from stapo.verifier_service.extract import extract_answer, last_boxed
 from stapo.verifier_service.normalize import (
     Num,
+    balanced,
     canonical,
     join_and_or,
     latexify,
@@ -148,25 +149,6 @@ def _strip_bracket(s: str) -> tuple[str, str, str] | None:
                     if balanced(inner):
                         return lo, hi, inner
     return None
-
-
-def balanced(s: str) -> bool:
-    depth = 0
-    i = 0
-    while i < len(s):
-        c = s[i]
-        if c == "\\" and i + 1 < len(s) and s[i + 1] in "{}":
-            depth += 1 if s[i + 1] == "{" else -1
-            i += 2
-            continue
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        if depth < 0:
-            return False
-        i += 1
-    return depth == 0
 
 
 @lru_cache(maxsize=PARSE_CACHE_SIZE)

@@ -18,13 +18,13 @@ from __future__ import annotations
 import re
 
 from stapo.verifier_service import mathverify
-from stapo.verifier_service.normalize import split_top_level
+from stapo.verifier_service.normalize import balanced, split_top_level
 from stapo.verifier_service.numeric import clearly_unequal, rational_function
 from stapo.verifier_service.numeric import constant as numeric_constant
 from stapo.verifier_service.numeric import differ as numeric_differ
 from stapo.verifier_service.numeric import evaluate as evaluate_numeric
 from stapo.verifier_service.numeric import variables as numeric_variables
-from stapo.verifier_service.parsing import AnswerInfo, balanced, is_prose, sympy_text
+from stapo.verifier_service.parsing import AnswerInfo, is_prose, sympy_text
 from stapo.verifier_service.rules import RuleVerdict
 
 
