@@ -1,4 +1,4 @@
-"""The grader's fast paths (``verifier_service/numeric.py`` and the shortcuts in ``grader.py``).
+"""The grader's fast paths (``verifier_service/numeric.py`` and the shortcuts in ``rules/rejections.py``).
 
 They may only make grading faster, never change a verdict, so besides hand-computed values the
 tests compare them with what they stand in for:
@@ -6,7 +6,7 @@ tests compare them with what they stand in for:
 - the numeric parser against latex2sympy itself, value for value, on fixed and generated strings;
 - every rejection against math-verify's ``verify`` on the same strings;
 - whole-item grading with the fast paths on and off, on an RL-shaped stream (``loadgen``);
-- the search oracle (``_search_fallback``) against math-verify's unpatched search.
+- the search oracle (``parsing.search_fallback``) against math-verify's unpatched search.
 
 Run: ``pytest tests/unit/test_grader_numeric.py`` (~10 s).
 """
