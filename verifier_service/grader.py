@@ -141,7 +141,6 @@ class Answer:
         return self.text.strip()
 
 
-
 def configure(settings: GraderSettings | None = None, *, rounded_gold: bool | None = None) -> GraderSettings:
     """Set this process's grading policies (the service/pool would call it in each worker at start);
     returns the previous settings, so a caller can restore them (``configure()`` reads them).
