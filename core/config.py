@@ -218,13 +218,6 @@ class VLLMOptions(_Section):
     enable_sleep_mode: bool = Field(True, description="Free vLLM's memory while the learner trains (colocated).")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs (slower, starts faster).")
     max_model_len: int | None = Field(None, gt=0, description="Context length for vLLM (default: prompt + response).")
-    per_request_seeds: bool = Field(
-        False,
-        description=(
-            "Give every request its own seed (per-sample reproducibility, e.g. across resumes) instead of one "
-            "seed per engine; vLLM then samples on its slower per-request generator path."
-        ),
-    )
 
 
 class ServerOptions(_Section):

@@ -8,10 +8,11 @@ stapo's verifier already does. This engine is a client of such servers; the loop
 **Generation** goes through vLLM's OpenAI-compatible completions API, ``POST /v1/completions``, one
 request per prompt: the prompt as token ids (``prompt: [ids]``), ``n`` samples, ``logprobs: 0``
 (the sampled token's log-prob only) and vLLM's ``return_token_ids: true`` (the sampled token ids, so
-no decode -> re-encode round trip sits between the sampler and the loss). Every request carries the
-call's seed, as the colocated engine passes one seed for the whole batch (vLLM seeds sample i of a
-request with ``seed + i``), explicit ``temperature`` / ``top_p`` / ``top_k: 0`` and the eos ids as
-``stop_token_ids``. Served with ``--logprobs-mode processed_logprobs --generation-config vllm`` (what
+no decode -> re-encode round trip sits between the sampler and the loss). Every request carries its
+own seed, as the colocated engine's do (:func:`~stapo.core.rollout.base.request_seeds`: prompt ``p``
+of a call seeded ``s`` gets ``s + p*n``, and vLLM seeds its sample ``i`` with ``s + p*n + i``, so no two
+samples of a call share a stream), explicit ``temperature`` / ``top_p`` / ``top_k: 0`` and the eos ids
+as ``stop_token_ids``. Served with ``--logprobs-mode processed_logprobs --generation-config vllm`` (what
 ``stapo rollout serve`` passes), the log-probs and sampling rule are those of the colocated engine
 (see :mod:`stapo.core.rollout.vllm`).
 
@@ -86,7 +87,7 @@ from typing import Any
 import httpx
 import torch
 
-from stapo.core.rollout.base import Completion, SamplingParams, check_prompts, prefixed_prompts
+from stapo.core.rollout.base import Completion, SamplingParams, check_prompts, prefixed_prompts, request_seeds
 
 __all__ = [
     "RolloutRequestError",
@@ -173,9 +174,11 @@ class ServerPool:
 
 
 def completion_request(
-    prompt: list[int], sampling: SamplingParams, *, n: int, eos_token_ids: Sequence[int], model: str | None
+    prompt: list[int], sampling: SamplingParams, *, n: int, eos_token_ids: Sequence[int], model: str | None,
+    seed: int | None,
 ) -> dict[str, Any]:
-    """The ``/v1/completions`` body for one prompt and ``n`` samples (vLLM 0.32's ``CompletionRequest``)."""
+    """The ``/v1/completions`` body for one prompt and ``n`` samples seeded ``seed, seed + 1, ...``
+    (vLLM's ``CompletionRequest``)."""
     body: dict[str, Any] = {
         "prompt": list(prompt),
         "n": n,
@@ -189,8 +192,8 @@ def completion_request(
         "ignore_eos": sampling.ignore_eos,
         "skip_special_tokens": True,
     }
-    if sampling.seed is not None:
-        body["seed"] = sampling.seed
+    if seed is not None:
+        body["seed"] = seed
     if model is not None:
         body["model"] = model
     return body
@@ -367,10 +370,12 @@ class ServerRolloutEngine:
         copies = 1 if sampling.greedy else sampling.n
         with self._versions_lock:
             version = self.weight_version
+            seeds = request_seeds(sampling.seed, len(prompt_token_ids), copies)
             futures = [
                 self._workers.submit(self._complete, completion_request(
-                    list(p), sampling, n=copies, eos_token_ids=self.eos_token_ids, model=self.model), copies, version)
-                for p in prompt_token_ids
+                    list(p), sampling, n=copies, eos_token_ids=self.eos_token_ids, model=self.model, seed=seed),
+                    copies, version)
+                for p, seed in zip(prompt_token_ids, seeds, strict=True)
             ]
             groups = [f.result() for f in futures]
         if copies == 1 and sampling.n > 1:
