@@ -49,7 +49,7 @@ class _Served(BaseHTTPRequestHandler):
 def served():
     handler = type("Handler", (_Served,), {"dev_mode": True})
     server = HTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", handler
     server.shutdown()
