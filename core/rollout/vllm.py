@@ -37,8 +37,11 @@ How it runs (the colocated recipe of TRL's ``vllm_mode="colocate"`` and verl, wi
   :func:`_refresh_cpu_tied_heads`). There is no out-of-process engine here (the external launcher
   requires the in-process one), so no tensors are ever pickled to another process.
 - **Sleep mode.** The loop calls :meth:`sleep` once a step, right before the update:
-  ``llm.sleep(level=2)`` drops the weights and the KV cache (level 2: nothing is copied to host
-  memory — the weights are about to be replaced anyway). The sync after the update then runs
+  ``llm.sleep(level=2)`` drops the weights and the KV cache (level 2: the weights are not kept, they
+  are about to be replaced anyway; vLLM still copies its named buffers to the host). Where the
+  installed vLLM has them (0.33), ``sleep_mode_offload_cudagraph`` and ``enable_nccl_comm_suspend``
+  are set too, so the sleep also gives back the CUDA-graph pool and the communicators' buffers
+  (:func:`sleep_release_flags`; both default off in vLLM). The sync after the update then runs
   ``torch.cuda.empty_cache()``, ``wake_up(tags=["weights"])``, streams every tensor in,
   ``empty_cache()`` again and ``wake_up(tags=["kv_cache"])``, so the KV cache is allocated only once the
   sync's buckets are gone. Generation, dynamic-sampling rounds and validation then run awake; a
@@ -90,7 +93,7 @@ from stapo.core.rollout.base import (
     request_seeds,
 )
 
-__all__ = ["VLLMRolloutEngine", "INSTALL_HINT", "own_share"]
+__all__ = ["VLLMRolloutEngine", "INSTALL_HINT", "own_share", "sleep_release_flags"]
 
 INSTALL_HINT = "the vllm rollout engine needs vLLM: pip install 'stapo[vllm]' (or set rollout.engine=hf)"
 
@@ -103,6 +106,26 @@ def _import_vllm() -> Any:
     except ImportError as err:
         raise ImportError(f"{INSTALL_HINT} ({err})") from err
     return vllm
+
+
+# vLLM engine arguments that make a level-2 sleep free more: the CUDA-graph pool (offloaded to the host
+# and mapped back at wake) and the NCCL communicators (suspended). Both default off in vLLM 0.33's
+# ``config/model.py``; older vLLMs have neither, and their sleep keeps both.
+SLEEP_RELEASE_FLAGS = ("sleep_mode_offload_cudagraph", "enable_nccl_comm_suspend")
+
+
+def sleep_release_flags() -> list[str]:
+    """The flags of :data:`SLEEP_RELEASE_FLAGS` that the installed vLLM's ``EngineArgs`` accepts
+    (none without vLLM): the engine sets them with sleep mode, and the memory plan charges the update
+    with what a sleep without them keeps (:mod:`stapo.core.plan`)."""
+    import dataclasses
+
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except Exception:  # not installed, or beside a torch it was not built for
+        return []
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    return [flag for flag in SLEEP_RELEASE_FLAGS if flag in names]
 
 
 def _refresh_cpu_tied_heads(model: torch.nn.Module) -> int:
@@ -218,6 +241,8 @@ class VLLMRolloutEngine:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        if self.sleep_supported:  # a sleep that frees the CUDA-graph pool and the NCCL buffers too
+            kwargs.update({flag: True for flag in sleep_release_flags()})
         kwargs.update(extra or {})
         self.llm_kwargs = kwargs
         # An in-process vLLM seeds the global RNGs of this process with `seed`; keep the learner's
