@@ -46,8 +46,11 @@ raises. Two ways to move the weights:
   ``--weight-transfer-config '{"backend": "nccl"}'``): one NCCL group of learner rank 0 and the
   server's workers, parameters broadcast in packed buckets as ZeRO-3 gathers them. vLLM 0.32's
   trainer engine puts the server's workers at ranks 1.. of that group, so this path takes one
-  server (its tensor-parallel workers included); several servers use ``checkpoint``. Written
-  against vLLM 0.32's public API; not run on this project's machines (no GPU).
+  server (its tensor-parallel workers included); several servers use ``checkpoint``. The learner's
+  parameters reach it as a ``WeightSource`` written against the installed vLLM's base class
+  (:func:`weight_source_class`: 0.33's ``metadata`` cached property and ``iter_full()``, or 0.32's
+  methods). Not run on this project's machines (no GPU); tests/unit/test_weight_source.py checks the
+  class against 0.33's contract the way its base class does (vLLM cannot be imported there).
 
 Those endpoints exist only with ``VLLM_SERVER_DEV_MODE=1`` on the server (vLLM 0.32: ``/collective_rpc``,
 ``/reset_prefix_cache``, ``/sleep``, ``/wake_up`` and the RL routes ``/pause``, ``/resume``,
@@ -70,6 +73,8 @@ Usage::
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import random
@@ -96,6 +101,7 @@ __all__ = [
     "ServerPool",
     "ServerRolloutEngine",
     "completion_request",
+    "weight_source_class",
     "parse_choices",
     "write_safetensors_shards",
 ]
@@ -536,23 +542,13 @@ class ServerRolloutEngine:
         meta = [ParamMeta(name, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
                 for name, p in self.learner.named_parameters()]
 
-        class _Stream(WeightSource):
-            """This push's parameters, as the learner gathers them (read once per push)."""
-
-            stream: Iterable[tuple[str, torch.Tensor]] = ()
-
-            def metadata(self) -> list[ParamMeta]:
-                return meta
-
-            def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-                return iter(self.stream)
-
         if self._nccl is None:
             host, port = str(self.nccl_master).rsplit(":", 1)
             world = 1 + int(self._http.get(f"{url}/get_world_size").json()["world_size"]) if rank == 0 else 1
             info = NCCLTrainerInitInfo(master_address=host, master_port=int(port), world_size=world, rank=rank)
             client = HTTPVLLMWeightSyncClient(url, timeout=self.push_timeout_s)
-            self._nccl = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=_Stream())
+            source = weight_source_class(WeightSource)(meta)
+            self._nccl = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
         self._nccl.source.stream = named_tensors
         self._nccl.send_weights()  # start_weight_update, update_weights || broadcast, finish_weight_update
         if rank == 0:
@@ -628,3 +624,39 @@ def _detail(resp: httpx.Response) -> str:
         return str(err)[:300]
     return str(data)[:300]
 
+
+
+def weight_source_class(base: type) -> type:
+    """Our ``WeightSource`` for the ``nccl`` push, written against the installed vLLM's base class.
+
+    vLLM 0.33's ``weight_transfer/base.py`` declares ``metadata`` as a ``functools.cached_property``
+    and streams the parameters through ``iter_full()``, and refuses at class definition (``TypeError``)
+    a subclass that does otherwise; 0.32's declares a ``metadata()`` method and ``__iter__``. The
+    class follows whichever ``base`` declares (read off the class, nothing instantiated) and offers
+    both iteration names. An instance streams ``stream`` (set before each push: the learner's
+    gathered parameters, read once) and describes them with the ``ParamMeta`` list it was built with
+    (full shapes, known without a gather).
+    """
+    cached = isinstance(inspect.getattr_static(base, "metadata", None), functools.cached_property)
+
+    class ParamStream(base):  # type: ignore[misc, valid-type]
+        stream: Iterable[tuple[str, torch.Tensor]] = ()
+
+        def __init__(self, meta: list[Any]) -> None:
+            self._meta = list(meta)
+
+        if cached:
+            @functools.cached_property
+            def metadata(self) -> list[Any]:
+                return list(self._meta)
+        else:
+            def metadata(self) -> list[Any]:  # type: ignore[no-redef]
+                return list(self._meta)
+
+        def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+            return iter(self.stream)
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            return self.iter_full()
+
+    return ParamStream
