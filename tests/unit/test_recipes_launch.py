@@ -127,3 +127,45 @@ def test_a_server_started_without_dev_mode_is_named(served) -> None:
     handler.dev_mode = False
     with pytest.raises(JobError, match=r"^rollout\.server\.urls: .* runs without VLLM_SERVER_DEV_MODE=1.*stapo rollout serve"):
         check_launch(cfg, {})
+
+
+# The learner ranks of each documented fleet layout (docs/rollout.md, "Servers"): one node, GPUs 0-3
+# learn; several nodes, two learner nodes of 8 GPUs.
+FLEET_RANKS = [4, 16]
+
+
+def _fleet_train_lines() -> list[list[str]]:
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "rollout.md").read_text()
+    section = text[text.index("## Servers"):]
+    lines = [ln.strip() for block in re.findall(r"```bash\n(.*?)```", section, re.S) for ln in block.splitlines()]
+    return [shlex.split(ln)[1:] for ln in lines if ln.startswith("stapo train")]
+
+
+def test_the_documented_fleet_layouts_plan_and_pass_the_launch_checks(served, monkeypatch) -> None:
+    """Each documented fleet `stapo train` line at its layout's rank count: `--plan` fits (exit 0,
+    learners planned without a KV cache) and the launch checks pass with its URLs answered by a
+    loopback stand-in of `vllm serve`."""
+    import json
+    import re
+
+    from typer.testing import CliRunner
+
+    from stapo.cli.main import app
+
+    url, _ = served
+    lines = _fleet_train_lines()
+    assert len(lines) == len(FLEET_RANKS)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for args, ranks in zip(lines, FLEET_RANKS, strict=True):
+        res = CliRunner().invoke(app, [*args, "--plan", "--world-size", str(ranks), "--json"])
+        plan = json.loads(res.stdout)
+        assert res.exit_code == 0 and plan["fits"] and plan["kv_cache_gib"] == 0, (args, res.output)
+        assert set(plan["phases_gib"]) == {"update", "weight push"}
+        sets = [re.sub(r"urls=\[.*\]", f"urls=[{url}]", a) for a in args[args.index("--set"):] if a != "--set"]
+        cfg = load_config(preset_path(args[args.index("--config") + 1]), sets)
+        check_launch(cfg, launcher_env(ranks))
