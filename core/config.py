@@ -210,6 +210,15 @@ class DataConfig(_Section):
 class VLLMOptions(_Section):
     """Options of the vLLM engine (ignored by `hf`)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_per_request_seeds(cls, data: Any) -> Any:
+        """`rollout.vllm.per_request_seeds` (older configs, saved in their run dirs) is always on now:
+        every request carries its own seed (docs/rollout.md, "Seeds"), so the key is dropped."""
+        if isinstance(data, dict) and "per_request_seeds" in data:
+            data = {k: v for k, v in data.items() if k != "per_request_seeds"}
+        return data
+
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="Share of GPU memory vLLM may take.")
     tensor_parallel_size: int = Field(
         1, ge=1,

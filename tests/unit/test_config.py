@@ -143,3 +143,12 @@ def test_weighting_sections_match_function_keywords(name):
     params = weighting_params(cfg)
     sig = inspect.signature(algos.get_token_weighting(name))
     sig.bind(None, **params)  # raises TypeError on a name the function does not take
+
+
+def test_a_saved_config_with_per_request_seeds_still_loads() -> None:
+    """Run dirs written before every request carried its own seed hold `rollout.vllm.per_request_seeds`
+    in their config.yaml; resuming them must not fail on it (the key is dropped: always on now)."""
+    from stapo.core.config import config_from_dict
+
+    cfg = config_from_dict({"rollout": {"vllm": {"per_request_seeds": True, "enforce_eager": True}}})
+    assert cfg.rollout.vllm.enforce_eager and "per_request_seeds" not in cfg.rollout.vllm.model_dump()
