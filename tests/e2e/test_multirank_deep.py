@@ -60,7 +60,7 @@ def fixed_deep_update(backend_name: str, root_split: list[int], branch_split: li
                     "zero_stage": 3, "zero3_param_persistence_threshold": 0, "lr": 1e-3,
                     "micro_batch_size": 2, "micro_batch_tokens": micro_tokens, "logits_chunk_size": 7},
         "rollout": {"prompts_per_step": 2, "n": 3},
-        "algorithm": {"token_weighting": "s2t", "mini_batches": 2, "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.6},
+        "algorithm": {"token_weighting": "s2t", "mini_batches": 2, "s2t": {"tau_p": 0.5, "q": 0.6},
                       "deep_grpo": {"enabled": True, "k_branches": 3, "lambda": 1.0}},
     })
     backend = build_trainer_backend(cfg, model, total_optimizer_steps=2)
@@ -127,7 +127,7 @@ def test_two_rank_local_term_equals_one_process(two_rank_launch, one_thread):
 
 DEEP = [o for o in OVERRIDES if not o.startswith(("logging.dump_tokens_every", "eval.every", "checkpoint.every"))] + [
     "logging.dump_tokens_every=0", "eval.every=0", "checkpoint.every=0", "trainer.max_steps=2",
-    "algorithm.deep_grpo.enabled=true", "algorithm.deep_grpo.k_branches=2", "algorithm.deep_grpo.max_pivots=1",
+    "algorithm.deep_grpo.enabled=true", "algorithm.deep_grpo.k_branches=4", "algorithm.deep_grpo.max_pivots=1",
     "algorithm.deep_grpo.lambda=1.0",
 ]
 
@@ -149,6 +149,6 @@ def test_two_rank_deep_grpo_stays_in_lockstep(two_rank_launch):
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["deep/pivots"] == 2.0  # one pivot on each rank: the global count
-        assert r["deep/branches"] == 4.0 and r["deep/model_samples"] == 2.0  # any-of-K: one outcome per pivot
+        assert r["deep/branches"] == 8.0 and r["deep/model_samples"] == 2.0  # any-of-K: one outcome per pivot
         assert math.isfinite(r["actor/loss"]) and math.isfinite(r["actor/grad_norm"])
     assert any(r.get("deep/local_tokens", 0.0) > 0 for r in rows), "the local loss never ran"
