@@ -12,12 +12,15 @@ how Theorem 3.1's gradient-norm form compares with the measured norm; writes ``i
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from stapo.cli.common import CLIError
+
+WIDE = 160  # columns of the tables when stdout is not a terminal (the silenced-tokens table needs ~130)
 
 
 def command(
@@ -41,7 +44,8 @@ def command(
 
     from stapo.evals.inspect import inspect_run, load_dump, terminal_tables
 
-    console = Console()
+    # a pipe or a log file is not cut at 80 columns: a terminal keeps its own width
+    console = Console(width=None if sys.stdout.isatty() else WIDE)
     try:
         dump = load_dump(run, step)
         base = run.parent.parent if run.is_file() else run

@@ -64,6 +64,15 @@ def command(
             "backend. E.g. --config tiny --recipe grpo. --set still wins.",
         ),
     ] = None,
+    allow_changes: Annotated[
+        bool,
+        typer.Option(
+            "--allow-changes",
+            help="With --resume: go on with --set / --config values that change how the run trains (lr, method, "
+            "batch, lengths...). Without it such a resume is refused; config.yaml keeps the run's first config "
+            "and config_changes.jsonl records each change from the step it takes effect.",
+        ),
+    ] = False,
     fresh: Annotated[
         bool,
         typer.Option(
@@ -106,6 +115,9 @@ def command(
     overrides = list(set_ or [])
     if fresh and not resume:
         raise CLIError("--fresh goes with --resume (it says what to do when the run dir has no checkpoint)")
+    if allow_changes and not resume:
+        raise CLIError("--allow-changes goes with --resume (it lets a resume change how the run trains)")
+    resumed: _Resumed | None = None
     if (as_json or world_size is not None) and not plan:
         raise CLIError("--json and --world-size go with --plan (they shape the memory plan's output)")
     try:
@@ -122,7 +134,10 @@ def command(
         if recipe is not None:
             base = load_config(path).rollout.max_new_tokens
             overrides = method_overrides(resolve_config_path(Path(recipe)), base) + overrides
-        cfg = load_config(path, overrides)
+        if resume and (resumed := _Resumed.of(run_dir)) is not None:
+            cfg = resumed.config(None if config is None else path, overrides, allow_changes)
+        else:
+            cfg = load_config(path, overrides)
     except ConfigError as err:
         raise JobError(f"--recipe {recipe}: {err}" if recipe and "invalid config" in str(err) else str(err)) from None
     say = typer.echo if os.environ.get("RANK", "0") == "0" else _silent  # start-up lines once per job
@@ -142,6 +157,8 @@ def command(
             raise CLIError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --run-dir")
         if resume and _check_resumable(run_dir, fresh, cfg.trainer.max_steps, say):
             return
+        if resume and owner.rank0:
+            _record_resume(run_dir, resumed, cfg, say)
         _train(cfg, path, run_dir, resume, owner, say)
 
 
@@ -260,6 +277,57 @@ def _check_resumable(run_dir: Path, fresh: bool, max_steps: int, say: Callable[.
     return False
 
 
+class _Resumed:
+    """A run dir with a checkpoint that ``--resume`` continues: the config it goes on with and the
+    check that a resume changes nothing the run learns unless ``--allow-changes`` says so."""
+
+    def __init__(self, run_dir: Path, step: int) -> None:
+        from stapo.core.rundir import resume_config_data
+
+        self.run_dir, self.step = run_dir, step
+        self.data = resume_config_data(run_dir, step)  # config.yaml + the recorded changes
+
+    @classmethod
+    def of(cls, run_dir: Path) -> _Resumed | None:
+        from stapo.core.checkpoint import checkpoint_step, latest_checkpoint
+
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None or not (run_dir / "config.yaml").is_file():
+            return None
+        return cls(run_dir, checkpoint_step(ckpt))
+
+    def config(self, path: Path | None, overrides: list[str], allow_changes: bool) -> Config:
+        """The resumed config: the run's own with ``overrides`` (or ``path``'s, when --config names one).
+        Refused in one line naming every changed key that is not bookkeeping, without ``allow_changes``."""
+        from stapo.core.config import apply_overrides, config_from_dict, load_config
+        from stapo.core.rundir import BOOKKEEPING_KEYS, config_changes
+
+        cfg = load_config(path, overrides) if path is not None else config_from_dict(apply_overrides(self.data, overrides))
+        changed = [c for c in config_changes(self.data, cfg.model_dump(mode="json", by_alias=True)) if not c.bookkeeping]
+        if changed and not allow_changes:
+            free = ", ".join(k.rstrip(".") for k in BOOKKEEPING_KEYS[:4])
+            raise CLIError(
+                f"--resume would change how {self.run_dir} trains from step {self.step + 1}: "
+                f"{'; '.join(map(str, changed))}. Add --allow-changes to go on with them (config.yaml keeps the "
+                f"run's first config; config_changes.jsonl records them), or drop them ({free}... need no flag)"
+            )
+        return cfg
+
+
+def _record_resume(run_dir: Path, resumed: _Resumed | None, cfg: Config, say: Callable[..., None]) -> None:
+    """Rank 0, under the lock: write the resume's changes to the run's record and say them. A resume
+    that starts over (no checkpoint, --fresh) drops the record with the old run."""
+    from stapo.core.rundir import CHANGES_NAME, record_config_changes
+
+    if resumed is None:
+        (run_dir / CHANGES_NAME).unlink(missing_ok=True)
+        return
+    changes = record_config_changes(run_dir, resumed.step, cfg.model_dump(mode="json", by_alias=True))
+    if changes:
+        say(f"resuming with changes from step {resumed.step + 1} (recorded in {run_dir / CHANGES_NAME}): "
+            + "; ".join(map(str, changes)))
+
+
 def _holds_run(run_dir: Path) -> bool:
     """A run dir with metrics or a checkpoint: a new run there would mix with it."""
     from stapo.core.checkpoint import list_checkpoints
@@ -284,17 +352,21 @@ class _Owner:
 
     def __init__(self, run_dir: Path, rank0: bool) -> None:
         from stapo.core.checkpoint import checkpoint_step, latest_checkpoint
+        from stapo.core.rundir import CHANGES_NAME
 
         self.run_dir, self.rank0 = run_dir, rank0
         self.created = not run_dir.exists()
         self.before = set() if self.created else {p.name for p in run_dir.iterdir()}
         ckpt = latest_checkpoint(run_dir)
         self.start = checkpoint_step(ckpt) if ckpt is not None else 0  # the step this run starts after
+        record = run_dir / CHANGES_NAME
+        self.record = record.read_bytes() if record.is_file() else None  # restored when no step ran
 
     def clean_up(self, *, keep_config: bool = False) -> None:
         """When no step finished: remove what this command added (``config.yaml`` kept for an
-        interrupted run, so that ``--resume --fresh`` starts it again with the same config)."""
-        from stapo.core.rundir import LOCK_NAME
+        interrupted run, so that ``--resume --fresh`` starts it again with the same config) and put
+        back the record of config changes as it was (this resume's changes never ran)."""
+        from stapo.core.rundir import CHANGES_NAME, LOCK_NAME
         from stapo.core.tracking import read_jsonl
 
         rows = read_jsonl(self.run_dir / "metrics.jsonl")
@@ -304,6 +376,8 @@ class _Owner:
         for p in self.run_dir.iterdir():
             if p.name not in keep:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if self.record is not None:
+            (self.run_dir / CHANGES_NAME).write_bytes(self.record)
 
 
 @contextlib.contextmanager
