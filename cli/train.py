@@ -141,8 +141,9 @@ def command(
     except ConfigError as err:
         raise JobError(f"--recipe {recipe}: {err}" if recipe and "invalid config" in str(err) else str(err)) from None
     say = typer.echo if os.environ.get("RANK", "0") == "0" else _silent  # start-up lines once per job
-    for warning in name_mismatch(cfg):
-        say(f"warning: {warning}", err=True)
+    asked = [o.split("=", 1)[1].strip() for o in set_ or [] if o.split("=", 1)[0].strip() == "algorithm.name"]
+    if (wrong := name_mismatch(cfg, asked[-1] if asked else None)) is not None:
+        raise JobError(wrong)
     if plan:
         print_plan(cfg, world_size, card_gib, as_json)
         return
@@ -194,11 +195,14 @@ def _train(cfg: Config, path: Path, run_dir: Path, resume: bool, owner: _Owner, 
 
 
 # The keys that decide which objective runs: token weighting, per-token loss, advantage, and the
-# layers (our choice). A config labelled with a recipe's name must agree with that recipe on them.
-# Recipes that share all of them (grpo, dapo, justrl) differ in values (clip range, aggregation,
-# dynamic sampling) that this check does not police: `stapo recipes diff` shows those.
+# layers (our choice); with them every string or boolean option of the chosen weighting's section
+# (S2T's mode, 20-Entropy's side...), so a recipe that differs from another by a mode needs no entry
+# here. A config labelled with a recipe's name must agree with that recipe on them. Recipes that
+# differ only in numbers (grpo and justrl: the clip range) are not told apart by this check:
+# `stapo recipes diff` shows those.
+_TW = "algorithm.token_weighting"
 SIGNATURE_KEYS = (
-    "algorithm.token_weighting", "algorithm.policy_loss", "algorithm.advantage", "algorithm.lp_reg.enabled",
+    _TW, "algorithm.policy_loss", "algorithm.advantage", "algorithm.lp_reg.enabled",
     "algorithm.deep_grpo.enabled", "data.sampler", "rollout.async.enabled",
 )
 
@@ -229,28 +233,55 @@ def _flow(value: object) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
 
 
-def name_mismatch(cfg: Config) -> list[str]:
-    """Warnings when ``algorithm.name`` is a recipe's name but the method keys say otherwise.
+def _signature(flat: dict[str, object]) -> dict[str, object]:
+    """The values of a flattened config that say which method runs (:data:`SIGNATURE_KEYS` + modes)."""
+    weighting = flat.get("algorithm.token_weighting")
+    section = f"algorithm.{weighting}."
+    if not any(k.startswith(section) for k in flat):
+        section = "algorithm.weighting_options."  # a weighting registered outside stapo
+    modes = {k: v for k, v in flat.items() if k.startswith(section) and isinstance(v, str | bool)}
+    return {**{k: flat.get(k) for k in SIGNATURE_KEYS}, **modes}
 
-    ``--set algorithm.name=grpo`` on a STAPO config only changes the label: reports would call a
-    STAPO run GRPO. Checked on :data:`SIGNATURE_KEYS` against the shipped recipe of that name.
-    """
-    from stapo.configs import preset_path
+
+def _recipes() -> dict[str, Config]:
+    """The shipped recipes by name: presets whose algorithm.name is their own name (not demo, tiny)."""
+    from stapo.configs import preset_names, preset_path
     from stapo.core.config import load_config
+
+    found = {name: load_config(preset_path(name)) for name in preset_names()}
+    return {name: cfg for name, cfg in found.items() if cfg.algorithm.name == name}
+
+
+def name_mismatch(cfg: Config, asked: str | None = None) -> str | None:
+    """One line when ``algorithm.name`` does not name the method that runs (None: it does).
+
+    ``algorithm.name`` says which recipe a run follows; reports and `stapo compare` go by it. A shipped
+    recipe's name must agree with that recipe on the method's signature (:func:`_signature`). A name
+    no recipe has is a new method's: set with ``--set`` (``asked``) on a config whose method is a
+    shipped recipe's, it is a relabel (``stapoo``) and refused too. The fix named is ``--recipe``,
+    which takes a recipe's method keys and its name together.
+    """
     from stapo.core.fairness import flatten
 
-    name = cfg.algorithm.name
-    path = preset_path(name)
-    if path is None:
-        return []
-    ours = flatten(cfg.model_dump(mode="json", by_alias=True))
-    theirs = flatten(load_config(path).model_dump(mode="json", by_alias=True))
-    diffs = [f"{k}={ours.get(k)!r} (the {name} recipe: {theirs.get(k)!r})" for k in SIGNATURE_KEYS
-             if ours.get(k) != theirs.get(k)]
+    def signature(c: Config) -> dict[str, object]:
+        return _signature(flatten(c.model_dump(mode="json", by_alias=True)))
+
+    name, recipes, ours = cfg.algorithm.name, _recipes(), signature(cfg)
+    same = [r for r, rc in recipes.items() if signature(rc) == ours]
+    also = f" (recipes with this config's method: {', '.join(same)})" if same else ""
+    if name not in recipes:
+        if asked is None or not same:
+            return None  # a config file's own name, or a method no recipe has
+        return (f"--set algorithm.name={name}: no recipe is called {name}, and this config runs a shipped recipe's "
+                f"method{also}; the name says which recipe ran: `--recipe NAME` runs a recipe's method under its name")
+    theirs = signature(recipes[name])
+    keys = sorted(set(ours) | set(theirs)) if ours == theirs or ours.get(_TW) == theirs.get(_TW) else SIGNATURE_KEYS
+    diffs = [f"{k}={ours.get(k)!r} (the {name} recipe: {theirs.get(k)!r})" for k in keys if ours.get(k) != theirs.get(k)]
     if not diffs:
-        return []
-    return [f"algorithm.name={name}, but {'; '.join(diffs)}: the name is only a label. "
-            f"`--recipe {name}` takes the {name} recipe's method keys."]
+        return None
+    named = f"; this config's method is {' / '.join(same)}'s: --set algorithm.name={same[0]} names it so" if same else ""
+    return (f"algorithm.name={name}, but {'; '.join(diffs)}: the run would be reported as {name}. "
+            f"`--recipe {name}` runs the {name} recipe's method{named}")
 
 
 def _check_resumable(run_dir: Path, fresh: bool, max_steps: int, say: Callable[..., None]) -> bool:

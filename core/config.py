@@ -478,7 +478,10 @@ class AlgorithmConfig(_Section):
     """The RL objective: advantages, token weighting, per-token loss and aggregation."""
 
     name: str = Field(
-        "stapo", description="Label of the recipe, for reports (stapo, dapo, grpo, 20-entropy, justrl, stare, lp-reg, ...)."
+        "stapo", description="The recipe whose method runs, for reports (stapo, dapo, grpo, 20-entropy, justrl, stare, "
+        "lp-reg, ...). `stapo train` refuses a shipped recipe's name on a config whose method (weighting and its mode, "
+        "loss, advantage, layers) is not that recipe's, and a `--set` name of no recipe on a shipped recipe's method: "
+        "`--recipe NAME` takes a recipe's method and name together."
     )
     advantage: str = Field("grpo", description="Advantage estimator (a name registered in `ADVANTAGES`: grpo, dr_grpo, rloo).")
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon added to the group std.")
