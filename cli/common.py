@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from stapo.core.config import Config
 
 
@@ -49,6 +51,20 @@ SetOpt = Annotated[
         help="Override one config field, repeatable: --set trainer.max_steps=10 --set algorithm.s2t.tau_p=0.02 (all fields: docs/config.md)",
     ),
 ]
+
+
+WIDE = 160
+"""Columns of rich output when stdout is not a terminal (a pipe, a log file): tables are not cut at
+rich's 80-column fallback. A terminal keeps its own width."""
+
+
+def console() -> Console:
+    """The rich console of a command's output: the terminal's width, or :data:`WIDE` off a terminal."""
+    import sys
+
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else WIDE)
 
 
 def not_built(name: str) -> None:
@@ -130,6 +146,18 @@ def check_launch(cfg: Config, environ: Mapping[str, str] = os.environ) -> None:
             f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be divisible by the number of ranks "
             f"({world}): each rank samples an equal share of a step's prompts"
         )
+    check_engine_and_device(cfg, environ)
+    for url in cfg.reward.urls:
+        _check_verifier(url)
+
+
+def check_engine_and_device(cfg: Config, environ: Mapping[str, str] = os.environ) -> None:
+    """The rollout engine imports and ``trainer.device`` exists on this machine (what `stapo train`
+    and `stapo eval` need before a model loads or a memory plan is printed); one :class:`JobError`."""
+    import torch
+
+    from stapo.core.placement import place
+
     if cfg.rollout.engine == "vllm":
         try:
             import vllm  # noqa: F401
@@ -138,8 +166,12 @@ def check_launch(cfg: Config, environ: Mapping[str, str] = os.environ) -> None:
                 f"rollout.engine=vllm, but vllm does not import ({type(err).__name__}: {err}); install "
                 "stapo[vllm] or --set rollout.engine=hf"
             ) from None
-    for url in cfg.reward.urls:
-        _check_verifier(url)
+    try:  # the placement each rank takes at start, decided now (stapo.core.placement)
+        tp = cfg.rollout.vllm.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        place(environ, cuda_devices=gpus, requested=cfg.trainer.device, tp_size=tp)
+    except ValueError as err:
+        raise JobError(str(err)) from None
 
 
 def _check_verifier(url: str) -> None:

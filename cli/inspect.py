@@ -12,15 +12,13 @@ how Theorem 3.1's gradient-norm form compares with the measured norm; writes ``i
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from stapo.cli.common import CLIError
-
-WIDE = 160  # columns of the tables when stdout is not a terminal (the silenced-tokens table needs ~130)
+from stapo.cli.common import console as make_console
 
 
 def command(
@@ -40,12 +38,9 @@ def command(
       stapo inspect runs/stapo --step 12 --out /tmp/insp
       stapo inspect runs/stapo/dumps/step_000012.json
     """
-    from rich.console import Console
-
     from stapo.evals.inspect import inspect_run, load_dump, terminal_tables
 
-    # a pipe or a log file is not cut at 80 columns: a terminal keeps its own width
-    console = Console(width=None if sys.stdout.isatty() else WIDE)
+    console = make_console()  # a pipe or a log file is not cut at 80 columns
     try:
         dump = load_dump(run, step)
         base = run.parent.parent if run.is_file() else run

@@ -797,6 +797,11 @@ class EvalConfig(_Section):
     val_temperature: float = Field(0.0, ge=0, description="Validation sampling temperature (0: greedy).")
     val_max_new_tokens: int | None = Field(None, gt=0, description="Validation response length (default: rollout's).")
     benchmarks: list[str] = Field(["math500"], description="Benchmarks for `stapo eval`.")
+    max_new_tokens: int = Field(
+        20480, gt=0, description="Response cap of `stapo eval` (`--max-new-tokens`): the paper evaluates at 20,480 "
+        "tokens (arXiv 2602.15620, Sec. 4.1). Training's `rollout.max_new_tokens` is not used: a run trained at 16 "
+        "tokens is still evaluated at this cap. The results carry the share of samples that hit it."
+    )
     k: int | None = Field(None, gt=0, description="Samples per problem (default: 32 for AIME/AMC, 4 otherwise).")
     preset: Literal["t1.0", "t0.7"] = Field(
         "t0.7", description="Sampling preset of the paper: temperature 1.0 / top-p 1.0, or 0.7 / 0.9."
