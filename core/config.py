@@ -905,7 +905,8 @@ def _format_validation_error(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
         shown = e["type"] != "extra_forbidden" and not isinstance(e.get("input"), dict)
-        lines.append(f"  {loc}: {msg}" + (f" (got {e['input']!r})" if shown else ""))
+        hint = f"; a list on the command line: --set {loc}=[a,b]" if e["type"] in ("list_type", "tuple_type") else ""
+        lines.append(f"  {loc}: {msg}" + (f" (got {e['input']!r})" if shown else "") + hint)
     return "invalid config:\n" + "\n".join(lines)
 
 
