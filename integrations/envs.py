@@ -21,14 +21,16 @@ REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".integrations"
 VENVS = CACHE / "venvs"
 
-# What ``stapo.verifier_service.adapters`` imports (grader, pool, client, settings), nothing more.
+# What ``stapo.verifier_service.adapters`` imports (grader, pool, client, settings), nothing more:
+# the install line of docs/integrations.md, word for word (tests/unit/test_adapter_deps.py checks
+# both, and that grading in-process and through the client imports nothing else).
 # math-verify comes with the ANTLR runtime the framework already pins (see ``Env.antlr``).
 ADAPTER_DEPS = (
     "httpx>=0.27",
     "pydantic>=2.7,<3",
     "pydantic-settings>=2.3,<3",
     "mpmath>=1.3",
-    "psutil",
+    "pebble>=5.1,<6",
 )
 
 
