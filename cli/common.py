@@ -14,9 +14,10 @@ either, and :func:`check_launch` at what the launch fixes (ranks, vLLM, the veri
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -166,7 +167,9 @@ def check_engine_and_device(cfg: Config, environ: Mapping[str, str] = os.environ
                 f"rollout.engine=vllm, but vllm does not import ({type(err).__name__}: {err}); install "
                 "stapo[vllm] or --set rollout.engine=hf"
             ) from None
-    try:  # the placement each rank takes at start, decided now (stapo.core.placement)
+    if not cfg.trainer.device.startswith("cuda"):
+        return  # auto and cpu always place
+    try:  # the GPU each rank takes at start, decided now (stapo.core.placement)
         tp = cfg.rollout.vllm.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         place(environ, cuda_devices=gpus, requested=cfg.trainer.device, tp_size=tp)
@@ -216,6 +219,56 @@ class _DropMessages:
 KNOWN_NOISE: dict[str, dict[str, tuple[str, ...]]] = {
     "torch": {"DeepSpeed": ("Setting accelerator to CPU",)},
 }
+
+
+class _BelowError:
+    """A ``logging`` filter that keeps errors only (ranks other than 0: rank 0 shows the warnings)."""
+
+    def filter(self, record: object) -> bool:
+        return record.levelno >= 40  # type: ignore[attr-defined]  # logging.ERROR
+
+
+# Libraries whose warnings every rank repeats alike (by logger name); on ranks other than 0 only their
+# errors show. transformers reads its verbosity from the environment instead (TRANSFORMERS_VERBOSITY).
+PER_RANK_NOISE = ("DeepSpeed", "torch.distributed", "huggingface_hub")
+
+
+@contextlib.contextmanager
+def quiet_job_noise(environ: MutableMapping[str, str], *, terminal: bool) -> Iterator[None]:
+    """Around a command, before any library loads: one copy of each warning per job, and no
+    progress bars in a log. Everything it changes is put back on exit (a command run in-process).
+
+    Under a launcher every rank imports the same libraries and warns alike (FutureWarnings,
+    DeepSpeed's accelerator probe): ranks other than 0 keep errors only, so a 2-rank log carries one
+    copy. Off a terminal (a log file, a pipe, a batch job) progress bars are redrawn as lines of
+    carriage returns: tqdm's (transformers' loading and saving bars, huggingface_hub's, DeepSpeed's)
+    are turned off through their environment switches; a terminal keeps them.
+    """
+    import logging
+    import warnings
+
+    added: dict[str, str] = {}
+    if not terminal:
+        added["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers and huggingface_hub read it
+        added["TQDM_DISABLE"] = "1"  # every other tqdm bar (tqdm >= 4.66 reads TQDM_* defaults)
+    rank0 = int(environ.get("RANK") or 0) == 0
+    if not rank0:
+        added["TRANSFORMERS_VERBOSITY"] = "error"
+    added = {k: v for k, v in added.items() if k not in environ}
+    environ.update(added)
+    filters = [] if rank0 else [(logging.getLogger(name), _BelowError()) for name in PER_RANK_NOISE]
+    for logger, f in filters:
+        logger.addFilter(f)  # type: ignore[arg-type]
+    try:
+        with warnings.catch_warnings():
+            if not rank0:
+                warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, f in filters:
+            logger.removeFilter(f)  # type: ignore[arg-type]
+        for key in added:
+            environ.pop(key, None)
 
 
 def quiet_known_noise(backend: str) -> None:

@@ -68,7 +68,9 @@ ENVS = {
     for e in (
         # verl: the newest release and the last 0.6.x (the legacy reward managers: prime, batch)
         Env("verl", "0.9.1", ("verl==0.9.1",), antlr="antlr4_9_3"),
-        Env("verl", "0.6.1", ("verl==0.6.1",), antlr="antlr4_9_3"),
+        # verl 0.6.1's own pins let pip pick releases its reward loop does not run with; these do
+        Env("verl", "0.6.1", ("verl==0.6.1", "transformers<5", "pyarrow<21", "datasets<4.2", "openai"),
+            antlr="antlr4_9_3"),
         # OpenRLHF's full install pulls vLLM, DeepSpeed and flash-attn (CUDA); its reward path
         # (openrlhf.utils.agent) imports aiohttp, and through openrlhf.utils transformers, sympy and
         # pylatexenc.
