@@ -100,7 +100,8 @@ def command(
 
     With no arguments it runs the CPU demo: SmolLM2-135M-Instruct learning single-digit addition
     (needs `make demo-model` once). Writes config.yaml, metrics.jsonl, TensorBoard events, token
-    dumps, checkpoints and the final HF-format policy into the run dir.
+    dumps, checkpoints and (checkpoint.export_hf, off in the demo) the final HF-format policy, final/,
+    into the run dir.
 
     Examples:
 
