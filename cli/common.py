@@ -153,12 +153,22 @@ def check_launch(cfg: Config, environ: Mapping[str, str] = os.environ) -> None:
 
 
 def check_engine_and_device(cfg: Config, environ: Mapping[str, str] = os.environ) -> None:
-    """The rollout engine imports and ``trainer.device`` exists on this machine (what `stapo train`
-    and `stapo eval` need before a model loads or a memory plan is printed); one :class:`JobError`."""
+    """The optional packages the config names are installed (vLLM, DeepSpeed, wandb) and
+    ``trainer.device`` exists on this machine: what `stapo train` and `stapo eval` need before a
+    model loads or a memory plan is printed; one :class:`JobError` naming the fix."""
+    import importlib.util
+
     import torch
 
     from stapo.core.placement import place
 
+    for wanted, module, fix in (
+        (cfg.trainer.backend == "deepspeed", "deepspeed", "install stapo[train] or --set trainer.backend=torch"),
+        (cfg.logging.wandb, "wandb", "`pip install wandb` (and `wandb login`) or --set logging.wandb=false"),
+    ):
+        if wanted and importlib.util.find_spec(module) is None:
+            what = f"trainer.backend={cfg.trainer.backend}" if module == "deepspeed" else "logging.wandb=true"
+            raise JobError(f"{what} needs {module}, which is not installed: {fix}")
     if cfg.rollout.engine == "vllm":
         try:
             import vllm  # noqa: F401

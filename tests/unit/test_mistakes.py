@@ -71,6 +71,12 @@ MISTAKES = [
                                    "--out", "{tmp}/e3"],
                  "trainer.device is 'cuda' but CUDA is not available here",
                  marks=pytest.mark.skipif(not NO_GPU, reason="a GPU is here")),
+    pytest.param("wandb not installed", ["train", "--config", "tiny", "--set", "logging.wandb=true"],
+                 "logging.wandb=true needs wandb, which is not installed: `pip install wandb`",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is here")),
+    pytest.param("deepspeed not installed", ["train", "--config", "tiny", "--set", "trainer.backend=deepspeed"],
+                 "trainer.backend=deepspeed needs deepspeed, which is not installed: install stapo[train]",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="deepspeed is here")),
     ("verifier on a busy port", ["verifier", "serve", "--port", "{port}", "--workers", "1"],
      "(another process listens there); pick another --port (STAPO_VERIFIER_PORT)"),
 ]
@@ -117,3 +123,15 @@ def test_verifier_help_shows_the_size_limits_the_service_applies(stapo_main):
                          ("max_gold_chars", "default 10000 characters"), ("max_body_bytes", "default 16777216")):
         assert shown in text, field
         assert shown.split()[1] == str(Settings.model_fields[field].default), field
+
+
+def test_a_missing_deepspeed_is_named_even_where_it_is_installed(monkeypatch):
+    """The same check with DeepSpeed hidden (it is installed on the project's machines)."""
+    from stapo.cli.common import JobError, check_engine_and_device
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    cfg = load_config(preset_path("tiny"), ["trainer.backend=deepspeed"])
+    with pytest.raises(JobError, match=r"^trainer\.backend=deepspeed needs deepspeed, which is not installed: install "
+                                       r"stapo\[train\] or --set trainer\.backend=torch$"):
+        check_engine_and_device(cfg, {})
