@@ -396,19 +396,20 @@ class _Owner:
 
     def clean_up(self, *, keep_config: bool = False) -> None:
         """When no step finished: remove what this command added (``config.yaml`` kept for an
-        interrupted run, so that ``--resume --fresh`` starts it again with the same config) and put
-        back the record of config changes as it was (this resume's changes never ran)."""
+        interrupted run, so that ``--resume --fresh`` starts it again with the same config). A
+        failed start puts the record of config changes back as it was (its changes never ran); an
+        interrupted one keeps this resume's row, so the printed ``--resume`` goes on with them."""
         from stapo.core.rundir import CHANGES_NAME, LOCK_NAME
         from stapo.core.tracking import read_jsonl
 
         rows = read_jsonl(self.run_dir / "metrics.jsonl")
         if not self.rank0 or not self.run_dir.is_dir() or (rows and int(rows[-1]["step"]) > self.start):
             return
-        keep = self.before | {LOCK_NAME} | ({"config.yaml"} if keep_config else set())
+        keep = self.before | {LOCK_NAME} | ({"config.yaml", CHANGES_NAME} if keep_config else set())
         for p in self.run_dir.iterdir():
             if p.name not in keep:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
-        if self.record is not None:
+        if self.record is not None and not keep_config:
             (self.run_dir / CHANGES_NAME).write_bytes(self.record)
 
 

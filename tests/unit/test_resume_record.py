@@ -92,3 +92,30 @@ def test_resume_that_changes_training_is_refused_in_one_line_naming_each_key(tmp
     code, _o, err = stapo_main("train", "--run-dir", str(run), "--allow-changes", "--config", "tiny")
     assert code == 2 and err.strip() == "error: --allow-changes goes with --resume (it lets a resume change how the run trains)"
     assert not (run / CHANGES_NAME).exists()
+
+
+def test_a_resume_that_fails_before_its_first_step_leaves_the_record_as_it_was(tmp_path, stapo_main, monkeypatch):
+    """A failed start: its changes never ran, the record is put back. An interrupted one (Ctrl-C)
+    keeps its row, so the printed `--resume` goes on with the changes the user allowed."""
+    import stapo.core.loop as loop
+
+    run = _run_with_checkpoint(tmp_path)
+    args = ("train", "--run-dir", str(run), "--resume", "--set", "trainer.lr=0.5", "--set", "trainer.max_steps=4",
+            "--allow-changes")
+
+    def fails(*_a, **_k):
+        raise RuntimeError("a bug at start-up")
+
+    monkeypatch.setattr(loop, "train", fails)
+    code, out, _err = stapo_main(*args)
+    assert code == 1 and "resuming with changes from step 3" in out
+    assert not (run / CHANGES_NAME).exists()
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "train", interrupted)
+    code, _out, err = stapo_main(*args)
+    assert code == 130 and f"resume with: stapo train --run-dir {run} --resume" in err
+    assert describe_config_changes(run) == ["from step 3: trainer.lr 0.001 -> 0.5, trainer.max_steps 2 -> 4"]
+    assert resume_config_data(run, 2)["trainer"]["lr"] == 0.5  # the printed command goes on at lr 0.5
