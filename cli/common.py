@@ -14,15 +14,18 @@ either, and :func:`check_launch` at what the launch fixes (ranks, vLLM, the veri
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from stapo.core.config import Config
 
 
@@ -49,6 +52,20 @@ SetOpt = Annotated[
         help="Override one config field, repeatable: --set trainer.max_steps=10 --set algorithm.s2t.tau_p=0.02 (all fields: docs/config.md)",
     ),
 ]
+
+
+WIDE = 160
+"""Columns of rich output when stdout is not a terminal (a pipe, a log file): tables are not cut at
+rich's 80-column fallback. A terminal keeps its own width."""
+
+
+def console() -> Console:
+    """The rich console of a command's output: the terminal's width, or :data:`WIDE` off a terminal."""
+    import sys
+
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else WIDE)
 
 
 def not_built(name: str) -> None:
@@ -142,6 +159,31 @@ def check_launch(cfg: Config, environ: Mapping[str, str] = os.environ) -> None:
         check_supported(cfg)
     except ValueError as err:
         raise JobError(str(err)) from None
+    check_engine_and_device(cfg, environ)
+    if cfg.rollout.engine == "vllm_server":
+        for url in cfg.rollout.server.urls:
+            _check_rollout_server(url)
+    for url in cfg.reward.urls:
+        _check_verifier(url)
+
+
+def check_engine_and_device(cfg: Config, environ: Mapping[str, str] = os.environ) -> None:
+    """The optional packages the config names are installed (vLLM, DeepSpeed, wandb) and
+    ``trainer.device`` exists on this machine: what `stapo train` and `stapo eval` need before a
+    model loads or a memory plan is printed; one :class:`JobError` naming the fix."""
+    import importlib.util
+
+    import torch
+
+    from stapo.core.placement import place
+
+    for wanted, module, fix in (
+        (cfg.trainer.backend == "deepspeed", "deepspeed", "install stapo[train] or --set trainer.backend=torch"),
+        (cfg.logging.wandb, "wandb", "`pip install wandb` (and `wandb login`) or --set logging.wandb=false"),
+    ):
+        if wanted and importlib.util.find_spec(module) is None:
+            what = f"trainer.backend={cfg.trainer.backend}" if module == "deepspeed" else "logging.wandb=true"
+            raise JobError(f"{what} needs {module}, which is not installed: {fix}")
     if cfg.rollout.engine == "vllm":
         try:
             import vllm  # noqa: F401
@@ -150,11 +192,14 @@ def check_launch(cfg: Config, environ: Mapping[str, str] = os.environ) -> None:
                 f"rollout.engine=vllm, but vllm does not import ({type(err).__name__}: {err}); install "
                 "stapo[vllm] or --set rollout.engine=hf"
             ) from None
-    if cfg.rollout.engine == "vllm_server":
-        for url in cfg.rollout.server.urls:
-            _check_rollout_server(url)
-    for url in cfg.reward.urls:
-        _check_verifier(url)
+    if not cfg.trainer.device.startswith("cuda"):
+        return  # auto and cpu always place
+    try:  # the GPU each rank takes at start, decided now (stapo.core.placement)
+        tp = cfg.rollout.vllm.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        place(environ, cuda_devices=gpus, requested=cfg.trainer.device, tp_size=tp)
+    except ValueError as err:
+        raise JobError(str(err)) from None
 
 
 def nearest_multiples(count: int, world: int) -> tuple[int, int]:
@@ -223,6 +268,56 @@ class _DropMessages:
 KNOWN_NOISE: dict[str, dict[str, tuple[str, ...]]] = {
     "torch": {"DeepSpeed": ("Setting accelerator to CPU",)},
 }
+
+
+class _BelowError:
+    """A ``logging`` filter that keeps errors only (ranks other than 0: rank 0 shows the warnings)."""
+
+    def filter(self, record: object) -> bool:
+        return record.levelno >= 40  # type: ignore[attr-defined]  # logging.ERROR
+
+
+# Libraries whose warnings every rank repeats alike (by logger name); on ranks other than 0 only their
+# errors show. transformers reads its verbosity from the environment instead (TRANSFORMERS_VERBOSITY).
+PER_RANK_NOISE = ("DeepSpeed", "torch.distributed", "huggingface_hub")
+
+
+@contextlib.contextmanager
+def quiet_job_noise(environ: MutableMapping[str, str], *, terminal: bool) -> Iterator[None]:
+    """Around a command, before any library loads: one copy of each warning per job, and no
+    progress bars in a log. Everything it changes is put back on exit (a command run in-process).
+
+    Under a launcher every rank imports the same libraries and warns alike (FutureWarnings,
+    DeepSpeed's accelerator probe): ranks other than 0 keep errors only, so a 2-rank log carries one
+    copy. Off a terminal (a log file, a pipe, a batch job) progress bars are redrawn as lines of
+    carriage returns: tqdm's (transformers' loading and saving bars, huggingface_hub's, DeepSpeed's)
+    are turned off through their environment switches; a terminal keeps them.
+    """
+    import logging
+    import warnings
+
+    added: dict[str, str] = {}
+    if not terminal:
+        added["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers and huggingface_hub read it
+        added["TQDM_DISABLE"] = "1"  # every other tqdm bar (tqdm >= 4.66 reads TQDM_* defaults)
+    rank0 = int(environ.get("RANK") or 0) == 0
+    if not rank0:
+        added["TRANSFORMERS_VERBOSITY"] = "error"
+    added = {k: v for k, v in added.items() if k not in environ}
+    environ.update(added)
+    filters = [] if rank0 else [(logging.getLogger(name), _BelowError()) for name in PER_RANK_NOISE]
+    for logger, f in filters:
+        logger.addFilter(f)  # type: ignore[arg-type]
+    try:
+        with warnings.catch_warnings():
+            if not rank0:
+                warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, f in filters:
+            logger.removeFilter(f)  # type: ignore[arg-type]
+        for key in added:
+            environ.pop(key, None)
 
 
 def quiet_known_noise(backend: str) -> None:

@@ -9,7 +9,10 @@
 Config: ``--config`` (a file or a preset name from configs/), else the run's own ``config.yaml`` when
 ``--model`` is a run dir or one of its checkpoints (so the prompt template matches training), else
 the defaults; ``--set`` and the options below override it. The options are shorthands for
-``eval.*``, ``data.*`` and ``rollout.*`` fields. Re-running the same command with the same
+``eval.*``, ``data.*`` and ``rollout.*`` fields. The response cap is ``eval.max_new_tokens`` (the
+paper's 20,480 unless the config's eval section says otherwise), never the run's training cap; the
+first lines say the cap, temperature, top-p and k, and the results the share of samples that hit
+the cap (a warning above ``CAP_WARN_SHARE``). Re-running the same command with the same
 ``--out`` resumes: finished problems are kept. See :mod:`stapo.evals.runner` and docs/evaluation.md.
 """
 
@@ -20,7 +23,8 @@ from typing import Annotated
 
 import typer
 
-from stapo.cli.common import CLIError, ConfigOpt, SetOpt, quiet_known_noise
+from stapo.cli.common import CLIError, ConfigOpt, SetOpt, check_engine_and_device, quiet_known_noise
+from stapo.cli.common import console as make_console
 
 
 def _run_config(model: str | None) -> Path | None:
@@ -59,7 +63,8 @@ def command(
         str | None, typer.Option("--template", metavar="NAME", help="Prompt template: dapo, boxed, short, none (data.template).")
     ] = None,
     max_new_tokens: Annotated[
-        int | None, typer.Option("--max-new-tokens", metavar="N", help="Response length cap (rollout.max_new_tokens).")
+        int | None, typer.Option("--max-new-tokens", metavar="N", help="Response length cap (eval.max_new_tokens; "
+                                 "default 20480 as in the paper, or the config's eval section; not the run's training cap).")
     ] = None,
     data_dir: Annotated[
         Path | None, typer.Option("--data-dir", metavar="DIR", help="Benchmark folder (default: data.data_dir, else $STAPO_DATA_DIR, else the copies shipped with stapo).")
@@ -67,7 +72,7 @@ def command(
     out: Annotated[Path, typer.Option("--out", "-o", metavar="DIR", help="Output dir: results.json, samples.jsonl (resumable).")] = Path(
         "eval_results"
     ),
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Rich progress bars.")] = True,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Rich progress bars (on a terminal only).")] = True,
 ) -> None:
     """Evaluate a policy on math benchmarks: avg@k, unbiased pass@k, maj@k per benchmark and macro average.
 
@@ -78,8 +83,6 @@ def command(
       stapo eval --config tiny --model tiny-random --benchmarks gsm8k --k 4 --limit 20 --out /tmp/ev
       stapo eval --model Qwen/Qwen3-1.7B-Base --set rollout.engine=vllm --preset t1.0 --out evals/base
     """
-    from rich.console import Console
-
     from stapo.core.config import ConfigError, config_from_dict, load_config
 
     overrides = list(set_ or [])
@@ -92,7 +95,7 @@ def command(
     if template is not None:
         overrides.append(f"data.template={template}")
     if max_new_tokens is not None:
-        overrides.append(f"rollout.max_new_tokens={max_new_tokens}")
+        overrides.append(f"eval.max_new_tokens={max_new_tokens}")
     try:
         if config is not None:
             from stapo.cli.train import resolve_config_path
@@ -111,16 +114,18 @@ def command(
     except ConfigError as err:
         raise CLIError(str(err)) from None
 
+    check_engine_and_device(cfg)  # a missing engine or GPU: one line before anything loads
     quiet_known_noise(cfg.trainer.backend)
     from stapo.core.rewards import RewardError
     from stapo.evals.runner import EvalStateError, evaluate, results_table
 
-    console = Console()
+    console = make_console()
     console.print(f"eval: model {model or cfg.model.name_or_path}, benchmarks {', '.join(cfg.eval.benchmarks)}, "
                   f"preset {cfg.eval.preset}, out {out}" + (f" (config {path})" if path else ""))
     try:
         results = evaluate(cfg, out_dir=out, model_path=model, step=step,
-                           data_dir=str(data_dir) if data_dir else None, progress=progress, console=console)
+                           data_dir=str(data_dir) if data_dir else None, progress=progress and console.is_terminal,
+                           console=console)
     except ConfigError as err:  # e.g. a checkpoint's model section that this version rejects
         raise CLIError(str(err)) from None
     except (FileNotFoundError, KeyError, ValueError, EvalStateError) as err:
@@ -129,4 +134,6 @@ def command(
     except RewardError as err:
         raise CLIError(f"eval stopped (finished problems are kept; rerun to resume): {err}") from None
     console.print(results_table(results))
+    for warning in results.get("warnings", []):
+        typer.echo(f"warning: {warning}", err=True)
     console.print(f"results: {out / 'results.json'}  samples: {out / 'samples.jsonl'}")

@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 
 from stapo.cli.common import CLIError
+from stapo.cli.common import console as make_console
 
 
 def command(
@@ -37,11 +38,9 @@ def command(
       stapo inspect runs/stapo --step 12 --out /tmp/insp
       stapo inspect runs/stapo/dumps/step_000012.json
     """
-    from rich.console import Console
-
     from stapo.evals.inspect import inspect_run, load_dump, terminal_tables
 
-    console = Console()
+    console = make_console()  # a pipe or a log file is not cut at 80 columns
     try:
         dump = load_dump(run, step)
         base = run.parent.parent if run.is_file() else run

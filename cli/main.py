@@ -29,7 +29,7 @@ from rich.markup import escape
 
 from stapo import __version__
 from stapo.cli import calibrate, compare, evaluate, inspect, prepare, recipes, rollout, train, verifier
-from stapo.cli.common import CLIError, JobError
+from stapo.cli.common import CLIError, JobError, quiet_job_noise
 
 app = typer.Typer(
     name="stapo",
@@ -110,7 +110,8 @@ def main() -> None:
     sys.argv = [sys.argv[0], *(a for a in sys.argv[1:] if a != "--debug")]
     where = _rank_label(os.environ)
     try:
-        app()
+        with quiet_job_noise(os.environ, terminal=sys.stderr.isatty()):  # before any library loads
+            app()
     except JobError as err:  # the same on every rank: each node's first rank says it
         if debug:
             traceback.print_exc()

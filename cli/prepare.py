@@ -153,6 +153,19 @@ def command(
     )
     for name, info in manifest["files"].items():
         console.print(f"  {name}: {info['rows']} rows  sha256 {info['sha256'][:16]}…")
+    if (warning := split_warning(manifest, cfg.data.val_size)) is not None:
+        typer.echo(f"warning: {warning}", err=True)
+
+
+def split_warning(manifest: dict, val_size: int) -> str | None:
+    """A line when validation holds out more prompts than are left to train on (a small file with
+    the default ``data.val_size``), None otherwise."""
+    rows = {name.split(".")[0]: info["rows"] for name, info in manifest["files"].items()}
+    train, val = rows.get("train", 0), rows.get("val", 0)
+    if val <= train:
+        return None
+    return (f"data.val_size={val_size} held out {val} of {train + val} prompts for validation, leaving {train} to "
+            f"train on; --set data.val_size=N (e.g. {max(1, (train + val) // 10)}) keeps more for training")
 
 
 def _dir_name(source: str) -> str:

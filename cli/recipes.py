@@ -47,20 +47,37 @@ def layer_drift(name: str, base: Path, recipe: Path) -> list[tuple[str, Any, Any
 
 def recipe_header(path: Path) -> dict[str, str]:
     """``{"recipe": ..., "source": ...}`` from the ``# Recipe:`` / ``# Source:`` comment lines
-    (falls back to the file's first comment line for presets without them)."""
+    (falls back to the file's first comment line for presets without them). A field wrapped over
+    several comment lines is read whole (:func:`_continues`)."""
     out: dict[str, str] = {}
     first = ""
+    comments = []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
-        text = line.lstrip("#").strip()
+        comments.append(line.lstrip("#").strip())
+    key = None
+    for text in comments:
         first = first or text
-        for key in ("Recipe", "Source"):
-            if text.startswith(f"{key}:"):
-                out[key.lower()] = text[len(key) + 1 :].strip()
+        if key is not None and _continues(out[key], text):
+            out[key] = f"{out[key]} {text}"
+            continue
+        key = None
+        for name in ("Recipe", "Source"):
+            if text.startswith(f"{name}:"):
+                key = name.lower()
+                out[key] = text[len(name) + 1 :].strip()
     out.setdefault("recipe", first)
     out.setdefault("source", "")
     return out
+
+
+def _continues(text: str, line: str) -> bool:
+    """Whether comment ``line`` goes on with the field read so far: an open parenthesis, or a
+    sentence cut mid-way whose next line starts in lower case (a new sentence starts a new note)."""
+    if text.count("(") > text.count(")"):
+        return True
+    return bool(line) and not text.endswith((".", "!", "?", ":")) and not line[0].isupper()
 
 
 def resolved_diff(a: Path, b: Path, overrides_b: list[str] | None = None) -> list[tuple[str, Any, Any]]:

@@ -64,6 +64,15 @@ def command(
             "backend. E.g. --config tiny --recipe grpo. --set still wins.",
         ),
     ] = None,
+    allow_changes: Annotated[
+        bool,
+        typer.Option(
+            "--allow-changes",
+            help="With --resume: go on with --set / --config values that change how the run trains (lr, method, "
+            "batch, lengths...). Without it such a resume is refused; config.yaml keeps the run's first config "
+            "and config_changes.jsonl records each change from the step it takes effect.",
+        ),
+    ] = False,
     fresh: Annotated[
         bool,
         typer.Option(
@@ -91,7 +100,8 @@ def command(
 
     With no arguments it runs the CPU demo: SmolLM2-135M-Instruct learning single-digit addition
     (needs `make demo-model` once). Writes config.yaml, metrics.jsonl, TensorBoard events, token
-    dumps, checkpoints and the final HF-format policy into the run dir.
+    dumps, checkpoints and (checkpoint.export_hf, off in the demo) the final HF-format policy, final/,
+    into the run dir.
 
     Examples:
 
@@ -106,6 +116,9 @@ def command(
     overrides = list(set_ or [])
     if fresh and not resume:
         raise CLIError("--fresh goes with --resume (it says what to do when the run dir has no checkpoint)")
+    if allow_changes and not resume:
+        raise CLIError("--allow-changes goes with --resume (it lets a resume change how the run trains)")
+    resumed: _Resumed | None = None
     if (as_json or world_size is not None) and not plan:
         raise CLIError("--json and --world-size go with --plan (they shape the memory plan's output)")
     try:
@@ -122,12 +135,16 @@ def command(
         if recipe is not None:
             base = load_config(path).rollout.max_new_tokens
             overrides = method_overrides(resolve_config_path(Path(recipe)), base) + overrides
-        cfg = load_config(path, overrides)
+        if resume and (resumed := _Resumed.of(run_dir)) is not None:
+            cfg = resumed.config(None if config is None else path, overrides, allow_changes)
+        else:
+            cfg = load_config(path, overrides)
     except ConfigError as err:
         raise JobError(f"--recipe {recipe}: {err}" if recipe and "invalid config" in str(err) else str(err)) from None
     say = typer.echo if os.environ.get("RANK", "0") == "0" else _silent  # start-up lines once per job
-    for warning in name_mismatch(cfg):
-        say(f"warning: {warning}", err=True)
+    asked = [o.split("=", 1)[1].strip() for o in set_ or [] if o.split("=", 1)[0].strip() == "algorithm.name"]
+    if (wrong := name_mismatch(cfg, asked[-1] if asked else None)) is not None:
+        raise JobError(wrong)
     if plan:
         print_plan(cfg, world_size, card_gib, as_json)
         return
@@ -142,6 +159,8 @@ def command(
             raise CLIError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --run-dir")
         if resume and _check_resumable(run_dir, fresh, cfg.trainer.max_steps, say):
             return
+        if resume and owner.rank0:
+            _record_resume(run_dir, resumed, cfg, say)
         _train(cfg, path, run_dir, resume, owner, say)
 
 
@@ -177,11 +196,14 @@ def _train(cfg: Config, path: Path, run_dir: Path, resume: bool, owner: _Owner, 
 
 
 # The keys that decide which objective runs: token weighting, per-token loss, advantage, and the
-# layers (our choice). A config labelled with a recipe's name must agree with that recipe on them.
-# Recipes that share all of them (grpo, dapo, justrl) differ in values (clip range, aggregation,
-# dynamic sampling) that this check does not police: `stapo recipes diff` shows those.
+# layers (our choice); with them every string or boolean option of the chosen weighting's section
+# (S2T's mode, 20-Entropy's side...), so a recipe that differs from another by a mode needs no entry
+# here. A config labelled with a recipe's name must agree with that recipe on them. Recipes that
+# differ only in numbers (grpo and justrl: the clip range) are not told apart by this check:
+# `stapo recipes diff` shows those.
+_TW = "algorithm.token_weighting"
 SIGNATURE_KEYS = (
-    "algorithm.token_weighting", "algorithm.policy_loss", "algorithm.advantage", "algorithm.lp_reg.enabled",
+    _TW, "algorithm.policy_loss", "algorithm.advantage", "algorithm.lp_reg.enabled",
     "algorithm.deep_grpo.enabled", "data.sampler", "rollout.async.enabled",
 )
 
@@ -212,28 +234,55 @@ def _flow(value: object) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
 
 
-def name_mismatch(cfg: Config) -> list[str]:
-    """Warnings when ``algorithm.name`` is a recipe's name but the method keys say otherwise.
+def _signature(flat: dict[str, object]) -> dict[str, object]:
+    """The values of a flattened config that say which method runs (:data:`SIGNATURE_KEYS` + modes)."""
+    weighting = flat.get("algorithm.token_weighting")
+    section = f"algorithm.{weighting}."
+    if not any(k.startswith(section) for k in flat):
+        section = "algorithm.weighting_options."  # a weighting registered outside stapo
+    modes = {k: v for k, v in flat.items() if k.startswith(section) and isinstance(v, str | bool)}
+    return {**{k: flat.get(k) for k in SIGNATURE_KEYS}, **modes}
 
-    ``--set algorithm.name=grpo`` on a STAPO config only changes the label: reports would call a
-    STAPO run GRPO. Checked on :data:`SIGNATURE_KEYS` against the shipped recipe of that name.
-    """
-    from stapo.configs import preset_path
+
+def _recipes() -> dict[str, Config]:
+    """The shipped recipes by name: presets whose algorithm.name is their own name (not demo, tiny)."""
+    from stapo.configs import preset_names, preset_path
     from stapo.core.config import load_config
+
+    found = {name: load_config(preset_path(name)) for name in preset_names()}
+    return {name: cfg for name, cfg in found.items() if cfg.algorithm.name == name}
+
+
+def name_mismatch(cfg: Config, asked: str | None = None) -> str | None:
+    """One line when ``algorithm.name`` does not name the method that runs (None: it does).
+
+    ``algorithm.name`` says which recipe a run follows; reports and `stapo compare` go by it. A shipped
+    recipe's name must agree with that recipe on the method's signature (:func:`_signature`). A name
+    no recipe has is a new method's: set with ``--set`` (``asked``) on a config whose method is a
+    shipped recipe's, it is a relabel (``stapoo``) and refused too. The fix named is ``--recipe``,
+    which takes a recipe's method keys and its name together.
+    """
     from stapo.core.fairness import flatten
 
-    name = cfg.algorithm.name
-    path = preset_path(name)
-    if path is None:
-        return []
-    ours = flatten(cfg.model_dump(mode="json", by_alias=True))
-    theirs = flatten(load_config(path).model_dump(mode="json", by_alias=True))
-    diffs = [f"{k}={ours.get(k)!r} (the {name} recipe: {theirs.get(k)!r})" for k in SIGNATURE_KEYS
-             if ours.get(k) != theirs.get(k)]
+    def signature(c: Config) -> dict[str, object]:
+        return _signature(flatten(c.model_dump(mode="json", by_alias=True)))
+
+    name, recipes, ours = cfg.algorithm.name, _recipes(), signature(cfg)
+    same = [r for r, rc in recipes.items() if signature(rc) == ours]
+    also = f" (recipes with this config's method: {', '.join(same)})" if same else ""
+    if name not in recipes:
+        if asked is None or not same:
+            return None  # a config file's own name, or a method no recipe has
+        return (f"--set algorithm.name={name}: no recipe is called {name}, and this config runs a shipped recipe's "
+                f"method{also}; the name says which recipe ran: `--recipe NAME` runs a recipe's method under its name")
+    theirs = signature(recipes[name])
+    keys = sorted(set(ours) | set(theirs)) if ours == theirs or ours.get(_TW) == theirs.get(_TW) else SIGNATURE_KEYS
+    diffs = [f"{k}={ours.get(k)!r} (the {name} recipe: {theirs.get(k)!r})" for k in keys if ours.get(k) != theirs.get(k)]
     if not diffs:
-        return []
-    return [f"algorithm.name={name}, but {'; '.join(diffs)}: the name is only a label. "
-            f"`--recipe {name}` takes the {name} recipe's method keys."]
+        return None
+    named = f"; this config's method is {' / '.join(same)}'s: --set algorithm.name={same[0]} names it so" if same else ""
+    return (f"algorithm.name={name}, but {'; '.join(diffs)}: the run would be reported as {name}. "
+            f"`--recipe {name}` runs the {name} recipe's method{named}")
 
 
 def _check_resumable(run_dir: Path, fresh: bool, max_steps: int, say: Callable[..., None]) -> bool:
@@ -260,6 +309,57 @@ def _check_resumable(run_dir: Path, fresh: bool, max_steps: int, say: Callable[.
     return False
 
 
+class _Resumed:
+    """A run dir with a checkpoint that ``--resume`` continues: the config it goes on with and the
+    check that a resume changes nothing the run learns unless ``--allow-changes`` says so."""
+
+    def __init__(self, run_dir: Path, step: int) -> None:
+        from stapo.core.rundir import resume_config_data
+
+        self.run_dir, self.step = run_dir, step
+        self.data = resume_config_data(run_dir, step)  # config.yaml + the recorded changes
+
+    @classmethod
+    def of(cls, run_dir: Path) -> _Resumed | None:
+        from stapo.core.checkpoint import checkpoint_step, latest_checkpoint
+
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None or not (run_dir / "config.yaml").is_file():
+            return None
+        return cls(run_dir, checkpoint_step(ckpt))
+
+    def config(self, path: Path | None, overrides: list[str], allow_changes: bool) -> Config:
+        """The resumed config: the run's own with ``overrides`` (or ``path``'s, when --config names one).
+        Refused in one line naming every changed key that is not bookkeeping, without ``allow_changes``."""
+        from stapo.core.config import apply_overrides, config_from_dict, load_config
+        from stapo.core.rundir import BOOKKEEPING_KEYS, config_changes
+
+        cfg = load_config(path, overrides) if path is not None else config_from_dict(apply_overrides(self.data, overrides))
+        changed = [c for c in config_changes(self.data, cfg.model_dump(mode="json", by_alias=True)) if not c.bookkeeping]
+        if changed and not allow_changes:
+            free = ", ".join(k.rstrip(".") for k in BOOKKEEPING_KEYS[:4])
+            raise CLIError(
+                f"--resume would change how {self.run_dir} trains from step {self.step + 1}: "
+                f"{'; '.join(map(str, changed))}. Add --allow-changes to go on with them (config.yaml keeps the "
+                f"run's first config; config_changes.jsonl records them), or drop them ({free}... need no flag)"
+            )
+        return cfg
+
+
+def _record_resume(run_dir: Path, resumed: _Resumed | None, cfg: Config, say: Callable[..., None]) -> None:
+    """Rank 0, under the lock: write the resume's changes to the run's record and say them. A resume
+    that starts over (no checkpoint, --fresh) drops the record with the old run."""
+    from stapo.core.rundir import CHANGES_NAME, record_config_changes
+
+    if resumed is None:
+        (run_dir / CHANGES_NAME).unlink(missing_ok=True)
+        return
+    changes = record_config_changes(run_dir, resumed.step, cfg.model_dump(mode="json", by_alias=True))
+    if changes:
+        say(f"resuming with changes from step {resumed.step + 1} (recorded in {run_dir / CHANGES_NAME}): "
+            + "; ".join(map(str, changes)))
+
+
 def _holds_run(run_dir: Path) -> bool:
     """A run dir with metrics or a checkpoint: a new run there would mix with it."""
     from stapo.core.checkpoint import list_checkpoints
@@ -284,26 +384,33 @@ class _Owner:
 
     def __init__(self, run_dir: Path, rank0: bool) -> None:
         from stapo.core.checkpoint import checkpoint_step, latest_checkpoint
+        from stapo.core.rundir import CHANGES_NAME
 
         self.run_dir, self.rank0 = run_dir, rank0
         self.created = not run_dir.exists()
         self.before = set() if self.created else {p.name for p in run_dir.iterdir()}
         ckpt = latest_checkpoint(run_dir)
         self.start = checkpoint_step(ckpt) if ckpt is not None else 0  # the step this run starts after
+        record = run_dir / CHANGES_NAME
+        self.record = record.read_bytes() if record.is_file() else None  # restored when no step ran
 
     def clean_up(self, *, keep_config: bool = False) -> None:
         """When no step finished: remove what this command added (``config.yaml`` kept for an
-        interrupted run, so that ``--resume --fresh`` starts it again with the same config)."""
-        from stapo.core.rundir import LOCK_NAME
+        interrupted run, so that ``--resume --fresh`` starts it again with the same config). A
+        failed start puts the record of config changes back as it was (its changes never ran); an
+        interrupted one keeps this resume's row, so the printed ``--resume`` goes on with them."""
+        from stapo.core.rundir import CHANGES_NAME, LOCK_NAME
         from stapo.core.tracking import read_jsonl
 
         rows = read_jsonl(self.run_dir / "metrics.jsonl")
         if not self.rank0 or not self.run_dir.is_dir() or (rows and int(rows[-1]["step"]) > self.start):
             return
-        keep = self.before | {LOCK_NAME} | ({"config.yaml"} if keep_config else set())
+        keep = self.before | {LOCK_NAME} | ({"config.yaml", CHANGES_NAME} if keep_config else set())
         for p in self.run_dir.iterdir():
             if p.name not in keep:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if self.record is not None and not keep_config:
+            (self.run_dir / CHANGES_NAME).write_bytes(self.record)
 
 
 @contextlib.contextmanager

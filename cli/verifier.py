@@ -15,6 +15,7 @@ unless ``--allow-unauthenticated`` is given.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 from pathlib import Path
 from typing import Annotated
@@ -61,17 +62,17 @@ def serve(
         typer.Option(help="Hard per-item deadline in seconds [STAPO_VERIFIER_DEADLINE_S; default 5]."),
     ] = None,
     max_items: Annotated[
-        int | None, typer.Option(help="Most items per request [STAPO_VERIFIER_MAX_ITEMS].")
+        int | None, typer.Option(help="Most items per request; more is answered 413 [STAPO_VERIFIER_MAX_ITEMS; default 4096].")
     ] = None,
     max_prediction_chars: Annotated[
         int | None,
-        typer.Option(help="Longer predictions answer 'too_large' [STAPO_VERIFIER_MAX_PREDICTION_CHARS]."),
+        typer.Option(help="Longer predictions answer 'too_large' [STAPO_VERIFIER_MAX_PREDICTION_CHARS; default 100000 characters]."),
     ] = None,
     max_gold_chars: Annotated[
-        int | None, typer.Option(help="Longer golds answer 'too_large' [STAPO_VERIFIER_MAX_GOLD_CHARS].")
+        int | None, typer.Option(help="Longer golds answer 'too_large' [STAPO_VERIFIER_MAX_GOLD_CHARS; default 10000 characters].")
     ] = None,
     max_body_bytes: Annotated[
-        int | None, typer.Option(help="Largest request body [STAPO_VERIFIER_MAX_BODY_BYTES].")
+        int | None, typer.Option(help="Largest request body, else 413 [STAPO_VERIFIER_MAX_BODY_BYTES; default 16777216 (16 MiB)].")
     ] = None,
     cache_size: Annotated[
         int | None, typer.Option(help="Result cache entries, 0 = off [STAPO_VERIFIER_CACHE_SIZE].")
@@ -131,6 +132,7 @@ def serve(
         max_queue_s=max_queue_s,
     )
     check_exposure(settings)
+    check_port(settings.host, settings.port)  # before the grading pool starts
     import sys
 
     import uvicorn
@@ -168,6 +170,26 @@ def check_exposure(settings) -> None:
         f"[yellow]warning:[/] serving {settings.host} without a token (--allow-unauthenticated): anyone who "
         "can reach the port can use the service."
     )
+
+
+def check_port(host: str, port: int) -> None:
+    """Bind ``host:port`` once and let go, as uvicorn will (``SO_REUSEADDR``): a port another process
+    listens on, a privileged port or an address not on this machine is one line naming the fix."""
+    import socket
+
+    if port == 0:
+        return  # any free port
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            why = "another process listens there" if err.errno == errno.EADDRINUSE else err.strerror
+            raise CLIError(
+                f"cannot serve on {host}:{port} ({why}); pick another --port (STAPO_VERIFIER_PORT), or stop "
+                "what holds it"
+            ) from None
 
 
 def _is_loopback(host: str) -> bool:

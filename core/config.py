@@ -480,7 +480,10 @@ class AlgorithmConfig(_Section):
     """The RL objective: advantages, token weighting, per-token loss and aggregation."""
 
     name: str = Field(
-        "stapo", description="Label of the recipe, for reports (stapo, dapo, grpo, 20-entropy, justrl, stare, lp-reg, ...)."
+        "stapo", description="The recipe whose method runs, for reports (stapo, dapo, grpo, 20-entropy, justrl, stare, "
+        "lp-reg, ...). `stapo train` refuses a shipped recipe's name on a config whose method (weighting and its mode, "
+        "loss, advantage, layers) is not that recipe's, and a `--set` name of no recipe on a shipped recipe's method: "
+        "`--recipe NAME` takes a recipe's method and name together."
     )
     advantage: str = Field("grpo", description="Advantage estimator (a name registered in `ADVANTAGES`: grpo, dr_grpo, rloo).")
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon added to the group std.")
@@ -796,6 +799,11 @@ class EvalConfig(_Section):
     val_temperature: float = Field(0.0, ge=0, description="Validation sampling temperature (0: greedy).")
     val_max_new_tokens: int | None = Field(None, gt=0, description="Validation response length (default: rollout's).")
     benchmarks: list[str] = Field(["math500"], description="Benchmarks for `stapo eval`.")
+    max_new_tokens: int = Field(
+        20480, gt=0, description="Response cap of `stapo eval` (`--max-new-tokens`): the paper evaluates at 20,480 "
+        "tokens (arXiv 2602.15620, Sec. 4.1). Training's `rollout.max_new_tokens` is not used: a run trained at 16 "
+        "tokens is still evaluated at this cap. The results carry the share of samples that hit it."
+    )
     k: int | None = Field(None, gt=0, description="Samples per problem (default: 32 for AIME/AMC, 4 otherwise).")
     preset: Literal["t1.0", "t0.7"] = Field(
         "t0.7", description="Sampling preset of the paper: temperature 1.0 / top-p 1.0, or 0.7 / 0.9."
@@ -899,7 +907,8 @@ def _format_validation_error(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
         shown = e["type"] != "extra_forbidden" and not isinstance(e.get("input"), dict)
-        lines.append(f"  {loc}: {msg}" + (f" (got {e['input']!r})" if shown else ""))
+        hint = f"; a list on the command line: --set {loc}=[a,b]" if e["type"] in ("list_type", "tuple_type") else ""
+        lines.append(f"  {loc}: {msg}" + (f" (got {e['input']!r})" if shown else "") + hint)
     return "invalid config:\n" + "\n".join(lines)
 
 

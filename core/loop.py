@@ -337,9 +337,11 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
     try:  # nothing is written before the run is built and every rank agrees on rank 0's run dir
         run_dir = run.run_dir = agree_run_dir(run_dir, dp)
         run.placement.record(run_dir / "ranks", run.backend.device)  # which host / GPU each rank took
+        ckpt = latest_checkpoint(run_dir) if resume else None
         if main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, run_dir / "config.yaml")
+            if ckpt is None or not (run_dir / "config.yaml").is_file():  # a resume keeps the run's first config
+                save_config(cfg, run_dir / "config.yaml")  # (its changes: stapo.core.rundir's record)
         tracker = Tracker(run_dir, cfg) if main else _NullTracker()
     except BaseException:
         run.close()
@@ -348,7 +350,6 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
         log = _quiet
     start = 0
     val_before: float | None = None
-    ckpt = latest_checkpoint(run_dir) if resume else None
     if ckpt is not None:
         state = load_checkpoint(ckpt, backend=run.backend)
         start = state.step

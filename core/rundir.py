@@ -18,6 +18,14 @@
   agrees on it (a sum over ranks: a signal that reached one rank stops all of them at the same
   step), a checkpoint is written and the run stops. Elsewhere (start-up, validation, export) it
   stops the process at once, like Ctrl-C.
+* **The record** (:func:`resume_config_data`, :func:`record_config_changes`,
+  :func:`read_config_changes`): ``RUN/config.yaml`` is the config the run started with and stays so.
+  A ``--resume`` that changes the config writes one row to ``RUN/config_changes.jsonl``: the step
+  the changes take effect (the checkpoint's step + 1) and each changed key with its old and new
+  value. The config a resume continues from is ``config.yaml`` with those rows replayed in order.
+  Keys in :data:`BOOKKEEPING_KEYS` (how long the run goes, logging, checkpoint cadence, where the
+  verifier lives) change nothing the run learns: ``stapo train`` resumes with them at once; any
+  other change needs ``--allow-changes``.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ from typing import Any
 __all__ = [
     "LOCK_NAME", "RunDirBusy", "RunLock", "check_not_busy", "lock_run_dir", "agree_run_dir", "SharedDirError", "Stopped",
     "install_signal_handlers", "stop_at_step_boundary", "stop_at_once", "stop_requested",
+    "CHANGES_NAME", "BOOKKEEPING_KEYS", "ConfigChange", "config_changes", "resume_config_data",
+    "record_config_changes", "read_config_changes", "describe_config_changes",
 ]
 
 LOCK_NAME = ".lock"
@@ -240,3 +250,128 @@ def stop_requested(dp: Any) -> int | None:
     if not dp.multi:
         return local
     return signal.SIGTERM if dp.total(1.0 if local is not None else 0.0) > 0 else None
+
+
+# ----------------------------------------------------------------------------- the record of config changes
+
+CHANGES_NAME = "config_changes.jsonl"
+
+#: Keys a resume may change without ``--allow-changes`` (a trailing "." = the whole section): they
+#: decide how long the run goes, what it logs, when it checkpoints and where services live, not what
+#: it learns. Every other key (learning rate, method, batch, lengths, sampler, grader, backend,
+#: micro-batching...) changes the run's numbers. Such changes are still recorded.
+BOOKKEEPING_KEYS: tuple[str, ...] = (
+    "trainer.max_steps", "logging.", "checkpoint.", "eval.every", "reward.urls", "reward.token",
+    "reward.workers", "reward.retries", "reward.max_failure_frac", "trainer.dist_timeout_s",
+    "trainer.gpu_memory_gib", "model.cache_dir", "rollout.server.urls", "rollout.server.timeout_s",
+    "rollout.server.retries",
+)
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    """One config key a resume changed: ``old`` -> ``new`` (values as saved in ``config.yaml``)."""
+
+    key: str
+    old: Any
+    new: Any
+
+    @property
+    def bookkeeping(self) -> bool:
+        from stapo.core.fairness import owned_by
+
+        return owned_by(self.key, BOOKKEEPING_KEYS)
+
+    def __str__(self) -> str:
+        return f"{self.key} {_show(self.old)} -> {_show(self.new)}"
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, str | list | tuple | dict) or value is None else str(value)
+
+
+def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[ConfigChange]:
+    """Every key whose value differs between two config dumps (nested, as ``config.yaml``), by key."""
+    from stapo.core.fairness import config_differences
+
+    return [ConfigChange(d.key, d.base, d.other) for d in config_differences(before, after)]
+
+
+def read_config_changes(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of ``RUN/config_changes.jsonl``, oldest first (no file: none).
+
+    Each row: ``{"step": S, "time": unix seconds, "changes": [{"key", "old", "new", "bookkeeping"}]}``,
+    S being the first step run with the changed values. ``stapo inspect`` and ``stapo compare`` show them.
+    """
+    from stapo.core.tracking import read_jsonl
+
+    return read_jsonl(Path(run_dir) / CHANGES_NAME)
+
+
+def describe_config_changes(run_dir: Path, *, up_to: int | None = None, bookkeeping: bool = True) -> list[str]:
+    """One line per recorded resume: ``from step 4: trainer.lr 1e-06 -> 0.5, ...`` (empty: none).
+
+    ``up_to``: only the changes in effect at that step; ``bookkeeping=False``: only changes to
+    what the run learns (not :data:`BOOKKEEPING_KEYS`)."""
+    lines = []
+    for row in read_config_changes(run_dir):
+        if up_to is not None and int(row["step"]) > up_to:
+            continue
+        changes = [ConfigChange(c["key"], c.get("old"), c.get("new")) for c in row.get("changes", [])
+                   if bookkeeping or not c.get("bookkeeping")]
+        if changes:
+            lines.append(f"from step {row['step']}: " + ", ".join(map(str, changes)))
+    return lines
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    *sections, last = key.split(".")
+    node = data
+    for part in sections:
+        nxt = node.get(part)
+        if not isinstance(nxt, dict):
+            nxt = node[part] = {}
+        node = nxt
+    node[last] = value
+
+
+def resume_config_data(run_dir: Path, step: int) -> dict[str, Any]:
+    """The config (nested dict) a resume from the checkpoint of ``step`` continues with.
+
+    ``config.yaml`` with every recorded row up to ``step + 1`` replayed: the rows up to ``step`` ran
+    and the checkpoint holds their effect; a row at ``step + 1`` belongs to a resume that was stopped
+    before its next checkpoint, and its command's ``--resume`` goes on with those values.
+    """
+    import yaml
+
+    data = yaml.safe_load((Path(run_dir) / "config.yaml").read_text(encoding="utf-8")) or {}
+    for row in read_config_changes(run_dir):
+        if int(row["step"]) <= step + 1:
+            for change in row.get("changes", []):
+                _set_dotted(data, change["key"], change.get("new"))
+    return data
+
+
+def record_config_changes(run_dir: Path, step: int, new: dict[str, Any]) -> list[ConfigChange]:
+    """Record that the run continues from step ``step + 1`` with config ``new`` (a nested dump).
+
+    The row holds ``new`` against the config that ran step ``step``; it replaces any row from an
+    earlier resume of the same checkpoint (and rows past it, which that checkpoint does not cover).
+    No change: no row. Written whole to a temporary file and renamed, so a reader never sees it torn.
+    """
+    run_dir = Path(run_dir)
+    rows = [r for r in read_config_changes(run_dir) if int(r["step"]) <= step]
+    before = resume_config_data(run_dir, step - 1)  # config.yaml + the rows up to ``step``
+    changes = config_changes(before, new)
+    if changes:
+        rows.append({"step": step + 1, "time": time.time(), "changes": [
+            {"key": c.key, "old": c.old, "new": c.new, "bookkeeping": c.bookkeeping} for c in changes]})
+    path = run_dir / CHANGES_NAME
+    if not rows:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return changes
+    tmp = run_dir / f".{CHANGES_NAME}.tmp"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    tmp.replace(path)
+    return changes

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from stapo.core.rundir import describe_config_changes
 from stapo.evals.report import esc, fmt_num, html_page, html_table, img_tag, section
 
 __all__ = [
@@ -67,6 +68,11 @@ def list_dumps(run_dir: Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
+def is_run_dir(path: Path) -> bool:
+    """Whether ``path`` holds a training run (what `stapo train` writes first)."""
+    return any((Path(path) / name).exists() for name in ("config.yaml", "metrics.jsonl", "dumps"))
+
+
 def load_dump(run_dir: Path, step: int | None = None) -> dict[str, Any]:
     """The dump of ``step`` (default: the newest), validated: an error names the missing field."""
     run_dir = Path(run_dir)
@@ -74,9 +80,15 @@ def load_dump(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         path = run_dir
     else:
         dumps = list_dumps(run_dir)
+        if not dumps and not is_run_dir(run_dir):
+            raise FileNotFoundError(
+                f"inspect: {run_dir} is not a training run dir (no config.yaml, metrics.jsonl or dumps/); "
+                "give the folder `stapo train --run-dir` wrote, or one dump file"
+            )
         if not dumps:
             raise FileNotFoundError(
-                f"inspect: no token dumps in {run_dir / 'dumps'}; train with logging.dump_tokens_every > 0"
+                f"inspect: no token dumps in {run_dir / 'dumps'}; this run was trained with "
+                "logging.dump_tokens_every=0 (a run with it > 0 writes one every N steps)"
             )
         if step is None:
             step = max(dumps)
@@ -344,6 +356,8 @@ def inspect_run(run: Path, *, step: int | None = None, out_dir: Path | None = No
             "mean_measured_all": float(np.nanmean(measured)) if measured.size else None,
         },
         "silenced_tokens": sil,
+        # resumes that changed the config, up to this step (stapo.core.rundir's record)
+        "config_changes": describe_config_changes(_run_of(dump), up_to=int(dump["step"])),
     }
     if out_dir is not None:
         out_dir = Path(out_dir)
@@ -353,6 +367,11 @@ def inspect_run(run: Path, *, step: int | None = None, out_dir: Path | None = No
         (out_dir / "inspect.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
         (out_dir / "inspect.html").write_text(render_html(report, dump, pngs, max_rows=max_rows), encoding="utf-8")
     return report
+
+
+def _run_of(dump: dict[str, Any]) -> Path:
+    """The run dir of a dump file (``RUN/dumps/step_N.json``)."""
+    return Path(dump["_path"]).parent.parent
 
 
 def fmt_p(p: float, tau_p: float) -> str:
@@ -398,6 +417,8 @@ def render_html(report: dict[str, Any], dump: dict[str, Any], pngs: dict[str, Pa
          f"{100 * (b['theorem_radicand_negative_frac'] or 0):.1f}%"],
         ["mean measured grad norm: silenced vs all",
          f"{fmt_num(b['mean_measured_silenced'])} vs {fmt_num(b['mean_measured_all'])}"],
+        *(["config changed by a resume (config.yaml holds the first config)", line]
+          for line in report.get("config_changes") or []),
     ]
     parts.append(section("Summary", html_table(None, summary, left_cols=2)))
     parts.append(section(
@@ -455,6 +476,8 @@ def terminal_tables(report: dict[str, Any], *, max_rows: int = 20) -> list[Any]:
     from rich.text import Text
 
     out: list[Any] = []
+    for line in report.get("config_changes") or []:
+        out.append(Text(f"config changed by a resume, {line} (config.yaml holds the first config)", style="yellow"))
     sil = report["silenced_tokens"]
     t = Table(title=f"silenced tokens at step {report['step']} ({len(sil)} of {report['tokens']} tokens)",
               show_lines=False)

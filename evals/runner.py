@@ -47,10 +47,18 @@ __all__ = [
     "load_checkpoint_weights",
     "read_samples",
     "results_table",
+    "check_out_dir",
+    "cap_warnings",
+    "header",
+    "CAP_WARN_SHARE",
 ]
 
 PRESETS: dict[str, tuple[float, float]] = {"t1.0": (1.0, 1.0), "t0.7": (0.7, 0.9)}
 """Sampling presets of the paper: name -> (temperature, top_p)."""
+
+CAP_WARN_SHARE = 0.1
+"""Above this share of a benchmark's samples stopped at ``max_new_tokens``, the eval warns: its
+scores count answers the cap cut off as wrong."""
 
 SAMPLES_FILE = "samples.jsonl"
 RESULTS_FILE = "results.json"
@@ -164,28 +172,35 @@ def _load_done(out_dir: Path, protocol: EvalProtocol) -> dict[tuple[str, str], l
     return done
 
 
+def check_out_dir(out_dir: Path, protocol: EvalProtocol) -> dict[str, Any]:
+    """The pinned protocol ``out_dir`` goes on with (nothing written); :class:`EvalStateError` when
+    it holds samples of another protocol (another model, k, sampling, cap...). `stapo eval` calls it
+    before the model loads."""
+    path = Path(out_dir) / STATE_FILE
+    if not path.exists():
+        return protocol.pinned()
+    old = json.loads(path.read_text())
+    old_k = old.get("k", {})
+    new = protocol.pinned()
+    for key, val in new.items():
+        if key == "k":
+            clash = {b: (old_k[b], v) for b, v in val.items() if b in old_k and old_k[b] != v}
+            if clash:
+                raise EvalStateError(_mismatch_msg(out_dir, "k", clash))
+        elif key in old and old[key] != val:
+            raise EvalStateError(_mismatch_msg(out_dir, key, (old[key], val)))
+    return {**old, **new, "k": {**old_k, **protocol.k}}
+
+
 def _check_state(out_dir: Path, protocol: EvalProtocol) -> None:
-    path = out_dir / STATE_FILE
-    if path.exists():
-        old = json.loads(path.read_text())
-        old_k = old.get("k", {})
-        new = protocol.pinned()
-        for key, val in new.items():
-            if key == "k":
-                clash = {b: (old_k[b], v) for b, v in val.items() if b in old_k and old_k[b] != v}
-                if clash:
-                    raise EvalStateError(_mismatch_msg(out_dir, "k", clash))
-            elif key in old and old[key] != val:
-                raise EvalStateError(_mismatch_msg(out_dir, key, (old[key], val)))
-        merged = {**old, **new, "k": {**old_k, **protocol.k}}
-    else:
-        merged = protocol.pinned()
-    path.write_text(json.dumps(merged, indent=2))
+    (out_dir / STATE_FILE).write_text(json.dumps(check_out_dir(out_dir, protocol), indent=2))
 
 
 def _mismatch_msg(out_dir: Path, key: str, what: Any) -> str:
+    if isinstance(what, tuple) and len(what) == 2:
+        what = f"{what[0]!r} there, {what[1]!r} now"
     return (
-        f"{out_dir} holds samples of a different eval protocol ({key}: was/now {what}); "
+        f"{out_dir} holds samples of a different eval protocol ({key}: {what}); "
         "use another --out dir or delete it to start over"
     )
 
@@ -277,6 +292,7 @@ def run_eval(
                     done[(bench, prob.id)] = rows
                     prog.advance(task)
     results = score(done, all_problems, protocol, equivalent=equivalent)
+    results["warnings"] = cap_warnings(results)
     results["wall_s"] = time.perf_counter() - t0
     results["config"] = config or {}
     (out_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2, ensure_ascii=False))
@@ -333,6 +349,25 @@ def score(
     }
 
 
+def cap_warnings(results: dict[str, Any]) -> list[str]:
+    """One line per benchmark whose share of samples stopped at the cap is above :data:`CAP_WARN_SHARE`."""
+    cap = results["protocol"]["max_new_tokens"]
+    return [
+        f"{100 * m['truncated']:.0f}% of {name}'s samples stopped at max_new_tokens={cap} (warned above "
+        f"{100 * CAP_WARN_SHARE:.0f}%): their answers may be cut off and count as wrong; raise --max-new-tokens "
+        "(the paper evaluates at 20480)"
+        for name, m in results["benchmarks"].items() if m.get("truncated", 0.0) > CAP_WARN_SHARE
+    ]
+
+
+def header(protocol: EvalProtocol) -> str:
+    """How the eval samples, for the line `stapo eval` prints first: cap, temperature, top-p, k."""
+    ks = sorted(set(protocol.k.values()))
+    k = str(ks[0]) if len(ks) == 1 else ", ".join(f"{b} {v}" for b, v in protocol.k.items())
+    return (f"max_new_tokens {protocol.max_new_tokens}, temperature {protocol.temperature:g}, "
+            f"top-p {protocol.top_p:g} (preset {protocol.preset}), k {k}")
+
+
 class _NullProgress:
     def __enter__(self) -> _NullProgress:
         return self
@@ -366,8 +401,9 @@ def results_table(results: dict[str, Any]) -> Any:
     """A rich table of ``results.json``: one row per benchmark plus the macro average."""
     from rich.table import Table
 
-    table = Table(title=f"stapo eval: {results.get('model', '?')}")
-    for col in ("benchmark", "k", "n", "avg@k", "pass@k", "maj@k", "failed", "mean tokens"):
+    cap = results.get("protocol", {}).get("max_new_tokens", "?")
+    table = Table(title=f"stapo eval: {results.get('model', '?')} (max_new_tokens {cap})")
+    for col in ("benchmark", "k", "n", "avg@k", "pass@k", "maj@k", "failed", "mean tokens", "hit cap %"):
         table.add_column(col, justify="left" if col == "benchmark" else "right")
     for name, m in results["benchmarks"].items():
         k = m["k"]
@@ -380,11 +416,13 @@ def results_table(results: dict[str, Any]) -> Any:
             f"{100 * m[f'maj@{k}']:.1f}",
             str(m.get("failed", 0)),
             f"{m.get('mean_tokens', 0):.0f}",
+            f"{100 * m.get('truncated', 0.0):.1f}",
         )
     mac = results.get("macro")
     if mac and len(results["benchmarks"]) > 1:
         table.add_row(
-            "[bold]macro avg", "", "", f"{100 * mac['avg']:.1f}", f"{100 * mac['pass']:.1f}", f"{100 * mac['maj']:.1f}", "", ""
+            "[bold]macro avg", "", "", f"{100 * mac['avg']:.1f}", f"{100 * mac['pass']:.1f}", f"{100 * mac['maj']:.1f}",
+            "", "", ""
         )
     return table
 
@@ -501,6 +539,7 @@ def evaluate(
     model_section["name_or_path"] = source.name_or_path
     data = cfg.model_dump()
     data["model"] = model_section
+    data["rollout"]["max_new_tokens"] = cfg.eval.max_new_tokens  # the engine's length (vLLM's context) is the eval's
     cfg = config_from_dict(data)
     ev = cfg.eval
     protocol = build_protocol(
@@ -508,7 +547,7 @@ def evaluate(
         benchmarks=ev.benchmarks,
         k=ev.k,
         preset=ev.preset,
-        max_new_tokens=cfg.rollout.max_new_tokens,
+        max_new_tokens=ev.max_new_tokens,
         template=cfg.data.template,
         chat_template=cfg.data.chat_template,
         grader_mode=cfg.reward.mode,
@@ -518,6 +557,9 @@ def evaluate(
     )
     for arg in protocol.benchmarks:  # fail on a missing file or bad field before any model loads
         load_benchmark(arg, data_dir=protocol.data_dir, limit=1)
+    check_out_dir(Path(out_dir), protocol)  # an --out of another model or protocol, before the model loads
+    if console is not None:
+        console.print(f"sampling: {header(protocol)}")
     device = resolve_device(cfg.trainer.device)
     if cfg.rollout.engine == "vllm" and source.name_or_path not in SPECIAL_MODELS and source.state_file is None:
         # vLLM loads its own weights from the path: only the tokenizer is needed here.

@@ -80,13 +80,15 @@ def rewards(tr, conversational: bool = False) -> list[float | None] | str:
 
 
 def unguarded_script() -> str:
-    """A TRL-style script with no ``if __name__ == "__main__":`` that grades in-process: each pool
-    worker runs it again; the pool must fail at once naming the guard (not after its 60 s start-up)."""
+    """A TRL-style script with no ``if __name__ == "__main__":`` that grades in-process: the pool's
+    workers would import it again; the pool must refuse in the caller, naming the guard, before any
+    worker starts (the script's body runs once)."""
     import subprocess
 
     script = os.path.join(WORK, "unguarded.py")
     with open(script, "w") as f:
         f.write(
+            "print('body')\n"
             "from stapo.verifier_service.adapters import make_trl_reward\n"
             "fn = make_trl_reward('answer')\n"
             "print(fn(['p'], ['so \\\\boxed{\\\\frac{3\\\\sqrt{2}}{4}}'], answer=['\\\\frac{\\\\sqrt{18}}{4}']))\n"
@@ -96,8 +98,8 @@ def unguarded_script() -> str:
     out = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=300, cwd=WORK)
     if out.returncode == 0:
         return "ran"
-    guard = "if __name__ == '__main__':" in out.stderr
-    return f"raises PoolBroken{' (guard)' if guard else ''}" if "PoolBroken" in out.stderr else out.stderr[-200:]
+    refused = "outside `if __name__ == '__main__':`" in out.stderr and out.stdout.count("body") == 1
+    return "refused naming the guard, body run once" if refused else out.stderr[-200:]
 
 
 if __name__ == "__main__":
@@ -114,4 +116,5 @@ if __name__ == "__main__":
     emit("make_trl_reward, service down", rewards(tr), "raises VerifierUnavailable")
     env_for(None, None)
     emit("make_trl_reward, in-process pool", rewards(tr), want)
-    emit("in-process pool from a script without a main guard", unguarded_script(), "raises PoolBroken (guard)")
+    emit("in-process pool from a script without a main guard", unguarded_script(),
+         "refused naming the guard, body run once")

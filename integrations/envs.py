@@ -21,14 +21,16 @@ REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".integrations"
 VENVS = CACHE / "venvs"
 
-# What ``stapo.verifier_service.adapters`` imports (grader, pool, client, settings), nothing more.
+# What ``stapo.verifier_service.adapters`` imports (grader, pool, client, settings), nothing more:
+# the install line of docs/integrations.md, word for word (tests/unit/test_adapter_deps.py checks
+# both, and that grading in-process and through the client imports nothing else).
 # math-verify comes with the ANTLR runtime the framework already pins (see ``Env.antlr``).
 ADAPTER_DEPS = (
     "httpx>=0.27",
     "pydantic>=2.7,<3",
     "pydantic-settings>=2.3,<3",
     "mpmath>=1.3",
-    "psutil",
+    "pebble>=5.1,<6",
 )
 
 
@@ -66,7 +68,9 @@ ENVS = {
     for e in (
         # verl: the newest release and the last 0.6.x (the legacy reward managers: prime, batch)
         Env("verl", "0.9.1", ("verl==0.9.1",), antlr="antlr4_9_3"),
-        Env("verl", "0.6.1", ("verl==0.6.1",), antlr="antlr4_9_3"),
+        # verl 0.6.1's own pins let pip pick releases its reward loop does not run with; these do
+        Env("verl", "0.6.1", ("verl==0.6.1", "transformers<5", "pyarrow<21", "datasets<4.2", "openai"),
+            antlr="antlr4_9_3"),
         # OpenRLHF's full install pulls vLLM, DeepSpeed and flash-attn (CUDA); its reward path
         # (openrlhf.utils.agent) imports aiohttp, and through openrlhf.utils transformers, sympy and
         # pylatexenc.

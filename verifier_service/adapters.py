@@ -44,7 +44,8 @@ sharding/failover, token from ``$STAPO_VERIFIER_TOKEN``), else in this process t
 ``GraderPool`` sized by ``$STAPO_VERIFIER_WORKERS`` / ``$STAPO_VERIFIER_DEADLINE_S``. The pool's
 ``forkserver`` workers run the caller's script again (multiprocessing imports the main script in
 each, as ``__mp_main__``), so a script that grades in-process needs ``if __name__ == "__main__":``;
-without it the pool fails at once with ``PoolBroken`` naming the guard (``pool.GUARD_MESSAGE``).
+without it the pool refuses to start, in the caller and before any worker starts, naming the script's
+line and the guard (``pool.UNGUARDED_MESSAGE``).
 Trainers that import this module (verl, TRL, OpenRLHF's launchers) already run from a guarded main.
 The service being unreachable raises ``VerifierUnavailable``: a reward that could not be computed is
 never silently 0.

@@ -13,10 +13,12 @@ while no task ran) or a worker's memory grew, backing off after start-up failure
 (:class:`PoolBroken`), and fork safety.
 
 A script that builds a pool needs ``if __name__ == "__main__":``: each worker (``forkserver`` or
-``spawn``) runs the caller's script again, as multiprocessing does, under the name ``__mp_main__``.
-A pool built while a script is re-run that way raises :data:`GUARD_MESSAGE` at once, so the worker
-dies and the parent's pool reports it (:class:`PoolBroken`) instead of waiting for workers that never
-start::
+``spawn``) imports the caller's script again, as multiprocessing does, under the name ``__mp_main__``.
+A pool started from a script's body outside that guard is refused in the caller, in one line, before
+any worker starts (:func:`unguarded_start`: whatever the start method, nothing re-runs the script's
+training or model loading). As a second line of defence, a pool built while a script is re-run that
+way raises :data:`GUARD_MESSAGE` at once, so the worker dies and the parent's pool reports it
+(:class:`PoolBroken`) instead of waiting for workers that never start::
 
     from stapo.verifier_service.pool import GraderPool
     with GraderPool(workers=2, deadline_s=5.0) as pool:
@@ -26,12 +28,14 @@ start::
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import atexit
 import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import inspect
 import itertools
 import logging
 import math
@@ -191,6 +195,51 @@ def rerunning_main() -> bool:
     return mp_main is not None and mp_main is not sys.modules.get("__main__")
 
 
+def unguarded_start() -> str | None:
+    """``"script.py:LINE"`` when this pool is being started from the caller's script body outside
+    ``if __name__ == "__main__":`` (None: guarded, or no script file: ``-c``, a notebook, a REPL).
+
+    The frame running the script's top level (``<module>`` with ``__main__``'s globals) is on the
+    stack at the line that led here; the script's syntax tree says whether that line is inside a
+    main guard. Workers of either start method import that script again: an unguarded line would
+    run again in each of them (a model load, a training loop).
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not isinstance(path, str) or not os.path.isfile(path):
+        return None
+    frame = inspect.currentframe()
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    line = frame.f_lineno
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return None
+    guarded = any(isinstance(node, ast.If) and _is_main_test(node.test) and node.body
+                  and node.body[0].lineno <= line <= (node.body[-1].end_lineno or line) for node in ast.walk(tree))
+    return None if guarded else f"{path}:{line}"
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    """``__name__ == "__main__"`` (either way round)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return (any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides)
+            and any(isinstance(x, ast.Constant) and x.value == "__main__" for x in sides))
+
+
+UNGUARDED_MESSAGE = (
+    "the grader pool is started from {where}, outside `if __name__ == '__main__':`; its worker processes import "
+    "the main script again and would run that code once more each: put the script's body under the guard, or "
+    "grade through the service (STAPO_VERIFIER_URL)"
+)
+
+
 def _after_fork_in_child() -> None:
     for pool in list(_POOLS):
         with contextlib.suppress(Exception):
@@ -341,6 +390,8 @@ class GraderPool:
         (``settings.py``) are read from this signature, one ``STAPO_VERIFIER_<NAME>`` variable each."""
         if rerunning_main():
             raise RuntimeError(GUARD_MESSAGE)
+        if (where := unguarded_start()) is not None:
+            raise RuntimeError(UNGUARDED_MESSAGE.format(where=where))
         if workers is None:
             workers = default_workers()
         for name, ok in (

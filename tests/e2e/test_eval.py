@@ -201,8 +201,13 @@ def test_tiny_random_eval_through_cli(tmp_path: Path, monkeypatch: pytest.Monkey
     res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     assert "gsm8k" in res.output and "avg@k" in res.output
+    assert "sampling: max_new_tokens 8, temperature 0.7, top-p 0.9 (preset t0.7), k 2" in res.output
+    assert "hit cap %" in res.output and "(max_new_tokens 8)" in res.output
     results = json.loads((out / "results.json").read_text())
     m = results["benchmarks"]["gsm8k"]
+    capped = sum(r["finish_reason"] == "length" for r in read_samples(out / "samples.jsonl")) / 8
+    assert m["truncated"] == capped and results["protocol"]["max_new_tokens"] == 8
+    assert (f"{100 * capped:.0f}% of gsm8k's samples stopped at max_new_tokens=8" in res.output) == (capped > 0.1)
     assert m["n"] == 4 and m["samples"] == 8 and m["k"] == 2
     assert {"avg@2", "pass@2", "maj@2"} <= set(m) and 0.0 <= m["avg@2"] <= m["pass@2"] <= 1.0
     assert results["model"] == "tiny-random" and results["protocol"]["temperature"] == 0.7
@@ -220,6 +225,10 @@ def test_tiny_random_eval_through_cli(tmp_path: Path, monkeypatch: pytest.Monkey
         (["--benchmarks", "gsm8k", "--data-dir", "/nonexistent"], "STAPO_DATA_DIR"),
         (["--benchmarks", "gsm8k", "--preset", "t0.5"], "eval.preset"),
         (["--model", "./no/such/model"], "does not exist"),
+        (["--model", "tiny-random", "--set", "rollout.engine=vllm"], "install stapo[vllm] or --set rollout.engine=hf"),
+        (["--model", "tiny-random", "--set", "trainer.device=cuda:3"], "trainer.device"),
+        (["--model", "tiny-random", "--benchmarks", "gsm8k"],
+         "holds samples of a different eval protocol (model: 'runs/other/final' there, 'tiny-random' now)"),
     ],
 )
 def test_eval_cli_errors_before_loading_a_model(tmp_path: Path, args: list[str], message: str) -> None:
@@ -228,6 +237,8 @@ def test_eval_cli_errors_before_loading_a_model(tmp_path: Path, args: list[str],
     from stapo.cli.common import CLIError
     from stapo.cli.main import app
 
+    (tmp_path / "o").mkdir()  # an --out dir of another model's eval (read before any model loads)
+    (tmp_path / "o" / "eval_state.json").write_text(json.dumps({"model": "runs/other/final", "k": {"gsm8k": 4}}))
     res = CliRunner().invoke(app, ["eval", "--out", str(tmp_path / "o"), "--no-progress", *args])
     assert isinstance(res.exception, CLIError), res.output
     assert message in str(res.exception)

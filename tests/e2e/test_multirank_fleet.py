@@ -40,7 +40,8 @@ def test_two_ranks_train_asynchronously_through_two_servers(tmp_path: Path) -> N
                   "--set", "checkpoint.export_hf=true",
                   "--set", "rollout.engine=vllm_server", "--set", f"rollout.server.urls=[{s1.url},{s2.url}]",
                   "--set", f"rollout.server.weights_dir={tmp_path / 'weights'}",
-                  "--set", "rollout.async.enabled=true", "--set", "rollout.async.max_staleness=1"], tmp_path)
+                  "--set", "rollout.async.enabled=true", "--set", "rollout.async.max_staleness=1",
+                  "--set", "algorithm.name=stapo-async"], tmp_path)
         assert s1.weight_version == s2.weight_version == "2"
         seeds = {r["seed"] for s in (s1, s2) for r in s.requests}
         for step in (1, 2):

@@ -8,7 +8,10 @@
 * `--resume` of a finished run changes nothing; `--resume --fresh` on a missing dir starts a run;
 * SIGTERM mid-run: the step in flight finishes, a checkpoint of it is written, exit status 143 with the
   resume command; that command reproduces the uninterrupted run's later steps exactly;
-* the exported model is readable like every other file of the run (0644 under umask 022).
+* the exported model is readable like every other file of the run (0644 under umask 022);
+* a resume that changes trainer.lr is refused without --allow-changes; with it the run goes on at the
+  new lr, config.yaml keeps the first config and config_changes.jsonl says from which step; a later
+  plain resume that extends trainer.max_steps keeps the changed lr.
 """
 
 from __future__ import annotations
@@ -169,3 +172,25 @@ def test_sigterm_without_on_signal_stops_at_once(tmp_path):
     assert proc.returncode == 143, err[-2000:]
     assert "stopped by SIGTERM during step " in err and "no checkpoint yet" in err
     assert not (run / "checkpoints").exists() and "Traceback" not in err
+
+
+def test_resume_with_a_changed_lr_is_refused_then_recorded(tmp_path):
+    run = tmp_path / "r"
+    first = _run("--config", "tiny", "--run-dir", str(run), "--set", "trainer.max_steps=2", *FAST)
+    assert first.returncode == 0, first.stderr[-2000:]
+    config = (run / "config.yaml").read_text()
+    refused = _run("--run-dir", str(run), "--resume", "--set", "trainer.lr=0.5", "--set", "trainer.max_steps=3")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "trainer.lr 0.001 -> 0.5. Add --allow-changes" in refused.stderr
+    allowed = _run("--run-dir", str(run), "--resume", "--set", "trainer.lr=0.5", "--set", "trainer.max_steps=3",
+                   "--allow-changes")
+    assert allowed.returncode == 0, allowed.stderr[-2000:]
+    assert "resuming with changes from step 3" in allowed.stdout
+    longer = _run("--run-dir", str(run), "--resume", "--set", "trainer.max_steps=4")  # bookkeeping: no flag
+    assert longer.returncode == 0, longer.stderr[-2000:]
+    assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert (run / "config.yaml").read_text() == config  # the first config
+    rows = _rows(run / "config_changes.jsonl")
+    assert [(r["step"], [(c["key"], c["old"], c["new"]) for c in r["changes"]]) for r in rows] == [
+        (3, [("trainer.lr", 0.001, 0.5), ("trainer.max_steps", 2, 3)]), (4, [("trainer.max_steps", 3, 4)])]
+    assert "lr: 0.5" in (run / "checkpoints" / "step_000004" / "config.yaml").read_text()  # what step 4 ran

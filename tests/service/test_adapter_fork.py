@@ -130,6 +130,7 @@ def test_prime_route_in_process_honours_the_size_limits(monkeypatch):
 
 
 UNGUARDED = """
+print("the script's body runs")
 from stapo.verifier_service.adapters import compute_score
 print(compute_score(data_source="x", solution_str="so \\\\boxed{\\\\frac{3\\\\sqrt{2}}{4}}",
                     ground_truth="\\\\frac{\\\\sqrt{18}}{4}"))
@@ -137,7 +138,7 @@ print(compute_score(data_source="x", solution_str="so \\\\boxed{\\\\frac{3\\\\sq
 GUARDED = "if __name__ == '__main__':\n" + "\n".join("    " + ln for ln in UNGUARDED.strip().splitlines())
 
 
-def _run_script(tmp_path, body: str):
+def _run_script(tmp_path, body: str, start_method: str = "forkserver"):
     import os
     import subprocess
     import sys
@@ -146,21 +147,46 @@ def _run_script(tmp_path, body: str):
     script.write_text(body)
     env = {k: v for k, v in os.environ.items() if not k.startswith("STAPO_VERIFIER_")}
     env["STAPO_VERIFIER_WORKERS"] = "1"
+    env["STAPO_VERIFIER_START_METHOD"] = start_method
     return subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
 
 
-def test_an_unguarded_script_fails_with_the_guard_message_not_after_the_startup_timeout(tmp_path):
-    """In-process grading from a script with no main guard: each worker runs the script again (as
-    ``__mp_main__``). The pool it would build there refuses at once (``pool.GUARD_MESSAGE``), the
-    worker dies, and the caller's pool reports workers dying while starting, naming the guard,
-    instead of waiting ``startup_timeout_s`` (60 s) for workers that never start."""
-    from stapo.verifier_service.pool import GUARD_MESSAGE
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_an_unguarded_script_is_refused_before_any_worker_starts(tmp_path, start_method):
+    """In-process grading from a script with no main guard: the pool's workers would import the script
+    again (as ``__mp_main__``) and run its body in each. The pool refuses in the caller, naming the
+    script's line and the guard, before any worker starts (the body ran once: no worker re-ran it), on
+    both start methods; the same script under the guard grades."""
+    from stapo.verifier_service.pool import UNGUARDED_MESSAGE
 
-    bad = _run_script(tmp_path, UNGUARDED)
+    bad = _run_script(tmp_path, UNGUARDED, start_method)
     assert bad.returncode != 0
-    assert "PoolBroken" in bad.stderr and "keep dying while starting" in bad.stderr, bad.stderr[-2000:]
-    assert GUARD_MESSAGE in bad.stderr
-    good = _run_script(tmp_path, GUARDED)
+    where = f"{tmp_path / 'reward_script.py'}:4"  # the compute_score call (line 1 is empty)
+    assert UNGUARDED_MESSAGE.format(where=where) in bad.stderr, bad.stderr[-2000:]
+    assert bad.stdout.count("the script's body runs") == 1, bad.stdout
+    good = _run_script(tmp_path, GUARDED, start_method)
     assert good.returncode == 0, good.stderr[-2000:]
     assert "'score': 1.0" in good.stdout and "'status': 'ok'" in good.stdout, good.stdout
+
+
+def test_unguarded_start_reads_the_scripts_line_through_calls(tmp_path):
+    """The check follows the call stack back to the script's top level: a pool built in a function is
+    guarded when the function is called under the guard, and not when called from the body."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "s.py"
+    script.write_text(
+        "from stapo.verifier_service.pool import unguarded_start\n"
+        "def build():\n"
+        "    return unguarded_start()\n"
+        "print('body', build())\n"
+        "if '__main__' == __name__:\n"
+        "    print('guarded', build())\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.splitlines() == [f"body {script}:4", "guarded None"]
+    inline = subprocess.run([sys.executable, "-c", script.read_text()], capture_output=True, text=True, timeout=60,
+                            check=True).stdout
+    assert inline.splitlines() == ["body None", "guarded None"]  # no script file: workers import nothing of it

@@ -258,15 +258,32 @@ def test_train_recipe_flag_and_set_order(monkeypatch, capsys, tmp_path, stapo_ma
     assert cfg.algorithm.eps_high == 0.3  # --set wins over the recipe
 
 
-def test_label_only_name_warns(monkeypatch, capsys, tmp_path, stapo_main, stub_train):
+def test_a_name_that_is_not_what_runs_is_refused(monkeypatch, capsys, tmp_path, stapo_main, stub_train):
     code, _o, err = stapo_main("train", "--config", "tiny", "--set", "algorithm.name=grpo",
                           "--run-dir", str(tmp_path / "r"))
-    assert code == 0
-    assert _first(err) == (
-        "warning: algorithm.name=grpo, but algorithm.token_weighting='s2t' (the grpo recipe: 'none'): the name "
-        "is only a label. `--recipe grpo` takes the grpo recipe's method keys.")
+    assert code == 2 and not stub_train
+    assert err.strip().splitlines() == [
+        "error: algorithm.name=grpo, but algorithm.token_weighting='s2t' (the grpo recipe: 'none'): the run would be "
+        "reported as grpo. `--recipe grpo` runs the grpo recipe's method; this config's method is stapo's: "
+        "--set algorithm.name=stapo names it so"]
+    code, _o, err = stapo_main("train", "--config", "tiny", "--set", "algorithm.name=stapoo",
+                          "--run-dir", str(tmp_path / "r"))
+    assert code == 2 and err.startswith("error: --set algorithm.name=stapoo: no recipe is called stapoo")
+    assert "`--recipe NAME`" in err and len(err.strip().splitlines()) == 1
+    # the S2T mode is part of the method: a mode only one recipe has is not another recipe's name
+    code, _o, err = stapo_main("train", "--config", "tiny", "--set", "algorithm.s2t.tau_h_scope=minibatch",
+                          "--run-dir", str(tmp_path / "r"))
+    assert code == 2 and "algorithm.s2t.tau_h_scope='minibatch' (the stapo recipe: 'step')" in err, err
+    assert not stub_train
     code, _o, err = stapo_main("train", "--config", "tiny", "--run-dir", str(tmp_path / "r2"))
-    assert code == 0 and "warning" not in err  # tiny is labelled stapo and is STAPO's method
+    assert code == 0 and "error" not in err  # tiny is labelled stapo and is STAPO's method
+    # a layer under its recipe's name, and a method no recipe has under a new name, go on
+    code, _o, err = stapo_main("train", "--config", "tiny", "--set", "algorithm.name=stapo-goldilocks",
+                               "--set", "data.sampler=goldilocks", "--run-dir", str(tmp_path / "r3"))
+    assert code == 0, err
+    code, _o, err = stapo_main("train", "--config", "tiny", "--set", "algorithm.name=mine", "--set",
+                               "algorithm.advantage=rloo", "--run-dir", str(tmp_path / "r4"))
+    assert code == 0, err
 
 
 def test_unknown_recipe(monkeypatch, capsys, tmp_path, stapo_main):

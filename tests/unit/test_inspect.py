@@ -164,7 +164,10 @@ def test_inspect_cli_prints_and_renders_report(tmp_path: Path) -> None:
 
 
 def test_inspect_errors(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="dump_tokens_every"):
+    with pytest.raises(FileNotFoundError, match="is not a training run dir .* give the folder `stapo train --run-dir`"):
+        load_dump(tmp_path)  # an empty folder is not told to retrain
+    (tmp_path / "config.yaml").write_text("{}\n")
+    with pytest.raises(FileNotFoundError, match="logging.dump_tokens_every=0"):
         load_dump(tmp_path)
     write_dump(tmp_path, step=2)
     with pytest.raises(FileNotFoundError, match=r"steps with dumps: \[2\]"):
@@ -188,3 +191,28 @@ def test_phase_table_uses_the_updates_own_cells(tmp_path: Path) -> None:
     after = phase_table(token_table(dump), TAU_P, TAU_H)
     assert after["lowp_lowh_neg"]["tokens"] == before["lowp_lowh_neg"]["tokens"] + 1
     assert sum(c["tokens"] for c in after.values()) == sum(c["tokens"] for c in before.values())
+
+
+def test_inspect_shows_the_config_changes_of_resumes_up_to_its_step(tmp_path: Path) -> None:
+    """A resume that changed trainer.lr from step 5 shows at step 7 and not at step 3; the table is
+    not cut at 80 columns when stdout is not a terminal (no COLUMNS given)."""
+    from typer.testing import CliRunner
+
+    from stapo.cli.main import app
+
+    run = tmp_path / "run"
+    write_dump(run, step=3)
+    write_dump(run, step=7)
+    (run / "config.yaml").write_text("trainer:\n  lr: 1.0e-06\n")
+    (run / "config_changes.jsonl").write_text(json.dumps(
+        {"step": 5, "time": 0, "changes": [{"key": "trainer.lr", "old": 1e-6, "new": 0.5, "bookkeeping": False}]}) + "\n")
+    res = CliRunner().invoke(app, ["inspect", str(run), "--out", str(tmp_path / "a")], env={"COLUMNS": ""})
+    assert res.exit_code == 0, res.output
+    assert "config changed by a resume, from step 5: trainer.lr 1e-06 -> 0.5" in res.output
+    assert max(len(line) for line in res.output.splitlines()) > 80  # the tables keep their columns
+    assert "grad-norm share %" in res.output  # a header not folded over lines
+    report = json.loads((tmp_path / "a" / "inspect.json").read_text())
+    assert report["config_changes"] == ["from step 5: trainer.lr 1e-06 -> 0.5"]
+    assert "from step 5: trainer.lr 1e-06 -&gt; 0.5" in (tmp_path / "a" / "inspect.html").read_text()
+    early = CliRunner().invoke(app, ["inspect", str(run), "--step", "3", "--out", str(tmp_path / "b")])
+    assert early.exit_code == 0 and "config changed" not in early.output
