@@ -271,9 +271,10 @@ def test_a_name_that_is_not_what_runs_is_refused(monkeypatch, capsys, tmp_path, 
     assert code == 2 and err.startswith("error: --set algorithm.name=stapoo: no recipe is called stapoo")
     assert "`--recipe NAME`" in err and len(err.strip().splitlines()) == 1
     # the S2T mode is part of the method: a mode only one recipe has is not another recipe's name
-    code, _o, err = stapo_main("train", "--config", "tiny", "--set", "algorithm.s2t.tau_h_scope=minibatch",
+    code, _o, err = stapo_main("train", "--config", "tiny", "--set", "algorithm.s2t.silence=random",
                           "--run-dir", str(tmp_path / "r"))
-    assert code == 2 and "algorithm.s2t.tau_h_scope='minibatch' (the stapo recipe: 'step')" in err, err
+    assert code == 2 and "algorithm.s2t.silence='random' (the stapo recipe: 'lowest_entropy')" in err, err
+    assert "stapo-random" in err  # the recipe whose method it is
     assert not stub_train
     code, _o, err = stapo_main("train", "--config", "tiny", "--run-dir", str(tmp_path / "r2"))
     assert code == 0 and "error" not in err  # tiny is labelled stapo and is STAPO's method
