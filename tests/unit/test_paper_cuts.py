@@ -36,7 +36,7 @@ def test_every_recipe_source_is_read_whole() -> None:
         assert h["recipe"].count("(") == h["recipe"].count(")"), (name, h["recipe"])
     async_ = recipe_header(preset_path("stapo-async"))["source"]
     assert "(ESS-scaled LR, minimum-variance off-policy baseline;" in async_
-    assert async_.endswith("in rollout.async and algorithm.off_policy only (docs/async.md).")
+    assert async_.endswith("rollout.async and algorithm.off_policy only (docs/async.md).")
     assert not recipe_header(preset_path("stapo-deep"))["source"].endswith("isolates the layer.")  # the next note
 
 
