@@ -106,25 +106,25 @@ def test_compare_writes_tables_pngs_and_selfcontained_html(runs: list[Path], tmp
     assert rep["baseline"] == "eval_grpo"
     avg = rep["tables"]["avg"]
     assert avg["columns"] == ["eval_grpo", "eval_stapo"]
-    assert avg["rows"]["aime24"] == {"eval_grpo": 0.10, "eval_stapo": 0.15}
-    assert avg["delta"]["aime24"]["eval_stapo"] == pytest.approx(0.05)
-    assert avg["delta"]["math500"]["eval_stapo"] == pytest.approx(-0.02)
-    assert avg["rows"]["gsm8k"] == {"eval_grpo": None, "eval_stapo": 0.9}
+    assert avg["rows"]["aime24"] == pytest.approx({"eval_grpo": 10.0, "eval_stapo": 15.0})  # % everywhere
+    assert avg["delta"]["aime24"]["eval_stapo"] == pytest.approx(5.0)  # percentage points
+    assert avg["delta"]["math500"]["eval_stapo"] == pytest.approx(-2.0)
+    assert avg["rows"]["gsm8k"] == {"eval_grpo": None, "eval_stapo": pytest.approx(90.0)}
     assert avg["delta"]["gsm8k"]["eval_stapo"] is None  # no baseline value, no delta
     # Avg. over the benchmarks both runs have (aime24, math500), not gsm8k.
     assert rep["tables"]["common_benchmarks"] == ["aime24", "math500"]
-    assert avg["rows"]["Avg."]["eval_stapo"] == pytest.approx((0.15 + 0.58) / 2)
-    assert rep["tables"]["pass"]["rows"]["math500"]["eval_stapo"] == 0.80
+    assert avg["rows"]["Avg."]["eval_stapo"] == pytest.approx((15 + 58) / 2)
+    assert rep["tables"]["pass"]["rows"]["math500"]["eval_stapo"] == pytest.approx(80.0)
     assert rep["tables"]["avg"]["k"]["aime24"]["eval_grpo"] == 32
 
     tr = rep["training"]
     assert set(tr) == {"grpo", "stapo"}
-    assert tr["stapo"]["val_accuracy_after"] == 0.5 and tr["stapo"]["val_accuracy_best"] == 0.5
+    assert tr["stapo"]["val_accuracy_after"] == 50.0 and tr["stapo"]["val_accuracy_best"] == 50.0
     assert tr["grpo"]["steps"] == 30
     # "final" = mean of the last 10% of steps (3 steps: 28, 29, 30).
     assert tr["stapo"]["final reward/mean"] == pytest.approx(0.2 + 0.01 * 29)
 
-    assert json.loads((out / "compare.json").read_text())["tables"]["avg"]["rows"]["aime24"]["eval_stapo"] == 0.15
+    assert json.loads((out / "compare.json").read_text())["tables"]["avg"]["rows"]["aime24"]["eval_stapo"] == pytest.approx(15.0)
     assert set(rep["curves"]) == {k for k, _ in CURVES}
     for rel in rep["curves"].values():
         png = (out / rel).read_bytes()
@@ -140,7 +140,7 @@ def test_compare_writes_tables_pngs_and_selfcontained_html(runs: list[Path], tmp
     assert table["math500 avg@4"][1].startswith("58.0 (-2.0)")
     assert table["Avg."][0] == "35.0"
     train = {row[0]: row[1:] for row in p.tables["table-training"]}
-    assert train["val_accuracy_after"][1].startswith("50.0 (+10.0)")
+    assert train["val_accuracy_after (%)"][1].startswith("50.0 (+10.0)")
 
 
 def test_compare_rejects_dirs_that_are_not_runs(tmp_path: Path) -> None:
