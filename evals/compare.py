@@ -679,6 +679,8 @@ def seeded_rows(seeded: dict[str, Any]) -> tuple[list[str], list[tuple[str, list
     sources = [(f"avg@k {b} (%)", "accuracy", m) for b, m in (seeded.get("tables") or {}).get("avg", {}).items()]
     sources += [(labelled(k), k, m) for k, m in (seeded.get("training") or {}).items()]
     for label, key, m in sources:
+        if not m["groups"]:
+            continue  # no run of any group logged it
         cells = []
         for g in names:
             st = m["groups"].get(g)
