@@ -15,7 +15,7 @@ from direction import b_beats_a, entropy_drift, mechanism_check, verdict  # noqa
 
 
 def arm(finals: list[float], drifts: list[float], silenced: float = 1e-3) -> dict[int, dict]:
-    return {s: {"final": f, "entropy_drift": d, "silenced_rate": silenced} for s, (f, d) in enumerate(zip(finals, drifts))}
+    return {s: {"final": f, "entropy_drift": d, "silenced_rate": silenced} for s, (f, d) in enumerate(zip(finals, drifts, strict=True))}
 
 
 A = arm([0.40, 0.42, 0.44, 0.46], [0.9, 0.8, 0.7, 0.6], silenced=0.0)  # A's finals: sd 0.02582
@@ -57,7 +57,7 @@ def test_mechanism_check_on_a_hand_made_dump(tmp_path: Path) -> None:
            "sum_q2": [0.5, 0.3, 0.2, 0.82]}
     (tmp_path / "dumps").mkdir()
     (tmp_path / "dumps" / "step_000001.json").write_text(json.dumps({"step": 1, "sequences": [seq]}))
-    norms = [math.sqrt(1 - 2 * p + s) for p, s in zip(seq["prob"], seq["sum_q2"])]
+    norms = [math.sqrt(1 - 2 * p + s) for p, s in zip(seq["prob"], seq["sum_q2"], strict=True)]
     m = mechanism_check(tmp_path, tau_p=0.1, q=0.5)
     assert m["silenced_tokens"] == 1 and m["steps"] == 1
     assert m["silenced_grad_share"] == pytest.approx(norms[0] / sum(norms))
