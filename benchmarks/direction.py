@@ -29,6 +29,7 @@ the arms (mean and t interval over seeds, paired differences) land in ``--out``.
     python benchmarks/direction.py                               # the CPU design (SmolLM2-135M, 4 seeds x 50 steps)
     python benchmarks/direction.py --smoke                       # 2 seeds x 2 steps on the tiny model (a test runs it)
     python benchmarks/direction.py --device cuda --scale gpu     # the same design sized for one GPU
+    python benchmarks/direction.py --dry-run                     # the design and the runs' commands, nothing run
 """
 
 from __future__ import annotations
@@ -77,10 +78,11 @@ class Scale:
     enforce_pilot: bool = True
 
 
-# The task: two operations on one- and two-digit numbers (a + b - c), the paper's boxed instruction,
-# 48 new tokens; 4 prompts x 8 samples, 4 mini-batches, clip 0.2 / 0.28 and token-mean come from the
+# The task: two operations (a + b - c) on one-digit numbers (the generator draws every operand with
+# the same digit count; `--set data.arithmetic.digits=2` for two-digit ones, which the pilot's
+# start-accuracy check may then refuse), the paper's boxed instruction, 48 new tokens; 4 prompts x 8 samples, 4 mini-batches, clip 0.2 / 0.28 and token-mean come from the
 # recipes (method keys), +-1 reward and the rest from here. Held-out: 200 problems, greedy.
-TASK = ("data.source=arithmetic", "data.template=boxed", "data.arithmetic.digits=2", "data.arithmetic.num_ops=2",
+TASK = ("data.source=arithmetic", "data.template=boxed", "data.arithmetic.digits=1", "data.arithmetic.num_ops=2",
         "data.arithmetic.ops=[+,-]", "data.arithmetic.num_problems=2000", "data.val_size=200",
         "eval.val_temperature=0.0", "reward.scale.correct=1.0", "reward.scale.wrong=-1.0",
         "algorithm.mini_batches=4", "rollout.temperature=1.0")
@@ -355,6 +357,64 @@ def table(per_arm: dict[str, dict[int, dict]]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
 
+def arm_configs(scale: Scale, arms: tuple[str, ...], sets: list[str]) -> dict[str, Any]:
+    """Each arm's config as `stapo train --config BASE --recipe ARM --set ...` builds it (validated:
+    a bad override fails here in one line, before any run)."""
+    from stapo.cli.train import method_overrides
+    from stapo.configs import preset_path
+    from stapo.core.config import load_config
+
+    base = preset_path(scale.base)
+    out = {}
+    for recipe in arms:
+        path = preset_path(recipe)
+        if path is None:
+            raise SystemExit(f"direction: no recipe named {recipe!r} (`stapo recipes` lists them)")
+        cap = load_config(base, [s for s in sets if s.startswith("rollout.max_new_tokens=")]).rollout.max_new_tokens
+        out[recipe] = load_config(base, [*method_overrides(path, cap), *sets])
+    return out
+
+
+def arms_differ_in(configs: dict[str, Any]) -> list[str]:
+    """The keys where arm B and C differ from arm A; refused when any is not a method key (the arms
+    must differ only in the weighting)."""
+    from stapo.core.fairness import config_differences
+
+    dumps = {k: c.model_dump(mode="json", by_alias=True) for k, c in configs.items()}
+    names = list(dumps)
+    keys = []
+    for other in names[1:]:
+        for d in config_differences(dumps[names[0]], dumps[other]):
+            if d.confound:
+                raise SystemExit(f"direction: arms {names[0]} and {other} differ in {d.key} ({d.base!r} -> {d.other!r}), "
+                                 "not only in the method")
+            keys.append(f"{other}: {d.key}={d.other!r}")
+    return keys
+
+
+def dry_run(scale: Scale, name: str, arms: tuple[str, ...], seeds: list[int], steps: int, out: Path,
+            sets: list[str], lr: float | None) -> str:
+    """The design, the rules and the `stapo train` command of every run (the pilot's first try and
+    arm A's first seed stand for their kind); nothing runs."""
+    import shlex
+
+    lr_txt = f"{lr:g}" if lr is not None else f"the pilot's ({', '.join(f'{x:g}' for x in scale.pilot_lrs)})"
+    lines = [f"direction ({name}): base config {scale.base}; arms A={arms[0]} B={arms[1]} C={arms[2]} (C only if B "
+             f"beats A); seeds {seeds}; {steps} steps; held-out accuracy every {scale.eval_every} steps; "
+             f"learning rate {lr_txt}; {len(seeds) * 2} arm runs (+{len(seeds)} for C)", "rules:"]
+    lines += [f"  - {r}" for r in RULES]
+    lines.append("arms differ from A in: " + "; ".join(arms_differ_in(arm_configs(scale, arms, sets))))
+    if lr is None:
+        pilot_dir = out / "pilot" / f"A-lr{scale.pilot_lrs[0]:g}"
+        lines.append("pilot A: " + shlex.join(train_argv(scale.base, arms[0], pilot_dir, [
+            *sets, f"trainer.lr={scale.pilot_lrs[0]}", "trainer.seed=0", f"trainer.max_steps={scale.pilot_steps}",
+            f"eval.every={scale.pilot_steps}", "logging.dump_tokens_every=1"])))
+    lines.append("arm A seed 0: " + shlex.join(train_argv(scale.base, arms[0], out / "A" / "seed0", [
+        *sets, f"trainer.lr={lr if lr is not None else 'LR'}", "trainer.seed=0", f"trainer.max_steps={steps}",
+        f"eval.every={scale.eval_every}"])))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", choices=sorted(SCALES), default="cpu", help="design size (default cpu)")
@@ -368,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="output folder (default runs/direction/SCALE)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="an override for every run (all arms alike), repeatable")
+    ap.add_argument("--dry-run", action="store_true", help="print the design, the rules and the runs' commands; run nothing")
     args = ap.parse_args(argv)
     name = "smoke" if args.smoke else args.scale
     scale = SCALES[name]
@@ -378,6 +439,10 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or scale.steps
     out = args.out or Path("runs/direction") / name
     sets = [*QUIET, *scale.overrides, *([f"trainer.device={args.device}"] if args.device else []), *args.sets]
+    differ = arms_differ_in(arm_configs(scale, arms, sets))  # one line on a bad override, before any run
+    if args.dry_run:
+        print(dry_run(scale, name, arms, seeds, steps, out, sets, args.lr))
+        return 0
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"direction: {out} is not empty: give another --out (the runs of one design stay together)")
     t_start = time.time()
@@ -389,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         f"config {scale.base}\nverdict rules, fixed before running:")
     for rule in RULES:
         log(f"  - {rule}")
+    log("arms differ from A in: " + "; ".join(differ))
     out.mkdir(parents=True, exist_ok=True)
 
     if args.lr is None:

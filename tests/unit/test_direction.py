@@ -62,3 +62,22 @@ def test_mechanism_check_on_a_hand_made_dump(tmp_path: Path) -> None:
     assert m["silenced_tokens"] == 1 and m["steps"] == 1
     assert m["silenced_grad_share"] == pytest.approx(norms[0] / sum(norms))
     assert m["random_same_size_grad_share"] in [pytest.approx(n / sum(norms)) for n in norms[:3]]
+
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "evaluation.md"
+
+
+def test_documented_direction_lines_build_valid_matched_arms(capsys) -> None:
+    """Every documented line, as --dry-run: the arms' configs load and differ only in method keys
+    (the --smoke line itself runs in tests/e2e/test_direction_smoke.py)."""
+    import shlex
+
+    from direction import main
+
+    lines = [ln for ln in DOC.read_text().splitlines() if ln.startswith("python benchmarks/direction.py")]
+    assert len(lines) == 3 and any("--smoke" in ln for ln in lines)
+    for line in lines:
+        assert main([*shlex.split(line)[2:], "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert "arms differ from A in: stapo: algorithm.name='stapo'; stapo: algorithm.token_weighting='s2t'" in out
+        assert "stapo-random: algorithm.s2t.silence='random'" in out
