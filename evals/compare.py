@@ -466,6 +466,14 @@ def config_check(runs: Sequence[RunData], groups: dict[str, list[RunData]] | Non
                                ("replicate", lambda d: seeded and d.group == "seed"),
                                ("confounds", is_confound))
         }
+    if seeded and groups:
+        for name, members in groups.items():
+            cfgd = [r for r in members if r.config is not None]
+            for r in cfgd[1:]:
+                keys = [d.key for d in config_differences(cfgd[0].config or {}, r.config or {}) if d.group == "method"]
+                if keys:
+                    out["notes"].append(f"{r.label} is in group {name} but differs from {cfgd[0].label} in method keys "
+                                        f"({', '.join(keys)}): a group's runs should be seeds of one method.")
     bad = {lab: v["confounds"] for lab, v in out["runs"].items() if v["confounds"]}
     if bad:
         groups = sorted({d["group"] for ds in bad.values() for d in ds})

@@ -350,6 +350,9 @@ def test_group_labels_pair_eval_dirs_and_one_run_groups_behave_as_before(tmp_pat
     assert aime["paired"]["B"]["low"] == pytest.approx(5 - 12.706 * 10, abs=1e-2)  # sd of (15, -5) = 14.142
     with pytest.raises(ValueError, match="2 --group labels for 4 runs"):
         compare_runs([*a, *b], out_dir=tmp_path / "x", groups=["A", "B"])
+    mixed = [write_seeded_run(tmp_path / "m", f"r{s}", s, 0.5, *(GRPO if s else ())) for s in (0, 1)]
+    notes = compare_runs(mixed, out_dir=tmp_path / "mixed", groups=["A", "A"])["config_check"]["notes"]
+    assert any(n.startswith("r1 is in group A but differs from r0 in method keys (algorithm.name") for n in notes)
     one = compare_runs([a[0], b[0]], out_dir=tmp_path / "one", groups=["A", "B"])
     assert one["seeded"] is None  # every group has one run: the per-run tables alone, as without groups
 
