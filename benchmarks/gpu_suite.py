@@ -173,7 +173,7 @@ def _update_cfg(model_dir: str, dev: str, trainer: dict[str, Any], algorithm: di
         "model": {"name_or_path": model_dir, "gradient_checkpointing": True},
         "trainer": {"device": dev, "lr": 1e-6, "logits_chunk_size": 2048, "share_prompt_prefix": False, **trainer},
         "algorithm": {"token_weighting": "s2t", "mini_batches": 1, "ppo_epochs": 1,
-                      "s2t": {"tau_p": 0.01, "tau_h_quantile": 0.05}, **(algorithm or {})},
+                      "s2t": {"tau_p": 0.002, "q": 0.75}, **(algorithm or {})},
     })
 
 

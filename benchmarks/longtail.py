@@ -85,7 +85,7 @@ def setup(args: argparse.Namespace, model: torch.nn.Module, micro: dict):
         "model": {"name_or_path": "tiny-random"},
         "trainer": {"device": "cpu", "lr": 1e-5, "logits_chunk_size": 1024, "share_prompt_prefix": False, **micro},
         "algorithm": {"token_weighting": args.weighting, "mini_batches": args.mini_batches,
-                      "s2t": {"tau_p": 0.1, "tau_h_quantile": 0.05}},
+                      "s2t": {"tau_p": 0.1, "q": 0.75}},
     })
     b = TorchBackend(cfg, copy.deepcopy(model), total_optimizer_steps=args.mini_batches)
     computed = {"tokens": 0}

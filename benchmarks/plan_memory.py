@@ -44,7 +44,7 @@ def config(mode: str, hidden: int, layers: int = 4):
         "data": {"max_prompt_tokens": PROMPT},
         "rollout": {"engine": "hf", "prompts_per_step": ROWS // 4, "n": 4, "max_new_tokens": S - PROMPT,
                     "batch_size": 4},
-        "algorithm": {"token_weighting": "s2t", "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.5}},
+        "algorithm": {"token_weighting": "s2t", "s2t": {"tau_p": 0.5, "q": 0.5}},
         "trainer": {"device": "cpu", "micro_batch_size": 3, "logits_chunk_size": 256, "fused_loss": False,
                     "update_memory": mode, "share_prompt_prefix": False},
     })

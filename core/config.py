@@ -935,6 +935,9 @@ def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[s
             aliases = {f.alias: name for name, f in fields.items() if f.alias}  # e.g. deep_grpo.lambda
             if part in aliases:
                 fields = {**fields, part: fields[aliases[part]]}
+            removed = getattr(model, "REMOVED_KEYS", {}) if model is not None else {}
+            if part in removed:  # an option that was replaced: say by what
+                raise ConfigError(f"--set {'.'.join(path)}: {'.'.join(path[:i + 1])} is not an option: {removed[part]}")
             if model is not None and part not in fields:
                 where = ".".join(path[:i]) or "config"
                 raise ConfigError(
@@ -961,24 +964,49 @@ def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
-    """Load a YAML config (or the defaults when ``path`` is None) and apply ``--set`` overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
-        except UnicodeDecodeError:
-            raise ConfigError(f"{p}: not a text file; a config is YAML (see configs/tiny.yaml)") from None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{p}: not valid YAML: {err}") from None
-        if loaded is None:  # an empty file is a mistake, not a wish for the defaults (the 135M demo)
-            raise ConfigError(f"{p}: the config file is empty; fill it in (see configs/tiny.yaml) or leave --config out")
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(loaded).__name__}")
-        data = loaded
+    """Load a YAML config (or the defaults when ``path`` is None) and apply ``--set`` overrides.
+
+    A file may start from another with a top-level ``extends: <preset name or path relative to the
+    file>``: its sections are merged key by key over that file's (so an ablation recipe states only
+    its one change, e.g. ``configs/stapo-random.yaml``)."""
+    data = read_config_file(path) if path is not None else {}
     return config_from_dict(apply_overrides(data, overrides))
+
+
+def read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The mapping a YAML config file states, with its ``extends`` chain merged in (load_config)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a text file; a config is YAML (see configs/tiny.yaml)") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: not valid YAML: {err}") from None
+    if loaded is None:  # an empty file is a mistake, not a wish for the defaults (the 135M demo)
+        raise ConfigError(f"{p}: the config file is empty; fill it in (see configs/tiny.yaml) or leave --config out")
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(loaded).__name__}")
+    base_name = loaded.pop("extends", None)
+    if base_name is None:
+        return loaded
+    from stapo.configs import preset_path
+
+    base = p.parent / f"{base_name}.yaml" if not str(base_name).endswith((".yaml", ".yml")) else p.parent / base_name
+    if not base.is_file():
+        base = preset_path(str(base_name)) or base
+    if base.resolve() in _seen or base.resolve() == p.resolve():
+        raise ConfigError(f"{p}: `extends: {base_name}` makes a cycle")
+    return merge_sections(read_config_file(base, (*_seen, p.resolve())), loaded)
+
+
+def merge_sections(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``, mappings merged key by key (lists and values replaced)."""
+    out = _deep_copy(base)
+    for k, v in top.items():
+        out[k] = merge_sections(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
@@ -1006,7 +1034,7 @@ def config_markdown() -> str:
         "",
         "Generated from `core/config.py` by `python -m stapo.core.config > docs/config.md`; a test keeps",
         "it in sync. Set any field from the command line with `--set section.field=value` (values are",
-        "parsed as YAML: `--set reward.urls=[http://a:8000]`, `--set algorithm.s2t.tau_h_quantile=null`).",
+        "parsed as YAML: `--set reward.urls=[http://a:8000]`, `--set algorithm.s2t.silence=random`).",
         "",
         "| field | default | description |",
         "|---|---|---|",

@@ -48,9 +48,8 @@ default ``teacher_loss_reduction: separate_stream_mean`` (``verl/trainer/config/
 of its own stream; their ``mixed_token_mean`` alternative pools the streams under one normalizer).
 With lambda = 0 the hook is None and the update is plain GRPO's, bit for bit. Truncated branch rows
 leave the local loss with DAPO's overlong filter on (:func:`loss_branches`), as the root rows leave
-the policy loss. S2T's tau_h follows ``s2t.tau_h_scope``: with ``step`` one threshold from the
-branch rows' continuation tokens under the policy at the start of the update (global over ranks),
-for every mini-batch and PPO epoch; with ``minibatch`` each mini-batch's own quantile.
+the policy loss. S2T's tau_h^(q) is each local mini-batch's own: the quantile over its continuation
+tokens' candidates under the current policy (global over ranks), as the root rows' update takes it.
 
 Micro-batching: the branch rows' no-grad pass and the local loss's forwards/backwards are split as
 the policy update's (``stapo.core.update``'s ``split_rows`` / ``build_micro``): with
@@ -86,11 +85,26 @@ from torch import Tensor
 
 from stapo.core.extras import LoopHook, StepState
 
-__all__ = ["DeepGRPO", "BranchRollouts", "loss_branches", "set_local_advantages",
+__all__ = ["DeepGRPO", "BranchRollouts", "branch_minibatches", "loss_branches", "set_local_advantages",
            "OnlineLogistic", "pivot_utility", "sample_pivot", "suffix_mask", "branch_ratio", "pivot_outcomes", "local_advantages", "LOCAL_ADVANTAGES"]
 
 
 # ----------------------------------------------------------------------------- pure parts
+
+
+def branch_minibatches(n_branch: int, roots: int | None, k: int) -> int:
+    """Mini-batches that take branch rows: min(K, floor(N_branch / S)), S = roots // K the root
+    mini-batch's rows (the authors' ``num_branch_mbs = min(num_main_mbs, N_branch // S)``); K when
+    ``roots`` is None.
+
+        branch_minibatches(10, 64, 4) == 0     # fewer branch rows than one mini-batch (S = 16)
+        branch_minibatches(40, 64, 4) == 2     # two full-size branch mini-batches of 20
+    """
+    if roots is None:
+        return min(k, n_branch)
+    s = max(1, roots // k)
+    return min(k, n_branch // s)
+
 class OnlineLogistic:
     """P(success | r) = sigmoid(w r + b), refit on a sliding window of (r, success) outcomes.
 
@@ -327,7 +341,8 @@ class DeepGRPO(LoopHook):
         return m
 
     def before_update(self, st: StepState) -> dict[str, float]:
-        local = self.local_loss_hook(self.run, self.branches, st.step)
+        roots = sum(st.counts) if st.counts else len(st.kept)  # the step's global root rows
+        local = self.local_loss_hook(self.run, self.branches, st.step, roots)
         if local is not None:
             st.before_step.append(local)
         return {}
@@ -413,8 +428,14 @@ class DeepGRPO(LoopHook):
 
     # ----------------------------------------------------------------------------- local loss
 
-    def local_loss_hook(self, run: Any, br: BranchRollouts | None, step: int) -> Callable[[int, bool], None] | None:
+    def local_loss_hook(self, run: Any, br: BranchRollouts | None, step: int,
+                        roots: int | None = None) -> Callable[[int, bool], None] | None:
         """``before_step(update_index, fresh)`` for ``Actor.update``, or None (no branches / lambda = 0).
+
+        Which mini-batches get branch rows: as the authors' ``dp_actor.update_policy``, the N_branch
+        global branch rows fill min(K, floor(N_branch / S)) mini-batches (S = ``roots`` / K, the root
+        mini-batch's rows; K = ``algorithm.mini_batches``), the first ones of each epoch, balanced; with
+        fewer branch rows than S the step has no local term. ``roots`` None: S = 1 (every mini-batch).
 
         Each call runs the local term of one optimizer mini-batch the way the policy update runs a
         mini-batch (``stapo.core.update``): its branch rows split into the same micro-batches
@@ -437,7 +458,6 @@ class DeepGRPO(LoopHook):
             build_micro,
             lockstep,
             split_rows,
-            step_entropies,
             update_parts,
             with_padding,
         )
@@ -446,15 +466,15 @@ class DeepGRPO(LoopHook):
         a = cfg.algorithm
         parts = update_parts(cfg)  # the configured weighting, loss, aggregation, micro-batching, temperature
         counts = br.counts or [br.batch.input_ids.shape[0]]
+        k_branch = branch_minibatches(sum(counts), roots, a.mini_batches)
+        if k_branch == 0:
+            return None
         rank = int(getattr(backend, "rank", 0))
         dp = DataParallel(backend)
         # the forwards' rows: the local term's tokens (the continuation) are their response positions
         local = Batch(br.batch.input_ids, br.batch.attention_mask, br.suffix, br.batch.advantages)
         lengths = local.attention_mask.sum(1).cpu()  # [N] real tokens per row
         params = parts.params
-        options = a.token_weighting_options()
-        if options is not None and options.fixes_per_step():  # e.g. S2T's tau_h_scope=step: from the continuations
-            params = {**params, **options.step_arguments(step_entropies(br.old_ent, br.suffix, backend.all_gather_1d))}
         plan: list[list[torch.Tensor]] = []  # this rank's micro-batches (batch rows) per mini-batch
         calls: list[int] = []  # forwards per mini-batch (every rank's max)
 
@@ -467,7 +487,7 @@ class DeepGRPO(LoopHook):
             epoch, mb = divmod(update, a.mini_batches)
             if mb == 0:  # a new pass over the GLOBAL branch rows, split like the root rows
                 g = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch, 0xB7))
-                plan[:] = [split_rows(r, lengths, parts.spec) for r in minibatch_rows(counts, rank, a.mini_batches, g)]
+                plan[:] = [split_rows(r, lengths, parts.spec) for r in minibatch_rows(counts, rank, k_branch, g)]
                 calls[:] = lockstep(dp, [len(sets) for sets in plan])
             if mb >= len(plan) or calls[mb] == 0:  # no branch row in this mini-batch on any rank
                 return
@@ -479,7 +499,8 @@ class DeepGRPO(LoopHook):
                 bounds.append(bounds[-1] + int(m.rows.numel()))
             slices = [slice(s0, s1) for s0, s1 in zip(bounds[:-1], bounds[1:], strict=True)]
             mbatch = MiniBatch(parts, params, local.advantages[idx], local.response_mask[idx], br.old_lp[idx],
-                               backend.all_gather_1d, backend.all_reduce_sum)  # (no entropy bonus, no terms)
+                               backend.all_gather_1d, backend.all_reduce_sum,  # (no entropy bonus, no terms)
+                               seed=derive_seed(cfg.trainer.seed, step, epoch, mb, 0xB8), rank=rank)
             losses: list[torch.Tensor] = []
             if parts.reads_stats:  # statistics first: every forward's graph kept until the weights are known
                 graphs = [forward(m) for m in micros]

@@ -46,7 +46,7 @@ hook                  switched on by                   what
 ``lp_reg``            ``algorithm.lp_reg.enabled``     Lp-Reg's min-p proxy and its term
 ``stare``             ``token_weighting: stare``       STARE's gate and adaptive (W, M)
 ``kl_in_reward``      ``algorithm.kl.in_reward``       the KL charged to the reward instead
-``s2t_watch``         ``token_weighting: s2t``         one warning when the silenced rate is implausible
+``s2t_watch``         ``token_weighting: s2t``         the run's silenced rate against the paper's (summary.json)
 ====================  ===============================  ==============================================
 
 Why this order: the update sums the additive terms in registry order, KL then Lp-Reg (a
@@ -156,6 +156,10 @@ class LoopHook:
     def after_sync(self, st: StepState) -> None:
         """After the new weights reached the rollout engine."""
 
+    def summary(self) -> dict[str, Any]:
+        """What the run's summary.json carries from this hook (JSON-safe; rank 0 writes it)."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """What must survive a resume (JSON-safe: it goes in the checkpoint's meta)."""
         return {}
@@ -234,6 +238,12 @@ class Hooks:
 
     def state_dict(self) -> dict[str, Any]:
         return {name: h.state_dict() for name, h in self.by_name.items()}
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for h in self:
+            out.update(h.summary())
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, h in self.by_name.items():
@@ -645,16 +655,20 @@ class S2TWatch(LoopHook):
         from stapo.core.s2t_watch import RateWatch, describe_thresholds
 
         s2t = run.cfg.algorithm.s2t
-        self.watch = RateWatch(s2t.watch_steps, s2t.watch_min_rate, s2t.watch_max_rate, describe_thresholds(s2t))
+        self.watch = RateWatch(s2t.watch_steps, describe_thresholds(s2t))
         self.epochs = run.cfg.algorithm.ppo_epochs
         self.log = getattr(run, "log", print) if getattr(run, "rank", 0) == 0 else None
 
     def after_update(self, st: StepState) -> dict[str, float]:
         m = st.metrics  # the update's metrics (the loop merged them before this phase)
-        for msg in self.watch.add(m["stapo/silenced_count"], m["tokens/valid"] * self.epochs, m["stapo/tau_h"]):
+        for msg in self.watch.add(m["stapo/silenced_count"], m["tokens/valid"] * self.epochs,
+                                  m["stapo/candidates"], m["stapo/tau_h"]):
             if self.log is not None:
-                self.log(f"warning: {msg}")
+                self.log(msg)
         return {}
+
+    def summary(self) -> dict[str, Any]:
+        return self.watch.summary()
 
     def state_dict(self) -> dict[str, Any]:
         return self.watch.state_dict()

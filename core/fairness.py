@@ -33,11 +33,12 @@ FRAME_KEYS: tuple[str, ...] = (
     "model.name_or_path", "rollout.prompts_per_step", "rollout.n", "algorithm.mini_batches",
     "algorithm.ppo_epochs", "rollout.max_new_tokens", "data.max_prompt_tokens",
 )
-#: The recipes meant to be compared as shipped: ``stapo`` is ``dapo`` + S2T (the paper's definition)
-#: and each layer recipe is ``stapo`` + its layer, so all of them share ``stapo``'s frame (tested).
-#: The other baselines keep their own sources' frames; ``stapo recipes matched stapo NAME`` aligns one.
-SHARED_FRAME: tuple[str, ...] = ("stapo", "dapo", "entropy-bonus", "stapo-goldilocks", "stapo-maspo",
-                                 "stapo-deep", "stapo-stack", "stapo-async")
+#: The recipes meant to be compared as shipped: ``stapo`` is the paper's setup, ``stapo-base`` the same
+#: without S2T, the ablations change which candidates are silenced, and each layer recipe is ``stapo``
+#: + its layer, so all of them share ``stapo``'s frame (tested). The other baselines keep their own
+#: sources' frames; ``stapo recipes matched stapo NAME`` aligns one.
+SHARED_FRAME: tuple[str, ...] = ("stapo", "stapo-base", "stapo-random", "stapo-high-entropy", "justrl-fullmask",
+                                 "stapo-goldilocks", "stapo-maspo", "stapo-deep", "stapo-stack", "stapo-async")
 
 #: The config keys each stability layer owns (a trailing "." = the whole section). A layer recipe
 #: ``stapo-X`` is ``stapo`` plus its layers: it may differ from ``stapo`` in these keys (and its label,
@@ -47,6 +48,8 @@ LAYER_KEYS: dict[str, tuple[str, ...]] = {
     "maspo": ("algorithm.policy_loss", "algorithm.maspo.", "algorithm.dual_clip_c"),  # its gate replaces every clip
     "deep": ("algorithm.deep_grpo.",),
     "async": ("rollout.async.", "algorithm.off_policy."),  # VCPO's layer: stale rollouts and their controls
+    "no-s2t": ("algorithm.token_weighting",),  # the matched control: every token counts
+    "s2t-ablation": ("algorithm.s2t.silence",),  # the paper's masking-strategy ablations
 }
 #: Which layers each shipped layer recipe stacks on ``stapo``.
 LAYER_RECIPES: dict[str, tuple[str, ...]] = {
@@ -55,6 +58,10 @@ LAYER_RECIPES: dict[str, tuple[str, ...]] = {
     "stapo-deep": ("deep",),
     "stapo-stack": ("goldilocks", "deep", "maspo"),
     "stapo-async": ("async",),
+    "stapo-base": ("no-s2t",),
+    "stapo-random": ("s2t-ablation",),
+    "stapo-high-entropy": ("s2t-ablation",),
+    "justrl-fullmask": ("s2t-ablation",),
 }
 
 #: (group, key prefixes), first match wins: the specific rules come before the broad ones.

@@ -50,7 +50,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +99,7 @@ class TrainResult:
     val_before: float | None
     val_after: float | None
     wall_s: float
+    notes: dict[str, Any] = field(default_factory=dict)  # the hooks' summary (e.g. S2T's whole-run rate)
 
 
 class _Run:
@@ -258,7 +259,8 @@ def dump_tokens(run: _Run, step: int, seqs: list[Sequence_], batch: Batch, rows:
     ``cell`` the phase cell the update counted each token in (index into ``PHASE_KEYS``), ``prob``
     and ``entropy`` the p and H its weighting compared with the thresholds (the same float64
     comparison, so a shown p >= tau_p is never a silenced token) and ``tau_h`` the threshold of the
-    row's mini-batch; ``sum_q2`` and ``top`` come from :func:`dump_forward` (the sampled policy;
+    row's mini-batch (S2T's tau_h^(q), NaN when it had no candidate), ``minibatch`` that mini-batch's
+    index in PPO epoch 0 (rows sharing it shared the quantile); ``sum_q2`` and ``top`` come from :func:`dump_forward` (the sampled policy;
     later mini-batches see the updated policy). Records from every rank are gathered; sequences holding
     silenced tokens come first, then ones with a learning signal (A != 0), up to the bound.
     """
@@ -283,6 +285,7 @@ def dump_tokens(run: _Run, step: int, seqs: list[Sequence_], batch: Batch, rows:
             "weight": w[0].tolist(),
             "cell": record.cells[0, i][resp].tolist(),
             "tau_h": float(record.tau_h[0, i]),
+            "minibatch": int(record.minibatch[0, i]),
             "top": [
                 [[run.tokenizer.decode([int(t)]), float(p)] for t, p in zip(ti, pi, strict=True)]
                 for ti, pi in zip(top_i.tolist(), top_p.tolist(), strict=True)
@@ -300,7 +303,7 @@ def dump_tokens(run: _Run, step: int, seqs: list[Sequence_], batch: Batch, rows:
     d = run.run_dir / "dumps"
     d.mkdir(exist_ok=True)
     payload = {"step": step, "tau_p": cfg.algorithm.s2t.tau_p, "tau_h": mean_or_nan(taus),
-               "tau_h_scope": cfg.algorithm.s2t.tau_h_scope,
+               "q": cfg.algorithm.s2t.q, "silence": cfg.algorithm.s2t.silence,
                "token_weighting": cfg.algorithm.token_weighting, "sequences": out}
     tmp = d / f".step_{step:06d}.json.tmp"
     tmp.write_text(json.dumps(payload))
@@ -435,12 +438,13 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
             checkpoint(end)
         if cfg.checkpoint.export_hf:
             run.backend.export_hf(run_dir / "final", run.tokenizer)
+        notes = hooks.summary()
     finally:
         stop_at_once()
         view.close()
         tracker.close()
         run.close()
-    result = TrainResult(run_dir, cfg.trainer.max_steps, val_before, last_val, time.time() - t_start)
+    result = TrainResult(run_dir, cfg.trainer.max_steps, val_before, last_val, time.time() - t_start, notes)
     if main:
         _write_summary(run_dir, result)
     return result
@@ -509,4 +513,5 @@ def _write_summary(run_dir: Path, result: TrainResult) -> None:
         "val_accuracy_after": last_val,
         "wall_s": result.wall_s,
         "finite": all(math.isfinite(x) for x in (val_before or 0.0, last_val or 0.0)),
+        **result.notes,
     }, indent=2))

@@ -29,8 +29,7 @@ the update's metrics. One step's update, for every weighting x policy loss x agg
 every mini-batch after the first, so an off-policy update (``ppo_epochs * mini_batches > 1``) runs
 ONE no-grad pass over the step batch before any gradient forward. So does a step whose extras read
 the sampling policy's statistics before the update (the KL penalty and its metric, Lp-Reg's proxy,
-STARE's controller) and ``tau_h_scope: step`` on more than one mini-batch (the step's threshold).
-Nothing else runs a no-grad policy forward in the update: an on-policy update (1 epoch, 1 mini-batch)
+STARE's controller). Nothing else runs a no-grad policy forward in the update: an on-policy update (1 epoch, 1 mini-batch)
 runs none, its ratio is exp(lp - sg(lp)) = 1 with gradient d lp (tests/unit/test_update.py counts).
 
 **Packing** (``trainer.micro_batch_tokens``): a mini-batch's rows (each: its prompt + response
@@ -47,6 +46,7 @@ path, and every aggregation's global normalizer stays exact under any packing an
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -65,10 +65,9 @@ __all__ = [
     "UpdateInputs",
     "UpdateRecord",
     "add_loss_sums",
-    "entropy_thresholds",
     "loss_sums",
     "step_entropies",
-    "step_entropy_thresholds",
+    "step_p05",
     "update_diagnostics",
     "update_metrics",
     "MicroSpec",
@@ -306,9 +305,7 @@ def update_parts(cfg: Config, extra_params: dict[str, Any] | None = None) -> Upd
 def needs_old_pass(cfg: Config, extras_need_stats: bool = False) -> bool:
     """Whether a step runs the no-grad pass over its batch before the update (module docstring)."""
     a = cfg.algorithm
-    options = a.token_weighting_options()
-    per_step = options is not None and options.fixes_per_step()  # e.g. S2T's tau_h_scope=step
-    return a.ppo_epochs * a.mini_batches > 1 or extras_need_stats or (per_step and a.mini_batches > 1)
+    return a.ppo_epochs * a.mini_batches > 1 or extras_need_stats
 
 
 # ----------------------------------------------------------------------------- the update
@@ -358,9 +355,9 @@ class Actor:
 
         Diagnostics are the update's own: at every mini-batch the weighting's output is counted
         (global) and, with ``inputs.record``, stored per row for the token dump.
-        ``stapo/silenced_count`` and the phase cells sum over every mini-batch of every PPO epoch;
-        ``stapo/tau_h`` is the mean of the thresholds used; ``tau_h_scope=step`` fixes tau_h once
-        from the step's pre-update entropies.
+        ``stapo/candidates``, ``stapo/silenced_count`` and the phase cells sum over every mini-batch
+        of every PPO epoch; ``stapo/tau_h`` is the mean of the mini-batches' tau_h^(q) (S2T's rule,
+        computed for the diagnostics under any weighting; mini-batches without a candidate have none).
         """
         from stapo.core.distributed import DataParallel, check_minibatches, group_minibatches, minibatch_rows
 
@@ -379,12 +376,9 @@ class Actor:
         check_minibatches(sum(counts), a.mini_batches)
         gather, reduce = backend.all_gather_1d, backend.all_reduce_sum
         lengths = batch.attention_mask.sum(1).cpu()  # [N] real tokens per row
-        p05, tau_step = None, None
-        if old_ent is not None:  # the step's statistics: the diagnostics' thresholds, the keywords fixed per step
-            allv = step_entropies(old_ent, batch.response_mask, gather)  # [n_valid] all ranks
-            p05, tau_step = entropy_thresholds(cfg, allv)
-            options = a.token_weighting_options()
-            params = {**params, **(options.step_arguments(allv) if options is not None else {})}
+        p05 = None  # the step's 5th entropy percentile under the sampling policy (a logged diagnostic)
+        if old_ent is not None:
+            p05 = step_p05(old_ent, batch.response_mask, gather)
         reads = parts.reads_stats or hooks.terms_read_stats
         bounded = reads and cfg.trainer.update_memory == "bounded"  # "auto" was resolved by the memory plan
         keep_graphs = reads and not bounded
@@ -409,7 +403,7 @@ class Actor:
                     else minibatch_rows(counts, dp.rank, a.mini_batches, gen))
             plan = [split_rows(r, lengths, parts.spec) for r in rows]
             calls = lockstep(dp, [max(1, len(p)) for p in plan])
-            for sets, k in zip(plan, calls, strict=True):
+            for mb_index, (sets, k) in enumerate(zip(plan, calls, strict=True)):
                 n_real = sum(int(s.numel()) for s in sets)
                 micros = [build_micro(batch, s, parts.spec.packed)
                           for s in with_padding(sets, k, pad_row, "update")]
@@ -421,7 +415,8 @@ class Actor:
                 if baseline is not None:  # VCPO: this mini-batch's advantages at the current weights
                     baseline.advantages(backend, batch, mb_rows[:n_real].tolist(), old_lp, parts)
                 mb = MiniBatch(parts, params, batch.advantages[mb_rows], batch.response_mask[mb_rows],
-                               old_lp[mb_rows] if old_lp is not None else None, gather, reduce, a.entropy_coef)
+                               old_lp[mb_rows] if old_lp is not None else None, gather, reduce, a.entropy_coef,
+                               seed=derive_seed(cfg.trainer.seed, step, epoch, mb_index, 0x52), rank=dp.rank)
                 if keep_graphs:  # statistics first: every forward's graph kept until the weights are known
                     graphs = [forward(m) for m in micros]
                     ctx, tw, norm = mb.weights(torch.cat([g[0].detach() for g in graphs]),
@@ -465,11 +460,11 @@ class Actor:
                         ents.append(ent.detach().float())
                     ctx = mb.context(torch.cat(lps), torch.cat(ents))
                 if p05 is None:  # no old pass: this (only) mini-batch's forward saw the sampling policy
-                    p05, _ = step_entropy_thresholds(cfg, ctx.entropy, ctx.mask, gather)
-                tau_mb = update_diagnostics(cfg, ctx, tw, tau_step, diag)
+                    p05 = step_p05(ctx.entropy, ctx.mask, gather)
+                tau_mb = update_diagnostics(cfg, ctx, tw, diag)
                 taus.append(tau_mb)
                 if record is not None:
-                    record.put(epoch, mb_rows[:n_real], ctx, tw, tau_mb, a.s2t.tau_p)
+                    record.put(epoch, mb_index, mb_rows[:n_real], ctx, tw, tau_mb, a.s2t.tau_p)
                 if before_step is not None:  # DEEP-GRPO: lambda * local branch loss joins this update
                     before_step(len(step_out), fresh)
                 step_out.append(off_policy.step(backend) if off_policy is not None else backend.step())
@@ -493,12 +488,14 @@ class MiniBatch:
     gather: Callable[[torch.Tensor], torch.Tensor]
     reduce: Callable[[torch.Tensor], torch.Tensor]
     entropy_coef: float = 0.0
+    seed: int | None = None  # the weighting's own randomness for this mini-batch (S2T's random ablation)
+    rank: int = 0
 
     def context(self, lp: torch.Tensor, ent: torch.Tensor) -> Any:
         from stapo.core.algos import TokenContext
 
         return TokenContext(logprobs=lp, entropy=ent, advantages=self.adv, mask=self.mask, gather=self.gather,
-                            all_reduce_sum=self.reduce)
+                            all_reduce_sum=self.reduce, seed=self.seed, rank=self.rank)
 
     def weights(self, lp: torch.Tensor, ent: torch.Tensor) -> tuple[Any, Any, Any]:
         """(TokenContext, TokenWeights, GLOBAL normalizer) of the mini-batch at (lp, ent)."""
@@ -563,40 +560,26 @@ def step_entropies(old_ent: torch.Tensor, mask: torch.Tensor,
         return gather(local) if gather is not None else local
 
 
-def entropy_thresholds(cfg: Config, allv: torch.Tensor) -> tuple[float, float | None]:
-    """(5th entropy percentile of ``allv``, the step's tau_h or None): see :func:`step_entropy_thresholds`."""
+def step_p05(ent: torch.Tensor, mask: torch.Tensor,
+             gather: Callable[[torch.Tensor], torch.Tensor] | None) -> float:
+    """The 5th percentile of every valid response token's entropy in the step's GLOBAL batch
+    (``entropy/p05``, a diagnostic of how peaked the policy is). One all_gather, on every rank."""
     from stapo.core.algos import quantile
 
-    s2t = cfg.algorithm.s2t
-    p05 = quantile(allv, 0.05)
-    if s2t.tau_h is not None:
-        return p05, float(s2t.tau_h)
-    if s2t.tau_h_quantile is not None and s2t.tau_h_scope == "step":
-        return p05, quantile(allv, float(s2t.tau_h_quantile))
-    return p05, None
+    return quantile(step_entropies(ent, mask, gather), 0.05)
 
 
-def step_entropy_thresholds(cfg: Config, old_ent: torch.Tensor, mask: torch.Tensor,
-                            gather: Callable[[torch.Tensor], torch.Tensor] | None) -> tuple[float, float | None]:
-    """(global 5th entropy percentile of the step batch, the step's tau_h or None).
-
-    The step's tau_h is ``algorithm.s2t.tau_h`` when absolute, else, with ``tau_h_scope=step``, the
-    ``tau_h_quantile`` of every valid response token's entropy in the step's GLOBAL batch under the
-    pre-update policy; None with ``tau_h_scope=minibatch`` (each mini-batch resolves its own).
-    One all_gather, on every rank.
-    """
-    return entropy_thresholds(cfg, step_entropies(old_ent, mask, gather))
-
-
-def update_diagnostics(cfg: Config, ctx: Any, tw: Any, tau_step: float | None, diag: dict[str, float]) -> float:
+def update_diagnostics(cfg: Config, ctx: Any, tw: Any, diag: dict[str, float]) -> float:
     """Add one mini-batch's global token counts (from the weighting's own output) to ``diag``;
-    returns the tau_h it used: the weighting's (S2T), else the step's, else this mini-batch's quantile."""
-    from stapo.core.algos import resolve_tau_h, token_counts
+    returns the tau_h of the phase cells: the S2T weighting's own, else the paper's tau_h^(q) of this
+    mini-batch at ``algorithm.s2t`` (what S2T would use here), so every weighting logs the same cells."""
+    from stapo.core.algos import s2t_tau_h, token_counts
 
     s2t = cfg.algorithm.s2t
-    tau = tw.info.get("tau_h", tau_step)
-    if tau is None:  # (a weighting other than s2t with a rate target: its cells at the 5th percentile)
-        tau = resolve_tau_h(ctx.entropy, ctx.mask, tau_h_quantile=s2t.tau_h_quantile or 0.05, gather=ctx.gather)
+    tau = tw.info.get("tau_h")
+    if tau is None:
+        tau = s2t_tau_h(ctx.logprobs, ctx.entropy, ctx.advantages, ctx.mask, tau_p=s2t.tau_p, q=s2t.q,
+                        gather=ctx.gather)
     for k, v in token_counts(ctx, tw, tau_p=s2t.tau_p, tau_h=float(tau)).items():
         diag[k] = diag.get(k, 0.0) + v
     return float(tau)
@@ -612,19 +595,22 @@ class UpdateRecord:
     """
 
     weights: torch.Tensor  # [E, N, L]
-    tau_h: torch.Tensor  # [E, N]
+    tau_h: torch.Tensor  # [E, N] float64 (NaN: the mini-batch had no candidate)
     cells: torch.Tensor  # [E, N, L] int8 phase cell (index into PHASE_KEYS) the update's counts used
+    minibatch: torch.Tensor  # [E, N] int64 index of the optimizer mini-batch that held the row (-1: none)
     logprobs: torch.Tensor  # [E, N, L] float32 log p the weighting compared (its p is exp in float64)
     entropy: torch.Tensor  # [E, N, L] float32 H the weighting compared
 
     @staticmethod
     def empty(epochs: int, batch: Batch) -> UpdateRecord:
         n, L = batch.input_ids.shape
-        return UpdateRecord(torch.ones(epochs, n, L), torch.full((epochs, n), float("nan")),
-                            torch.full((epochs, n, L), -1, dtype=torch.int8), torch.zeros(epochs, n, L),
+        return UpdateRecord(torch.ones(epochs, n, L), torch.full((epochs, n), float("nan"), dtype=torch.float64),
+                            torch.full((epochs, n, L), -1, dtype=torch.int8),
+                            torch.full((epochs, n), -1, dtype=torch.int64), torch.zeros(epochs, n, L),
                             torch.zeros(epochs, n, L))
 
-    def put(self, epoch: int, rows: torch.Tensor, ctx: Any, tw: Any, tau_h: float, tau_p: float) -> None:
+    def put(self, epoch: int, minibatch: int, rows: torch.Tensor, ctx: Any, tw: Any, tau_h: float,
+            tau_p: float) -> None:
         """Store what one mini-batch's weighting gave its first ``len(rows)`` rows (the real ones;
         padding rows come after them): applied weights, tau_h, and each token's phase cell."""
         from stapo.core.algos import phase_cells
@@ -633,6 +619,7 @@ class UpdateRecord:
         rows = rows.cpu()
         self.weights[epoch, rows] = tw.weights[:k].detach().float().cpu()
         self.tau_h[epoch, rows] = tau_h
+        self.minibatch[epoch, rows] = minibatch
         self.cells[epoch, rows] = phase_cells(ctx, tau_p=tau_p, tau_h=tau_h)[:k].cpu()  # [k, L]
         self.logprobs[epoch, rows] = ctx.logprobs[:k].detach().float().cpu()
         self.entropy[epoch, rows] = ctx.entropy[:k].detach().float().cpu()
@@ -664,8 +651,9 @@ def update_metrics(diag: dict[str, float], taus: Sequence[float], p05: float, su
     token_diag["tokens/valid"] = diag["tokens"] / epochs  # every epoch sees each row once
     return {
         **token_diag,
+        "stapo/candidates": diag["candidates"],
         "stapo/silenced_count": diag["silenced"],
-        "stapo/tau_h": mean_or_nan(taus),
+        "stapo/tau_h": mean_or_nan([t for t in taus if math.isfinite(t)]),  # mini-batches with candidates
         "entropy/p05": p05,
         "actor/loss": sums["loss"] / len(step_out),
         "actor/grad_norm": mean_or_nan([o.get("grad_norm", float("nan")) for o in step_out]),

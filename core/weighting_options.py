@@ -7,22 +7,15 @@ one instance of it (a built-in's section, ``algorithm.s2t`` / ``algorithm.top_en
 models live here, apart from the tensor code, because the config is read without torch.
 
 What an options model may declare beyond its fields (the update asks, it never branches on a name):
-
-- :meth:`WeightingOptions.arguments`: the keywords the weighting gets (fields that configure the
-  loop or the update rather than the function are left out);
-- :meth:`WeightingOptions.fixes_per_step` / :meth:`WeightingOptions.step_arguments`: keywords fixed
-  once per step from the step's pre-update entropies (S2T's ``tau_h_scope: step``), which needs the
-  step's statistics before a run of several mini-batches changes the weights.
+:meth:`WeightingOptions.arguments`, the keywords the weighting gets (fields that configure the loop
+or the update rather than the function are left out).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-if TYPE_CHECKING:
-    from torch import Tensor
 
 
 class WeightingOptions(BaseModel):
@@ -34,98 +27,66 @@ class WeightingOptions(BaseModel):
         """Keyword arguments of the weighting: every field, unless a subclass says otherwise."""
         return self.model_dump()
 
-    def fixes_per_step(self) -> bool:
-        """Whether some keywords are fixed once per step from the step's entropies (:meth:`step_arguments`)."""
-        return False
 
-    def step_arguments(self, entropies: Tensor) -> dict[str, Any]:
-        """Keywords fixed for the whole step, from every valid response token's entropy of the step's
-        global batch under the pre-update policy (``entropies`` [n_valid], all ranks)."""
-        return {}
+REMOVED_S2T_KEYS = {
+    "tau_h": "S2T's tau_h is the q-th quantile of the candidates' entropies per mini-batch: set algorithm.s2t.q",
+    "tau_h_quantile": "the quantile is over the candidates (A > 0, p < tau_p) of each mini-batch: set "
+                      "algorithm.s2t.q (the paper's 0.75)",
+    "tau_h_scope": "tau_h^(q) is taken per optimizer mini-batch under the current policy (the paper's Algorithm 1)",
+    "target_rate": "the silenced rate is an outcome of the model, not a setting: see it with `stapo calibrate`",
+    "watch_min_rate": "the rate watch warns when a window silences nothing and compares the run's rate with the "
+                      "paper's ~1e-4",
+    "watch_max_rate": "the rate watch compares the run's rate with the paper's ~1e-4 in a note",
+}
+"""Keys of earlier S2T sections, each with the one line that replaces it (a config naming one is refused)."""
 
 
 class S2TOptions(WeightingOptions):
-    """STAPO's S2T mask: silence tokens with A > 0, p < tau_p and H < tau_h.
+    """STAPO's S2T rule (arXiv 2602.15620v1, Sec. 3, Algorithm 1; docs/algorithms.md, "S2T").
 
-    Provenance tags (docs/algorithms.md, "S2T thresholds"): [paper-reading] = the values a
-    machine-written reading of the paper's PDF gives (tau_p 0.002, tau_h at the 80% quantile; the
-    paper's own text is not reachable); [ours: measured rate r on model m] = our choice, with the
-    silenced rate `stapo calibrate` measured for it. The defaults are [ours].
+    In each optimizer mini-batch, the candidates are the valid tokens with A > 0 and p < tau_p (over
+    every rank); tau_h^(q) is the q-th quantile of their entropies; candidates with H < tau_h^(q) are
+    silenced (weight 0, out of the denominator). p and H are the current policy's, from the update's
+    own forward. ``silence`` selects the paper's masking-strategy ablations over the same candidates.
     """
 
+    REMOVED_KEYS: ClassVar[dict[str, str]] = REMOVED_S2T_KEYS
+
     tau_p: float = Field(
-        0.01, gt=0, lt=1,
-        description="Probability threshold (absolute). [ours: measured rate 3.4e-4 on SmolLM2-135M-Instruct, with "
-                    "tau_h_quantile 0.05; docs/algorithms.md, S2T thresholds] ([paper-reading]: 0.002).",
+        0.002, gt=0, lt=1,
+        description="Probability threshold (absolute): candidates have p < tau_p. [paper v1: 0.002, 'across all "
+                    "experiments']",
     )
-    tau_h: float | None = Field(
-        None, ge=0, description="Absolute entropy threshold (nats). Set one of tau_h, tau_h_quantile, target_rate."
+    q: float = Field(
+        0.75, ge=0, le=1,
+        description="tau_h^(q) is the q-th quantile of the candidates' entropies in each mini-batch; candidates "
+                    "below it are silenced (about a q share of them). [paper v1: 75%]",
     )
-    tau_h_quantile: float | None = Field(
-        0.05,
-        gt=0,
-        lt=1,
-        description="Entropy threshold as a quantile of the global batch's valid-token entropies. [ours: measured "
-                    "rate 3.4e-4 on SmolLM2-135M-Instruct, with tau_p 0.01] ([paper-reading]: 0.8).",
-    )
-    target_rate: float | None = Field(
-        None,
-        gt=0,
-        lt=1,
-        description=(
-            "Our extension, not the paper's: choose tau_h on each optimizer mini-batch's global tokens (all ranks) "
-            "so that this fraction of the valid tokens is silenced (at most: fewer when fewer tokens have A > 0 "
-            "and p < tau_p). Instead of tau_h / tau_h_quantile (set tau_h_quantile=null)."
-        ),
-    )
-    tau_h_scope: Literal["step", "minibatch"] = Field(
-        "step",
-        description=(
-            "Population of the tau_h_quantile: `step` = every valid response token of the step's global "
-            "batch under the policy at the start of the update (one threshold for all mini-batches and "
-            "PPO epochs); `minibatch` = each optimizer mini-batch's tokens under the current policy. "
-            "See docs/algorithms.md."
-        ),
+    silence: Literal["lowest_entropy", "highest_entropy", "random", "all"] = Field(
+        "lowest_entropy",
+        description="Which candidates are silenced: `lowest_entropy` (STAPO: H < tau_h^(q)); the paper's ablations "
+                    "`highest_entropy` (the top-entropy q share), `random` (as many as STAPO would, drawn at random, "
+                    "seeded by trainer.seed), `all` (every candidate: JustRL-FullMask).",
     )
     watch_steps: int = Field(
         20, ge=1,
-        description="Judge the silenced rate over windows of this many steps (a window grows until "
-                    "watch_min_rate predicts >= 5 silenced tokens); warn once when it is outside "
-                    "[watch_min_rate, watch_max_rate].",
-    )
-    watch_min_rate: float = Field(
-        1e-5, ge=0, le=1,
-        description="Warn when a window silenced nothing where this rate predicts >= 5 tokens (0: never).",
-    )
-    watch_max_rate: float = Field(
-        1e-2, gt=0, le=1, description="Warn when a window's silenced fraction exceeds this (1: never)."
+        description="The rate watch judges windows of this many steps (a window grows until the paper's ~1e-4 "
+                    "rate predicts >= 5 silenced tokens): it warns once when a window silences nothing, and notes "
+                    "once when the run's rate is far above the paper's.",
     )
 
     def arguments(self) -> dict[str, Any]:
-        """tau_h_scope (the update's choice of population) and the rate watch (the loop's) are not keywords."""
-        return self.model_dump(exclude={"tau_h_scope", "watch_steps", "watch_min_rate", "watch_max_rate"})
+        """The rate watch (the loop's) is not a keyword of the weighting."""
+        return self.model_dump(exclude={"watch_steps"})
 
-    def fixes_per_step(self) -> bool:
-        """``tau_h_scope: step`` with a quantile: one tau_h for every mini-batch and PPO epoch of the step."""
-        return self.tau_h_quantile is not None and self.tau_h_scope == "step"
-
-    def step_arguments(self, entropies: Tensor) -> dict[str, Any]:
-        """The step's tau_h: the ``tau_h_quantile`` of the step's global valid-token entropies."""
-        if not self.fixes_per_step():
-            return {}
-        from stapo.core.algos import quantile
-
-        return {"tau_h": quantile(entropies, float(self.tau_h_quantile)), "tau_h_quantile": None, "target_rate": None}
-
-    @model_validator(mode="after")
-    def _one_tau_h(self) -> S2TOptions:
-        given = [k for k in ("tau_h", "tau_h_quantile", "target_rate") if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError(
-                "set exactly one of tau_h (absolute), tau_h_quantile (e.g. 0.05) and target_rate (e.g. 1e-4); "
-                f"got {', '.join(given) or 'none'}: to use another than tau_h_quantile also set tau_h_quantile=null"
-            )
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, why in cls.REMOVED_KEYS.items():
+                if key in data:
+                    raise ValueError(f"algorithm.s2t.{key} is not an option: {why}")
+        return data
 
 
 class TopEntropyOptions(WeightingOptions):

@@ -16,8 +16,8 @@ docs/architecture.md) and shows
    tight when the distribution is flat on its support; the scatter (``grad_norm_scatter.png``)
    shows how close the two are on real tokens, and the summary reports their ratio.
 
-Thresholds come from the dump (``tau_p``, ``tau_h``); a dump without ``tau_h`` uses the 5th
-percentile of the dumped entropies (the dump is a subset of the batch, so this is approximate).
+Thresholds come from the dump (``tau_p``, ``tau_h``); a dump without ``tau_h`` uses the paper's rule
+on the dump's own candidates (the dump is a subset of the batch, so this is approximate).
 
 Usage::
 
@@ -149,13 +149,17 @@ def grad_norms(prob: np.ndarray, entropy: np.ndarray, advantage: np.ndarray, sum
 
 
 def resolve_tau_h(dump: dict[str, Any], table: TokenTable) -> tuple[float, str]:
-    """(tau_h, where it came from): the dump's value, else the 5th percentile of dumped entropies."""
+    """(tau_h, where it came from): the dump's value (the mean of its mini-batches' tau_h^(q)), else the
+    paper's rule on the dump itself: the q-th quantile of the dumped candidates' entropies (A > 0,
+    p < tau_p; q from the dump, else the paper's 0.75)."""
     tau_h = dump.get("tau_h")
     if isinstance(tau_h, (int, float)) and math.isfinite(tau_h):
         return float(tau_h), "dump"
-    if table.entropy.size == 0:
-        return 0.0, "empty dump"
-    return float(np.quantile(table.entropy, 0.05)), "5th percentile of the dumped entropies"
+    q = float(dump.get("q", 0.75))
+    cand = (table.advantage > 0) & (table.prob < float(dump["tau_p"]))
+    if not cand.any():
+        return float("nan"), "no candidate in the dump (A > 0, p < tau_p): nothing below tau_h"
+    return float(np.quantile(table.entropy[cand], q)), f"the q={q:g} quantile of the dumped candidates' entropies"
 
 
 def cell_index(table: TokenTable, tau_p: float, tau_h: float) -> np.ndarray:

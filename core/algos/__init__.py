@@ -14,7 +14,7 @@ Families (each a ``Registry`` with a ``get_*`` accessor that lists valid names o
 plus DAPO's ``dynamic_sampling_filter`` / ``dynamic_sampling_values`` / ``overlong_penalty`` /
 ``overlong_filter_keep``, ``kl_k3``, ``token_metrics``, additive terms (``regularizers``: KL to a
 reference, Lp-Reg's proxy KL in ``lpreg``, the entropy bonus), STARE's schedule (``stare``) and the
-public STAPO contract ``s2t_mask`` / ``stapo_loss`` / ``resolve_tau_h``. Formulas and the paper each
+public STAPO contract ``s2t_tau_h`` / ``s2t_mask`` / ``stapo_loss``. Formulas and the paper each
 piece follows: docs/algorithms.md.
 """
 
@@ -48,9 +48,9 @@ from .weights import (
     get_token_weighting,
     quantile,
     register_token_weighting,
-    resolve_tau_h,
+    s2t_candidates,
     s2t_mask,
-    tau_h_for_rate,
+    s2t_tau_h,
     token_weighting_spec,
     top_fraction_threshold,
 )
@@ -93,10 +93,10 @@ __all__ = [
     "overlong_penalty",
     "phase_cells",
     "quantile",
-    "resolve_tau_h",
+    "s2t_candidates",
     "s2t_mask",
+    "s2t_tau_h",
     "stapo_loss",
-    "tau_h_for_rate",
     "token_counts",
     "token_metrics",
     "top_fraction_threshold",

@@ -32,14 +32,15 @@ def phase_cells(ctx: TokenContext, *, tau_p: float, tau_h: float) -> torch.Tenso
         return highp * 4 + highh * 2 + neg  # [B, T]
 
 
-COUNT_KEYS = ("tokens", "silenced", "entropy_sum", "prob_sum", *PHASE_KEYS)
+COUNT_KEYS = ("tokens", "silenced", "candidates", "entropy_sum", "prob_sum", *PHASE_KEYS)
 
 
 def token_counts(
     ctx: TokenContext, weights: TokenWeights, *, tau_p: float, tau_h: float
 ) -> dict[str, float]:
     """GLOBAL sums over valid tokens (one all-reduce when the context has ``all_reduce_sum``):
-    ``tokens``, ``silenced`` (valid tokens the weighting gave weight 0), ``entropy_sum``,
+    ``tokens``, ``silenced`` (valid tokens the weighting gave weight 0), ``candidates`` (S2T's:
+    valid, A > 0, p < tau_p), ``entropy_sum``,
     ``prob_sum`` and the 8 phase-cell counts (keys ``phase/...``) at absolute thresholds.
 
     Counts, not fractions, so the loop can add them over the mini-batches of an update and divide
@@ -57,10 +58,11 @@ def token_counts(
                 for am in (pos, ~pos):
                     cells.append((mask & pm & hm & am).sum())
         silenced = (mask & (weights.weights == 0)).sum()
+        candidates = (mask & lowp & pos).sum()
         sums = torch.stack(
-            [mask.sum().double(), silenced.double(), (ent * mask).sum(), (p * mask).sum()]
+            [mask.sum().double(), silenced.double(), candidates.double(), (ent * mask).sum(), (p * mask).sum()]
             + [c.double() for c in cells]
-        )  # [4 + 8]
+        )  # [5 + 8]
         sums = ctx.summed(sums)
         return {k: float(v) for k, v in zip(COUNT_KEYS, sums.tolist(), strict=True)}
 

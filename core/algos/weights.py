@@ -7,11 +7,11 @@ the token-mean denominator). The policy loss never knows which weighting produce
 
     from stapo.core.algos import TokenContext, get_token_weighting
     ctx = TokenContext(logprobs, entropy, advantages, mask)          # [B, T] each
-    tw = get_token_weighting("s2t")(ctx, tau_p=0.01, tau_h_quantile=0.05)
+    tw = get_token_weighting("s2t")(ctx, tau_p=0.002, q=0.75)       # the paper's values
     tw.weights, tw.denom_mask, tw.info["tau_h"]
 
 Batch statistics (entropy quantiles, top-k thresholds, mean entropy) are taken over the whole
-global batch: ``ctx.gather`` concatenates a 1-D tensor across data-parallel ranks and
+global mini-batch: ``ctx.gather`` concatenates a 1-D tensor across data-parallel ranks and
 ``ctx.all_reduce_sum`` sums a tensor across ranks (``None`` = single process). With gradient
 accumulation, call the weighting once on the whole optimizer mini-batch (the policy does not change
 between its micro-batches) and slice the result, or pass a ``gather`` that returns the whole
@@ -74,6 +74,8 @@ class TokenContext:
     mask: Tensor  # [B, T] bool, valid response tokens
     gather: Gather | None = None  # concat a 1-D tensor across DP ranks
     all_reduce_sum: AllReduceSum | None = None  # sum a tensor across DP ranks
+    seed: int | None = None  # a weighting's own randomness (S2T's random ablation), one per mini-batch
+    rank: int = 0  # this data-parallel rank: separate random streams per rank
 
     def __post_init__(self) -> None:
         check_bt("logprobs", self.logprobs)
@@ -204,34 +206,6 @@ def top_fraction_threshold(values: Tensor, frac: float, *, largest: bool = True)
     return float(torch.topk(v, k, largest=False).values[-1])
 
 
-def resolve_tau_h(
-    entropy: Tensor,
-    mask: Tensor,
-    *,
-    tau_h: float | None = None,
-    tau_h_quantile: float | None = None,
-    gather: Gather | None = None,
-) -> float:
-    """The absolute entropy threshold for S2T: ``tau_h`` itself, or the ``tau_h_quantile`` quantile
-    of the valid-token entropies gathered over all ranks (STAPO reports the 5th percentile)."""
-    if (tau_h is None) == (tau_h_quantile is None):
-        raise ValueError(
-            f"give exactly one of tau_h (absolute) or tau_h_quantile (in [0, 1]); got tau_h={tau_h}, "
-            f"tau_h_quantile={tau_h_quantile}"
-        )
-    if tau_h is not None:
-        return float(tau_h)
-    assert tau_h_quantile is not None
-    if not 0.0 <= tau_h_quantile <= 1.0:
-        raise ValueError(f"tau_h_quantile must be in [0, 1], got {tau_h_quantile}")
-    check_bt("entropy", entropy)
-    check_bt("mask", mask, entropy.shape)
-    with torch.no_grad():
-        local = entropy.detach()[mask.bool()]  # [n_valid]
-        allv = gather(local) if gather is not None else local
-    return quantile(allv, tau_h_quantile)
-
-
 def _valid_weights(ctx: TokenContext) -> Tensor:
     return ctx.mask.to(ctx.weight_dtype)  # [B, T]
 
@@ -263,12 +237,12 @@ def below_thresholds(logprobs: Tensor, entropy: Tensor, *, tau_p: float, tau_h: 
 def s2t_mask(
     logprobs: Tensor, entropy: Tensor, advantages: Tensor, mask: Tensor, *, tau_p: float, tau_h: float
 ) -> Tensor:
-    """STAPO's S2T mask: True where a token is silenced (spurious).
+    """STAPO's S2T mask at given thresholds: True where a token is silenced (spurious).
 
     silenced = mask & (A > 0) & (exp(logprob) < tau_p) & (entropy < tau_h), compared in float64
-    (:func:`below_thresholds`). Computed under no_grad: the probability and entropy only select
-    tokens, they carry no gradient. ``advantages`` may be [B] or [B, T]. ``tau_h`` is absolute here;
-    see :func:`resolve_tau_h` for the quantile form and :func:`tau_h_for_rate` for the rate-targeted one.
+    (:func:`below_thresholds`; strict, as the paper's Algorithm 1). Computed under no_grad: the
+    probability and entropy only select tokens, they carry no gradient. ``advantages`` may be [B] or
+    [B, T]. ``tau_h`` is the absolute threshold; the paper's tau_h^(q) comes from :func:`s2t_tau_h`.
     """
     check_bt("logprobs", logprobs)
     check_bt("entropy", entropy, logprobs.shape)
@@ -281,60 +255,100 @@ def s2t_mask(
         return mask.bool() & (adv > 0) & lowp & lowh  # [B, T]
 
 
-def tau_h_for_rate(ctx: TokenContext, *, tau_p: float, rate: float) -> float:
-    """The absolute tau_h at which S2T silences ``rate`` of the valid tokens (our extension).
+def s2t_candidates(logprobs: Tensor, advantages: Tensor, mask: Tensor, *, tau_p: float) -> Tensor:
+    """[B, T] bool: the tokens S2T may silence, "the low-probability tokens within correct
+    responses" (paper, Sec. 3): valid, A > 0 and p < tau_p (the float64 comparison of the mask)."""
+    return s2t_mask(logprobs, logprobs, advantages, mask, tau_p=tau_p, tau_h=math.inf)
 
-    Candidates are the tokens S2T would silence at tau_h = +inf (valid, A > 0, p < tau_p: the same
-    :func:`s2t_mask`); with n valid tokens over all ranks and k = round(rate * n), tau_h is the
-    (k+1)-th smallest candidate entropy, so the k lowest-entropy candidates fall strictly below it
-    (fewer on ties; every candidate when there are at most k: tau_h just above the largest). k = 0
-    gives the smallest candidate entropy, and no candidate gives 0.0: nothing is silenced. One gather
-    of the candidates' entropies and one all-reduce of n, on every rank.
+
+def s2t_tau_h(
+    logprobs: Tensor,
+    entropy: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    tau_p: float,
+    q: float,
+    gather: Gather | None = None,
+) -> float:
+    """The paper's tau_h^(q): the q-th quantile of the candidates' entropies (:func:`s2t_candidates`),
+    over every rank's candidates when ``gather`` concatenates across data-parallel ranks.
+
+    "computed dynamically over the low-probability tokens within correct responses in each
+    mini-batch" (arXiv 2602.15620v1, Sec. 3 / Algorithm 1; q = 75% in every experiment). Call it once
+    per optimizer mini-batch on the current policy's p and H. Linear-interpolation quantile
+    (:func:`quantile`); no candidate gives NaN, which silences nothing (every comparison with NaN is
+    False). One gather of the candidates' entropies, on every rank.
     """
-    if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"target_rate must be in [0, 1], got {rate}")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q must be in [0, 1], got {q}")
     with torch.no_grad():
-        cand = s2t_mask(ctx.logprobs, ctx.entropy, ctx.advantages, ctx.mask, tau_p=tau_p, tau_h=math.inf)
-        ents = ctx.gathered(ctx.entropy.detach()[cand].double())  # [n_cand] over all ranks
-        n = float(ctx.summed(ctx.mask.sum().double().reshape(1))[0])
-        k = int(round(rate * n))
-        if ents.numel() == 0:
-            return 0.0
-        if ents.numel() <= k:
-            return math.nextafter(float(ents.max()), math.inf)
-        return float(torch.kthvalue(ents.cpu(), k + 1).values)
+        cand = s2t_candidates(logprobs, advantages, mask, tau_p=tau_p)  # [B, T]
+        local = entropy.detach()[cand].double()  # [n_cand] this rank's
+        return quantile(gather(local) if gather is not None else local, q)
+
+
+def _random_share(ctx: TokenContext, cand: Tensor, k: int) -> Tensor:
+    """[B, T] bool: k candidates drawn uniformly over every rank's candidates (seeded by ``ctx.seed``).
+
+    Each rank draws a float64 key per local candidate from its own stream (seed, rank); the k smallest
+    keys over all ranks are silenced: one gather, no rank offsets, reproducible for a seed."""
+    if ctx.seed is None:
+        raise ValueError("silence='random' needs TokenContext.seed (the update passes one per mini-batch)")
+    from stapo.core.batch import derive_seed
+
+    gen = torch.Generator().manual_seed(derive_seed(ctx.seed, ctx.rank))
+    n_local = int(cand.sum())
+    keys = torch.rand(n_local, generator=gen, dtype=torch.float64)  # [n_local]
+    out = torch.zeros_like(cand)
+    allk = ctx.gathered(keys.to(cand.device))  # [n_cand] all ranks
+    if k <= 0 or allk.numel() == 0:
+        return out
+    thr = float(torch.kthvalue(allk.cpu(), min(k, allk.numel())).values)
+    out[cand] = keys.to(cand.device) <= thr
+    return out
+
+
+S2T_SILENCE = ("lowest_entropy", "highest_entropy", "random", "all")
+"""Which candidates S2T silences: the paper's rule and its masking-strategy ablations (Sec. 4)."""
 
 
 @register_token_weighting("s2t", options=S2TOptions, reads_stats=True)
 def s2t_weighting(
-    ctx: TokenContext,
-    *,
-    tau_p: float,
-    tau_h: float | None = None,
-    tau_h_quantile: float | None = None,
-    target_rate: float | None = None,
+    ctx: TokenContext, *, tau_p: float = 0.002, q: float = 0.75, silence: str = "lowest_entropy"
 ) -> TokenWeights:
-    """STAPO (arXiv 2602.15620): silence positive-advantage tokens with low probability and low
-    entropy; silenced tokens get weight 0 AND leave the denominator. ``target_rate`` (instead of
-    ``tau_h`` / ``tau_h_quantile``; our extension, not the paper's) picks tau_h on this call's
-    tokens so that about that fraction of them is silenced (:func:`tau_h_for_rate`)."""
+    """STAPO (arXiv 2602.15620v1, Algorithm 1): among the candidates (valid, A > 0, p < tau_p, over
+    every rank of this mini-batch) silence those with H < tau_h^(q), the q-th quantile of the
+    candidates' entropies; silenced tokens get weight 0 AND leave the denominator.
+
+    ``silence`` picks the paper's ablations over the same candidates: ``highest_entropy`` silences
+    those with H > the (1 - q)-th quantile (the top-entropy q share); ``random`` silences as many
+    candidates as ``lowest_entropy`` would, drawn at random (seeded); ``all`` silences every candidate
+    (JustRL-FullMask). ``info``: ``tau_h`` (the paper's tau_h^(q), whatever ``silence``),
+    ``candidates`` and ``silenced_count`` (this rank's)."""
+    if silence not in S2T_SILENCE:
+        raise ValueError(f"silence must be one of {', '.join(S2T_SILENCE)}; got {silence!r}")
     with torch.no_grad():
-        if target_rate is not None:
-            if tau_h is not None or tau_h_quantile is not None:
-                raise ValueError("give one of tau_h, tau_h_quantile or target_rate, not several")
-            tau = tau_h_for_rate(ctx, tau_p=tau_p, rate=target_rate)
+        cand = s2t_candidates(ctx.logprobs, ctx.advantages, ctx.mask, tau_p=tau_p)  # [B, T]
+        tau = s2t_tau_h(ctx.logprobs, ctx.entropy, ctx.advantages, ctx.mask, tau_p=tau_p, q=q, gather=ctx.gather)
+        lowest = s2t_mask(ctx.logprobs, ctx.entropy, ctx.advantages, ctx.mask, tau_p=tau_p, tau_h=tau)  # [B, T]
+        if silence == "lowest_entropy":
+            silenced = lowest
+        elif silence == "all":
+            silenced = cand
+        elif silence == "highest_entropy":
+            ents = ctx.gathered(ctx.entropy.detach()[cand].double())  # [n_cand] all ranks
+            hi = quantile(ents, 1.0 - q)
+            silenced = cand & (ctx.entropy.detach().double() > hi)  # the mirror of H < tau_h^(q)
         else:
-            tau = resolve_tau_h(
-                ctx.entropy, ctx.mask, tau_h=tau_h, tau_h_quantile=tau_h_quantile, gather=ctx.gather
-            )
-        silenced = s2t_mask(
-            ctx.logprobs, ctx.entropy, ctx.advantages, ctx.mask, tau_p=tau_p, tau_h=tau
-        )  # [B, T]
+            k = int(ctx.summed(lowest.sum().double().reshape(1))[0])  # the size lowest_entropy silences
+            silenced = _random_share(ctx, cand, k)
         keep = ctx.mask & ~silenced  # [B, T]
         return TokenWeights(
             weights=keep.to(ctx.weight_dtype),
             denom_mask=keep,
-            info={"tau_p": float(tau_p), "tau_h": float(tau), "silenced_count": float(silenced.sum())},
+            info={"tau_p": float(tau_p), "tau_h": float(tau), "candidates": float(cand.sum()),
+                  "silenced_count": float(silenced.sum())},
         )
 
 

@@ -31,7 +31,7 @@ def tiny(*overrides: str):
     base = ["logging.live=false", "logging.tensorboard=false", "algorithm.overlong.enabled=true",
             "rollout.max_new_tokens=16", "algorithm.overlong.buffer=15", "data.val_size=0",
             "checkpoint.export_hf=false", "trainer.lr=0.01", "logging.dump_tokens_every=0",
-            "algorithm.s2t.tau_p=0.5", "algorithm.s2t.tau_h_quantile=0.9", "reward.workers=1",
+            "algorithm.s2t.tau_p=0.5", "algorithm.s2t.q=0.9", "reward.workers=1",
             "reward.deadline_s=60"]  # a loaded machine must not turn a reward into a retry or a failure
     return load_config(preset_path("tiny"), [*TINY_SHAPE, *base, *overrides])
 

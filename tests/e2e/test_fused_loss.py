@@ -49,7 +49,7 @@ def make_cfg(*, trainer=None, algorithm=None):
         "ppo_epochs": 2,
         "mini_batches": 2,
         "token_weighting": "s2t",
-        "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.5},
+        "s2t": {"tau_p": 0.5, "q": 0.5},
     }
     al.update(algorithm or {})
     return config_from_dict(

@@ -95,7 +95,7 @@ BASE = [
     "trainer.zero3_param_persistence_threshold=0", "trainer.micro_batch_size=2", "trainer.max_steps=3",
     # as tests/e2e/test_async_loop.py: overlong shaping gives a random model's rewards some spread
     "algorithm.overlong.enabled=true", "rollout.max_new_tokens=16", "algorithm.overlong.buffer=15",
-    "algorithm.s2t.tau_p=0.5", "algorithm.s2t.tau_h_quantile=0.9", "trainer.lr=0.01", "data.val_size=0",
+    "algorithm.s2t.tau_p=0.5", "algorithm.s2t.q=0.9", "trainer.lr=0.01", "data.val_size=0",
     "logging.live=false", "logging.tensorboard=false", "logging.dump_tokens_every=0",
     "checkpoint.export_hf=false", "reward.workers=1",
     # a generous grading deadline: on a loaded machine a 5 s item deadline can expire, and a retried

@@ -60,7 +60,7 @@ def fixed_deep_update(backend_name: str, root_split: list[int], branch_split: li
                     "zero_stage": 3, "zero3_param_persistence_threshold": 0, "lr": 1e-3,
                     "micro_batch_size": 2, "micro_batch_tokens": micro_tokens, "logits_chunk_size": 7},
         "rollout": {"prompts_per_step": 2, "n": 3},
-        "algorithm": {"token_weighting": "s2t", "mini_batches": 2, "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.6},
+        "algorithm": {"token_weighting": "s2t", "mini_batches": 2, "s2t": {"tau_p": 0.5, "q": 0.6},
                       "deep_grpo": {"enabled": True, "k_branches": 3, "lambda": 1.0}},
     })
     backend = build_trainer_backend(cfg, model, total_optimizer_steps=2)

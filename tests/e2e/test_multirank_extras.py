@@ -53,7 +53,7 @@ BASE = {
                 "zero3_param_persistence_threshold": 0},
     "rollout": {"prompts_per_step": 3, "n": 2},
     "algorithm": {"token_weighting": "s2t", "mini_batches": 2,
-                  "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.6, "tau_h_scope": "minibatch"}},
+                  "s2t": {"tau_p": 0.5, "q": 0.6}},
 }
 
 # variant -> (config overrides merged into BASE, metrics that must be the global ones and nonzero)

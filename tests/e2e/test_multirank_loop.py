@@ -13,10 +13,10 @@ What each test checks:
   at step 1, positive after, and reproduced by the resumed run).
 * ``test_two_rank_update_equals_one_process_update`` - the update made by 2 ranks on a fixed batch
   split unevenly (rank 1 holds NO sequence: it joins every collective with its zero-weight padding
-  row) equals the one-process update of the same batch (1e-5), token diagnostics included, for both
-  S2T threshold scopes: per mini-batch, and the default ``tau_h_scope: step`` (one tau_h from the
-  step's GLOBAL batch: a rank that took the quantile of its own tokens would log another
-  ``stapo/tau_h`` and silence other tokens).
+  row) equals the one-process update of the same batch (1e-5), token diagnostics included, for the
+  paper's rule and its high-entropy and silence-all ablations (tau_h^(q) from each mini-batch's GLOBAL
+  candidates: a rank that took the quantile of its own candidates would log another ``stapo/tau_h``
+  and silence other tokens).
   Exact identity of whole runs across rank counts is out of reach: each rank samples its share of
   the prompts with its own seed, so the sampled batches differ (documented in
   docs/training-backends.md).
@@ -95,7 +95,8 @@ LOOP_SCRIPT = textwrap.dedent(
 UPDATE_PRELUDE = """
     sys.path.insert(0, {test_dir!r})
     from test_multirank_loop import fixed_update
-    results = [fixed_update("deepspeed", split=split, scope=scope, tokens=tokens) for split, scope, tokens in {runs!r}]
+    results = [fixed_update("deepspeed", split=split, silence=silence, tokens=tokens)
+               for split, silence, tokens in {runs!r}]
     if rank == 0:
         torch.save([{{"metrics": m, "params": p}} for m, p in results], {out!r})
     torch.distributed.barrier()
@@ -148,7 +149,7 @@ OVERRIDES = [
     "algorithm.overlong.enabled=true", "algorithm.overlong.buffer=7",
     # a random tiny model is never correct: filter groups on the shaped reward, not on accuracy (DAPO's)
     "algorithm.dynamic_sampling_metric=reward",
-    "algorithm.s2t.tau_p=0.5", "algorithm.s2t.tau_h_quantile=0.9",
+    "algorithm.s2t.tau_p=0.5", "algorithm.s2t.q=0.9",
     "rollout.prompts_per_step=4", "logging.dump_tokens_every=1", "logging.live=false",
     "logging.tensorboard=false", "eval.every=1", "checkpoint.every=1", "checkpoint.keep_last=3",
     "checkpoint.export_hf=false",
@@ -241,15 +242,13 @@ def test_two_rank_loop_completes_resumes_and_logs_global_metrics(loop_runs):
 # ----------------------------------------------------------------------------- a fixed batch
 
 
-def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch",
+def fixed_update(backend_name: str, split: list[int], silence: str = "lowest_entropy",
                  tokens: int | None = None) -> tuple[dict, dict]:
     """``Actor.update`` on one fixed 6-sequence batch; this rank holds rows ``split[rank]``.
     ``tokens``: packed micro-batches of that token budget (else rows of 2, padded).
 
-    2 mini-batches x micro-batches of 2, S2T with tau_h resolved at ``scope`` (``minibatch``: every
-    collective of the weighting runs; ``step``, the default: one threshold from the step's global
-    batch before the update; ``rate``: ``target_rate`` 0.1, each mini-batch's tau_h from the gathered
-    candidates), fused loss. Returns (metrics, full parameters). lr 1e-3: Adam's first step is
+    2 mini-batches x micro-batches of 2, S2T (tau_p 0.5, q 0.6) with ``silence`` (every collective of
+    the weighting runs: the candidates' gather, the counts' all-reduce), fused loss. Returns (metrics, full parameters). lr 1e-3: Adam's first step is
     ~lr * sign(g), so a gradient entry at float-noise level can move by up to lr either way; a
     small lr keeps such entries under the 1e-5 comparison (a wrong mini-batch split moves ~lr).
     """
@@ -269,8 +268,7 @@ def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch",
                     "micro_batch_size": 2, "micro_batch_tokens": tokens, "logits_chunk_size": 7},
         "rollout": {"prompts_per_step": 2, "n": 3},
         "algorithm": {"token_weighting": "s2t", "mini_batches": 2,
-                      "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.6, "tau_h_scope": scope} if scope != "rate" else
-                      {"tau_p": 0.5, "tau_h_quantile": None, "target_rate": 0.1}},  # rate: gathered candidates
+                      "s2t": {"tau_p": 0.5, "q": 0.6, "silence": silence}},
     })
     backend = build_trainer_backend(cfg, model, total_optimizer_steps=2)
     g = torch.Generator().manual_seed(3)
@@ -298,23 +296,24 @@ def fixed_update(backend_name: str, split: list[int], scope: str = "minibatch",
     return m, params
 
 
-# (split, tau_h_scope, packed token budget): both ranks hold rows, unevenly / rank 1 holds none; the default scope on the
+# (split, silence, packed token budget): both ranks hold rows, unevenly / rank 1 holds none; the ablations on the
 # uneven split, where a rank-local quantile differs most from the global one. The same launch as run ``a``.
-UPDATE_RUNS = [([2, 4], "minibatch", None), ([6, 0], "minibatch", None), ([2, 4], "step", None),
-               ([2, 4], "minibatch", 12), ([6, 0], "minibatch", 12),  # tokens 12: packed token-budget micro-batches
-               ([2, 4], "rate", None)]
+UPDATE_RUNS = [([2, 4], "lowest_entropy", None), ([6, 0], "lowest_entropy", None), ([2, 4], "highest_entropy", None),
+               ([2, 4], "lowest_entropy", 12), ([6, 0], "lowest_entropy", 12),  # tokens 12: packed micro-batches
+               ([2, 4], "all", None)]
 
 
 def test_two_rank_update_equals_one_process_update(loop_runs, one_thread):  # reference reduces like the ranks
-    """Every run of UPDATE_RUNS on 2 ranks equals the one-process update with the same scope."""
+    """Every run of UPDATE_RUNS on 2 ranks equals the one-process update with the same ``silence``."""
     out2 = loop_runs["updates"]
     ref = {}
-    for scope in dict.fromkeys(s for _, s, _ in UPDATE_RUNS):  # the one-process references, in this process
-        m1, p1 = fixed_update("torch", split=[6], scope=scope)
-        ref[scope] = {"metrics": m1, "params": p1}
-    assert ref["step"]["metrics"]["stapo/tau_h"] != ref["minibatch"]["metrics"]["stapo/tau_h"]
-    for (split, scope, tokens), r2 in zip(UPDATE_RUNS, torch.load(out2), strict=True):
-        _assert_same_update(ref[scope], r2, f"split {split}, tau_h_scope {scope}, tokens {tokens}")
+    for silence in dict.fromkeys(s for _, s, _ in UPDATE_RUNS):  # the one-process references, in this process
+        m1, p1 = fixed_update("torch", split=[6], silence=silence)
+        ref[silence] = {"metrics": m1, "params": p1}
+    sil = {k: v["metrics"]["stapo/silenced_count"] for k, v in ref.items()}
+    assert 0 < sil["lowest_entropy"] < sil["all"] and sil["highest_entropy"] > 0  # the rule is active
+    for (split, silence, tokens), r2 in zip(UPDATE_RUNS, torch.load(out2), strict=True):
+        _assert_same_update(ref[silence], r2, f"split {split}, silence {silence}, tokens {tokens}")
 
 
 def _assert_same_update(r1: dict, r2: dict, case: str = "") -> None:

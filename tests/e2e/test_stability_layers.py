@@ -43,7 +43,7 @@ TINY = [
     "data.goldilocks.pool_factor=4", "data.goldilocks.train_batch_size=8", "data.goldilocks.num_features=256",
     "algorithm.deep_grpo.k_branches=4", "algorithm.deep_grpo.max_pivots=2",
     # a random model's p ~ 1/vocab: loose S2T thresholds so the mask acts on both streams
-    "algorithm.s2t.tau_p=0.5", "algorithm.s2t.tau_h_quantile=0.9",
+    "algorithm.s2t.tau_p=0.5", "algorithm.s2t.q=0.9",
 ]
 LAYER_KEYS = {
     "stapo-goldilocks": ["goldilocks/teacher_loss", "sampler/zero_variance_share", "time/sampler_s"],

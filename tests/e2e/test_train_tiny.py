@@ -60,7 +60,7 @@ def _deterministic_rows(run_dir: Path) -> list[dict]:
 def tiny_run(tmp_path_factory):
     """One 3-step STAPO run, shared by the checks below (it is the slow part)."""
     run_dir = tmp_path_factory.mktemp("tiny")
-    cfg = tiny("algorithm.s2t.tau_p=0.5", "algorithm.s2t.tau_h_quantile=0.9")
+    cfg = tiny("algorithm.s2t.tau_p=0.5", "algorithm.s2t.q=0.9")
     seen = {}
     orig = loop._Run.__init__
 
@@ -117,7 +117,7 @@ def test_silencing_follows_thresholds(tiny_run, tmp_path):
         assert r["stapo/silenced_frac"] == pytest.approx(r["phase/lowp_lowh_pos"], abs=1e-9)
     # With `none` nothing is silenced, on the same seeds.
     cfg = tiny("algorithm.token_weighting=none", "trainer.max_steps=1", "data.val_size=0",
-               "algorithm.s2t.tau_p=0.5", "algorithm.s2t.tau_h_quantile=0.9")
+               "algorithm.s2t.tau_p=0.5", "algorithm.s2t.q=0.9")
     loop.train(cfg, tmp_path / "none", log=lambda m: None)
     none_rows = read_jsonl(tmp_path / "none" / "metrics.jsonl")
     assert none_rows[0]["stapo/silenced_frac"] == 0.0

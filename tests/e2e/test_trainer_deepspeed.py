@@ -270,7 +270,7 @@ def test_bounded_update_matches_kept_graphs_under_zero3():
         cfg = config_from_dict({
             "model": {"name_or_path": "tiny-random", "tiny": {"hidden_size": 32, "num_layers": 2, "num_heads": 4,
                                                               "intermediate_size": 64}},
-            "algorithm": {"token_weighting": "s2t", "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.5}, "mini_batches": 2},
+            "algorithm": {"token_weighting": "s2t", "s2t": {"tau_p": 0.5, "q": 0.5}, "mini_batches": 2},
             "trainer": {"backend": "deepspeed", "device": "auto", "zero_stage": 3, "lr": 1e-2, "micro_batch_size": 2,
                         "logits_chunk_size": 5, "update_memory": mode, "zero3_param_persistence_threshold": 0},
         })

@@ -28,8 +28,8 @@ from stapo.core.algos import (
     kl_k3,
     overlong_penalty,
     quantile,
-    resolve_tau_h,
     s2t_mask,
+    s2t_tau_h,
     stapo_loss,
     token_metrics,
 )
@@ -194,22 +194,33 @@ def test_s2t_hand_computed():
     exp = torch.zeros(2, 6, dtype=torch.bool)
     exp[0, 0] = exp[0, 3] = True
     assert torch.equal(sil, exp)
-    tw = get_token_weighting("s2t")(TokenContext(logp, h, adv, mask), tau_p=0.01, tau_h=0.5)
+    # the paper's rule: candidates (A > 0, p < .01) are row 0 cols 0, 1, 3 with H = .1, 2, .05;
+    # tau_h^(.75) = quantile([.05, .1, 2], .75) = .1 + .5 * (2 - .1) = 1.05 -> cols 0 and 3 silenced
+    tw = get_token_weighting("s2t")(TokenContext(logp, h, adv, mask), tau_p=0.01, q=0.75)
     assert tw.weights[0].tolist() == [0, 1, 1, 0, 1, 0] and tw.weights[1].tolist() == [1] * 6
     assert torch.equal(tw.denom_mask, mask & ~exp)  # silenced tokens leave the denominator
-    assert tw.info["tau_h"] == 0.5 and tw.info["silenced_count"] == 2
-    with pytest.raises(ValueError, match="exactly one of tau_h"):
-        get_token_weighting("s2t")(TokenContext(logp, h, adv, mask), tau_p=0.01)
+    assert tw.info["tau_h"] == pytest.approx(1.05) and tw.info["silenced_count"] == 2
+    assert tw.info["candidates"] == 3
+    with pytest.raises(ValueError, match="silence must be one of"):
+        get_token_weighting("s2t")(TokenContext(logp, h, adv, mask), tau_p=0.01, silence="lowest")
 
 
-def test_tau_h_quantile_over_valid_tokens_and_gather():
+def test_tau_h_quantile_over_candidates_and_gather():
     logp, h, adv, mask = _s2t_batch()
-    valid = h[mask]  # 11 values; the padded 0.1 of row 0 is excluded
-    assert resolve_tau_h(h, mask, tau_h_quantile=0.05) == pytest.approx(torch.quantile(valid, 0.05).item())
-    # a gather that appends another rank's entropies changes the threshold
-    other = t([10.0] * 11)
-    q = resolve_tau_h(h, mask, tau_h_quantile=0.5, gather=lambda x: torch.cat([x, other]))
-    assert q == pytest.approx(torch.quantile(torch.cat([valid, other]), 0.5).item())
+    # candidates: H = .1, 2, .05 (row 1 has A < 0; cols 2 and 4 of row 0 have p >= .01; col 5 is padding)
+    assert s2t_tau_h(logp, h, adv, mask, tau_p=0.01, q=0.75) == pytest.approx(1.05)
+    assert s2t_tau_h(logp, h, adv, mask, tau_p=0.01, q=0.5) == pytest.approx(0.1)
+    # every valid token's .75 quantile is another number: the population matters
+    assert torch.quantile(h[mask], 0.75).item() != pytest.approx(1.05)
+    # a gather that appends another rank's candidates (H = 3, 4) changes the threshold:
+    # quantile([.05, .1, 2, 3, 4], .75) = 3
+    other = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    q = s2t_tau_h(logp, h, adv, mask, tau_p=0.01, q=0.75, gather=lambda x: torch.cat([x, other]))
+    assert q == pytest.approx(3.0)
+    # no candidate (every A <= 0): NaN, and nothing is silenced
+    assert math.isnan(s2t_tau_h(logp, h, -adv.abs(), mask, tau_p=0.01, q=0.75))
+    tw = get_token_weighting("s2t")(TokenContext(logp, h, -adv.abs(), mask), tau_p=0.01, q=0.75)
+    assert torch.equal(tw.denom_mask, mask) and tw.info["silenced_count"] == 0
     big = torch.rand(
         17_000_000, generator=torch.Generator().manual_seed(0)
     )  # past torch.quantile's 16M limit
@@ -305,7 +316,7 @@ def _random_batch(seed: int, b: int = 8, tt: int = 7):
 @pytest.mark.parametrize("loss_name", ["ppo_clip", "gspo"])
 def test_accumulation_over_micro_batches_equals_one_batch(agg_name, loss_name):
     logp0, old, ent, adv, mask = _random_batch(1)
-    params = {"tau_p": 0.5, "tau_h_quantile": 0.5}  # silences a sizeable share of tokens
+    params = {"tau_p": 0.5, "q": 0.5}  # silences a sizeable share of tokens
     agg = get_aggregation(agg_name)
 
     # one batch
@@ -318,11 +329,11 @@ def test_accumulation_over_micro_batches_equals_one_batch(agg_name, loss_name):
     # 4 micro-batches of 2; each computes its own weights with a gather that sees the whole
     # mini-batch (as a DP all-gather would), and the global normalizer is summed first
     logp = logp0.clone().requires_grad_(True)
-    all_valid = ent[mask]
+    all_cand = ent[s2t_mask(logp0, ent, adv, mask, tau_p=0.5, tau_h=math.inf)].double()  # the mini-batch's
     parts = [slice(2 * i, 2 * i + 2) for i in range(4)]
     tws = [
         get_token_weighting("s2t")(
-            TokenContext(logp[s], ent[s], adv[s], mask[s], gather=lambda _x: all_valid), **params
+            TokenContext(logp[s], ent[s], adv[s], mask[s], gather=lambda _x: all_cand), **params
         )
         for s in parts
     ]
@@ -347,7 +358,7 @@ def test_accumulation_over_micro_batches_equals_one_batch(agg_name, loss_name):
 def test_silenced_token_gets_exactly_zero_gradient():
     logp0, h, adv, mask = _s2t_batch()
     logp = logp0.clone().requires_grad_(True)
-    loss, m = stapo_loss(logp, logp0, adv, h, mask, tau_p=0.01, tau_h=0.5)
+    loss, m = stapo_loss(logp, logp0, adv, h, mask, tau_p=0.01, q=0.75)
     (g,) = torch.autograd.grad(loss, logp)
     assert g[0, 0].item() == 0.0 and g[0, 3].item() == 0.0
     # ratio 1 everywhere: un-silenced valid tokens get -A / (#denominator tokens = 11 - 2 = 9)
@@ -359,7 +370,7 @@ def test_silenced_token_gets_exactly_zero_gradient():
 def test_stapo_equals_clip_higher_when_nothing_silenced():
     logp0, old, ent, adv, mask = _random_batch(3)
     logp = logp0.clone().requires_grad_(True)
-    loss, _ = stapo_loss(logp, old, adv, ent, mask, tau_p=1e-9, tau_h=0.5)
+    loss, _ = stapo_loss(logp, old, adv, ent, mask, tau_p=1e-9, q=0.75)
     per_tok, _ = get_policy_loss("ppo_clip")(logp, old, adv, mask)
     plain = per_tok.sum() / mask.sum()
     assert torch.allclose(loss, plain)
@@ -374,7 +385,7 @@ def test_stapo_equals_clip_higher_when_nothing_silenced():
 def test_token_metrics_phase_cells():
     logp, h, adv, mask = _s2t_batch()
     ctx = TokenContext(logp, h, adv, mask)
-    tw = get_token_weighting("s2t")(ctx, tau_p=0.01, tau_h=0.5)
+    tw = get_token_weighting("s2t")(ctx, tau_p=0.01, q=0.75)
     m = token_metrics(ctx, tw, tau_p=0.01, tau_h=0.5)
     assert sum(m[k] for k in PHASE_KEYS) == pytest.approx(1.0)
     # 11 valid tokens; silenced = lowp & lowh & pos = 2 -> 2/11

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_defaults_validate_and_are_frozen():
     cfg = load_config()
     assert cfg.algorithm.token_weighting == "s2t"
-    assert cfg.algorithm.s2t.tau_p == 0.01 and cfg.algorithm.s2t.tau_h_quantile == 0.05
+    assert (cfg.algorithm.s2t.tau_p, cfg.algorithm.s2t.q) == (0.002, 0.75)  # the paper's
     assert (cfg.algorithm.eps_low, cfg.algorithm.eps_high) == (0.2, 0.28)
     with pytest.raises(ValidationError):
         cfg.trainer.max_steps = 5  # frozen
@@ -28,14 +28,14 @@ def test_overrides_parse_yaml_values(tmp_path):
         None,
         [
             "trainer.max_steps=7",
-            "algorithm.s2t.tau_h=0.4",
-            "algorithm.s2t.tau_h_quantile=null",
+            "algorithm.s2t.q=0.5",
+            "algorithm.s2t.silence=random",
             "reward.urls=[http://a:1, http://b:2]",
             "data.arithmetic.ops=['+', '-']",
         ],
     )
     assert cfg.trainer.max_steps == 7
-    assert cfg.algorithm.s2t.tau_h == 0.4 and cfg.algorithm.s2t.tau_h_quantile is None
+    assert cfg.algorithm.s2t.q == 0.5 and cfg.algorithm.s2t.silence == "random"
     assert cfg.reward.urls == ["http://a:1", "http://b:2"]
     assert cfg.data.arithmetic.ops == ["+", "-"]
 
@@ -49,7 +49,8 @@ def test_overrides_parse_yaml_values(tmp_path):
         ("algorithm.token_weighting=foo", "unknown token weighting 'foo'; valid names: none, s2t, stare, top_entropy"),
         ("algorithm.policy_loss=ppo", "unknown policy loss 'ppo'; valid names: gspo, maspo, ppo_clip"),
         ("algorithm.weighting_options.rho=0.5", "weighting_options: set algorithm.s2t.*"),
-        ("algorithm.s2t.tau_h=0.5", "set exactly one of tau_h"),
+        ("algorithm.s2t.tau_h=0.5", "algorithm.s2t.tau_h is not an option: S2T's tau_h is the q-th quantile"),
+        ("algorithm.s2t.q=1.5", "algorithm.s2t.q"),
         ("trainer.backend=jax", "trainer.backend"),
         ("trainer.max_steps", "expects key=value"),
         ("model.tiny.num_heads=3", "divisible by num_heads"),
@@ -101,11 +102,11 @@ def test_presets_validate(name):
 
 
 def test_recipes_differ_only_where_the_algorithm_does():
-    """STAPO shares every line with DAPO but the token weighting (full checks: tests/unit/test_recipes.py)."""
+    """STAPO shares every line with its control but the token weighting (full checks: tests/unit/test_recipes.py)."""
     stapo, grpo = load_config(preset_path("stapo")), load_config(preset_path("grpo"))
     assert stapo.algorithm.token_weighting == "s2t" and grpo.algorithm.token_weighting == "none"
-    dapo = load_config(preset_path("dapo"))
-    assert stapo.trainer == dapo.trainer and stapo.rollout == dapo.rollout
+    base, dapo = load_config(preset_path("stapo-base")), load_config(preset_path("dapo"))
+    assert stapo.trainer == base.trainer and stapo.rollout == base.rollout and stapo.data == base.data
     assert dapo.algorithm.dynamic_sampling and dapo.algorithm.overlong.enabled
     assert load_config(preset_path("justrl")).reward.mode == "dapo"
     assert load_config(preset_path("20-entropy")).algorithm.top_entropy.rho == 0.2
@@ -143,3 +144,20 @@ def test_weighting_sections_match_function_keywords(name):
     params = weighting_params(cfg)
     sig = inspect.signature(algos.get_token_weighting(name))
     sig.bind(None, **params)  # raises TypeError on a name the function does not take
+
+
+def test_extends_merges_sections_over_the_base_and_refuses_a_cycle(tmp_path):
+    (tmp_path / "base.yaml").write_text("rollout: {n: 4, temperature: 0.5}\ntrainer: {max_steps: 3}\n")
+    (tmp_path / "mid.yaml").write_text("extends: base\nrollout: {n: 2}\n")
+    (tmp_path / "top.yaml").write_text("extends: mid.yaml\ntrainer: {lr: 0.5}\n")
+    cfg = load_config(tmp_path / "top.yaml", ["rollout.n=3"])
+    assert (cfg.rollout.n, cfg.rollout.temperature, cfg.trainer.max_steps, cfg.trainer.lr) == (3, 0.5, 3, 0.5)
+    ablation = load_config(preset_path("stapo-random"))  # a preset name resolves next to the file
+    assert ablation.rollout == load_config(preset_path("stapo")).rollout
+    (tmp_path / "a.yaml").write_text("extends: b\n")
+    (tmp_path / "b.yaml").write_text("extends: a\n")
+    with pytest.raises(ConfigError, match="makes a cycle"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("extends: nowhere\n")
+    with pytest.raises(ConfigError, match="config file not found: .*nowhere.yaml"):
+        load_config(tmp_path / "c.yaml")

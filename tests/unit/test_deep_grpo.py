@@ -182,7 +182,7 @@ def test_set_local_advantages_on_branch_sequences() -> None:
 LOCAL_TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64, "seed": 0}
 
 
-def _local_loss_grads(micro: dict, algorithm: dict) -> tuple[list[dict[str, torch.Tensor]], object]:
+def _local_loss_grads(micro: dict, algorithm: dict, roots: int | None = None) -> tuple[list[dict[str, torch.Tensor]], object]:
     """The gradient the local (branch) loss adds at updates 0 and 1 (fresh, and not: the policy
     update's ``before_step`` flag), on 6 branch rows of uneven lengths and prefixes; and the sequences
     per forward of every forward (from the position ids; rows: minus the padded rows; no grad: 0)."""
@@ -211,7 +211,7 @@ def _local_loss_grads(micro: dict, algorithm: dict) -> tuple[list[dict[str, torc
         kept.append(s)
     run = SimpleNamespace(cfg=cfg, backend=backend, pad_id=0)
     br = collate_branches(run, kept, [len(kept)])
-    before_step = DeepGRPO(cfg, run).local_loss_hook(run, br, step=1)
+    before_step = DeepGRPO(cfg, run).local_loss_hook(run, br, step=1, roots=roots)
     forwards, token_stats = [], backend.token_stats
 
     def spy(ids, attn, resp, *, grad, temperature, position_ids=None):
@@ -230,7 +230,7 @@ def _local_loss_grads(micro: dict, algorithm: dict) -> tuple[list[dict[str, torc
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("algorithm", [{"mini_batches": 1}, {"mini_batches": 2, "token_weighting": "s2t",
-                                                               "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.5}}])
+                                                               "s2t": {"tau_p": 0.5, "q": 0.5}}])
 def test_local_loss_gradient_packed_equals_row_micro_batches(algorithm):
     """Packed token-budget micro-batches (``trainer.micro_batch_tokens``: 20 tokens, so rows share
     forwards and the 22-token row gets one of its own) vs 2 padded rows per forward: the same
@@ -264,24 +264,19 @@ def test_local_loss_gradient_packed_equals_row_micro_batches(algorithm):
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_local_loss_s2t_threshold_follows_tau_h_scope():
-    """``tau_h_scope: step`` (2 mini-batches): the local loss silences with ONE tau_h, the quantile
-    of every branch continuation token's entropy under the policy at the start of the update, so its
-    gradient equals the one with that value given as an absolute tau_h; ``minibatch`` (each
-    mini-batch's own median) gives another gradient."""
-    from stapo.core.algos import quantile
-
-    s2t = {"tau_p": 0.5, "tau_h_quantile": 0.5}
+def test_local_loss_s2t_takes_each_mini_batchs_quantile():
+    """The local loss silences with each local mini-batch's own tau_h^(q) (the paper's rule, as the
+    root rows' update): one row per forward gives the gradient of two rows per forward (a threshold
+    re-taken per micro-batch would not), and the rule is active (silencing every candidate differs)."""
     algo = {"mini_batches": 2, "token_weighting": "s2t"}
-    step, (_, _, _, br) = _local_loss_grads({"micro_batch_size": 2}, {**algo, "s2t": {**s2t, "tau_h_scope": "step"}})
-    tau = quantile(br.old_ent[br.suffix], 0.5)  # independent: the branch rows' pre-update continuation entropies
-    fixed, _ = _local_loss_grads({"micro_batch_size": 2},
-                                 {**algo, "s2t": {"tau_p": 0.5, "tau_h": tau, "tau_h_quantile": None}})
-    per_mb, _ = _local_loss_grads({"micro_batch_size": 2}, {**algo, "s2t": {**s2t, "tau_h_scope": "minibatch"}})
-    for gs, gf in zip(step, fixed, strict=True):
-        for n in gf:
-            torch.testing.assert_close(gs[n], gf[n], atol=1e-6, rtol=0, msg=n)
-    assert any(not torch.allclose(gs[n], gm[n], atol=1e-6) for gs, gm in zip(step, per_mb, strict=True) for n in gs)
+    s2t = {"tau_p": 0.5, "q": 0.5}
+    two, _ = _local_loss_grads({"micro_batch_size": 2}, {**algo, "s2t": s2t})
+    one, _ = _local_loss_grads({"micro_batch_size": 1}, {**algo, "s2t": s2t})
+    every, _ = _local_loss_grads({"micro_batch_size": 2}, {**algo, "s2t": {**s2t, "silence": "all"}})
+    for g2, g1 in zip(two, one, strict=True):
+        for n in g2:
+            torch.testing.assert_close(g1[n], g2[n], atol=1e-6, rtol=0, msg=n)
+    assert any(not torch.allclose(g2[n], ge[n], atol=1e-6) for g2, ge in zip(two, every, strict=True) for n in g2)
 
 
 def test_truncated_branches_leave_the_local_loss_with_the_overlong_filter():
@@ -304,3 +299,25 @@ def test_truncated_branches_leave_the_local_loss_with_the_overlong_filter():
         kept = loss_branches(cfg, branches())
         assert [s.finish_reason for s in kept] == reasons
         assert [s.advantage for s in kept] == ([0.5, -0.5, 0.5] if filt else [0.5, -0.5, -0.5, 0.5])
+
+
+def test_branch_rows_fill_full_size_mini_batches_as_the_authors_code():
+    """min(K, floor(N_branch / S)), S = root rows / K (dp_actor.update_policy's num_branch_mbs)."""
+    from stapo.core.deep_grpo import branch_minibatches
+
+    assert branch_minibatches(10, 64, 4) == 0  # S = 16: not one full mini-batch of branches -> no local term
+    assert branch_minibatches(16, 64, 4) == 1
+    assert branch_minibatches(40, 64, 4) == 2  # two mini-batches of 20 (balanced), the other two without
+    assert branch_minibatches(500, 64, 4) == 4  # capped at K
+    assert branch_minibatches(3, None, 4) == 3  # no root count: one row at least per mini-batch
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_local_loss_runs_only_in_the_branch_mini_batches():
+    """6 branch rows, K = 2: with 12 root rows (S = 6) all six fill mini-batch 0 and mini-batch 1 gets
+    no local gradient; with 4 root rows (S = 2) both mini-batches take three."""
+    algo = {"mini_batches": 2}
+    one, _ = _local_loss_grads({"micro_batch_size": 2}, algo, roots=12)
+    assert one[0] and not one[1]
+    both, _ = _local_loss_grads({"micro_batch_size": 2}, algo, roots=4)
+    assert both[0] and both[1]

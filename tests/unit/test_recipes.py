@@ -13,7 +13,9 @@ from stapo.cli.recipes import LAYER_KEYS, LAYER_RECIPES, layer_drift, owned_by, 
 from stapo.configs import preset_names, preset_path
 from stapo.core.config import load_config
 
-RECIPES = ["stapo", "dapo", "grpo", "20-entropy", "justrl", "stare", "lp-reg", "gspo", "entropy-bonus"]
+RECIPES = ["stapo", "stapo-base", "stapo-random", "stapo-high-entropy", "justrl-fullmask", "dapo", "grpo",
+           "20-entropy", "justrl", "stare", "lp-reg", "gspo", "entropy-bonus"]
+ABLATIONS = {"stapo-random": "random", "stapo-high-entropy": "highest_entropy", "justrl-fullmask": "all"}
 
 
 def cfg(name: str):
@@ -37,13 +39,30 @@ def test_every_recipe_is_shipped_with_a_header_and_sources():
                 assert re.search(r"#.*\[", line), f"{name}: no source tag on {line.strip()!r}"
 
 
-def test_stapo_is_dapo_plus_s2t_and_nothing_else():
-    assert diff("dapo", "stapo") == {
-        "algorithm.name": ("dapo", "stapo"),
+def test_stapo_is_the_papers_appendix_table():
+    """arXiv 2602.15620v1, appendix "Full Training Hyperparameters" and "Training Details"."""
+    c = cfg("stapo")
+    a, t, ro, d = c.algorithm, c.trainer, c.rollout, c.data
+    assert (a.token_weighting, a.s2t.tau_p, a.s2t.q, a.s2t.silence) == ("s2t", 0.002, 0.75, "lowest_entropy")
+    assert (ro.prompts_per_step, ro.n, a.mini_batches, a.ppo_epochs) == (256, 8, 4, 1)  # mini-batch 64 of 256
+    assert (ro.max_new_tokens, d.max_prompt_tokens, ro.temperature, ro.top_p) == (15360, 1024, 1.0, 1.0)
+    assert not a.dynamic_sampling and not a.overlong.enabled and (a.kl_coef, a.entropy_coef) == (0.0, 0.0)
+    assert (a.eps_low, a.eps_high, a.aggregation, a.advantage) == (0.2, 0.28, "token-mean", "grpo")
+    assert (t.lr, t.lr_schedule, t.warmup_steps, t.max_grad_norm, t.micro_batch_size) == (1e-6, "constant", 10, 1.0, 1)
+    assert (d.source, d.template, c.reward.scale.correct, c.reward.scale.wrong) == ("dapo_math_17k", "boxed", 1.0, -1.0)
+    assert c.eval.benchmarks == ["aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench"]
+    text = preset_path("stapo").read_text()
+    assert "[unconfirmed]" not in text and "[paper]" not in text  # every paper value names the version
+
+
+def test_stapo_base_and_the_ablations_differ_from_stapo_in_the_weighting_only():
+    assert diff("stapo-base", "stapo") == {
+        "algorithm.name": ("stapo-base", "stapo"),
         "algorithm.token_weighting": ("none", "s2t"),
     }
-    s2t = cfg("stapo").algorithm.s2t
-    assert (s2t.tau_p, s2t.tau_h, s2t.tau_h_quantile) == (0.01, None, 0.05)
+    for name, silence in ABLATIONS.items():
+        assert diff("stapo", name) == {"algorithm.name": ("stapo", name),
+                                       "algorithm.s2t.silence": ("lowest_entropy", silence)}
 
 
 def test_dapo_is_dapo():
@@ -107,13 +126,13 @@ def test_recipes_cli_lists_and_diffs():
     for name in RECIPES:
         assert re.search(rf"^{re.escape(name)}\s", out.output, re.M), name
     assert "arXiv 2602.15620" in out.output and "Lp-Reg-dev" in out.output
-    out = runner.invoke(app, ["recipes", "diff", "dapo", "stapo"])
+    out = runner.invoke(app, ["recipes", "diff", "stapo-base", "stapo"])
     assert out.exit_code == 0, out.output
     lines = [ln for ln in out.output.splitlines()[1:] if ln.strip()]
     assert len(lines) == 2 and "algorithm.token_weighting  'none' -> 's2t'" in out.output
     out = runner.invoke(app, ["recipes", "diff", "dapo", "dapo"])
     assert "resolve to the same config" in out.output
-    out = runner.invoke(app, ["recipes", "diff", "dapo", "stapo", "--set", "algorithm.s2t.tau_p=0.02"])
+    out = runner.invoke(app, ["recipes", "diff", "stapo-base", "stapo", "--set", "algorithm.s2t.tau_p=0.02"])
     assert "algorithm.s2t.tau_p" in out.output
 
 
@@ -123,7 +142,7 @@ def test_recipe_batch_divides_into_mini_batches(name):
     assert (c.rollout.prompts_per_step * c.rollout.n) % c.algorithm.mini_batches == 0
 
 
-LAYER_RECIPES_SHIPPED = [n for n in preset_names() if n.startswith("stapo-")]
+LAYER_RECIPES_SHIPPED = [n for n in preset_names() if n.startswith("stapo-") or n == "justrl-fullmask"]
 
 
 def test_every_stapo_layer_recipe_is_declared():
@@ -144,9 +163,9 @@ def test_layer_recipe_is_stapo_plus_its_layer_keys_only(name):
 
 def test_layer_drift_catches_a_key_the_layer_does_not_own(tmp_path):
     bad = tmp_path / "stapo-maspo.yaml"
-    bad.write_text(preset_path("stapo-maspo").read_text().replace("mini_batches: 16", "mini_batches: 4"))
+    bad.write_text(preset_path("stapo-maspo").read_text() + "  mini_batches: 16\n")  # under its algorithm:
     drift = layer_drift("stapo-maspo", preset_path("stapo"), bad)
-    assert drift == [("algorithm.mini_batches", 16, 4)]
+    assert drift == [("algorithm.mini_batches", 4, 16)]
     assert owned_by("data.goldilocks.lr", LAYER_KEYS["goldilocks"])
     assert not owned_by("data.goldilocks_x", LAYER_KEYS["goldilocks"]) and not owned_by("data.samplerx", ("data.sampler",))
 
@@ -190,7 +209,7 @@ def test_recipes_matched_shows_every_frame_and_names_the_differences(monkeypatch
     for name in fairness.SHARED_FRAME:
         assert "differs" not in rows[name] and "shared" in rows[name], rows[name]
     assert "differs: algorithm.mini_batches" in rows["grpo"]
-    assert "differs: rollout.prompts_per_step, rollout.n, rollout.max_new_tokens" in rows["20-entropy"]
+    assert "differs: rollout.prompts_per_step, rollout.n, algorithm.mini_batches, rollout.max_new_tokens" in rows["20-entropy"]
     assert "tiny" not in rows and "demo" not in rows
     monkeypatch.setattr(fairness, "SHARED_FRAME", (*fairness.SHARED_FRAME, "justrl"))
     out = runner.invoke(app, ["recipes", "matched"], env={"COLUMNS": "250"})
@@ -200,11 +219,14 @@ def test_recipes_matched_shows_every_frame_and_names_the_differences(monkeypatch
 
 
 @pytest.mark.parametrize("name", sorted(__import__("stapo.core.fairness", fromlist=["x"]).SHARED_FRAME))
-def test_shared_frame_values_carry_a_source_or_our_tag(name):
-    """mini_batches 16 cites verl's DAPO recipe, the 8,192-token budget is tagged ours: no frame
-    value rests on an [unconfirmed] tag alone."""
-    text = preset_path(name).read_text()
-    mb = re.search(r"^  mini_batches: 16 .*$", text, re.M).group(0)
-    length = re.search(r"^  max_new_tokens: 8192 .*$", text, re.M).group(0)
-    assert "[verl recipe]" in mb and "512" in mb
-    assert "[ours]" in length and "[unconfirmed]" not in length
+def test_shared_frame_is_the_papers_and_stated_once(name):
+    """Every shared-frame recipe takes the frame from configs/stapo.yaml (`extends: stapo`), where each
+    frame value carries the paper's tag: no copy can drift, no value rests on an untagged line."""
+    if name != "stapo":
+        text = preset_path(name).read_text()
+        assert re.search(r"^extends: stapo$", text, re.M), name
+        assert not re.search(r"^\s+(mini_batches|max_new_tokens|prompts_per_step|n):", text, re.M), name
+    text = preset_path("stapo").read_text()
+    for key in ("mini_batches: 4", "max_new_tokens: 15360", "prompts_per_step: 256", "n: 8"):
+        line = re.search(rf"^  {key} .*$", text, re.M).group(0)
+        assert "[paper v1]" in line, line

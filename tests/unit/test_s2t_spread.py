@@ -1,4 +1,4 @@
-"""S2T thresholds, scopes and normalizers on batches with a real spread of entropies and probabilities.
+"""S2T thresholds, populations and normalizers on batches with a real spread of entropies and probabilities.
 
 A tiny random model's token entropies are nearly all equal (about ln(vocab)), so a threshold taken
 over the wrong population, or re-taken per micro-batch, moves by float noise and silences the same
@@ -31,8 +31,8 @@ from stapo.core.algos import (
     TokenContext,
     get_aggregation,
     get_token_weighting,
-    resolve_tau_h,
     s2t_mask,
+    s2t_tau_h,
 )
 from stapo.core.config import config_from_dict
 
@@ -73,6 +73,11 @@ class Spread:
 
     def valid_h(self) -> list[float]:
         return [self.h[b][t] for b in range(len(self.h)) for t in range(T) if self.mask[b, t]]
+
+    def cand_h(self) -> list[float]:
+        """The S2T candidates' entropies (valid, A > 0, p < tau_p): the quantile's population."""
+        return [self.h[b][t] for b in range(len(self.h)) for t in range(T)
+                if self.mask[b, t] and float(self.advantages[b]) > 0 and self.p[b][t] < TAU_P]
 
 
 # Hand-set logit scales s: token (b, t) has logits s * [1, 0, 0, 0] (H falls from ln 4 at s = 0 to
@@ -141,29 +146,42 @@ def test_fixture_spans_entropies_and_probabilities(spread):
 # ----------------------------------------------------------------------------- thresholds
 
 
-@pytest.mark.parametrize("q", [0.05, 0.3, 0.5, 0.9])
-def test_tau_h_is_the_quantile_of_valid_tokens_only(spread, q):
-    """Catches: padding counted, wrong interpolation, quantile of the wrong tensor."""
-    got = resolve_tau_h(spread.entropy, spread.mask, tau_h_quantile=q)
-    assert got == pytest.approx(np_quantile(spread.valid_h(), q), abs=1e-5)
-    assert resolve_tau_h(spread.entropy, spread.mask, tau_h=0.7) == 0.7
+@pytest.mark.parametrize("q", [0.05, 0.3, 0.5, 0.75, 0.9])
+def test_tau_h_is_the_quantile_of_the_candidates_only(spread, q):
+    """Catches: the quantile over every valid token (or padding, or A <= 0 tokens, or p >= tau_p
+    tokens) instead of the paper's population, and the wrong interpolation."""
+    got = s2t_tau_h(spread.logprobs, spread.entropy, spread.advantages, spread.mask, tau_p=TAU_P, q=q)
+    assert got == pytest.approx(np_quantile(spread.cand_h(), q), abs=1e-5)
+    tw = get_token_weighting("s2t")(spread.ctx(), tau_p=TAU_P, q=q)
+    assert tw.info["tau_h"] == pytest.approx(got, abs=1e-12) and tw.info["candidates"] == len(spread.cand_h())
 
 
-def mirror_gather(other: Spread):
-    """What all_gather_1d returns on rank 0 of 2 when rank 1 holds ``other``."""
+def test_candidate_and_all_token_quantiles_differ(spread):
+    """The fixture can tell the paper's population from every token's (the all-token rule would pass
+    the test above otherwise)."""
+    assert abs(np_quantile(spread.cand_h(), 0.75) - np_quantile(spread.valid_h(), 0.75)) > 0.1
+    assert 3 <= len(spread.cand_h()) < len(spread.valid_h())
+
+
+def mirror_gather(other: Spread, what: str = "valid"):
+    """What all_gather_1d returns on rank 0 of 2 when rank 1 holds ``other``: its valid tokens'
+    entropies (20-Entropy's, the step's p05) or its S2T candidates' (the s2t quantile's)."""
+    theirs = other.entropy[other.mask] if what == "valid" else torch.tensor(other.cand_h(), dtype=torch.float64)
+
     def gather(local: torch.Tensor) -> torch.Tensor:
-        return torch.cat([local, other.entropy[other.mask]])
+        return torch.cat([local, theirs.to(local.dtype)])
     return gather
 
 
 def test_tau_h_is_taken_over_every_rank(spread):
     """Catches: the gather dropped (each rank's own quantile) in the weighting's threshold."""
-    r0, r1 = spread.rows([0, 1]), spread.rows([2, 3])
-    want = np_quantile(spread.valid_h(), 0.3)
-    assert abs(np_quantile(r0.valid_h(), 0.3) - want) > 0.05  # rank-local would differ a lot
-    assert resolve_tau_h(r0.entropy, r0.mask, tau_h_quantile=0.3, gather=mirror_gather(r1)) == pytest.approx(
-        want, abs=1e-5)
-    tw = get_token_weighting("s2t")(r0.ctx(gather=mirror_gather(r1)), tau_p=TAU_P, tau_h_quantile=0.3)
+    r0, r1 = spread.rows([0, 2]), spread.rows([1, 3])  # each rank holds candidates of one row
+    want = np_quantile(spread.cand_h(), 0.75)
+    assert abs(np_quantile(r0.cand_h(), 0.75) - want) > 0.05  # rank-local would differ a lot
+    got = s2t_tau_h(r0.logprobs, r0.entropy, r0.advantages, r0.mask, tau_p=TAU_P, q=0.75,
+                    gather=mirror_gather(r1, "cand"))
+    assert got == pytest.approx(want, abs=1e-5)
+    tw = get_token_weighting("s2t")(r0.ctx(gather=mirror_gather(r1, "cand")), tau_p=TAU_P, q=0.75)
     assert tw.info["tau_h"] == pytest.approx(want, abs=1e-5)
 
 
@@ -180,36 +198,26 @@ def test_top_entropy_ranks_tokens_over_every_rank(spread):
     assert not torch.equal(local.weights, tw.weights)  # a rank-local ranking keeps other tokens
 
 
-@pytest.mark.parametrize("scope", ["step", "minibatch"])
-def test_step_thresholds_are_global(spread, scope):
-    """``step_entropy_thresholds`` (the default scope=step resolves tau_h once for the step):
-    catches the gather dropped there, the wrong quantile, and a scope that is ignored."""
-    step_entropy_thresholds = public("step_entropy_thresholds")
-    cfg = config_from_dict({"algorithm": {"token_weighting": "s2t", "s2t": {
-        "tau_p": TAU_P, "tau_h_quantile": 0.3, "tau_h_scope": scope}}})
+def test_step_p05_is_global(spread):
+    """``step_p05`` (the logged ``entropy/p05``): catches the gather dropped and the wrong quantile."""
+    step_p05 = public("step_p05")
     r0, r1 = spread.rows([0, 1]), spread.rows([2, 3])
-    p05, tau = step_entropy_thresholds(cfg, r0.entropy, r0.mask, mirror_gather(r1))
-    assert p05 == pytest.approx(np_quantile(spread.valid_h(), 0.05), abs=1e-5)
-    if scope == "step":
-        assert tau == pytest.approx(np_quantile(spread.valid_h(), 0.3), abs=1e-5)
-    else:
-        assert tau is None  # each mini-batch resolves its own
-    absolute = config_from_dict({"algorithm": {"s2t": {"tau_p": TAU_P, "tau_h": 0.4, "tau_h_quantile": None}}})
-    assert step_entropy_thresholds(absolute, r0.entropy, r0.mask, mirror_gather(r1))[1] == 0.4
+    assert step_p05(r0.entropy, r0.mask, mirror_gather(r1)) == pytest.approx(
+        np_quantile(spread.valid_h(), 0.05), abs=1e-5)
 
 
 # ----------------------------------------------------------------------------- the mask
 
 
-@pytest.mark.parametrize("q", [0.3, 0.6, 0.9])
+@pytest.mark.parametrize("q", [0.3, 0.6, 0.75, 0.9])
 def test_s2t_silences_exactly_positive_lowp_lowh_tokens(spread, q):
     """Catches a flipped or dropped condition (A > 0, p < tau_p, H < tau_h; strictness), the
     mask ignored, and silenced tokens left in the denominator."""
-    tau = np_quantile(spread.valid_h(), q)
+    tau = np_quantile(spread.cand_h(), q)
     want = expected_silenced(spread, tau)
     got = s2t_mask(spread.logprobs, spread.entropy, spread.advantages, spread.mask, tau_p=TAU_P, tau_h=tau)
     assert sorted(map(tuple, got.nonzero().tolist())) == want
-    tw = get_token_weighting("s2t")(spread.ctx(), tau_p=TAU_P, tau_h_quantile=q)
+    tw = get_token_weighting("s2t")(spread.ctx(), tau_p=TAU_P, q=q)
     keep = spread.mask & ~got
     assert torch.equal(tw.denom_mask, keep) and torch.equal(tw.weights, keep.float())
     assert tw.info["silenced_count"] == len(want)
@@ -217,7 +225,7 @@ def test_s2t_silences_exactly_positive_lowp_lowh_tokens(spread, q):
 
 def test_every_condition_of_the_mask_is_decisive(spread):
     """The fixture has tokens that fail exactly one condition each, so no flip goes unnoticed."""
-    tau = np_quantile(spread.valid_h(), 0.3)
+    tau = np_quantile(spread.cand_h(), 0.75)
     fails = {"adv": 0, "p": 0, "h": 0, "none": 0}
     for b in range(B):
         for t in range(LENGTHS[b]):
@@ -240,7 +248,7 @@ def test_global_normalizer_makes_shares_add_up(spread, name):
     """Micro-batches (or ranks) with the GLOBAL normalizer sum to the whole batch's loss; with their
     own local normalizers they do not (catches a local normalizer in the accumulation)."""
     agg = get_aggregation(name)
-    tw = get_token_weighting("s2t")(spread.ctx(), tau_p=TAU_P, tau_h_quantile=0.6)
+    tw = get_token_weighting("s2t")(spread.ctx(), tau_p=TAU_P, q=0.6)
     loss = per_token_loss(spread)
     whole = agg.aggregate(loss, tw, normalizer=agg.normalizer(tw, spread.mask))
     parts = [[0], [1, 2], [3]]
@@ -254,8 +262,8 @@ def test_global_normalizer_makes_shares_add_up(spread, name):
 
 def test_token_mean_normalizer_counts_kept_tokens(spread):
     """Hand count: valid tokens minus silenced ones (silenced tokens leave the denominator)."""
-    tau = np_quantile(spread.valid_h(), 0.6)
-    tw = get_token_weighting("s2t")(spread.ctx(), tau_p=TAU_P, tau_h=tau)
+    tau = np_quantile(spread.cand_h(), 0.6)
+    tw = get_token_weighting("s2t")(spread.ctx(), tau_p=TAU_P, q=0.6)
     kept = sum(LENGTHS) - len(expected_silenced(spread, tau))
     assert float(get_aggregation("token-mean").normalizer(tw, spread.mask)) == kept
     assert kept < sum(LENGTHS)
@@ -265,9 +273,10 @@ def test_threshold_per_micro_batch_would_silence_other_tokens(spread):
     """Why the update must weigh whole mini-batches: on this batch, a threshold re-resolved on each
     micro-batch of 2 rows silences a different set than the mini-batch's one (so the update test
     below can see that bug)."""
-    tw = get_token_weighting("s2t")(spread.ctx(), tau_p=TAU_P, tau_h_quantile=0.5)
-    per_micro = torch.cat([get_token_weighting("s2t")(spread.rows(r).ctx(), tau_p=TAU_P, tau_h_quantile=0.5)
-                           .denom_mask for r in ([0, 1], [2, 3])])
+    tw = get_token_weighting("s2t")(spread.ctx(), tau_p=TAU_P, q=0.5)
+    per_micro = torch.zeros_like(spread.mask)
+    for r in ([0, 2], [1, 3]):
+        per_micro[r] = get_token_weighting("s2t")(spread.rows(r).ctx(), tau_p=TAU_P, q=0.5).denom_mask
     assert not torch.equal(per_micro, tw.denom_mask)
 
 
@@ -283,7 +292,7 @@ def update_cfg(micro: int, **s2t):
         "trainer": {"device": "cpu", "lr": 1e-3, "micro_batch_size": micro, "max_grad_norm": 1e6,
                     "logits_chunk_size": 7},
         "algorithm": {"token_weighting": "s2t", "mini_batches": 1,
-                      "s2t": {"tau_p": TAU_P, "tau_h_quantile": 0.5, "tau_h_scope": "minibatch", **s2t}},
+                      "s2t": {"tau_p": TAU_P, "q": 0.5, **s2t}},
     })
 
 
@@ -367,8 +376,8 @@ def test_update_does_not_depend_on_the_micro_batch_size(spread_model):
 def test_each_rank_contributes_its_share_of_the_global_objective(spread_model):
     """Catches the normalizer not summed over ranks: with a mirrored second rank (same rows), the
     global normalizer doubles and this rank's gradient is exactly half the one-process gradient.
-    (Absolute tau_h: the quantile of a doubled population is not the same number.)"""
-    cfg = update_cfg(2, tau_h=2.7, tau_h_quantile=None)  # about the median entropy
+    (Every candidate silenced: the quantile of a doubled population is not the same number.)"""
+    cfg = update_cfg(2, silence="all")
     _, g1, *_ = run_update(cfg, spread_model)
     _, g2, *_ = run_update(cfg, spread_model, mirror=True)
     for n in g1:

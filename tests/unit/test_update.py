@@ -38,7 +38,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 def make_cfg(weighting="s2t", micro=3, algorithm=None, rollout=None, **trainer):
     t = {"device": "cpu", "lr": 1e-2, "logits_chunk_size": 7, "micro_batch_size": micro, "max_grad_norm": 1e3}
     t.update(trainer)
-    al = {"token_weighting": weighting, "s2t": {"tau_p": 0.5, "tau_h_quantile": 0.5},
+    al = {"token_weighting": weighting, "s2t": {"tau_p": 0.5, "q": 0.5},
           "top_entropy": {"rho": 0.5}, "stare": {"target_entropy": 100.0, "top_ratio": 0.3}}
     al.update(algorithm or {})
     return config_from_dict({"model": {"name_or_path": "tiny-random", "tiny": TINY}, "trainer": t, "algorithm": al,
@@ -341,7 +341,7 @@ def test_unequal_minibatches_each_normalized_by_their_own_tokens(tiny):
     from stapo.core.distributed import global_minibatches
 
     model, batch = tiny
-    s2t = {"tau_p": 0.5, "tau_h": 100.0, "tau_h_quantile": None}
+    s2t = {"tau_p": 0.5, "silence": "all"}  # the silenced set does not depend on the mini-batch split
     frame = {"prompts_per_step": 5, "n": 2}  # 10 rows asked for; 8 left (filters drop rows)
     cfg = make_cfg("s2t", algorithm={"mini_batches": 5, "s2t": s2t}, rollout=frame, share_prompt_prefix=False)
     b = sgd_backend(cfg, model)
