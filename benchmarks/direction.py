@@ -244,30 +244,36 @@ def verdict(a: dict[int, dict], b: dict[int, dict], *, no_harm_only: bool = Fals
 def mechanism_check(run_dir: Path, *, tau_p: float, q: float, seed: int = 0) -> dict[str, Any]:
     """From a baseline run's token dumps: the share of the summed per-token logit-gradient norm
     ``|A| sqrt(max(0, 1 - 2p + sum_q q^2))`` that the paper's rule would silence in each dumped step
-    (candidates A > 0 and p < tau_p; those below the q-th quantile of the candidates' entropies,
-    taken over the step's dumped tokens rather than per mini-batch), against a random same-size
-    set of the same candidates. One-step entropy changes need a second forward pass and are not
-    measured here."""
+    (per mini-batch, as the update: candidates A > 0 and p < tau_p, silenced below the q-th quantile
+    of the mini-batch's candidate entropies), against a random same-size set of the same
+    mini-batch's candidates. Dumps must hold every sequence (``logging.dump_max_sequences`` at least
+    the batch). One-step entropy changes need a second forward pass and are not measured here."""
     rng = random.Random(seed)
     silenced_share, random_share, counted, tokens = [], [], 0, 0
     for path in sorted((run_dir / "dumps").glob("step_*.json")):
         dump = json.loads(path.read_text())
-        toks = []  # (is candidate, entropy, gradient norm)
+        by_mb: dict[int, list[tuple[float, float]]] = {}  # mini-batch -> candidates' (entropy, gradient norm)
+        total = 0.0
         for seq in dump.get("sequences", []):
             a = float(seq["advantage"])
             for p, h, s2 in zip(seq["prob"], seq["entropy"], seq["sum_q2"], strict=True):
-                toks.append((a > 0 and p < tau_p, h, abs(a) * math.sqrt(max(0.0, 1 - 2 * p + s2))))
-        total = sum(g for _, _, g in toks)
-        cands = [(h, g) for c, h, g in toks if c]
-        tokens += len(toks)
-        if not cands or total <= 0:
+                g = abs(a) * math.sqrt(max(0.0, 1 - 2 * p + s2))
+                total += g
+                tokens += 1
+                if a > 0 and p < tau_p:
+                    by_mb.setdefault(int(seq.get("minibatch", 0)), []).append((h, g))
+        if not by_mb or total <= 0:
             continue
-        hs = sorted(h for h, _ in cands)
-        tau_h = _quantile(hs, q)
-        sil = [g for h, g in cands if h < tau_h]
-        counted += len(sil)
-        silenced_share.append(sum(sil) / total)
-        random_share.append(sum(g for _, g in rng.sample(cands, len(sil))) / total)
+        sil_g = rnd_g = 0.0
+        for cands in by_mb.values():
+            tau_h = _quantile(sorted(h for h, _ in cands), q)
+            sil = [g for h, g in cands if h < tau_h]
+            counted += len(sil)
+            sil_g += sum(sil)
+            rnd_g += sum(g for _, g in rng.sample(cands, len(sil)))
+        silenced_share.append(sil_g / total)
+        random_share.append(rnd_g / total)
+
     def mean(xs: list[float]) -> float | None:
         return sum(xs) / len(xs) if xs else None
 

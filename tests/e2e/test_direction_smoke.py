@@ -29,11 +29,12 @@ def test_direction_smoke_runs_pilot_arms_and_prints_the_verdict(tmp_path: Path) 
     rec = json.loads((out / "direction.json").read_text())
     assert rec["design"]["arms"] == ["stapo-base", "stapo", "stapo-random"] and rec["design"]["seeds"] == [0, 1]
     assert set(rec["per_seed"]) >= {"A", "B"} and all(set(v) == {"0", "1"} for v in rec["per_seed"].values())
-    a0, b0 = rec["per_seed"]["A"]["0"], rec["per_seed"]["B"]["0"]
+    a0 = rec["per_seed"]["A"]["0"]
     assert set(a0["accuracy"]) == {"0", "1", "2"} and a0["steps"] == 2
-    assert a0["silenced_rate"] == 0 and b0["silenced_rate"] > 0  # only the weighting differs, and B's fires
+    assert all(m["silenced_rate"] == 0 for m in rec["per_seed"]["A"].values())  # the arms differ in the weighting
+    assert sum(m["silenced_rate"] for m in rec["per_seed"]["B"].values()) > 0  # and B's fires (tiny's tau_p 0.1)
     assert rec["verdict"] in ("holds", "no harm", "refuted", "inconclusive")
-    assert rec["pilot"]["mechanism"]["steps"] == 2
+    assert rec["pilot"]["mechanism"]["steps"] >= 1 and rec["pilot"]["b_silenced_rate"] > 0
     assert f"verdict: {rec['verdict'].upper()}" in text
     rows = [line.split() for line in text.split("per seed")[1].splitlines() if line.strip()[:1] in ("A", "B", "C")]
     assert [r[:2] for r in rows[:4]] == [["A", "0"], ["A", "1"], ["B", "0"], ["B", "1"]]

@@ -51,13 +51,15 @@ def test_entropy_drift_is_the_largest_log_ratio_from_the_reference_step() -> Non
 
 
 def test_mechanism_check_on_a_hand_made_dump(tmp_path: Path) -> None:
-    # One step, A = 1: candidates are p < 0.1 (three tokens, H 0.1, 0.2, 0.3); the 0.5 quantile of their
+    # One step, A = 1; mini-batch 0: candidates are p < 0.1 (three tokens, H 0.1, 0.2, 0.3); the 0.5 quantile of their
     # entropies is 0.2, so only H = 0.1 is silenced. Gradient norm |A| sqrt(1 - 2p + sum_q2) per token.
     seq = {"advantage": 1.0, "prob": [0.05, 0.05, 0.05, 0.9], "entropy": [0.1, 0.2, 0.3, 0.5],
            "sum_q2": [0.5, 0.3, 0.2, 0.82]}
+    # A second mini-batch with one candidate: the quantile of one value is that value, nothing is below it.
+    other = {"advantage": 1.0, "prob": [0.01], "entropy": [0.05], "sum_q2": [0.0], "minibatch": 1}
     (tmp_path / "dumps").mkdir()
-    (tmp_path / "dumps" / "step_000001.json").write_text(json.dumps({"step": 1, "sequences": [seq]}))
-    norms = [math.sqrt(1 - 2 * p + s) for p, s in zip(seq["prob"], seq["sum_q2"], strict=True)]
+    (tmp_path / "dumps" / "step_000001.json").write_text(json.dumps({"step": 1, "sequences": [seq | {"minibatch": 0}, other]}))
+    norms = [math.sqrt(1 - 2 * p + s) for p, s in zip(seq["prob"], seq["sum_q2"], strict=True)] + [math.sqrt(0.98)]
     m = mechanism_check(tmp_path, tau_p=0.1, q=0.5)
     assert m["silenced_tokens"] == 1 and m["steps"] == 1
     assert m["silenced_grad_share"] == pytest.approx(norms[0] / sum(norms))
