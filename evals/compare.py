@@ -96,6 +96,7 @@ class RunData:
     summary: dict[str, Any] | None = None  # summary.json
     algorithm: str | None = None  # config.yaml algorithm.name / token_weighting
     config: dict[str, Any] | None = None  # config.yaml as saved (nested), for the confound check
+    config_changes: list[str] = field(default_factory=list)  # "from step N: key old -> new" per resume change
 
     @property
     def kinds(self) -> list[str]:
@@ -135,12 +136,27 @@ def load_run(path: Path, label: str | None = None) -> RunData:
             run.config = cfg if isinstance(cfg, dict) else None
         except yaml.YAMLError:
             run.algorithm = None
+    run.config_changes = read_config_changes(path)
     if not run.kinds:
         raise ValueError(
             f"compare: {path} has none of results.json (eval dir) or metrics.jsonl / val.jsonl / summary.json "
             "(training run dir)"
         )
     return run
+
+
+def read_config_changes(path: Path) -> list[str]:
+    """``from step N: key old -> new`` for each change a resume recorded in ``config_changes.jsonl``
+    (``{"step", "changes": [{"key", "old", "new", "bookkeeping"}]}`` rows; bookkeeping changes such as
+    a longer ``trainer.max_steps`` are marked). Rows or fields it does not know are skipped."""
+    out = []
+    for row in _read_jsonl(path / "config_changes.jsonl"):
+        changes = row.get("changes") if isinstance(row, dict) else None
+        for c in changes if isinstance(changes, list) else []:
+            if isinstance(c, dict) and "key" in c:
+                mark = " (bookkeeping)" if c.get("bookkeeping") else ""
+                out.append(f"from step {row.get('step', '?')}: {c['key']} {c.get('old')!r} -> {c.get('new')!r}{mark}")
+    return out
 
 
 def _labels(paths: Sequence[Path]) -> list[str]:
@@ -466,6 +482,11 @@ def config_check(runs: Sequence[RunData], groups: dict[str, list[RunData]] | Non
                                ("replicate", lambda d: seeded and d.group == "seed"),
                                ("confounds", is_confound))
         }
+    for r in train:
+        trained = [c for c in r.config_changes if not c.endswith("(bookkeeping)")]
+        if trained:
+            out["notes"].append(f"{r.label} was resumed with other settings than its config.yaml: "
+                                + "; ".join(trained) + ". Its steps before and after differ in more than the method.")
     if seeded and groups:
         for name, members in groups.items():
             cfgd = [r for r in members if r.config is not None]
@@ -611,7 +632,7 @@ def compare_runs(paths: Sequence[Path], *, out_dir: Path, labels: Sequence[str] 
                   **{k: unit_of(k) for k in (next(iter(training.values())) if training else {})}},
         "runs": [
             {"label": r.label, "path": str(r.path), "kinds": r.kinds, "algorithm": r.algorithm,
-             "model": (r.results or {}).get("model"), "seed": run_seed(r),
+             "model": (r.results or {}).get("model"), "seed": run_seed(r), "config_changes": r.config_changes,
              "group": next(g for g, m in grouped.items() if r in m)}
             for r in runs
         ],

@@ -409,3 +409,23 @@ def test_documented_compare_lines_run(tmp_path: Path, monkeypatch) -> None:
             assert len(rep["seeded"]["groups"]) == 2 and "over seeds" in res.output, line
         else:
             assert rep["seeded"] is None and "GRPO-train" in rep["training"]
+
+
+def test_a_resume_that_changed_settings_is_named_in_the_fairness_box(tmp_path: Path) -> None:
+    a = write_demo_run(tmp_path, "grpo", *GRPO)
+    b = write_demo_run(tmp_path, "stapo")
+    (b / "config_changes.jsonl").write_text(
+        json.dumps({"step": 3, "time": 0, "changes": [
+            {"key": "trainer.lr", "old": 2e-5, "new": 0.5, "bookkeeping": False},
+            {"key": "trainer.max_steps", "old": 3, "new": 6, "bookkeeping": True}]}) + "\n"
+        + '{"step": 9, "changes": "not a list"}\n{"torn')  # rows it does not know are skipped
+    output = _compare_cli([a, b], tmp_path / "cmp")
+    rep = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert rep["runs"][1]["config_changes"] == ["from step 3: trainer.lr 2e-05 -> 0.5",
+                                                "from step 3: trainer.max_steps 3 -> 6 (bookkeeping)"]
+    (note,) = [n for n in rep["config_check"]["notes"] if "resumed" in n]
+    assert note.startswith("stapo was resumed with other settings than its config.yaml: from step 3: trainer.lr "
+                           "2e-05 -> 0.5. ")
+    assert "max_steps" not in note  # a bookkeeping change does not make the run unfair
+    assert "trainer.lr 2e-05 -> 0.5" in re.sub(r"\s+", " ", output)
+    assert "trainer.lr 2e-05 -&gt; 0.5" in (tmp_path / "cmp" / "report.html").read_text()
