@@ -348,8 +348,8 @@ def _replicate_key(run: RunData) -> str | None:
 
 def group_runs(runs: Sequence[RunData], names: Sequence[str] | None = None) -> dict[str, list[RunData]]:
     """Runs by method, in order of first appearance: ``names`` (one per run, ``--group``), or else the
-    training runs whose configs differ only in seed and execution keys, named by the recipe
-    (``algorithm.name``); every other run is a group of its own under its label."""
+    training runs whose configs differ only in seed and execution keys, each with its own seed,
+    named by the recipe (``algorithm.name``); every other run is a group of its own under its label."""
     if names is not None:
         if len(names) != len(runs):
             raise ValueError(f"compare: {len(names)} --group labels for {len(runs)} runs (give one per run, in order)")
@@ -358,6 +358,10 @@ def group_runs(runs: Sequence[RunData], names: Sequence[str] | None = None) -> d
             out.setdefault(g, []).append(r)
         return out
     keys = [_replicate_key(r) for r in runs]
+    for k in set(keys):  # a repeated seed is a rerun, not a replicate: those runs stay apart
+        seeds = [run_seed(r) for r, kk in zip(runs, keys, strict=True) if kk == k]
+        if k is not None and len(set(seeds)) < len(seeds):
+            keys = [None if kk == k else kk for kk in keys]
     out = {}
     taken = {r.label for r in runs}
     named: dict[str, str] = {}

@@ -429,3 +429,11 @@ def test_a_resume_that_changed_settings_is_named_in_the_fairness_box(tmp_path: P
     assert "max_steps" not in note  # a bookkeeping change does not make the run unfair
     assert "trainer.lr 2e-05 -> 0.5" in re.sub(r"\s+", " ", output)
     assert "trainer.lr 2e-05 -&gt; 0.5" in (tmp_path / "cmp" / "report.html").read_text()
+
+
+def test_two_runs_of_one_config_and_seed_are_not_grouped(tmp_path: Path) -> None:
+    a = write_seeded_run(tmp_path, "first", 0, 0.4)
+    b = write_seeded_run(tmp_path, "rerun", 0, 0.5)
+    c = write_seeded_run(tmp_path, "other-seed", 1, 0.5, *GRPO)
+    rep = compare_runs([a, b, c], out_dir=tmp_path / "cmp")
+    assert rep["seeded"] is None and [r["group"] for r in rep["runs"]] == ["first", "rerun", "other-seed"]
