@@ -1,27 +1,35 @@
 """The GPU suite's parts, their costs, and the budget that runs them (driven by benchmarks/gpu_suite.sh).
 
-One lent GPU gives a session 15 minutes of device time and one command at most 10; the suite must
-finish inside one command with room to rerun it, so it runs against a budget (``--budget-s``, what
-is left of 540 s after the wheel install). Parts run in priority order, each in its own process
-(an OOM or a hang in one leaves the others their time) with a hard timeout of what is left; a part
-whose cost is larger than what is left is skipped and says so. Costs on the GPU are stated, not
-measured (no GPU was lent when they were written: each is a guess from the shapes, named ``stated``
-in the report); costs of the CPU dry run were measured here. Everything lands in ``--out``: the
-report ``results.json`` and every part's log in ``parts.log`` (the device tool brings back at most
-8 files of 16 MiB).
+One lent GPU (an H200 here: 139 GiB, no vLLM, whose wheel is too large to carry) gives a session 15
+minutes of device time and one command at most 10; the suite must finish inside one command with
+room to rerun it, so it runs against a budget (``--budget-s``, what is left of 540 s after the wheel
+install). Parts run in priority order, each in its own process (an OOM or a hang in one leaves the
+others their time) with a hard timeout of what is left; a part whose cost is larger than what is
+left is skipped and says so. Costs on the GPU are stated, not measured (no GPU was lent when they
+were written: each is a guess from the shapes, named ``stated`` in the report); costs of the CPU dry
+run were measured here. Everything lands in ``--out``: the report ``results.json`` and every part's
+log in ``parts.log`` (the device tool brings back at most 8 files of 16 MiB).
 
-Parts, in priority order:
+Parts, in priority order (the torch and DeepSpeed paths: vLLM is not on the machine):
 
+- ``checks``: benchmarks/gpu_checks.py (numerics of the CUDA paths against same-precision references).
+- ``zero3_train``: 2 steps of ``stapo train --config stapo`` on its DeepSpeed ZeRO-3 path at world
+  size 1 with the hf engine, on a random Qwen3-1.7B: the policy built partitioned under
+  ``zero.Init`` (``load_context``), bf16, the memory plan at start on the real card (its line is
+  kept), a checkpoint at step 2.
+- ``sync_stream``: the weight sync of that ZeRO-3 engine streamed into preallocated bf16 buffers
+  (a stand-in for vLLM's weights) at two ``trainer.sync_bucket_mb`` sizes: the allocator's peak
+  above the partitions and the buffers, against one bucket (or the largest parameter).
+- ``update_memory``: peak GPU memory of an update at 8 x 8,192-token responses, gradient
+  checkpointing, STAPO's S2T weighting (which keeps every micro-batch's graph until the mini-batch's
+  thresholds are known), measured on the second update (after a warm-up update made AdamW's
+  moments), against ``stapo train --plan --json``'s *update* phase less its CUDA-context allowance
+  (the allocator does not see the context).
 - ``train_resume``: 3 steps of ``stapo train`` (hf engine, torch backend, gradient checkpointing,
-  STAPO's recipe) on a random Qwen3-1.7B-shaped model; then the same run killed (SIGKILL) once its
+  STAPO's recipe) on a random Qwen3-0.6B-shaped model; then the same run killed (SIGKILL) once its
   step-2 checkpoint exists and continued with ``--resume``: its step-3 metrics must equal the
   uninterrupted run's, bit for bit (deterministic kernels requested; steps 1-2 are compared too, so
   a kernel that is not deterministic shows as such rather than as a resume bug).
-- ``checks``: benchmarks/gpu_checks.py (numerics of the CUDA paths against same-precision references).
-- ``update_memory``: peak GPU memory of one update at 8 x 8,192-token responses, gradient
-  checkpointing, STAPO's S2T weighting (which keeps every micro-batch's graph until the mini-batch's
-  thresholds are known); compared with ``stapo train --plan --json``'s ``peak_gib`` where this tree
-  has ``--plan``.
 - ``attention``: packed micro-batches with per-sequence attention (``sdpa_varlen``) vs row-padded
   micro-batches vs packed rows under transformers' sdpa (block-diagonal mask), on one long-tailed
   batch: time and peak memory of the statistics pass and of one update; log-probs must agree to
@@ -64,7 +72,7 @@ class Part:
     what: str
     gpu_s: int
     dry_s: int
-    needs_model: bool
+    model: str | None  # the random model it needs: "large" (Qwen3-1.7B) or "small" (Qwen3-0.6B); tiny in a dry run
     argv: Callable[[argparse.Namespace, Path], list[str]]  # (args, json file) -> command
     default: bool = True  # run without --parts
 
@@ -72,7 +80,7 @@ class Part:
 def _self(part: str) -> Callable[[argparse.Namespace, Path], list[str]]:
     def argv(a: argparse.Namespace, out: Path) -> list[str]:
         return [sys.executable, __file__, "--part", part, "--json", str(out), "--model-dir", a.model_dir,
-                "--work", a.work] + (["--dry-run"] if a.dry_run else [])
+                "--small-model-dir", a.small_model_dir, "--work", a.work] + (["--dry-run"] if a.dry_run else [])
 
     return argv
 
@@ -100,19 +108,24 @@ def _vs_trl(a: argparse.Namespace, out: Path) -> list[str]:
 
 
 PARTS = [
-    Part("train_resume", "3 stapo train steps, SIGKILL after step 2's checkpoint, --resume: step 3 equal",
-         180, 200, True, _self("train_resume")),
-    Part("checks", "CUDA numerics vs same-precision references (benchmarks/gpu_checks.py)", 60, 60, False, _checks),
-    Part("update_memory", "peak memory of one update, 8 x 8,192 tokens, checkpointing, kept graphs; vs --plan",
-         60, 60, True, _self("update_memory")),
+    Part("checks", "CUDA numerics vs same-precision references (benchmarks/gpu_checks.py)", 60, 60, None, _checks),
+    Part("zero3_train", "2 stapo train steps, DeepSpeed ZeRO-3 at world size 1, zero.Init, bf16, plan, checkpoint",
+         100, 70, "large", _self("zero3_train")),
+    Part("sync_stream", "ZeRO-3 weight sync streamed into preallocated buffers at two bucket sizes: peak",
+         45, 45, "large", _self("sync_stream")),
+    Part("update_memory", "peak of an update after a warm-up one, 8 x 8,192 tokens, kept graphs; vs the plan's update",
+         75, 60, "large", _self("update_memory")),
+    Part("train_resume", "3 stapo train steps on Qwen3-0.6B, SIGKILL after step 2's checkpoint, --resume: step 3 equal",
+         120, 200, "small", _self("train_resume")),
     Part("attention", "packed sdpa_varlen vs row-padded vs packed sdpa: time, memory, log-probs to 1e-2",
-         60, 60, True, _self("attention")),
-    Part("tokenstats", "fused vs naive token statistics at vocab 151,936", 30, 40, False, _tokenstats),
-    # cut from the default run: 240 s against the ~90 s the parts above leave of 540; run it alone
+         60, 60, "large", _self("attention")),
+    Part("tokenstats", "fused vs naive token statistics at vocab 151,936", 30, 40, None, _tokenstats),
+    # cut from the default run: 240 s against what the parts above leave of 540; run it alone
     # (--parts vs_trl, its wheels with --extras train,bench) when a second command fits the lease
-    Part("vs_trl", "stapo vs TRL GRPOTrainer, 16 prompts x 8 x 512 tokens", 240, 120, True, _vs_trl, default=False),
+    Part("vs_trl", "stapo vs TRL GRPOTrainer, 16 prompts x 8 x 512 tokens", 240, 120, "large", _vs_trl, default=False),
 ]
-MODEL_COST = {"gpu": 25, "dry": 40}
+MODEL_COST = {"gpu": {"large": 25, "small": 12}, "dry": {"large": 40, "small": 0}}  # dry: one tiny model serves both
+ARCH = {"large": "qwen3-1.7b", "small": "qwen3-0.6b"}
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -180,10 +193,10 @@ def _update_cfg(model_dir: str, dev: str, trainer: dict[str, Any], algorithm: di
 # ----------------------------------------------------------------------------- part: train_resume
 
 
-def _train_overrides(a: argparse.Namespace) -> list[str]:
+def _train_overrides(a: argparse.Namespace, model_dir: str) -> list[str]:
     dry = a.dry_run
     return [
-        f"model.name_or_path={a.model_dir}", "model.dtype=bfloat16", "model.gradient_checkpointing=true",
+        f"model.name_or_path={model_dir}", "model.dtype=bfloat16", "model.gradient_checkpointing=true",
         "data.source=arithmetic", "data.template=short", "data.val_size=0", "eval.every=0",
         "rollout.engine=hf", f"rollout.prompts_per_step={2 if dry else 4}", "rollout.n=4",
         f"rollout.max_new_tokens={8 if dry else 128}", "rollout.batch_size=16",
@@ -235,9 +248,9 @@ def part_train_resume(a: argparse.Namespace) -> dict[str, Any]:
     from stapo.configs import preset_path
     from stapo.core.config import load_config
 
-    over = _train_overrides(a)
+    over = _train_overrides(a, a.small_model_dir)
     cfg = load_config(preset_path("stapo"), over)  # checked here, before any process starts
-    n_params = _param_count(a.model_dir)
+    n_params = _param_count(a.small_model_dir)
     # fp32 weights + two AdamW moments per checkpoint; at most two checkpoints at once (keep_last 1)
     need = 2 * 12 * n_params / 2**30 + 1
     root = _scratch(a, need)
@@ -307,6 +320,100 @@ def _param_count(model_dir: str) -> int:
     return v * d * (1 if getattr(c, "tie_word_embeddings", False) else 2) + layers * (attn + 3 * d * inter)
 
 
+# ----------------------------------------------------------------------------- part: zero3_train
+
+
+def _zero3_overrides(a: argparse.Namespace) -> list[str]:
+    """The stapo recipe's DeepSpeed ZeRO-3 path at world size 1 with the hf engine (bf16 on the GPU; the
+    CPU's DeepSpeed trains fp32), 2 steps, a checkpoint at step 2; the rest as train_resume's."""
+    over = [o for o in _train_overrides(a, a.model_dir)
+            if not o.startswith(("trainer.backend=", "trainer.max_steps=", "model.dtype="))]
+    return [*over, "trainer.backend=deepspeed", "trainer.zero_stage=3", "trainer.max_steps=2",
+            f"model.dtype={'float32' if a.dry_run else 'bfloat16'}"]
+
+
+def part_zero3_train(a: argparse.Namespace) -> dict[str, Any]:
+    from stapo.configs import preset_path
+    from stapo.core.config import load_config
+
+    over = _zero3_overrides(a)
+    cfg = load_config(preset_path("stapo"), over)
+    run = Path(a.work) / "zero3_train"
+    shutil.rmtree(run, ignore_errors=True)
+    log = Path(a.work) / "zero3_train.run.log"
+    log.unlink(missing_ok=True)
+    sets = [x for o in over for x in ("--set", o)]
+    t0 = time.time()
+    rc = _stapo(["train", "--config", "stapo", "--run-dir", str(run), *sets], log).wait()
+    text = log.read_text(errors="replace") if log.exists() else ""
+    plan_line = next((ln.strip() for ln in text.splitlines() if ln.strip().startswith(("per-GPU peak:", "memory plan:"))),
+                     None)
+    path = run / "metrics.jsonl"
+    raw = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    ckpt = run / "checkpoints" / "step_000002"
+    out = {"config": over, "backend": cfg.trainer.backend, "zero_stage": cfg.trainer.zero_stage, "rc": rc,
+           "seconds": round(time.time() - t0, 1), "rows": len(raw), "plan_line": plan_line,
+           "checkpoint": ckpt.is_dir(), "memory": {k: v for k, v in (raw[-1] if raw else {}).items()
+                                                   if k.startswith("memory/")},
+           "loss": [r.get("actor/loss") for r in raw]}
+    # on the GPU the plan runs at start on the real card and prints its line; the CPU says it skipped it
+    planned = plan_line is not None and (a.dry_run or plan_line.startswith("per-GPU peak:"))
+    out["ok"] = rc == 0 and len(raw) == 2 and ckpt.is_dir() and planned and all(
+        isinstance(v, float) and v == v for v in out["loss"])
+    shutil.rmtree(run, ignore_errors=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- part: sync_stream
+
+
+def part_sync_stream(a: argparse.Namespace) -> dict[str, Any]:
+    """The ZeRO-3 sync streamed into preallocated buffers (a consumer that copies, as vLLM does) at
+    two bucket sizes: what the allocator holds above the partitions and the buffers at the peak."""
+    import torch
+
+    from stapo.core.config import config_from_dict
+    from stapo.core.models import load_policy
+    from stapo.core.trainer import build_trainer_backend, load_context
+
+    dev = _device(a.dry_run)
+    dtype = torch.float32 if a.dry_run else torch.bfloat16
+    cfg = config_from_dict({"model": {"name_or_path": a.model_dir, "dtype": "float32" if a.dry_run else "bfloat16"},
+                            "trainer": {"backend": "deepspeed", "zero_stage": 3, "device": dev}})
+    model, _ = load_policy(cfg.model, device="cpu", compute_device=dev, init_context=load_context(cfg))
+    b = build_trainer_backend(cfg, model, total_optimizer_steps=1)
+    buffers: dict[str, Any] = {}
+    for name, t in b.named_parameters_for_sync():  # the consumer's weights, allocated once
+        buffers[name] = torch.empty(t.shape, dtype=dtype, device=t.device)
+        buffers[name].copy_(t)
+    largest = max(t.numel() * t.element_size() for t in buffers.values())
+    out: dict[str, Any] = {"device": dev, "tensors": len(buffers), "largest_param_mib": round(largest / 2**20, 1),
+                           "buckets": {}}
+    ok = True
+    for mb in (0, 64 if a.dry_run else 512):
+        b.tcfg = b.tcfg.model_copy(update={"sync_bucket_mb": float(mb)})
+        _peak_reset(dev)
+        base = torch.cuda.memory_allocated() / 2**30 if dev == "cuda" else None
+        t0 = time.perf_counter()
+        n = 0
+        for name, t in b.named_parameters_for_sync():
+            buffers[name].copy_(t)
+            n += 1
+        _sync(dev)
+        peak = _peak_gib(dev)
+        bound = max(mb * 2**20, largest) / 2**30
+        row: dict[str, Any] = {"seconds": round(time.perf_counter() - t0, 3), "tensors": n}
+        if peak is not None and base is not None:
+            above = peak - base
+            # one bucket (or the largest parameter) gathered, and the allocator's rounding: 10% + 64 MiB
+            row.update(above_partitions_gib=round(above, 4), bound_gib=round(bound, 4), within=above <= bound * 1.1 + 1 / 16)
+            ok = ok and row["within"]
+        ok = ok and n == len(buffers)
+        out["buckets"][f"{mb} MiB"] = row
+    out["ok"] = ok
+    return out
+
+
 # ----------------------------------------------------------------------------- part: update_memory
 
 
@@ -340,23 +447,31 @@ def part_update_memory(a: argparse.Namespace) -> dict[str, Any]:
     b = TorchBackend(cfg, model, total_optimizer_steps=1)
     batch = _long_tail_batch(model.config.vocab_size, [resp_len] * n_resp, prompt_len, group=4).to(b.device)
     parts = update.update_parts(cfg)
+    actor = update.Actor(cfg, b, Hooks())
+    t0 = time.perf_counter()
+    actor.update(update.UpdateInputs(batch, None, None, step=1))  # warm-up: AdamW's moments now exist
+    _sync(dev)
+    warm_s = time.perf_counter() - t0
     _peak_reset(dev)
     before = _peak_gib(dev)
     t0 = time.perf_counter()
-    metrics = update.Actor(cfg, b, Hooks()).update(update.UpdateInputs(batch, None, None, step=1))
+    metrics = actor.update(update.UpdateInputs(batch, None, None, step=2))
     _sync(dev)
     out = {"device": dev, "responses": n_resp, "response_tokens": resp_len, "prompt_tokens": prompt_len,
            "micro_batch_tokens": budget, "keeps_graphs": bool(parts.reads_stats), "gradient_checkpointing": True,
-           "allocated_before_update_gib": before, "peak_gib": _peak_gib(dev),
+           "warmup_update_s": round(warm_s, 2), "allocated_before_update_gib": before, "peak_gib": _peak_gib(dev),
            "update_s": round(time.perf_counter() - t0, 2), "loss": metrics.get("actor/loss")}
     over = [f"model.name_or_path={a.model_dir}", "model.gradient_checkpointing=true", "trainer.backend=torch",
             "rollout.engine=hf", f"rollout.max_new_tokens={resp_len}", "rollout.n=4", "rollout.prompts_per_step=2",
-            f"data.max_prompt_tokens={prompt_len}",
+            f"data.max_prompt_tokens={prompt_len}", f"algorithm.overlong.buffer={min(1024, resp_len // 4)}",
             f"trainer.micro_batch_tokens={budget}", "algorithm.mini_batches=1", "trainer.device=" + dev]
     out.update(_plan_peak(a, over))
     plan = out.get("plan") or {}
-    if out["peak_gib"] is not None and plan.get("peak_gib"):
-        out["measured_over_plan"] = out["peak_gib"] / plan["peak_gib"]
+    phase = (plan.get("phases_gib") or {}).get("update")
+    if phase is not None:  # the allocator does not see the CUDA context the plan allows for
+        out["plan_update_gib"] = phase - plan.get("runtime_gib", 0.0)
+        if out["peak_gib"] is not None:
+            out["measured_over_plan_update"] = out["peak_gib"] / out["plan_update_gib"]
     out["ok"] = all(v == v for v in metrics.values() if isinstance(v, float))  # finite metrics (no NaN)
     return out
 
@@ -429,7 +544,8 @@ def part_attention(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-IN_PROCESS = {"train_resume": part_train_resume, "update_memory": part_update_memory, "attention": part_attention}
+IN_PROCESS = {"zero3_train": part_zero3_train, "sync_stream": part_sync_stream, "train_resume": part_train_resume,
+              "update_memory": part_update_memory, "attention": part_attention}
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -487,23 +603,30 @@ def drive(a: argparse.Namespace) -> int:
     def left() -> float:
         return deadline - time.time()
 
-    if any(p.needs_model for p in chosen) and not (Path(a.model_dir) / "config.json").exists():
-        arch = "tiny-qwen3" if a.dry_run else "qwen3-1.7b"
-        log = work / "model.log"
+    dirs = {"large": a.model_dir, "small": a.small_model_dir}
+
+    def make_model(which: str) -> None:  # before the first part that needs it
+        if (Path(dirs[which]) / "config.json").exists():
+            return
+        arch = "tiny-qwen3" if a.dry_run else ARCH[which]
+        log = work / f"model-{which}.log"
         logs.append(log)
-        if left() < MODEL_COST[key]:
-            report["model"] = {"skipped": "no time left"}
-        else:
-            rc, s = _run([sys.executable, str(HERE / "make_random_model.py"), "--arch", arch, "--out", a.model_dir],
-                         log, left())
-            report["model"] = {"arch": arch, "rc": rc, "seconds": round(s, 1)}
+        if left() < MODEL_COST[key][which]:
+            report.setdefault("models", {})[which] = {"skipped": "no time left"}
+            return
+        rc, s = _run([sys.executable, str(HERE / "make_random_model.py"), "--arch", arch, "--out", dirs[which]],
+                     log, left())
+        report.setdefault("models", {})[which] = {"arch": arch, "rc": rc, "seconds": round(s, 1)}
+
     for p in chosen:
+        if p.model is not None and left() >= (p.dry_s if a.dry_run else p.gpu_s):
+            make_model(p.model)
         cost = p.dry_s if a.dry_run else p.gpu_s
         res: dict[str, Any]
         if left() < cost:
             res = {"ok": None, "skipped": f"needs ~{cost} s ({'measured' if a.dry_run else 'stated'}), "
                                          f"{max(left(), 0):.0f} s left"}
-        elif p.needs_model and not (Path(a.model_dir) / "config.json").exists():
+        elif p.model is not None and not (Path(dirs[p.model]) / "config.json").exists():
             res = {"ok": False, "error": "no model: the random-model step failed (parts.log)"}
         else:
             js, log = work / f"{p.name}.json", work / f"{p.name}.log"
@@ -556,11 +679,14 @@ def main() -> None:
     p.add_argument("--parts", default="", help=f"a subset, in any order ({', '.join(x.name for x in PARTS)})")
     p.add_argument("--out", default="runs/gpu_suite")
     p.add_argument("--work", default="/tmp/stapo-gpu-suite", help="scratch: part logs, JSON, checkpoints")
-    p.add_argument("--model-dir", default="", help="the random model (default: WORK/model-<arch>)")
+    p.add_argument("--model-dir", default="", help="the random Qwen3-1.7B (default: WORK/model-<arch>)")
+    p.add_argument("--small-model-dir", default="", help="the random Qwen3-0.6B of train_resume (default: WORK/model-<arch>)")
     p.add_argument("--part", default="", help=argparse.SUPPRESS)
     p.add_argument("--json", default="", help=argparse.SUPPRESS)
     a = p.parse_args()
     a.model_dir = a.model_dir or str(Path(a.work) / ("model-tiny-qwen3" if a.dry_run else "model-qwen3-1.7b"))
+    # a dry run's one tiny model serves both
+    a.small_model_dir = a.small_model_dir or (a.model_dir if a.dry_run else str(Path(a.work) / "model-qwen3-0.6b"))
     if a.part:  # one part, in this process: its result to --json
         if not a.dry_run:
             import torch

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every CUDA check and GPU measurement stapo needs, in one command that ends inside 540 s on one H100
+# Every CUDA check and GPU measurement stapo needs, in one command that ends inside 540 s on one H200
 # (wheel install included), everything under $OUT (default runs/gpu_suite): suite.log (this output),
 # results.json (every part's figures and verdict), parts.log (the parts' own logs).
 #

@@ -26,7 +26,10 @@ For each table, and each ``family`` (corpus) or ``source`` group inside it, the 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import os
+import platform
 import re
 import sys
 import time
@@ -176,11 +179,16 @@ def main(argv: list[str] | None = None) -> int:
                     f"[{group_of(r)}]\n      pred={r['prediction'][-160:]!r}"
                 )
     wall = time.perf_counter() - t0
-    body = "\n\n".join(parts) + (
+    header = (
+        f"`python benchmarks/grader_accuracy.py --write` ({time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, "
+        f"{wall:.0f} s)\n\nMachine: {platform.machine()}, {os.cpu_count()} logical CPUs, Python "
+        f"{platform.python_version()}, math-verify {importlib.metadata.version('math-verify')}. Accuracy does "
+        "not depend on the machine."
+    )
+    body = header + "\n\n" + "\n\n".join(parts) + (
         "\n\nFP = a wrong answer graded correct, FN = a right answer graded wrong. "
         "stapo = `grade(prediction, gold).correct`; math-verify = `verify(parse(gold), parse(prediction))` "
-        f"(math-verify defaults, timeouts off). Produced by `python benchmarks/grader_accuracy.py --write` "
-        f"({wall:.0f} s on this machine)."
+        "(math-verify defaults, timeouts off)."
     )
     if args.write:
         write_section(body)

@@ -117,19 +117,31 @@ def check_inputs(cfg: Config) -> None:
 
 def check_launch(cfg: Config, environ: Mapping[str, str] = os.environ) -> None:
     """What the launch already knows, checked before the model loads (minutes at 8B): a backend that
-    spans the ranks, the prompts split evenly over them (``WORLD_SIZE``), the vLLM engine imports, and every ``reward.urls``
-    entry resolves and answers ``/readyz``. Each failure is one :class:`JobError` naming the key."""
+    spans the ranks, the prompts split evenly over them (``WORLD_SIZE``), an engine that supports the
+    run's asynchronous rollouts, the vLLM engine imports, every ``rollout.server.urls`` entry answers
+    as a ``stapo rollout serve`` server and every ``reward.urls`` entry resolves and answers
+    ``/readyz``. Each failure is one :class:`JobError` naming the key."""
+    from stapo.core.async_rollout import check_supported
+
     world = int(environ.get("WORLD_SIZE") or 1)
     if world > 1 and cfg.trainer.backend == "torch":
         raise JobError(
             f"trainer.backend=torch trains in one process, but this launch has {world} ranks: "
             "--set trainer.backend=deepspeed (ZeRO over the ranks), or start one process"
         )
-    if cfg.rollout.prompts_per_step % world:
+    prompts = cfg.rollout.prompts_per_step
+    if prompts % world:
+        below, above = nearest_multiples(prompts, world)
+        near = f"{below} or {above}" if below else str(above)
         raise JobError(
-            f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be divisible by the number of ranks "
-            f"({world}): each rank samples an equal share of a step's prompts"
+            f"rollout.prompts_per_step ({prompts}) must be divisible by the number of ranks ({world}): each rank "
+            f"samples an equal share of a step's prompts; the nearest valid counts are {near} "
+            f"(--set rollout.prompts_per_step=N), or launch a number of ranks that divides {prompts}"
         )
+    try:
+        check_supported(cfg)
+    except ValueError as err:
+        raise JobError(str(err)) from None
     if cfg.rollout.engine == "vllm":
         try:
             import vllm  # noqa: F401
@@ -138,8 +150,35 @@ def check_launch(cfg: Config, environ: Mapping[str, str] = os.environ) -> None:
                 f"rollout.engine=vllm, but vllm does not import ({type(err).__name__}: {err}); install "
                 "stapo[vllm] or --set rollout.engine=hf"
             ) from None
+    if cfg.rollout.engine == "vllm_server":
+        for url in cfg.rollout.server.urls:
+            _check_rollout_server(url)
     for url in cfg.reward.urls:
         _check_verifier(url)
+
+
+def nearest_multiples(count: int, world: int) -> tuple[int, int]:
+    """The multiples of ``world`` just below (0 when none) and just above ``count``."""
+    below = count // world * world
+    return below, below + world
+
+
+def _check_rollout_server(url: str, timeout_s: float = 5.0) -> None:
+    """``url`` answers vLLM's ``GET /health`` and, started as ``stapo rollout serve`` starts it
+    (``VLLM_SERVER_DEV_MODE=1``), the ``GET /weight_info`` the weight pushes need."""
+    import httpx
+
+    serve = "start it with `stapo rollout serve MODEL --port PORT` (docs/rollout.md, \"Starting a server\")"
+    try:
+        status = httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s).status_code
+        if status != 200:
+            raise JobError(f"rollout.server.urls: {url}/health answered {status}: the server is not ready; {serve}")
+        info = httpx.get(f"{url.rstrip('/')}/weight_info", timeout=timeout_s).status_code
+    except httpx.HTTPError as err:
+        raise JobError(f"rollout.server.urls: {url} did not answer ({type(err).__name__}); {serve}") from None
+    if info == 404:
+        raise JobError(f"rollout.server.urls: {url} runs without VLLM_SERVER_DEV_MODE=1, so it cannot take weight "
+                       f"pushes; {serve}")
 
 
 def _check_verifier(url: str) -> None:

@@ -13,7 +13,9 @@ if TYPE_CHECKING:
 
 
 def print_plan(cfg: Config, world_size: int | None, card: float | None, as_json: bool) -> None:
-    """``--plan``: the memory plan at ``world_size`` ranks (default: the launcher's WORLD_SIZE, or 1)."""
+    """``--plan``: the memory plan at ``world_size`` ranks (default: the launcher's WORLD_SIZE, or 1).
+    Exits 1 when it does not fit (``fix`` in ``--json`` lists the ``--set`` overrides that fit it), so
+    a script can gate a launch on it."""
     import json
     import os
 
@@ -25,6 +27,8 @@ def print_plan(cfg: Config, world_size: int | None, card: float | None, as_json:
     except PlanError as err:
         raise CLIError(str(err)) from None
     typer.echo(json.dumps(result.to_json()) if as_json else "\n".join(result.report()))
+    if not result.fits:
+        raise typer.Exit(1)
 
 
 def plan_at_start(cfg: Config, card: float | None) -> Config:

@@ -210,6 +210,15 @@ class DataConfig(_Section):
 class VLLMOptions(_Section):
     """Options of the vLLM engine (ignored by `hf`)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_per_request_seeds(cls, data: Any) -> Any:
+        """`rollout.vllm.per_request_seeds` (older configs, saved in their run dirs) is always on now:
+        every request carries its own seed (docs/rollout.md, "Seeds"), so the key is dropped."""
+        if isinstance(data, dict) and "per_request_seeds" in data:
+            data = {k: v for k, v in data.items() if k != "per_request_seeds"}
+        return data
+
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="Share of GPU memory vLLM may take.")
     tensor_parallel_size: int = Field(
         1, ge=1,
@@ -218,13 +227,6 @@ class VLLMOptions(_Section):
     enable_sleep_mode: bool = Field(True, description="Free vLLM's memory while the learner trains (colocated).")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs (slower, starts faster).")
     max_model_len: int | None = Field(None, gt=0, description="Context length for vLLM (default: prompt + response).")
-    per_request_seeds: bool = Field(
-        False,
-        description=(
-            "Give every request its own seed (per-sample reproducibility, e.g. across resumes) instead of one "
-            "seed per engine; vLLM then samples on its slower per-request generator path."
-        ),
-    )
 
 
 class ServerOptions(_Section):

@@ -668,7 +668,13 @@ class S2TWatch(LoopHook):
         return {}
 
     def summary(self) -> dict[str, Any]:
-        return self.watch.summary()
+        """The whole run's rate for summary.json; the note, once, when no window closed on it yet."""
+        out = self.watch.summary()
+        if out["s2t_note"] and not self.watch.noted_high:
+            self.watch.noted_high = True
+            if self.log is not None:
+                self.log(f"note: {out['s2t_note']}")
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return self.watch.state_dict()

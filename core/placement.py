@@ -5,6 +5,15 @@ of a node sees the same GPUs; the rank with ``LOCAL_RANK = i`` takes ``cuda:i``.
 gives each process exactly one visible GPU (``CUDA_VISIBLE_DEVICES`` with one id per task, as
 Slurm's ``--gpus-per-task=1`` does) leaves every rank ``cuda:0``, which is then its own GPU; any other
 node with fewer GPUs than ranks is refused rather than stacking ranks on one GPU.
+
+Libraries index GPUs by ``LOCAL_RANK`` themselves: DeepSpeed's engine calls
+``set_device(LOCAL_RANK)``, ``zero.Init`` places partitions on it, and vLLM's external launcher
+requires ``LOCAL_RANK < device count`` and takes ``cuda:LOCAL_RANK``. With one GPU per task a rank
+with ``LOCAL_RANK = 3`` sees one GPU, and those would fail with "invalid device ordinal". So
+:func:`apply` presents ``LOCAL_RANK`` as the index of the rank's device in this process
+(:func:`presented_env`: ``0`` there), keeping the launcher's value in ``STAPO_LAUNCHER_LOCAL_RANK``.
+vLLM's tensor parallelism under one GPU per task is refused in one line naming the Slurm setting
+(its group's workers need each other's GPUs visible).
 Everything of the rank lives on that device or shares it: the policy (loaded on the CPU, moved by
 the trainer backend), the KL reference model (built by the backend beside the policy), the
 colocated vLLM engine (vLLM's ``external_launcher`` executor reads the same ``RANK`` /
@@ -34,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Placement", "place", "apply", "rank_placement", "resolve_device", "visible_cuda_devices"]
+__all__ = ["Placement", "place", "apply", "presented_env", "rank_placement", "resolve_device", "visible_cuda_devices"]
 
 
 @dataclass(frozen=True)
@@ -127,7 +136,8 @@ def place(env: Mapping[str, str], *, cuda_devices: int, requested: str = "auto",
         local_rank = 0
     local_world = _int(env, "LOCAL_WORLD_SIZE", _int(env, "LOCAL_SIZE", None))  # torchrun; deepspeed
     if local_world is None:  # a bare launcher: at most one rank per visible GPU
-        local_world = world if world == 1 else max(local_rank + 1, min(world, max(cuda_devices, 1)))
+        # (one process: a LOCAL_RANK of its own, e.g. presented for trainer.device=cuda:i, names its GPU)
+        local_world = local_rank + 1 if world == 1 else max(local_rank + 1, min(world, max(cuda_devices, 1)))
     if not 0 <= local_rank < local_world:
         raise ValueError(f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world}")
     if tp_size < 1 or world % tp_size:
@@ -154,6 +164,12 @@ def place(env: Mapping[str, str], *, cuda_devices: int, requested: str = "auto",
     elif cuda_devices >= local_world:
         index = local_rank
     elif cuda_devices == 1 and visible is not None and len(visible) == 1:
+        if tp_size > 1:
+            raise ValueError(
+                f"rollout.vllm.tensor_parallel_size={tp_size} with one GPU visible per process "
+                f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r}, as Slurm's --gpus-per-task=1 sets): "
+                "a tensor-parallel group needs its GPUs visible to each of its processes; launch with "
+                "--gpus-per-node (every GPU of the node visible to its tasks) instead of --gpus-per-task=1")
         index = 0  # one GPU made visible to each process (CUDA_VISIBLE_DEVICES per task): its own
     else:
         raise ValueError(f"{local_world} ranks on this node but {cuda_devices} GPUs visible "
@@ -164,9 +180,27 @@ def place(env: Mapping[str, str], *, cuda_devices: int, requested: str = "auto",
     return Placement(rank, world, local_rank, local_world, f"cuda:{index}", tp_size, physical)
 
 
-def apply(placement: Placement) -> None:
-    """``torch.cuda.set_device`` for a CUDA placement (call before the first CUDA allocation)."""
+def presented_env(placement: Placement, env: Mapping[str, str]) -> dict[str, str]:
+    """The variables to set so that what reads ``LOCAL_RANK`` as a GPU index (DeepSpeed, ``zero.Init``,
+    vLLM's external launcher) lands on ``placement.device``; pure. ``{}`` when ``LOCAL_RANK`` already
+    is the device's index (a launcher that shows every rank the node's GPUs). Otherwise (one GPU
+    visible per task: device ``cuda:0`` for ``LOCAL_RANK = 3``) ``LOCAL_RANK`` becomes the index and
+    the launcher's value moves to ``STAPO_LAUNCHER_LOCAL_RANK``."""
+    if not placement.is_cuda:
+        return {}
+    index = int(placement.device.split(":", 1)[1]) if ":" in placement.device else 0
+    if index == placement.local_rank and env.get("LOCAL_RANK", "0") == str(index):
+        return {}
+    return {"LOCAL_RANK": str(index), "STAPO_LAUNCHER_LOCAL_RANK": str(placement.local_rank)}
+
+
+def apply(placement: Placement, env: dict[str, str] | None = None) -> None:
+    """``torch.cuda.set_device`` for a CUDA placement (call before the first CUDA allocation), and
+    ``LOCAL_RANK`` presented as that device's index (:func:`presented_env`) in ``env`` (this
+    process's environment by default) before DeepSpeed or vLLM read it."""
     if placement.is_cuda:
+        target = os.environ if env is None else env
+        target.update(presented_env(placement, target))
         torch.cuda.set_device(torch.device(placement.device))
 
 

@@ -29,18 +29,37 @@ longest forward, h hidden size, n layers)::
                    micro-batch's graph (its checkpointed inputs) until then. When those graphs do
                    not fit the card, the update takes its bounded path instead: a no-grad
                    statistics pass over the mini-batch, then forward + backward per micro-batch.
+    ZeRO buffers   what DeepSpeed holds beyond the partitions while it trains, from the engine's
+                   own settings (``build_ds_config`` read through DeepSpeed's ``DeepSpeedZeroConfig``,
+                   so its defaults where stapo sets nothing): ZeRO-3's prefetch bucket, its live
+                   gathered parameters (``stage3_max_live_parameters``, at most the model) and its
+                   gradient reduce bucket, 2 B each (bf16); ZeRO-1/2's reduce and all-gather buckets.
+                   DeepSpeed's estimators leave these out.
     vLLM           ``gpu_memory_utilization`` x card while it generates: its bf16 weights (/ TP)
-                   and the KV cache in the rest; asleep (level 2) during the update.
-    weight sync    vLLM's weights awake and the model states, plus one gathered parameter in
-                   flight (the largest, bf16): the sync streams, never a second full copy.
-    runtime        CUDA context, NCCL buffers and allocator slack: 1 GiB (our allowance; not
-                   measured here).
+                   and the KV cache in the rest (its CUDA-graph pool is inside that share). Asleep
+                   (level 2) during the update, which frees the weights and the KV cache but, in
+                   vLLM 0.33, neither the CUDA-graph pool nor the NCCL communicators unless
+                   ``sleep_mode_offload_cudagraph`` / ``enable_nccl_comm_suspend`` are set (both
+                   default off in 0.33's ``config/model.py``). The engine sets each that the
+                   installed vLLM has (:func:`stapo.core.rollout.vllm.sleep_release_flags`); the
+                   plan charges the update with what stays: ``CUDA_GRAPHS_GIB`` for the graph pool
+                   (without ``enforce_eager``) and ``VLLM_NCCL_GIB`` for a tensor-parallel group.
+    weight sync    vLLM's weights awake and the model states, plus the gathered sync bucket
+                   (``trainer.sync_bucket_mb``, at least the largest parameter) and one layer of
+                   vLLM's in-place reload (it reloads layer by layer), bf16.
+    fleet          ``rollout.engine: vllm_server``: the servers generate, so a learner holds no KV
+                   cache and no vLLM; rank 0's push gathers ``rollout.server.bucket_mb`` (at least
+                   the largest parameter) beyond the model states (the "weight push" phase).
+    runtime        the CUDA context, 1 GiB, and, with several ranks, the learners' NCCL
+                   communicators, ``NCCL_GIB`` (our allowances; not measured here).
+    margin         ``FRAGMENTATION`` of the card: the caching allocator's rounding and split
+                   segments (our allowance). A plan fits only when its peak plus the margin fits.
 
-The peak is the largest of three phases: generate (model states + vLLM), update (model states +
-activations + kept graphs, vLLM asleep), weight sync. Activation and kept-graph terms are our
-accounting of what the update's forwards save, held against measured CPU peaks
-(benchmarks/plan_memory.py; tests/unit/test_plan.py checks the kept graphs and the optimizer's
-bytes); the model states are DeepSpeed's.
+The peak is the largest phase: generate (model states + vLLM, or hf's KV cache), update (model
+states + activations + kept graphs + ZeRO buffers, vLLM asleep), weight sync (or the fleet's
+weight push). Activation and kept-graph terms are our accounting of what the update's forwards
+save, held against measured CPU peaks (benchmarks/plan_memory.py; tests/unit/test_plan.py checks
+the kept graphs and the optimizer's bytes); the model states are DeepSpeed's.
 """
 
 from __future__ import annotations
@@ -60,7 +79,11 @@ GIB = 2**30
 # Planning without a GPU and without --card-gib / trainer.gpu_memory_gib: an 80 GB card (H100/A100),
 # its nominal size; what torch reports as usable is about 1 GiB less, which RUNTIME_GIB covers.
 DEFAULT_CARD_GIB = 80.0
-RUNTIME_GIB = 1.0
+RUNTIME_GIB = 1.0  # the CUDA context and kernel workspaces [ours: allowance]
+NCCL_GIB = 1.0  # a learner's NCCL communicators with several ranks [ours: allowance]
+VLLM_NCCL_GIB = 0.5  # a vLLM tensor-parallel group's communicators, kept asleep without suspend [ours]
+CUDA_GRAPHS_GIB = 1.0  # vLLM's CUDA-graph pool, kept asleep without offload [ours: vLLM logs its size at start]
+FRAGMENTATION = 0.05  # share of the card left for the caching allocator's fragmentation [ours]
 LM_HEAD_BUFFERS = 3  # fp32 [chunk, V] blocks alive at once in the chunked log-softmax: logits, log-probs, probs/grad
 
 
@@ -193,12 +216,7 @@ def model_states(cfg: Config, shape: ModelShape, world_size: int, *, cuda: bool)
 
 def deepspeed_model_states(params: int, largest_layer: int, world_size: int, *, stage: int, offload: bool) -> int:
     """GPU bytes per rank from DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs``."""
-    import logging
-
-    # the import probes the accelerator and logs the result on stdout, which `--plan --json` keeps for JSON
-    logger = logging.getLogger("DeepSpeed")
-    if _quiet_probe not in logger.filters:
-        logger.addFilter(_quiet_probe)
+    _quiet_deepspeed()
     if stage == 2:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -207,6 +225,40 @@ def deepspeed_model_states(params: int, largest_layer: int, world_size: int, *, 
 
     return int(estimate_zero3_model_states_mem_needs(params, largest_layer, world_size, 1, cpu_offload=offload,
                                                      cpu_offload_params=False, zero_init=True)[1])
+
+
+def zero_buffers(cfg: Config, shape: ModelShape) -> int:
+    """Bytes DeepSpeed holds beyond the partitions while it trains, from the engine's own settings:
+    ZeRO-3's prefetch bucket, live gathered parameters (at most the model) and reduce bucket; ZeRO-1/2's
+    reduce and all-gather buckets; bf16 (2 B) each. 0 for the torch backend and ZeRO-0."""
+    t = cfg.trainer
+    if t.backend != "deepspeed" or t.zero_stage == 0:
+        return 0
+    zero = zero_settings(cfg)
+    if t.zero_stage == 3:
+        return 2 * (zero.prefetch_bucket_size + min(zero.max_live_parameters, shape.params) + zero.reduce_bucket_size)
+    return 2 * (zero.reduce_bucket_size + zero.allgather_bucket_size)
+
+
+def zero_settings(cfg: Config) -> Any:
+    """DeepSpeed's ``DeepSpeedZeroConfig`` of the engine ``build_ds_config`` makes for ``cfg`` on a GPU
+    (DeepSpeed's defaults where stapo sets nothing)."""
+    _quiet_deepspeed()
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from stapo.core.trainer.deepspeed_backend import build_ds_config, engine_options
+
+    ds = build_ds_config(cfg.trainer, **engine_options(cfg.trainer, cpu=False))
+    return DeepSpeedZeroConfig(**ds["zero_optimization"])
+
+
+def _quiet_deepspeed() -> None:
+    import logging
+
+    # the import probes the accelerator and logs the result on stdout, which `--plan --json` keeps for JSON
+    logger = logging.getLogger("DeepSpeed")
+    if _quiet_probe not in logger.filters:
+        logger.addFilter(_quiet_probe)
 
 
 def _quiet_probe(record: Any) -> bool:
@@ -292,19 +344,32 @@ class Plan:
     kv_cache_gib: float
     kv_cache_tokens: int
     weight_sync_gib: float
+    zero_buffers_gib: float
+    cuda_graphs_gib: float  # vLLM's graph pool kept through the update (0: offloaded asleep, or eager)
+    nccl_gib: float  # the learners' communicators, plus vLLM's kept asleep
+    vllm_sleep_flags: list[str]  # the vLLM flags that free more asleep, set by the engine (installed vLLM)
     runtime_gib: float
+    fragmentation_gib: float  # the margin a fitting plan leaves free
     phases_gib: dict[str, float]
     peak_phase: str
     peak_gib: float
     card_gib: float
     fits: bool
-    fix: str | None = None
+    fix: list[str] = field(default_factory=list)  # `--set` overrides that fit it ([] when it fits or none does)
+    fix_peak_gib: float | None = None
     notes: list[str] = field(default_factory=list)
 
     def line(self) -> str:
-        verdict = "fits" if self.fits else f"does NOT fit; {self.fix}" if self.fix else "does NOT fit"
-        return (f"per-GPU peak: {self.peak_gib:.1f} GiB of {self.card_gib:.1f} GiB ({self.peak_phase}); "
-                f"update path: {self.update_path}; {verdict}")
+        if self.fits:
+            verdict = "fits"
+        elif self.fix:
+            sets = " ".join(f"--set {k}" for k in self.fix)
+            verdict = f"does NOT fit; fits with {sets} (peak {self.fix_peak_gib:.1f} GiB)"
+        else:
+            verdict = ("does NOT fit; no single setting fits it: more GPUs (--world-size), a larger card, or "
+                       "shorter sequences (rollout.max_new_tokens, data.max_prompt_tokens)")
+        return (f"per-GPU peak: {self.peak_gib:.1f} GiB of {self.card_gib:.1f} GiB ({self.peak_phase}) + "
+                f"{self.fragmentation_gib:.1f} GiB margin; update path: {self.update_path}; {verdict}")
 
     def report(self) -> list[str]:
         zero = f"ZeRO-{self.zero_stage}" if self.backend == "deepspeed" else "torch backend"
@@ -322,14 +387,22 @@ class Plan:
             f"per mini-batch; activations {self.activations_gib:.2f} GiB; kept graphs "
             f"{self.kept_graphs_gib:.2f} GiB; path: {self.update_path}",
         ]
+        if self.zero_buffers_gib:
+            lines.append(f"  ZeRO buffers (prefetch, live parameters, reduce bucket): {self.zero_buffers_gib:.2f} GiB")
         if self.engine == "vllm":
+            freed = ", ".join(self.vllm_sleep_flags) or "none (the installed vLLM has neither flag)"
             lines.append(f"  vLLM: {self.vllm_gib:.2f} GiB (weights {self.vllm_weights_gib:.2f}, KV cache "
                          f"{self.kv_cache_gib:.2f} GiB = {self.kv_cache_tokens} tokens); weight sync peak "
+                         f"{self.weight_sync_gib:.2f} GiB; kept asleep: CUDA graphs {self.cuda_graphs_gib:.2f} GiB; "
+                         f"sleep flags set: {freed}")
+        elif self.engine == "vllm_server":
+            lines.append(f"  rollout fleet: no KV cache on the learners; rank 0's weight push peak "
                          f"{self.weight_sync_gib:.2f} GiB")
         else:
             lines.append(f"  hf generation: KV cache {self.kv_cache_gib:.2f} GiB")
         lines.append("  phases: " + ", ".join(f"{k} {v:.1f}" for k, v in self.phases_gib.items()) +
-                     f" GiB (each with {self.runtime_gib:.1f} GiB of CUDA runtime)")
+                     f" GiB (each with {self.runtime_gib:.1f} GiB of CUDA context and {self.nccl_gib:.1f} GiB "
+                     f"of NCCL); margin {self.fragmentation_gib:.1f} GiB")
         lines += [f"  note: {n}" for n in self.notes]
         lines.append(self.line())
         return lines
@@ -342,8 +415,12 @@ def _gib(x: float) -> float:
     return round(x / GIB, 3)
 
 
-def plan_memory(cfg: Config, world_size: int, card_gib: float, shape: ModelShape, *, cuda: bool = True) -> Plan:
-    """The plan of ``cfg`` on ``world_size`` ranks with ``card_gib`` per GPU (``cuda``: GPU dtypes)."""
+def plan_memory(cfg: Config, world_size: int, card_gib: float, shape: ModelShape, *, cuda: bool = True,
+                sleep_flags: list[str] | None = None) -> Plan:
+    """The plan of ``cfg`` on ``world_size`` ranks with ``card_gib`` per GPU (``cuda``: GPU dtypes).
+
+    ``sleep_flags``: the vLLM flags the engine sets (default: those the installed vLLM has; none
+    where vLLM is not installed, e.g. planning on a laptop, which charges what they would free)."""
     t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
     nbytes = 2 if cuda else 4  # bf16 compute on GPU (autocast / DeepSpeed bf16), fp32 on CPU
     states = model_states(cfg, shape, world_size, cuda=cuda)
@@ -358,15 +435,28 @@ def plan_memory(cfg: Config, world_size: int, card_gib: float, shape: ModelShape
     reads = token_weighting_spec(a.token_weighting).reads_stats or a.lp_reg.enabled
     kept = micro.count * mem["graph"]  # every micro-batch's graph alive until the mini-batch's weights are known
     runtime = int(RUNTIME_GIB * GIB) if cuda else 0
+    nccl = int(NCCL_GIB * GIB) if cuda and world_size > 1 else 0
+    zero_buf = zero_buffers(cfg, shape) if cuda else 0
     card = card_gib * GIB
-    base = states["total"] + ref + runtime
+    margin = int(FRAGMENTATION * card)
+    tp = r.vllm.tensor_parallel_size
+    # what a sleeping vLLM keeps through the update: its CUDA-graph pool and a TP group's communicators
+    flags = (sleep_flags if sleep_flags is not None else _installed_sleep_flags()) if r.engine == "vllm" else []
+    graphs = 0
+    if r.engine == "vllm" and cuda:
+        if not r.vllm.enforce_eager and "sleep_mode_offload_cudagraph" not in flags:
+            graphs = int(CUDA_GRAPHS_GIB * GIB)
+        if tp > 1 and "enable_nccl_comm_suspend" not in flags:
+            nccl += int(VLLM_NCCL_GIB * GIB)
+    base = states["total"] + ref + runtime + nccl
+    asleep = graphs if r.engine == "vllm" and r.vllm.enable_sleep_mode else 0
     if not reads:
         path, train = "per_micro_batch", mem["activations"]
-    elif t.update_memory == "bounded" or (t.update_memory == "auto" and base + kept + mem["work"] > card):
-        path, train = "bounded", mem["activations"]
+    elif t.update_memory == "bounded" or (
+            t.update_memory == "auto" and base + kept + mem["work"] + zero_buf + asleep + margin > card):
+        path, train = "bounded", mem["activations"]  # kept graphs would eat the margin: bound them
     else:
         path, train = "keep_graphs", kept + mem["work"]  # then one backward's working set on top
-    tp = r.vllm.tensor_parallel_size
     notes: list[str] = []
     if r.engine == "vllm":
         vllm_total = int(r.vllm.gpu_memory_utilization * card)
@@ -377,15 +467,23 @@ def plan_memory(cfg: Config, world_size: int, card_gib: float, shape: ModelShape
         if kv_tokens < seq:
             notes.append(f"vLLM's KV cache holds {kv_tokens} tokens, less than one sequence ({seq}): raise "
                          "rollout.vllm.gpu_memory_utilization")
-        asleep = 0 if r.vllm.enable_sleep_mode else vllm_total
-        sync = base + vllm_w + shape.largest_param * 2
-        phases = {"generate": base + vllm_total, "update": base + train + asleep, "weight sync": sync}
+        if not r.vllm.enable_sleep_mode:
+            asleep = vllm_total
+        # the sync: vLLM's weights awake, the learner's gathered bucket, one layer of vLLM's reload
+        gathered = max(int(t.sync_bucket_mb * 2**20), shape.largest_param * 2)
+        sync = base + vllm_w + gathered + shape.largest_layer_params * 2 // tp + graphs
+        phases = {"generate": base + vllm_total, "update": base + train + zero_buf + asleep, "weight sync": sync}
+    elif r.engine == "vllm_server":
+        vllm_total = vllm_w = kv = kv_tokens = 0
+        # the servers generate; rank 0 gathers the push's bucket (checkpoint shards, or nccl's packed buckets)
+        sync = base + max(r.server.bucket_mb * 2**20, shape.largest_param * 2)
+        phases = {"update": base + train + zero_buf, "weight push": sync}
     else:
         vllm_total = vllm_w = 0
         kv = r.batch_size * (cfg.data.max_prompt_tokens + r.max_new_tokens) * shape.kv_bytes_per_token
         kv_tokens = kv // shape.kv_bytes_per_token
         sync = 0
-        phases = {"generate": base + kv + r.batch_size * shape.vocab * 4, "update": base + train}
+        phases = {"generate": base + kv + r.batch_size * shape.vocab * 4 + zero_buf, "update": base + train + zero_buf}
     peak_phase = max(phases, key=lambda k: phases[k])
     peak = phases[peak_phase]
     return Plan(
@@ -412,14 +510,25 @@ def plan_memory(cfg: Config, world_size: int, card_gib: float, shape: ModelShape
         kv_cache_gib=_gib(kv),
         kv_cache_tokens=int(kv_tokens),
         weight_sync_gib=_gib(sync),
+        zero_buffers_gib=_gib(zero_buf),
+        cuda_graphs_gib=_gib(graphs),
+        nccl_gib=_gib(nccl),
+        vllm_sleep_flags=list(flags),
         runtime_gib=_gib(runtime),
+        fragmentation_gib=_gib(margin),
         phases_gib={k: _gib(v) for k, v in phases.items()},
         peak_phase=peak_phase,
         peak_gib=_gib(peak),
         card_gib=round(card_gib, 3),
-        fits=peak <= card and not notes,
+        fits=peak + margin <= card and not notes,
         notes=notes,
     )
+
+
+def _installed_sleep_flags() -> list[str]:
+    from stapo.core.rollout.vllm import sleep_release_flags
+
+    return sleep_release_flags()
 
 
 # ----------------------------------------------------------------------------- what fits it
@@ -434,7 +543,8 @@ def _knobs(cfg: Config, plan: Plan, card_gib: float) -> list[str]:
     if t.backend == "deepspeed" and t.zero_stage < 3:
         out.append("trainer.zero_stage=3")
     if r.engine == "vllm":
-        spare = card_gib - plan.model_states_gib - plan.reference_gib - plan.runtime_gib
+        spare = (card_gib - plan.model_states_gib - plan.reference_gib - plan.runtime_gib - plan.nccl_gib
+                 - plan.fragmentation_gib)
         share = math.floor(20 * spare / card_gib) / 20  # in steps of 0.05
         if plan.vllm_weights_gib < share * card_gib < r.vllm.gpu_memory_utilization * card_gib:
             out.append(f"rollout.vllm.gpu_memory_utilization={share:.2f}")
@@ -456,10 +566,12 @@ def _with(cfg: Config, overrides: list[str]) -> Config:
 
 
 def plan_run(cfg: Config, world_size: int, card_gib: float, shape: ModelShape | None = None, *,
-             cuda: bool = True) -> Plan:
+             cuda: bool = True, sleep_flags: list[str] | None = None) -> Plan:
     """:func:`plan_memory`, and when it does not fit, the knobs (``--set`` overrides) that fit it."""
     shape = shape or model_shape(cfg.model)
-    plan = plan_memory(cfg, world_size, card_gib, shape, cuda=cuda)
+    if sleep_flags is None:
+        sleep_flags = _installed_sleep_flags() if cfg.rollout.engine == "vllm" else []
+    plan = plan_memory(cfg, world_size, card_gib, shape, cuda=cuda, sleep_flags=sleep_flags)
     if plan.fits:
         return plan
     tried: list[str] = []
@@ -468,18 +580,16 @@ def plan_run(cfg: Config, world_size: int, card_gib: float, shape: ModelShape | 
         if knob.split("=")[0] in {k.split("=")[0] for k in tried}:  # a smaller value of the same knob
             tried = [k for k in tried if k.split("=")[0] != knob.split("=")[0]]
         tried.append(knob)
-        trial = plan_memory(_with(cfg, tried), world_size, card_gib, shape, cuda=cuda)
+        trial = plan_memory(_with(cfg, tried), world_size, card_gib, shape, cuda=cuda, sleep_flags=sleep_flags)
         if trial.fits:
             for k in tried[:-1]:  # drop the earlier settings the last one makes unnecessary
                 fewer = [x for x in tried if x != k]
-                smaller = plan_memory(_with(cfg, fewer), world_size, card_gib, shape, cuda=cuda)
+                smaller = plan_memory(_with(cfg, fewer), world_size, card_gib, shape, cuda=cuda,
+                                      sleep_flags=sleep_flags)
                 if smaller.fits:
                     tried, trial = fewer, smaller
-            sets = " ".join(f"--set {k}" for k in tried)
-            plan.fix = f"fits with {sets} (peak {trial.peak_gib:.1f} GiB)"
+            plan.fix, plan.fix_peak_gib = list(tried), trial.peak_gib
             return plan
-    plan.fix = ("no single setting fits it: more GPUs (--world-size), a larger card, or shorter "
-                "sequences (rollout.max_new_tokens, data.max_prompt_tokens)")
     return plan
 
 

@@ -75,11 +75,6 @@ def group_utility(p: float) -> float:
     return math.sqrt(p * (1.0 - p))
 
 
-def _seed(*parts: int) -> int:
-    digest = hashlib.sha256(",".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
 def _gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj`` (rank order); ``[obj]`` in a single process."""
     import torch.distributed as dist
@@ -226,7 +221,7 @@ class GoldilocksSampler(_Recorder):
         self.train_steps, self.train_batch_size = train_steps, train_batch_size
         self.seed = seed
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_seed(seed, 0x601D))
+            torch.manual_seed(derive_seed(seed, 0x601D))
             self.head = _Head(dim, hidden_size)
         self.opt = torch.optim.Adam(self.head.parameters(), lr=lr)
         self.buffer: deque[tuple[int, float]] = deque(maxlen=buffer_size)
@@ -263,7 +258,7 @@ class GoldilocksSampler(_Recorder):
     def select(self, step: int, round_: int, per_step: int) -> list[int]:
         t0 = time.perf_counter()
         base = self.uniform.select(step, round_, per_step)
-        rng = np.random.default_rng(_seed(self.seed, step, round_, 0x5E1))
+        rng = np.random.default_rng(derive_seed(self.seed, step, round_, 0x5E1))
         greedy = rng.random(per_step) >= self.epsilon  # [per_step]
         out = list(base)
         if greedy.any():
@@ -313,7 +308,7 @@ class GoldilocksSampler(_Recorder):
         if not self.buffer or not self.train_steps:
             return float("nan")
         items = list(self.buffer)
-        g = torch.Generator().manual_seed(_seed(self.seed, step, 0x7EA))
+        g = torch.Generator().manual_seed(derive_seed(self.seed, step, 0x7EA))
         losses = []
         self.head.train()
         for _ in range(self.train_steps):

@@ -27,7 +27,7 @@ Extraction policy (which candidate is the answer when a response has several; do
    stops inside a math span or a brace ("By the theorem, $c^2 = 6", cut at the length limit) and
    the model did not close its turn. Anything else gives
    None, and the grader falls back to math-verify's own extraction (last LaTeX span / last
-   number) -- see ``grader.py`` -- only when the response is *finished* (``response_finished``:
+   number) -- see ``parsing.search_fallback`` -- only when the response is *finished* (``response_finished``:
    the model closed its turn, or the text closes every math delimiter and brace it opens and does
    not stop mid-sentence). A response cut off mid-work ("... Substituting 5 into the second
    equation, we get") has committed to nothing, and the last number it passed through is not its

@@ -11,7 +11,7 @@ What lives here:
   imported once (sympy + ANTLR, ~1 s), with the search oracles installed;
 - the search oracles: while :func:`search` runs with ``oracle=True`` on this thread, the parse
   attempts of math-verify's search are answered "parses" where the string it reports cannot depend
-  on them (``grader._search_fallback`` says why that is exact); every other caller gets the real
+  on them (``parsing.search_fallback`` says why that is exact); every other caller gets the real
   functions.
 
 Written against math-verify 0.9 (``parser.extract_target_from_pred``, ``parser.parse_latex_cached``,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -107,7 +108,7 @@ def join_and_or(s: str) -> str:
     """ "3 and 5", "2 \\text{ or } 3" -> "3, 5", "2, 3": words joining math items make a list, so the
     answer is read as the list it is (never searched for its last number)."""
     if ("and" not in s and "or" not in s) or _INEQUALITY_RE.search(s):
-        return s  # "x > 1 and x < 5": the connective decides the set (grader._inequalities_as_intervals)
+        return s  # "x > 1 and x < 5": the connective decides the set (rules.structure.inequalities_as_intervals)
     return _AND_OR_RE.sub(", ", s)
 
 
@@ -331,28 +332,45 @@ def numbers_equal(gold: Num, pred: Num) -> bool:
 _OPEN_TO_CLOSE = {"(": ")", "[": "]", "{": "}"}
 
 
-def split_top_level(s: str, sep: str = ",") -> list[str]:
-    """Split on ``sep`` outside (), [], {} (``\\{``/``\\left(`` included): ``(1,2), 3`` -> [``(1,2)``, ``3``]."""
-    parts: list[str] = []
+def bracket_depths(s: str) -> Iterator[tuple[str, int]]:
+    """(token, nesting depth after it) along ``s``: a token is one character, or LaTeX's escaped
+    brace ``\\{`` / ``\\}`` (two characters), which nests like (), [] and {}."""
     depth = 0
-    cur: list[str] = []
     i = 0
     while i < len(s):
         c = s[i]
         if c == "\\" and i + 1 < len(s) and s[i + 1] in "{}":
             depth += 1 if s[i + 1] == "{" else -1
-            cur.append(s[i : i + 2])
+            yield s[i : i + 2], depth
             i += 2
             continue
         if c in "([{":
             depth += 1
         elif c in ")]}":
             depth -= 1
-        if c == sep and depth == 0:
+        yield c, depth
+        i += 1
+
+
+def split_top_level(s: str, sep: str = ",") -> list[str]:
+    """Split on ``sep`` outside (), [], {} (``\\{``/``\\left(`` included): ``(1,2), 3`` -> [``(1,2)``, ``3``]."""
+    parts: list[str] = []
+    cur: list[str] = []
+    for token, depth in bracket_depths(s):
+        if token == sep and depth == 0:
             parts.append("".join(cur))
             cur = []
         else:
-            cur.append(c)
-        i += 1
+            cur.append(token)
     parts.append("".join(cur))
     return [p.strip() for p in parts]
+
+
+def balanced(s: str) -> bool:
+    """Does every bracket of ``s`` close, and none close before it opens? (An escaped brace
+    ``\\}`` that closes too early is caught by the next character or the final count.)"""
+    depth = 0
+    for token, depth in bracket_depths(s):
+        if len(token) == 1 and depth < 0:
+            return False
+    return depth == 0

@@ -46,9 +46,10 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import pebble
+from pydantic import Field
 
 from stapo.verifier_service.cache import Memo
 from stapo.verifier_service.grader import Verdict
@@ -58,6 +59,16 @@ from stapo.verifier_service.schemas import VerifyItem, as_item
 log = logging.getLogger("stapo.verifier_service.pool")
 
 MAX_RESTART_BACKOFF_S = 60.0
+
+
+def default_workers() -> int:
+    """One worker per core this process may run on (cgroup/affinity aware where the OS says)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 TICK_S = 0.05
 """How often request budgets and workers are looked at while work is pending."""
 FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(Verdict)))
@@ -209,32 +220,128 @@ class GraderPool:
 
     def __init__(
         self,
-        workers: int | None = None,
-        deadline_s: float = 5.0,
+        workers: Annotated[
+            int | None, Field(ge=1, le=256, description="Grading worker processes (default: one per core).")
+        ] = None,
+        deadline_s: Annotated[
+            float,
+            Field(
+                gt=0,
+                le=600,
+                description="Hard wall-clock limit per item; an overrunning worker is killed and the item "
+                "answers 'timeout'.",
+            ),
+        ] = 5.0,
         *,
-        max_prediction_chars: int = 100_000,
-        max_gold_chars: int = 10_000,
-        cache_size: int = 65_536,
-        cache_max_mb: float = 64.0,
-        verdict_cache: bool = True,
-        inline_verdicts: bool = True,
-        max_pending_items: int = 200_000,
-        max_queue_s: float = 60.0,
-        retry_deadline_factor: float = 2.0,
-        start_method: str = "forkserver",
-        worker_memory_mb: int = 0,
-        worker_max_items: int = 50_000,
-        worker_max_rss_mb: int = 1024,
-        startup_timeout_s: float = 60.0,
-        crash_retries: int = 1,
-        max_start_failures: int = 5,
-        warmup: bool = True,
+        max_prediction_chars: Annotated[
+            int, Field(ge=1, description="A longer prediction answers status 'too_large' without reaching a worker.")
+        ] = 100_000,
+        max_gold_chars: Annotated[
+            int, Field(ge=1, description="A longer gold answer answers status 'too_large' without reaching a worker.")
+        ] = 10_000,
+        cache_size: Annotated[
+            int,
+            Field(
+                ge=0,
+                description="Entries remembered per cache (results by item, verdicts by extracted answer); 0 = off.",
+            ),
+        ] = 65_536,
+        cache_max_mb: Annotated[
+            float, Field(ge=0, description="Memory bound of the result caches together, in MiB (estimated bytes).")
+        ] = 64.0,
+        verdict_cache: Annotated[
+            bool,
+            Field(
+                description="Extract answers in the server process and reuse verdicts by (mode, gold, answer): "
+                "a repeated final answer skips the workers."
+            ),
+        ] = True,
+        inline_verdicts: Annotated[
+            bool,
+            Field(
+                description="Decide in the server process the verdicts that need only string and exact-number "
+                "tests on short answers (integer golds, equal strings, DAPO's string rule): no worker round "
+                "trip. Needs verdict_cache."
+            ),
+        ] = True,
+        max_pending_items: Annotated[
+            int, Field(ge=1, description="Hard cap on items queued in the pool; past it new requests get 429.")
+        ] = 200_000,
+        max_queue_s: Annotated[
+            float,
+            Field(
+                gt=0,
+                description="Admission bound in work: when the queued items' estimated grading time (items x "
+                "recent per-item time of their mode / workers) would exceed it, a request gets 429 with a "
+                "Retry-After from the estimate.",
+            ),
+        ] = 60.0,
+        retry_deadline_factor: Annotated[
+            float,
+            Field(
+                ge=1.0,
+                le=10.0,
+                description="An item that timed out recently gets this many deadlines on its next try (a retry).",
+            ),
+        ] = 2.0,
+        start_method: Annotated[
+            Literal["forkserver", "spawn"],
+            Field(
+                description="How workers start. Both are safe under uvicorn's threads; forkserver restarts a "
+                "killed worker in ms."
+            ),
+        ] = "forkserver",
+        worker_memory_mb: Annotated[
+            int, Field(ge=0, description="Address-space limit per worker in MiB (RLIMIT_AS); 0 leaves it unlimited.")
+        ] = 0,
+        worker_max_items: Annotated[
+            int, Field(ge=0, description="Recycle a worker after grading this many items (0: never).")
+        ] = 50_000,
+        worker_max_rss_mb: Annotated[
+            int,
+            Field(
+                ge=0,
+                description="Replace the workers once one's resident memory exceeds this after a task (MiB; 0: "
+                "never); items still running are graded again.",
+            ),
+        ] = 1024,
+        startup_timeout_s: Annotated[
+            float,
+            Field(
+                gt=0,
+                description="Time without any ready worker (at start, or after the last ready one died) before "
+                "the pool reports itself broken and tries again after a backoff.",
+            ),
+        ] = 60.0,
+        crash_retries: Annotated[
+            int,
+            Field(
+                ge=0,
+                description="How many times an item whose worker died under it is graded again before it "
+                "answers 'error'.",
+            ),
+        ] = 1,
+        max_start_failures: Annotated[
+            int,
+            Field(
+                ge=0,
+                description="Workers that may die in a row while starting before the pool reports itself "
+                "broken and tries again after a backoff.",
+            ),
+        ] = 5,
+        warmup: Annotated[
+            bool,
+            Field(
+                description="Each worker (or the fork server it is forked from) grades a few items before its "
+                "first task, so no item's deadline pays for loading math-verify and sympy."
+            ),
+        ] = True,
     ) -> None:
+        """Each keyword's meaning is its ``Field`` description; the service's settings
+        (``settings.py``) are read from this signature, one ``STAPO_VERIFIER_<NAME>`` variable each."""
         if rerunning_main():
             raise RuntimeError(GUARD_MESSAGE)
         if workers is None:
-            from stapo.verifier_service.settings import default_workers
-
             workers = default_workers()
         for name, ok in (
             ("workers", workers >= 1),

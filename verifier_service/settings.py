@@ -8,109 +8,63 @@ token (``STAPO_VERIFIER_TOKEN``) unless ``--allow-unauthenticated`` says so.
 
     from stapo.verifier_service.settings import Settings
     s = Settings(workers=2, deadline_s=2.0)     # keyword arguments win over the environment
+
+The pool's settings are not written here: :class:`PoolSettings` is read from the signature of
+:class:`~stapo.verifier_service.pool.GraderPool` (each keyword's type, bounds, description and
+default), so a pool keyword is a setting (``STAPO_VERIFIER_<KEYWORD>``) as soon as it exists.
+:class:`Settings` adds what only the HTTP service has (address, request limits, token, logging).
 """
 
 from __future__ import annotations
 
-import os
+import inspect
+import typing
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, create_model, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from stapo.verifier_service.pool import GraderPool, default_workers
 
-def default_workers() -> int:
-    """One worker per core this process may run on (cgroup/affinity aware where the OS says)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+__all__ = ["POOL_KEYWORDS", "PoolSettings", "Settings", "default_workers"]
 
 
-class Settings(BaseSettings):
-    """The service's knobs; each description says what it changes."""
-
+class _Env(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="STAPO_VERIFIER_", extra="ignore", frozen=True)
+
+
+def _pool_fields() -> dict[str, tuple[Any, Any]]:
+    """name -> (annotation with its ``Field`` bounds and description, default) of every keyword of
+    ``GraderPool.__init__``."""
+    hints = typing.get_type_hints(GraderPool.__init__, include_extras=True)
+    params = inspect.signature(GraderPool.__init__).parameters
+    return {name: (hints[name], p.default) for name, p in params.items() if name != "self"}
+
+
+POOL_KEYWORDS: tuple[str, ...] = tuple(_pool_fields())
+"""The keywords of ``GraderPool``, in its signature's order: each is a setting of the same name."""
+
+PoolSettings = create_model("PoolSettings", __base__=_Env, __doc__="GraderPool's keywords.", **_pool_fields())
+"""The pool's keywords as settings (``STAPO_VERIFIER_DEADLINE_S`` for ``deadline_s``), with the
+pool's own defaults, bounds and descriptions."""
+
+
+class Settings(PoolSettings):  # type: ignore[valid-type, misc]
+    """The service's knobs: the pool's (:class:`PoolSettings`) and the HTTP server's; each
+    description says what it changes."""
 
     host: str = Field("127.0.0.1", description="Interface to bind. Loopback unless told otherwise.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0 picks a free one).")
-    workers: int = Field(
-        default_factory=default_workers,
-        ge=1,
-        le=256,
-        description="Grading worker processes (default: one per core).",
-    )
-    deadline_s: float = Field(
-        5.0,
-        gt=0,
-        le=600,
-        description="Hard wall-clock limit per item; an overrunning worker is killed and the item answers 'timeout'.",
-    )
     max_items: int = Field(4096, ge=1, description="Most items in one request; more is answered 413.")
-    max_prediction_chars: int = Field(
-        100_000, ge=1, description="A longer prediction answers status 'too_large' without reaching a worker."
-    )
-    max_gold_chars: int = Field(
-        10_000, ge=1, description="A longer gold answer answers status 'too_large' without reaching a worker."
-    )
     max_body_bytes: int = Field(
         16 * 1024 * 1024,
         ge=1024,
         description="Largest request body; checked on Content-Length and while reading.",
     )
-    max_pending_items: int = Field(
-        200_000, ge=1, description="Hard cap on items queued in the pool; past it new requests get 429."
-    )
-    max_queue_s: float = Field(
-        60.0,
-        gt=0,
-        description="Admission bound in work: when the queued items' estimated grading time (items x recent "
-        "per-item time of their mode / workers) would exceed it, a request gets 429 with a Retry-After from "
-        "the estimate.",
-    )
     limit_concurrency: int | None = Field(
         None,
         ge=1,
         description="Most concurrent connections/requests uvicorn serves before answering 503 (None: no limit).",
-    )
-    retry_deadline_factor: float = Field(
-        2.0,
-        ge=1.0,
-        le=10.0,
-        description="An item that timed out recently gets this many deadlines on its next try (a retry).",
-    )
-    cache_size: int = Field(
-        65_536,
-        ge=0,
-        description="Entries remembered per cache (results by item, verdicts by extracted answer); 0 = off.",
-    )
-    cache_max_mb: float = Field(
-        64.0, ge=0, description="Memory bound of the result caches together, in MiB (estimated bytes)."
-    )
-    verdict_cache: bool = Field(
-        True,
-        description="Extract answers in the server process and reuse verdicts by (mode, gold, answer): "
-        "a repeated final answer skips the workers.",
-    )
-    inline_verdicts: bool = Field(
-        True,
-        description="Decide in the server process the verdicts that need only string and exact-number "
-        "tests on short answers (integer golds, equal strings, DAPO's string rule): no worker round trip. "
-        "Needs verdict_cache.",
-    )
-    worker_max_items: int = Field(
-        50_000, ge=0, description="Recycle a worker after grading this many items (0: never)."
-    )
-    worker_max_rss_mb: int = Field(
-        1024, ge=0, description="Replace the workers once one's resident memory exceeds this after a task (MiB; 0: never); "
-        "items still running are graded again."
-    )
-    start_method: Literal["forkserver", "spawn"] = Field(
-        "forkserver",
-        description="How workers start. Both are safe under uvicorn's threads; forkserver restarts a killed worker in ms.",
-    )
-    worker_memory_mb: int = Field(
-        0, ge=0, description="Address-space limit per worker in MiB (RLIMIT_AS); 0 leaves it unlimited."
     )
     token: SecretStr | None = Field(
         None,
@@ -145,6 +99,12 @@ class Settings(BaseSettings):
         description="Serve on a non-loopback address without a token (refused otherwise).",
     )
 
+    @field_validator("workers")
+    @classmethod
+    def _default_workers(cls, v: int | None) -> int:
+        """No value: one worker per core, as the pool would pick (the settings report the number)."""
+        return default_workers() if v is None else v
+
     @field_validator("token", mode="before")
     @classmethod
     def _empty_token_is_none(cls, v: object) -> object:
@@ -163,20 +123,4 @@ class Settings(BaseSettings):
 
     def pool_kwargs(self) -> dict[str, Any]:
         """The :class:`~stapo.verifier_service.pool.GraderPool` arguments these settings configure."""
-        return {
-            "workers": self.workers,
-            "deadline_s": self.deadline_s,
-            "max_prediction_chars": self.max_prediction_chars,
-            "max_gold_chars": self.max_gold_chars,
-            "cache_size": self.cache_size,
-            "max_pending_items": self.max_pending_items,
-            "max_queue_s": self.max_queue_s,
-            "retry_deadline_factor": self.retry_deadline_factor,
-            "cache_max_mb": self.cache_max_mb,
-            "verdict_cache": self.verdict_cache,
-            "inline_verdicts": self.inline_verdicts,
-            "worker_max_items": self.worker_max_items,
-            "worker_max_rss_mb": self.worker_max_rss_mb,
-            "start_method": self.start_method,
-            "worker_memory_mb": self.worker_memory_mb,
-        }
+        return {name: getattr(self, name) for name in POOL_KEYWORDS}

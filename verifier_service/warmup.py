@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 
 from stapo.verifier_service.grader import grade
+from stapo.verifier_service.parsing import sympy_parse
 
 WARMUP_ITEMS: tuple[tuple[str, str, str], ...] = (
     ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", "math"),
@@ -43,12 +44,10 @@ def warm() -> None:
     for pred, gold, mode in WARMUP_ITEMS:
         with contextlib.suppress(Exception):
             grade(pred, gold, mode)
-    from stapo.verifier_service.grader import _sympy_parse
-
     for latex in WARMUP_LATEX:
         with contextlib.suppress(Exception):
-            _sympy_parse(latex, False)
-    _sympy_parse.cache_clear()  # keep the tables, not the answers
+            sympy_parse(latex, False)
+    sympy_parse.cache_clear()  # keep the tables, not the answers
 
 
 warm()

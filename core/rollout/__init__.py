@@ -88,7 +88,6 @@ def build_rollout_engine(
             enforce_eager=opts.enforce_eager,
             max_model_len=opts.max_model_len or cfg.data.max_prompt_tokens + max_new,
             trust_remote_code=cfg.model.trust_remote_code,
-            per_request_seeds=opts.per_request_seeds,
         )
     if name == "vllm_server":
         srv = cfg.rollout.server

@@ -24,7 +24,8 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Completion", "FinishReason", "RolloutEngine", "SamplingParams", "check_prompts", "fill_greedy_group"]
+__all__ = ["Completion", "FinishReason", "RolloutEngine", "SamplingParams", "check_prompts", "fill_greedy_group",
+           "request_seeds"]
 
 FinishReason = Literal["stop", "length"]
 
@@ -124,6 +125,22 @@ def check_prompts(prompt_token_ids: list[list[int]], *, vocab_size: int | None =
             ):
                 bound = f" < vocab size {vocab_size}" if vocab_size is not None else ""
                 raise ValueError(f"prompt_token_ids[{i}] holds {t!r}; token ids must be ints >= 0{bound}")
+
+
+def request_seeds(call_seed: int | None, n_prompts: int, n: int) -> list[int | None]:
+    """The seed of each prompt's request in a call seeded ``call_seed``: ``call_seed + p * n`` (mod 2^31).
+
+    vLLM seeds sample ``i`` of a request with ``seed + i`` (its ``n > 1`` requests fan out into n
+    seeded children), and its sampling noise depends only on that seed and the position. Stepping
+    the prompts ``n`` apart therefore gives every sample of a call its own stream: prompt ``p``'s G
+    samples take ``call_seed + p*n + i``, none shared with another prompt of the call. The call seed
+    itself is ``derive_seed(seed, step, round, rank)`` (:func:`stapo.core.rollouts.rollout_and_grade`),
+    so ranks and steps differ by a hash while a rerun draws the same seeds. ``None`` stays ``None``
+    (an unseeded call: the engine's own random state).
+    """
+    if call_seed is None:
+        return [None] * n_prompts
+    return [(call_seed + p * n) % 2**31 for p in range(n_prompts)]
 
 
 def fill_greedy_group(group: list[Completion], n: int, copies: int) -> list[Completion]:

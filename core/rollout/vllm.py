@@ -18,11 +18,14 @@ How it runs (the colocated recipe of TRL's ``vllm_mode="colocate"`` and verl, wi
   ``[g*tp, (g+1)*tp)`` form tensor-parallel group ``g`` (one node): every rank of a group must
   submit the same requests, so :meth:`generate` gathers the group's prompts, generates them all and
   keeps its own share, as TRL does.
-- **Seeds.** One seed per engine: ``seed + g`` for tensor-parallel group ``g`` (the ranks of a group
-  sample identically, groups differ). Requests carry no seed — a per-request seed sends vLLM down
-  its slower per-request generator path — unless ``per_request_seeds`` asks for per-sample
-  reproducibility (``rollout.vllm.per_request_seeds``); then vLLM gives the i-th of the n samples
-  the seed ``seed + i``.
+- **Seeds.** Every request carries its own seed (:func:`~stapo.core.rollout.base.request_seeds`):
+  prompt ``p`` of a call seeded ``s`` gets ``s + p*n``, and vLLM gives its sample ``i`` the seed
+  ``s + p*n + i``, so no two samples of a call share a noise stream. The loop's call seed is
+  ``derive_seed(seed, step, round, rank)``: ranks sample the same prompt differently and a rerun
+  samples the same. An unseeded request would not do: vLLM's V2 runner (the CUDA default in 0.32 /
+  0.33, ``v1/worker/gpu/sample/states.py``) draws its seed from the process-wide NumPy RNG, which
+  the loop reseeds identically on every rank. The engine's own seed (``seed + g`` for
+  tensor-parallel group ``g``) only seeds vLLM's start-up.
 - **Weight sync, streamed.** :meth:`load_weights` hands the learner's stream of HF-named tensors
   (the DeepSpeed backend gathers them one parameter or bucket at a time under ZeRO-3) to the
   worker's ``reload_weights`` (``LLM.collective_rpc``) as an iterator: vLLM copies each tensor into
@@ -34,8 +37,11 @@ How it runs (the colocated recipe of TRL's ``vllm_mode="colocate"`` and verl, wi
   :func:`_refresh_cpu_tied_heads`). There is no out-of-process engine here (the external launcher
   requires the in-process one), so no tensors are ever pickled to another process.
 - **Sleep mode.** The loop calls :meth:`sleep` once a step, right before the update:
-  ``llm.sleep(level=2)`` drops the weights and the KV cache (level 2: nothing is copied to host
-  memory — the weights are about to be replaced anyway). The sync after the update then runs
+  ``llm.sleep(level=2)`` drops the weights and the KV cache (level 2: the weights are not kept, they
+  are about to be replaced anyway; vLLM still copies its named buffers to the host). Where the
+  installed vLLM has them (0.33), ``sleep_mode_offload_cudagraph`` and ``enable_nccl_comm_suspend``
+  are set too, so the sleep also gives back the CUDA-graph pool and the communicators' buffers
+  (:func:`sleep_release_flags`; both default off in vLLM). The sync after the update then runs
   ``torch.cuda.empty_cache()``, ``wake_up(tags=["weights"])``, streams every tensor in,
   ``empty_cache()`` again and ``wake_up(tags=["kv_cache"])``, so the KV cache is allocated only once the
   sync's buckets are gone. Generation, dynamic-sampling rounds and validation then run awake; a
@@ -84,9 +90,10 @@ from stapo.core.rollout.base import (
     check_prompts,
     fill_greedy_group,
     prefixed_prompts,
+    request_seeds,
 )
 
-__all__ = ["VLLMRolloutEngine", "INSTALL_HINT", "own_share"]
+__all__ = ["VLLMRolloutEngine", "INSTALL_HINT", "own_share", "sleep_release_flags"]
 
 INSTALL_HINT = "the vllm rollout engine needs vLLM: pip install 'stapo[vllm]' (or set rollout.engine=hf)"
 
@@ -99,6 +106,26 @@ def _import_vllm() -> Any:
     except ImportError as err:
         raise ImportError(f"{INSTALL_HINT} ({err})") from err
     return vllm
+
+
+# vLLM engine arguments that make a level-2 sleep free more: the CUDA-graph pool (offloaded to the host
+# and mapped back at wake) and the NCCL communicators (suspended). Both default off in vLLM 0.33's
+# ``config/model.py``; older vLLMs have neither, and their sleep keeps both.
+SLEEP_RELEASE_FLAGS = ("sleep_mode_offload_cudagraph", "enable_nccl_comm_suspend")
+
+
+def sleep_release_flags() -> list[str]:
+    """The flags of :data:`SLEEP_RELEASE_FLAGS` that the installed vLLM's ``EngineArgs`` accepts
+    (none without vLLM): the engine sets them with sleep mode, and the memory plan charges the update
+    with what a sleep without them keeps (:mod:`stapo.core.plan`)."""
+    import dataclasses
+
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except Exception:  # not installed, or beside a torch it was not built for
+        return []
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    return [flag for flag in SLEEP_RELEASE_FLAGS if flag in names]
 
 
 def _refresh_cpu_tied_heads(model: torch.nn.Module) -> int:
@@ -158,7 +185,7 @@ class VLLMRolloutEngine:
     ``model_path``: HF-format folder or hub id. ``tokenizer``: decodes ``text`` and supplies the eos
     (default: vLLM's own tokenizer of ``model_path``). ``dtype``: ``auto`` / ``float32`` /
     ``bfloat16`` / ``float16``. ``seed``: the base seed; the engine of tensor-parallel group ``g``
-    uses ``seed + g``. ``per_request_seeds``: pass each call's ``SamplingParams.seed`` to vLLM.
+    uses ``seed + g`` at start-up; each request carries its own seed (module docstring, "Seeds").
     ``external_launcher``: build with vLLM's ``external_launcher`` executor (None: when this process
     is one of several ranks of an initialized ``torch.distributed`` group). ``sleep_level``: 2 drops
     the weights while asleep (the next :meth:`load_weights` pushes every tensor), 1 keeps a host copy.
@@ -178,7 +205,6 @@ class VLLMRolloutEngine:
         enforce_eager: bool = False,
         max_model_len: int | None = None,
         trust_remote_code: bool = False,
-        per_request_seeds: bool = False,
         external_launcher: bool | None = None,
         sleep_level: int = 2,
         extra: dict[str, Any] | None = None,
@@ -194,7 +220,6 @@ class VLLMRolloutEngine:
         self._vllm = vllm
         self.model_path = str(model_path)
         self.sleep_level = sleep_level
-        self.per_request_seeds = per_request_seeds
         self.sleep_supported = bool(enable_sleep_mode and current_platform.is_sleep_mode_available())
         rank, world = _dist_rank_world()
         if external_launcher is None:
@@ -216,6 +241,8 @@ class VLLMRolloutEngine:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        if self.sleep_supported:  # a sleep that frees the CUDA-graph pool and the NCCL buffers too
+            kwargs.update({flag: True for flag in sleep_release_flags()})
         kwargs.update(extra or {})
         self.llm_kwargs = kwargs
         # An in-process vLLM seeds the global RNGs of this process with `seed`; keep the learner's
@@ -248,14 +275,15 @@ class VLLMRolloutEngine:
 
     # ----------------------------------------------------------------------------- generation
 
-    def _sampling_params(self, sampling: SamplingParams, *, n: int) -> Any:
+    def _sampling_params(self, sampling: SamplingParams, *, n: int, seed: int | None) -> Any:
+        """One request's vLLM ``SamplingParams``: ``n`` samples seeded ``seed, seed + 1, ...``."""
         return self._vllm.SamplingParams(
             n=n,
             temperature=sampling.temperature,
             top_p=1.0 if sampling.greedy else sampling.top_p,
             top_k=0,
             max_tokens=sampling.max_new_tokens,
-            seed=sampling.seed if self.per_request_seeds else None,
+            seed=seed,
             logprobs=0 if sampling.logprobs else None,
             stop_token_ids=[] if sampling.ignore_eos else list(self.eos_token_ids),
             ignore_eos=sampling.ignore_eos,
@@ -275,8 +303,8 @@ class VLLMRolloutEngine:
 
         shares = [list(prompt_token_ids)]
         if self.tp_group is not None:
-            # the group's engines must see the same requests: every rank's prompts, and (per-request
-            # seeds) the group's first rank's seed
+            # the group's engines must see the same requests: every rank's prompts and the group's
+            # first rank's call seed (the requests' seeds follow from it)
             import torch.distributed as dist
 
             gathered: list[Any] = [None] * self.tp_size
@@ -288,7 +316,9 @@ class VLLMRolloutEngine:
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for share in shares for p in share]
         # vLLM rejects n > 1 with greedy decoding; greedy samples are identical, so sample once and copy.
         copies = 1 if sampling.greedy else sampling.n
-        outputs = self.llm.generate(prompts, self._sampling_params(sampling, n=copies), use_tqdm=False)
+        params = [self._sampling_params(sampling, n=copies, seed=seed)
+                  for seed in request_seeds(sampling.seed, len(prompts), copies)]  # one per request
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
         if self.tp_group is not None:
             outputs = own_share(outputs, [len(x) for x in shares], self.tp_rank)
         groups = []

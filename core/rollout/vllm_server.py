@@ -8,10 +8,11 @@ stapo's verifier already does. This engine is a client of such servers; the loop
 **Generation** goes through vLLM's OpenAI-compatible completions API, ``POST /v1/completions``, one
 request per prompt: the prompt as token ids (``prompt: [ids]``), ``n`` samples, ``logprobs: 0``
 (the sampled token's log-prob only) and vLLM's ``return_token_ids: true`` (the sampled token ids, so
-no decode -> re-encode round trip sits between the sampler and the loss). Every request carries the
-call's seed, as the colocated engine passes one seed for the whole batch (vLLM seeds sample i of a
-request with ``seed + i``), explicit ``temperature`` / ``top_p`` / ``top_k: 0`` and the eos ids as
-``stop_token_ids``. Served with ``--logprobs-mode processed_logprobs --generation-config vllm`` (what
+no decode -> re-encode round trip sits between the sampler and the loss). Every request carries its
+own seed, as the colocated engine's do (:func:`~stapo.core.rollout.base.request_seeds`: prompt ``p``
+of a call seeded ``s`` gets ``s + p*n``, and vLLM seeds its sample ``i`` with ``s + p*n + i``, so no two
+samples of a call share a stream), explicit ``temperature`` / ``top_p`` / ``top_k: 0`` and the eos ids
+as ``stop_token_ids``. Served with ``--logprobs-mode processed_logprobs --generation-config vllm`` (what
 ``stapo rollout serve`` passes), the log-probs and sampling rule are those of the colocated engine
 (see :mod:`stapo.core.rollout.vllm`).
 
@@ -45,8 +46,11 @@ raises. Two ways to move the weights:
   ``--weight-transfer-config '{"backend": "nccl"}'``): one NCCL group of learner rank 0 and the
   server's workers, parameters broadcast in packed buckets as ZeRO-3 gathers them. vLLM 0.32's
   trainer engine puts the server's workers at ranks 1.. of that group, so this path takes one
-  server (its tensor-parallel workers included); several servers use ``checkpoint``. Written
-  against vLLM 0.32's public API; not run on this project's machines (no GPU).
+  server (its tensor-parallel workers included); several servers use ``checkpoint``. The learner's
+  parameters reach it as a ``WeightSource`` written against the installed vLLM's base class
+  (:func:`weight_source_class`: 0.33's ``metadata`` cached property and ``iter_full()``, or 0.32's
+  methods). Not run on this project's machines (no GPU); tests/unit/test_weight_source.py checks the
+  class against 0.33's contract the way its base class does (vLLM cannot be imported there).
 
 Those endpoints exist only with ``VLLM_SERVER_DEV_MODE=1`` on the server (vLLM 0.32: ``/collective_rpc``,
 ``/reset_prefix_cache``, ``/sleep``, ``/wake_up`` and the RL routes ``/pause``, ``/resume``,
@@ -69,6 +73,8 @@ Usage::
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import random
@@ -86,7 +92,7 @@ from typing import Any
 import httpx
 import torch
 
-from stapo.core.rollout.base import Completion, SamplingParams, check_prompts, prefixed_prompts
+from stapo.core.rollout.base import Completion, SamplingParams, check_prompts, prefixed_prompts, request_seeds
 
 __all__ = [
     "RolloutRequestError",
@@ -95,6 +101,7 @@ __all__ = [
     "ServerPool",
     "ServerRolloutEngine",
     "completion_request",
+    "weight_source_class",
     "parse_choices",
     "write_safetensors_shards",
 ]
@@ -173,9 +180,11 @@ class ServerPool:
 
 
 def completion_request(
-    prompt: list[int], sampling: SamplingParams, *, n: int, eos_token_ids: Sequence[int], model: str | None
+    prompt: list[int], sampling: SamplingParams, *, n: int, eos_token_ids: Sequence[int], model: str | None,
+    seed: int | None,
 ) -> dict[str, Any]:
-    """The ``/v1/completions`` body for one prompt and ``n`` samples (vLLM 0.32's ``CompletionRequest``)."""
+    """The ``/v1/completions`` body for one prompt and ``n`` samples seeded ``seed, seed + 1, ...``
+    (vLLM's ``CompletionRequest``)."""
     body: dict[str, Any] = {
         "prompt": list(prompt),
         "n": n,
@@ -189,8 +198,8 @@ def completion_request(
         "ignore_eos": sampling.ignore_eos,
         "skip_special_tokens": True,
     }
-    if sampling.seed is not None:
-        body["seed"] = sampling.seed
+    if seed is not None:
+        body["seed"] = seed
     if model is not None:
         body["model"] = model
     return body
@@ -367,10 +376,12 @@ class ServerRolloutEngine:
         copies = 1 if sampling.greedy else sampling.n
         with self._versions_lock:
             version = self.weight_version
+            seeds = request_seeds(sampling.seed, len(prompt_token_ids), copies)
             futures = [
                 self._workers.submit(self._complete, completion_request(
-                    list(p), sampling, n=copies, eos_token_ids=self.eos_token_ids, model=self.model), copies, version)
-                for p in prompt_token_ids
+                    list(p), sampling, n=copies, eos_token_ids=self.eos_token_ids, model=self.model, seed=seed),
+                    copies, version)
+                for p, seed in zip(prompt_token_ids, seeds, strict=True)
             ]
             groups = [f.result() for f in futures]
         if copies == 1 and sampling.n > 1:
@@ -531,23 +542,13 @@ class ServerRolloutEngine:
         meta = [ParamMeta(name, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
                 for name, p in self.learner.named_parameters()]
 
-        class _Stream(WeightSource):
-            """This push's parameters, as the learner gathers them (read once per push)."""
-
-            stream: Iterable[tuple[str, torch.Tensor]] = ()
-
-            def metadata(self) -> list[ParamMeta]:
-                return meta
-
-            def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-                return iter(self.stream)
-
         if self._nccl is None:
             host, port = str(self.nccl_master).rsplit(":", 1)
             world = 1 + int(self._http.get(f"{url}/get_world_size").json()["world_size"]) if rank == 0 else 1
             info = NCCLTrainerInitInfo(master_address=host, master_port=int(port), world_size=world, rank=rank)
             client = HTTPVLLMWeightSyncClient(url, timeout=self.push_timeout_s)
-            self._nccl = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=_Stream())
+            source = weight_source_class(WeightSource)(meta)
+            self._nccl = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
         self._nccl.source.stream = named_tensors
         self._nccl.send_weights()  # start_weight_update, update_weights || broadcast, finish_weight_update
         if rank == 0:
@@ -623,3 +624,39 @@ def _detail(resp: httpx.Response) -> str:
         return str(err)[:300]
     return str(data)[:300]
 
+
+
+def weight_source_class(base: type) -> type:
+    """Our ``WeightSource`` for the ``nccl`` push, written against the installed vLLM's base class.
+
+    vLLM 0.33's ``weight_transfer/base.py`` declares ``metadata`` as a ``functools.cached_property``
+    and streams the parameters through ``iter_full()``, and refuses at class definition (``TypeError``)
+    a subclass that does otherwise; 0.32's declares a ``metadata()`` method and ``__iter__``. The
+    class follows whichever ``base`` declares (read off the class, nothing instantiated) and offers
+    both iteration names. An instance streams ``stream`` (set before each push: the learner's
+    gathered parameters, read once) and describes them with the ``ParamMeta`` list it was built with
+    (full shapes, known without a gather).
+    """
+    cached = isinstance(inspect.getattr_static(base, "metadata", None), functools.cached_property)
+
+    class ParamStream(base):  # type: ignore[misc, valid-type]
+        stream: Iterable[tuple[str, torch.Tensor]] = ()
+
+        def __init__(self, meta: list[Any]) -> None:
+            self._meta = list(meta)
+
+        if cached:
+            @functools.cached_property
+            def metadata(self) -> list[Any]:
+                return list(self._meta)
+        else:
+            def metadata(self) -> list[Any]:  # type: ignore[no-redef]
+                return list(self._meta)
+
+        def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+            return iter(self.stream)
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            return self.iter_full()
+
+    return ParamStream

@@ -87,7 +87,9 @@ def test_dry_run_installs_the_carried_wheels_and_runs_every_part(tmp_path):
     skipped = [n for n, r in report["parts"].items() if "skipped" in r]
     assert all(report["parts"][n]["skipped"].startswith("needs ~") for n in skipped)
     assert took < BUDGET_S + 60, f"{took:.0f} s"
-    assert report["parts"]["train_resume"]["differences"]["step3"] is None
+    if "train_resume" in ran:  # the lowest-priority measured part: a loaded machine's budget may skip it
+        assert report["parts"]["train_resume"]["differences"]["step3"] is None
+    assert report["parts"]["zero3_train"]["checkpoint"] and report["parts"]["sync_stream"]["ok"]
     files = [f for f in out.rglob("*") if f.is_file()]
     assert len(files) <= 8 and all(f.stat().st_size <= 16 * 2**20 for f in files)
     assert all(len(f.relative_to(out).parts) <= 3 for f in files)

@@ -127,7 +127,7 @@ def test_two_rank_local_term_equals_one_process(two_rank_launch, one_thread):
 
 DEEP = [o for o in OVERRIDES if not o.startswith(("logging.dump_tokens_every", "eval.every", "checkpoint.every"))] + [
     "logging.dump_tokens_every=0", "eval.every=0", "checkpoint.every=0", "trainer.max_steps=2",
-    "algorithm.deep_grpo.enabled=true", "algorithm.deep_grpo.k_branches=2", "algorithm.deep_grpo.max_pivots=1",
+    "algorithm.deep_grpo.enabled=true", "algorithm.deep_grpo.k_branches=4", "algorithm.deep_grpo.max_pivots=1",
     "algorithm.deep_grpo.lambda=1.0",
 ]
 
@@ -149,6 +149,6 @@ def test_two_rank_deep_grpo_stays_in_lockstep(two_rank_launch):
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["deep/pivots"] == 2.0  # one pivot on each rank: the global count
-        assert r["deep/branches"] == 4.0 and r["deep/model_samples"] == 2.0  # any-of-K: one outcome per pivot
+        assert r["deep/branches"] == 8.0 and r["deep/model_samples"] == 2.0  # any-of-K: one outcome per pivot
         assert math.isfinite(r["actor/loss"]) and math.isfinite(r["actor/grad_norm"])
     assert any(r.get("deep/local_tokens", 0.0) > 0 for r in rows), "the local loss never ran"

@@ -103,6 +103,48 @@ UPDATE_PRELUDE = """
 """
 
 
+SEED_PRELUDE = """
+    sys.path.insert(0, {test_dir!r})
+    from test_multirank_loop import same_prompt_samples
+    same_prompt_samples({out!r})
+"""
+
+
+def same_prompt_samples(out: str) -> None:
+    """Step 1's rollout of this rank through the loop's own path (``rollout_and_grade``, hf engine,
+    real grader) on a data set whose every prompt is the first one: both ranks sample the same prompt
+    with nothing but the seed the loop gives each rank to tell them apart. Writes ``<out>.rank<r>.json``."""
+    from types import SimpleNamespace
+
+    from stapo.configs import preset_path
+    from stapo.core.config import load_config
+    from stapo.core.data import encode_prompt, load_prompts
+    from stapo.core.models import load_policy
+    from stapo.core.rewards import RewardFunction
+    from stapo.core.rollout import build_rollout_engine
+    from stapo.core.rollouts import rollout_and_grade
+    from stapo.core.sampler import build_sampler
+
+    cfg = load_config(preset_path("tiny"), TINY_SHAPE)
+    model, tok = load_policy(cfg.model)
+    same = [load_prompts(cfg.data, tok)[0][0]] * 8
+
+    def encode(rec):
+        return encode_prompt(tok, rec.prompt, chat_template=cfg.data.chat_template)
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rewards = RewardFunction(cfg.reward)
+    run = SimpleNamespace(cfg=cfg, engine=build_rollout_engine(cfg, model=model, tokenizer=tok), rewards=rewards,
+                          sampler=build_sampler(cfg, same, encode=encode, model=model), train_prompts=same,
+                          encode=encode, rank=rank, world_size=world)
+    try:
+        seqs, _ = rollout_and_grade(run, 1, 0)
+    finally:
+        rewards.close()
+    with open(f"{out}.rank{rank}.json", "w") as f:
+        json.dump({"prompts": [s.prompt_ids for s in seqs], "responses": [s.response_ids for s in seqs]}, f)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -194,11 +236,14 @@ def loop_runs(tmp_path_factory):
     The resume runs in a fresh launch, as a user's would."""
     tmp = tmp_path_factory.mktemp("loop")
     a, b, updates = tmp / "a", tmp / "b", tmp / "two.pt"
-    prelude = UPDATE_PRELUDE.format(test_dir=os.path.dirname(__file__), runs=UPDATE_RUNS, out=str(updates))
-    seen = run_loop_two_ranks(tmp, a, OVERRIDES + KL_REF, prelude=prelude)
+    here = os.path.dirname(__file__)
+    prelude = UPDATE_PRELUDE.format(test_dir=here, runs=UPDATE_RUNS, out=str(updates))
+    seen = run_loop_two_ranks(tmp, a, OVERRIDES + KL_REF,
+                              prelude=prelude + SEED_PRELUDE.format(test_dir=here, out=str(tmp / "seeds_a")))
     shutil.copytree(a, b)
     shutil.rmtree(b / "checkpoints" / "step_000003")
-    run_loop_two_ranks(tmp, b, OVERRIDES + KL_REF, resume=True)
+    run_loop_two_ranks(tmp, b, OVERRIDES + KL_REF, resume=True,
+                       prelude=SEED_PRELUDE.format(test_dir=here, out=str(tmp / "seeds_b")))
     return {"a": a, "b": b, "seen": seen, "updates": updates, "tmp": tmp}
 
 
@@ -209,6 +254,18 @@ def test_each_rank_reports_its_own_place(loop_runs):
         row = json.loads((loop_runs["a"] / "ranks" / f"rank{r}.json").read_text())
         assert (row["rank"], row["local_rank"], row["world_size"]) == (r, r, 2)
         assert row["device"] == "cpu" and row["backend_device"] == "cpu"
+
+
+def test_ranks_sample_one_prompt_differently_and_a_rerun_reproduces_both(loop_runs):
+    """Rank 0 and rank 1 sample the same prompt in step 1 (SEED_PRELUDE, both launches): the loop's
+    per-rank seed makes their groups differ, and the second launch draws exactly what the first did."""
+    seeds = [[json.loads((loop_runs["tmp"] / f"seeds_{run}.rank{r}.json").read_text()) for r in range(2)]
+             for run in ("a", "b")]
+    (r0, r1), rerun = seeds
+    assert r0["prompts"] == r1["prompts"] and len(r0["responses"]) == 4  # one prompt x n = 4 on each rank
+    assert r0["responses"] != r1["responses"]
+    assert len({tuple(x) for x in r0["responses"]}) > 1  # a group's samples differ too
+    assert rerun == [r0, r1]
 
 
 def test_two_rank_loop_completes_resumes_and_logs_global_metrics(loop_runs):

@@ -106,8 +106,12 @@ def test_requests_spread_over_servers(model, tok):
         # the request is the colocated engine's: token ids in, n samples, sampled log-probs, eos as stop
         body = s1.requests[0]
         assert body["prompt"] == PROMPT and body["n"] == 3 and body["logprobs"] == 0
-        assert body["return_token_ids"] is True and body["seed"] == 1 and body["top_k"] == 0
+        assert body["return_token_ids"] is True and body["top_k"] == 0
         assert body["stop_token_ids"] == [tok.eos_token_id]
+        # every request its own seed, n apart (vLLM takes seed + i for sample i): 24 distinct streams,
+        # so the 8 groups of one prompt differ
+        assert sorted(r["seed"] for r in s1.requests + s2.requests) == [1 + 3 * p for p in range(8)]
+        assert len({tuple(tuple(c.token_ids) for c in g) for g in groups}) > 1
         eng.close()
 
 

@@ -9,8 +9,11 @@ What it checks, against transformers on the same weights (independent reference)
 generate (greedy tokens equal HF argmax decoding, log-probs equal HF's, n / seed / finish reasons),
 then a weight push from a perturbed learner (outputs change and match HF on the new weights), then a
 push of the original weights (outputs restored), bad names rejected, sleep -> sync -> generate
-harmless; one seed per engine unless per-request seeds are asked for. Last, two torchrun CPU ranks,
-each with its own engine on vLLM's ``external_launcher`` executor (the colocated layout of a GPU node).
+harmless; every request its own seed (the G samples of a group and the groups of one prompt differ, a
+rerun reproduces). Last, two torchrun CPU ranks, each with its own engine on vLLM's
+``external_launcher`` executor (the colocated layout of a GPU node): each generates its own prompt,
+and both sample one shared prompt through the loop's rollout with the loop's per-rank seeds (their
+completions differ; a second call reproduces both).
 """
 
 from __future__ import annotations
@@ -106,20 +109,21 @@ def test_generate_matches_transformers_greedy(setup):
             assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
 
 
-def test_sampling_counts_seed_and_logprobs(setup, monkeypatch):
+def test_sampling_counts_seed_and_logprobs(setup):
     from stapo.core.rollout import SamplingParams
 
     engine, model, tok, prompts = setup
     sp = SamplingParams(n=4, temperature=0.8, top_p=1.0, max_new_tokens=MAX_NEW, seed=7)
-    # one seed per engine: requests carry none, so two calls sample differently
-    assert engine._sampling_params(sp, n=4).seed is None
-    assert engine._sampling_params(replace(sp, logprobs=False), n=4).logprobs is None
-    monkeypatch.setattr(engine, "per_request_seeds", True)  # rollout.vllm.per_request_seeds
+    assert engine._sampling_params(sp, n=4, seed=11).seed == 11
+    assert engine._sampling_params(replace(sp, logprobs=False), n=4, seed=11).logprobs is None
     a = engine.generate(prompts, sp)
     b = engine.generate(prompts, sp)
     assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
     assert all(len(g) == 4 for g in a)
     assert len({tuple(c.token_ids) for c in a[1]}) > 1
+    # one prompt three times: each request its own seeds (7, 11, 15 and + i), so the groups differ
+    same = engine.generate([prompts[0]] * 3, sp)
+    assert len({tuple(tuple(c.token_ids) for c in g) for g in same}) == 3
     for p, g in zip(prompts, a, strict=True):
         for c in g:
             assert 1 <= len(c.token_ids) <= MAX_NEW and len(c.logprobs) == len(c.token_ids)
@@ -209,8 +213,24 @@ if __name__ == "__main__":
     engine.sleep()
     engine.load_weights(model.named_parameters())
     again = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=MAX_NEW))[0][0].token_ids
+    # one prompt on both ranks through the loop's rollout and per-rank seeds (tests/e2e/test_multirank_loop.py)
+    from types import SimpleNamespace
+    from stapo.core.config import load_config
+    from stapo.configs import preset_path
+    from stapo.core.rollouts import rollout_and_grade
+    from stapo.core.sampler import build_sampler
+    cfg = load_config(preset_path("tiny"), ["rollout.engine=vllm", "rollout.prompts_per_step=2", "rollout.n=4",
+                                            f"rollout.max_new_tokens={{MAX_NEW}}"])
+    rec = SimpleNamespace(id="p0", prompt="12+7=", answer="19")
+    from stapo.core.rewards import RewardFunction
+    rewards = RewardFunction(cfg.reward)
+    encode = lambda r: tok.encode(r.prompt)
+    run = SimpleNamespace(cfg=cfg, engine=engine, rewards=rewards, train_prompts=[rec] * 2, encode=encode,
+                          sampler=build_sampler(cfg, [rec] * 2, encode=encode, model=None), rank=rank, world_size=2)
+    shared = [[s.response_ids for s in rollout_and_grade(run, 1, 0)[0]] for _ in range(2)]
+    rewards.close()
     out = {{"rank": rank, "executor": engine.llm_kwargs.get("distributed_executor_backend"),
-           "seed": engine.llm_kwargs["seed"], "equal": got == ref, "again": again == ref}}
+           "seed": engine.llm_kwargs["seed"], "equal": got == ref, "again": again == ref, "shared": shared}}
     with open({out!r} + f".rank{{rank}}.json", "w") as f:
         json.dump(out, f)
     dist.barrier()
@@ -247,3 +267,7 @@ def test_two_cpu_ranks_with_the_external_launcher(setup, tmp_path):
     assert [r["executor"] for r in rows] == ["external_launcher"] * 2
     assert [r["seed"] for r in rows] == [0, 1]
     assert all(r["equal"] and r["again"] for r in rows), rows
+    (a0, a1), (b0, b1) = rows[0]["shared"], rows[1]["shared"]
+    assert a0 == a1 and b0 == b1  # a rerun reproduces each rank's samples
+    assert a0 != b0  # rank 0 and rank 1 sample the same prompt differently
+    assert len({tuple(x) for x in a0}) > 1

@@ -1,6 +1,6 @@
 """Config of asynchronous rollouts and VCPO: the `async` key (a Python keyword) round-trips, bad values
 and unsupported combinations are refused naming the field, and `stapo-async` is `stapo` plus exactly
-the async / off-policy keys."""
+the fleet (`vllm_server`), async and off-policy keys."""
 
 from __future__ import annotations
 
@@ -52,8 +52,11 @@ def test_stapo_async_is_stapo_plus_async_and_vcpo_keys_only() -> None:
     assert diff.pop("algorithm.name") == ("stapo", "stapo-async")
     assert set(diff) == {
         "rollout.async.enabled",
+        "rollout.engine",  # an engine apart from the learners' GPUs: the fleet
+        "rollout.server.urls",
+        "rollout.server.weights_dir",
         "algorithm.off_policy.ess_lr_scaling",
-        "algorithm.off_policy.min_variance_baseline",
     }
     c = load_config(preset_path("stapo-async"))
     assert c.rollout.async_.max_staleness == 1 and c.algorithm.off_policy.ess_rule == "sqrt"
+    assert c.rollout.engine == "vllm_server" and not c.algorithm.off_policy.min_variance_baseline

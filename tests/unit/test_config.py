@@ -161,3 +161,12 @@ def test_extends_merges_sections_over_the_base_and_refuses_a_cycle(tmp_path):
     (tmp_path / "c.yaml").write_text("extends: nowhere\n")
     with pytest.raises(ConfigError, match="config file not found: .*nowhere.yaml"):
         load_config(tmp_path / "c.yaml")
+
+
+def test_a_saved_config_with_per_request_seeds_still_loads() -> None:
+    """Run dirs written before every request carried its own seed hold `rollout.vllm.per_request_seeds`
+    in their config.yaml; resuming them must not fail on it (the key is dropped: always on now)."""
+    from stapo.core.config import config_from_dict
+
+    cfg = config_from_dict({"rollout": {"vllm": {"per_request_seeds": True, "enforce_eager": True}}})
+    assert cfg.rollout.vllm.enforce_eager and "per_request_seeds" not in cfg.rollout.vllm.model_dump()

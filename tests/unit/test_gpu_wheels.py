@@ -71,5 +71,5 @@ def test_every_part_skips_itself_when_the_budget_is_short(tmp_path):
     assert list(report["parts"]) == [x.name for x in gpu_suite.PARTS if x.default]
     for name, res in report["parts"].items():
         assert res["ok"] is None and res["skipped"].startswith("needs ~"), (name, res)
-    assert report["model"] == {"skipped": "no time left"}
+    assert "models" not in report  # a model is made only before a part that has the time to run
     assert sorted(f.name for f in out.iterdir()) == ["parts.log", "results.json"]

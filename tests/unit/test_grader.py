@@ -14,6 +14,7 @@ from stapo.verifier_service.dapo import dapo_extract, dapo_normalize
 from stapo.verifier_service.extract import extract_answer, find_boxes
 from stapo.verifier_service.grader import Verdict, answers_equivalent, cache_info, grade
 from stapo.verifier_service.normalize import canonical, latexify, numbers_equal, parse_number
+from stapo.verifier_service.rules import table
 
 
 @pytest.mark.parametrize(
@@ -93,7 +94,7 @@ def test_status_error_never_raises(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("sympy blew up")
 
-    monkeypatch.setattr(grader, "_equiv_rule", boom)  # the comparison's entry point
+    monkeypatch.setattr(grader, "equiv_rule", boom)  # the comparison's entry point
     res = grade("\\boxed{2}", "2")
     assert (res.correct, res.status) == (False, "error")
 
@@ -241,7 +242,7 @@ def test_cheap_budget_runs_the_table_up_to_its_first_costly_rule(monkeypatch):
         seen.append(pred)
         return None
 
-    monkeypatch.setattr(grader, "RULES", (grader.Rule("costly-first", costly, cheap=False), *grader.RULES))
+    monkeypatch.setattr(table, "RULES", (table.Rule("costly-first", costly, cheap=False), *table.RULES))
     grader.cache_clear()
     assert grader.compare("12", answer, budget="cheap") is None and seen == []
     assert grader.compare("12", answer).rule == "same-string" and seen == ["12"]

@@ -13,7 +13,7 @@ MV = mathverify.load()
 
 
 def test_search_reports_the_first_candidate_text():
-    # fallback_mode="first_match" appends the text of the first candidate tried (grader._search_fallback)
+    # fallback_mode="first_match" appends the text of the first candidate tried (parsing.search_fallback)
     found = MV["parse"](
         "so we get $x^{2}+1$ at the end", extraction_config=MV["search_cfg"], fallback_mode="first_match",
         parsing_timeout=None,
@@ -51,7 +51,7 @@ def test_oracle_is_off_outside_the_search():
 
 
 def test_verify_rounds_numbers_absolutely():
-    # why grader._exact_constants_equal exists: 6-decimal absolute rounding calls tiny values equal
+    # why rules/symbolic.py's exact_constants_equal exists: 6-decimal absolute rounding calls tiny values equal
     g, p = MV["parse_latex"]("\\frac{1}{3^{60}}"), MV["parse_latex"]("\\frac{1}{3^{59}}")
     assert MV["verify"]([g], [p], timeout_seconds=None)
     assert not MV["verify"]([MV["parse_latex"]("2")], [MV["parse_latex"]("3")], timeout_seconds=None)

@@ -1,4 +1,4 @@
-"""The grader's fast paths (``verifier_service/numeric.py`` and the shortcuts in ``grader.py``).
+"""The grader's fast paths (``verifier_service/numeric.py`` and the shortcuts in ``rules/rejections.py``).
 
 They may only make grading faster, never change a verdict, so besides hand-computed values the
 tests compare them with what they stand in for:
@@ -6,7 +6,7 @@ tests compare them with what they stand in for:
 - the numeric parser against latex2sympy itself, value for value, on fixed and generated strings;
 - every rejection against math-verify's ``verify`` on the same strings;
 - whole-item grading with the fast paths on and off, on an RL-shaped stream (``loadgen``);
-- the search oracle (``_search_fallback``) against math-verify's unpatched search.
+- the search oracle (``parsing.search_fallback``) against math-verify's unpatched search.
 
 Run: ``pytest tests/unit/test_grader_numeric.py`` (~10 s).
 """
@@ -19,9 +19,10 @@ import mpmath
 import pytest
 import sympy
 
-from stapo.verifier_service import grader, mathverify, numeric
+from stapo.verifier_service import grader, mathverify, numeric, parsing
 from stapo.verifier_service.loadgen import build_stream
 from stapo.verifier_service.numeric import clearly_unequal, evaluate, parse
+from stapo.verifier_service.rules import rejections
 
 
 def _v(s: str) -> complex:
@@ -134,9 +135,9 @@ _FIXED = [
 
 def _latex2sympy_values(s: str) -> list[complex] | None:
     """latex2sympy's reading of ``s`` (after math-verify's normalization), evaluated at our points."""
-    norm = grader._sympy_text(s)
+    norm = parsing.sympy_text(s)
     assert norm is not None
-    expr = grader._mv()["parse_latex"](norm)
+    expr = mathverify.load()["parse_latex"](norm)
     syms = sorted(expr.free_symbols, key=lambda x: x.name)
     if any(x.name not in numeric._POINTS[0] for x in syms):
         return None
@@ -167,7 +168,7 @@ def _gen(r: random.Random, depth: int) -> str:
 
 
 def _same_as_latex2sympy(s: str) -> None:
-    mine = evaluate(grader._sympy_text(s) or "")
+    mine = evaluate(parsing.sympy_text(s) or "")
     if mine is None:
         return
     ref = _latex2sympy_values(s)
@@ -183,7 +184,7 @@ def test_fixed_strings_read_like_latex2sympy(s):
 
 
 def test_fixed_strings_are_mostly_inside_the_subset():
-    outside = [s for s in _FIXED if evaluate(grader._sympy_text(s)) is None]
+    outside = [s for s in _FIXED if evaluate(parsing.sympy_text(s)) is None]
     assert outside == ["(1)(2)"]  # 1 then the rational 2: a mixed number to latex2sympy
 
 
@@ -194,7 +195,7 @@ def test_generated_strings_read_like_latex2sympy():
     checked = 0
     for _ in range(80):
         s = _gen(r, r.randint(1, 3))
-        if evaluate(grader._sympy_text(s) or "") is not None:
+        if evaluate(parsing.sympy_text(s) or "") is not None:
             _same_as_latex2sympy(s)
             checked += 1
     assert checked >= 50
@@ -211,10 +212,10 @@ def _real_search(monkeypatch) -> None:
 
 def _exact_only(monkeypatch) -> None:
     """Switch every grader shortcut off: grade() by the exact path alone."""
-    monkeypatch.setattr(grader, "_numerically_unequal", lambda g, p: False)
-    monkeypatch.setattr(grader, "_word_soup", lambda g, p: False)
-    monkeypatch.setattr(grader, "_brackets_unequal", lambda g, p: False)
-    monkeypatch.setattr(grader, "_surely_parses", lambda latex: False)
+    monkeypatch.setattr(rejections, "numerically_unequal", lambda g, p: False)
+    monkeypatch.setattr(rejections, "word_soup", lambda g, p: False)
+    monkeypatch.setattr(rejections, "brackets_unequal", lambda g, p: False)
+    monkeypatch.setattr(parsing, "surely_parses", lambda latex: False)
     _real_search(monkeypatch)
     grader.cache_clear()
 
@@ -245,7 +246,7 @@ def test_stream_verdicts_do_not_change(monkeypatch):
     """An RL-shaped stream (LaTeX and integer golds, near misses, cut-off responses): same results."""
     items = build_stream(480, seed=11, prompt_pool=60, cutoff_frac=0.15)
     grader.cache_clear()
-    fired = {"_numerically_unequal": 0, "_word_soup": 0, "_brackets_unequal": 0, "stand_in": 0}
+    fired = {"numerically_unequal": 0, "word_soup": 0, "brackets_unequal": 0, "stand_in": 0}
 
     def counting(module, name):
         real = getattr(module, name)
@@ -259,13 +260,13 @@ def test_stream_verdicts_do_not_change(monkeypatch):
 
     with monkeypatch.context() as m:
         for name in fired:
-            module = mathverify if name == "stand_in" else grader
+            module = mathverify if name == "stand_in" else rejections
             m.setattr(module, name, counting(module, name))
         fast = _grade_all(items)
     # each fast path must have decided a fair number of items (cut-off responses with no marker are
     # no_answer before any comparison, so 9 of the 480 reach each of these two on this stream)
-    assert fired["_numerically_unequal"] >= 5 and fired["stand_in"] >= 5, fired
-    assert fired["_word_soup"] >= 5, fired
+    assert fired["numerically_unequal"] >= 5 and fired["stand_in"] >= 5, fired
+    assert fired["word_soup"] >= 5, fired
     _exact_only(monkeypatch)
     slow = _grade_all(items)
     grader.cache_clear()
@@ -291,9 +292,9 @@ def test_search_oracle_finds_the_same_string(monkeypatch):
         "we have $\\frac{1}{$ then 7 and x^^2",
         "then $f(x) = x^2 - 79x + 9$ and $\\begin{matrix}$",
     ]
-    fast = [grader._search_fallback(b) for b in bodies]
+    fast = [parsing.search_fallback(b) for b in bodies]
     _real_search(monkeypatch)
-    slow = [grader._search_fallback(b) for b in bodies]
+    slow = [parsing.search_fallback(b) for b in bodies]
     assert fast == slow
 
 
@@ -301,7 +302,7 @@ def test_oracle_is_off_outside_the_search():
     """Other callers of math-verify in the process get real sympy objects."""
     from math_verify import parse
 
-    grader._mv()
+    mathverify.load()
     got = parse("$2\\sqrt{3}$")
     assert got and got[0] == 2 * sympy.sqrt(3)
 
@@ -325,4 +326,4 @@ def test_oracle_is_off_outside_the_search():
     ],
 )
 def test_word_soup_only_decides_safe_cases(gold, pred, decided):
-    assert grader._word_soup(grader.latexify(gold), pred) is decided
+    assert rejections.word_soup(grader.latexify(gold), pred) is decided

@@ -1,4 +1,4 @@
-"""The grader's step-7 rejections (``grader._surely_unequal``) never change a verdict.
+"""The grader's step-7 rejections (``rejections.surely_unequal``) never change a verdict.
 
 They only ever say "no", and only where math-verify says no. Checked two ways:
 
@@ -23,9 +23,10 @@ from importlib import resources
 
 import pytest
 
-from stapo.verifier_service import grader
+from stapo.verifier_service import grader, mathverify, numeric, parsing
 from stapo.verifier_service.grader import grade, latexify
 from stapo.verifier_service.loadgen import build_stream
+from stapo.verifier_service.rules import rejections
 
 L = latexify
 
@@ -57,7 +58,7 @@ L = latexify
     ],
 )
 def test_equations_rule(gold, pred, fires):
-    assert grader._equations_unequal(L(gold), pred) is fires
+    assert rejections.equations_unequal(L(gold), pred) is fires
 
 
 @pytest.mark.parametrize(
@@ -110,7 +111,7 @@ def test_equations_rule(gold, pred, fires):
     ],
 )
 def test_interval_sets_rule(gold, pred, fires):
-    assert grader._interval_sets_unequal(L(gold), pred) is fires
+    assert rejections.interval_sets_unequal(L(gold), pred) is fires
 
 
 _M = "\\begin{{{env}}} {body} \\end{{{env}}}"
@@ -146,7 +147,7 @@ def _mat(body: str, env: str = "pmatrix") -> str:
     ],
 )
 def test_matrices_rule(gold, pred, fires):
-    assert grader._matrices_unequal(L(gold), pred) is fires
+    assert rejections.matrices_unequal(L(gold), pred) is fires
 
 
 @pytest.mark.parametrize(
@@ -173,7 +174,7 @@ def test_matrices_rule(gold, pred, fires):
     ],
 )
 def test_word_soup_extensions(gold, pred, fires):
-    assert grader._word_soup(L(gold), pred) is fires
+    assert rejections.word_soup(L(gold), pred) is fires
 
 
 _FRAGMENTS = [
@@ -221,9 +222,9 @@ _FRAGMENTS = [
 
 @pytest.mark.parametrize("pred,fires", _FRAGMENTS)
 def test_unparseable_fragment_rule(pred, fires):
-    assert grader._unparseable_fragment("7", pred) is fires
+    assert rejections.unparseable_fragment("7", pred) is fires
     if fires:  # the premise itself: latex2sympy and math-verify's search both find nothing
-        assert grader._sympy_parse(pred, True) == ()
+        assert parsing.sympy_parse(pred, True) == ()
 
 
 def test_unparseable_fragments_generated():
@@ -256,9 +257,9 @@ def test_unparseable_fragments_generated():
     for _ in range(300):
         text = " ".join(r.choice(words) for _ in range(r.randint(1, 5)))
         text += "".join(r.choice(bits) for _ in range(r.randint(1, 4)))
-        if grader._unparseable_fragment("7", text):
+        if rejections.unparseable_fragment("7", text):
             fired += 1
-            assert grader._sympy_parse(text, True) == (), text
+            assert parsing.sympy_parse(text, True) == (), text
     assert fired >= 30
 
 
@@ -270,12 +271,10 @@ def test_degree_sign_reads_like_latex2sympy(s):
     """numeric.py reads a degree sign as latex2sympy does (convert_degrees=False): the value stays."""
     import sympy
 
-    from stapo.verifier_service import numeric
-
-    norm = grader._sympy_text(s)
+    norm = parsing.sympy_text(s)
     mine = numeric.evaluate(norm)
     assert mine is not None, norm
-    expr = grader._mv()["parse_latex"](norm)
+    expr = mathverify.load()["parse_latex"](norm)
     syms = sorted(expr.free_symbols, key=lambda x: x.name)
     fn = sympy.lambdify(syms, expr, modules="mpmath")
     for got, pt in zip(mine, numeric._POINTS, strict=True):
@@ -285,14 +284,13 @@ def test_degree_sign_reads_like_latex2sympy(s):
 
 @pytest.mark.parametrize("s", ["30^ \\circ", "30^{ \\circ}", "30^\\circ^2", "\\circ", "x \\circ"])
 def test_other_circles_are_undecided(s):
-    from stapo.verifier_service import numeric
 
     assert numeric.evaluate(s) is None  # latex2sympy's lexer has no token for these
 
 
 def test_degree_gold_against_a_function():
-    assert grader._numerically_unequal("30^\\circ", "f(x) = x^2 - 99x + 12")
-    assert not grader._numerically_unequal("30^\\circ", "30")
+    assert rejections.numerically_unequal("30^\\circ", "f(x) = x^2 - 99x + 12")
+    assert not rejections.numerically_unequal("30^\\circ", "30")
 
 
 @pytest.mark.parametrize(
@@ -313,9 +311,9 @@ def test_degree_gold_against_a_function():
 )
 def test_rejected_pairs_are_wrong_for_math_verify(gold, pred, monkeypatch):
     """The headline pairs: rejected with the rules on, and math-verify itself says no."""
-    assert grader._surely_unequal(L(gold), pred)
+    assert rejections.surely_unequal(L(gold), pred)
     grader.cache_clear()
-    monkeypatch.setattr(grader, "_surely_unequal", _ask_math_verify)
+    monkeypatch.setattr(rejections, "surely_unequal", _ask_math_verify)
     assert grade(f"\\boxed{{{pred}}}", gold).correct is False
 
 
@@ -338,20 +336,20 @@ def _key(r):
 def _count_fired(monkeypatch) -> dict[str, int]:
     fired: dict[str, int] = {}
     for name in (
-        "_equations_unequal",
-        "_interval_sets_unequal",
-        "_matrices_unequal",
-        "_word_soup",
-        "_unparseable_fragment",
+        "equations_unequal",
+        "interval_sets_unequal",
+        "matrices_unequal",
+        "word_soup",
+        "unparseable_fragment",
     ):
-        real = getattr(grader, name)
+        real = getattr(rejections, name)
 
         def counting(g, p, _real=real, _name=name):
             out = _real(g, p)
             fired[_name] = fired.get(_name, 0) + bool(out)
             return out
 
-        monkeypatch.setattr(grader, name, counting)
+        monkeypatch.setattr(rejections, name, counting)
     return fired
 
 
@@ -367,7 +365,7 @@ def _on_off(items: list[tuple[str, str]], monkeypatch) -> tuple[list, list, dict
         on = [_key(grade(p, g)) for p, g in items]
     with monkeypatch.context() as m:
         m.setattr(grader, "_SENTENCE_RE", NO_SENTENCE)
-        m.setattr(grader, "_surely_unequal", _ask_math_verify)
+        m.setattr(rejections, "surely_unequal", _ask_math_verify)
         grader.cache_clear()
         off = [_key(grade(p, g)) for p, g in items]
     grader.cache_clear()
@@ -593,11 +591,11 @@ def test_generated_near_misses_do_not_change(monkeypatch):
     on, off, fired = _on_off(items, monkeypatch)
     assert not _diff(items, on, off)
     # the generator reaches every rule, and contains equal pairs that stay equal
-    assert fired.get("_equations_unequal", 0) >= N_GEN, fired
-    assert fired.get("_interval_sets_unequal", 0) >= N_GEN, fired
-    assert fired.get("_matrices_unequal", 0) >= N_GEN, fired
+    assert fired.get("equations_unequal", 0) >= N_GEN, fired
+    assert fired.get("interval_sets_unequal", 0) >= N_GEN, fired
+    assert fired.get("matrices_unequal", 0) >= N_GEN, fired
     # (fragments cut inside a math span on one line are no answer at extraction, before any rule)
-    assert fired.get("_word_soup", 0) >= 2, fired
+    assert fired.get("word_soup", 0) >= 2, fired
     # The generated cut-off fragments do not reach _unparseable_fragment through grade(): the
     # cut-off policy answers them 'no_answer' at extraction. The rule's own coverage:
     # test_unparseable_fragment_rule and test_unparseable_fragments_generated above.

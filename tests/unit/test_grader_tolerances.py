@@ -10,7 +10,7 @@ verifier_service/numeric.py (the rejection fast path: it may only say "clearly u
   MAX_LEN = 200             longer strings are undecided
   |exponent| <= 1000        larger exponents are undecided
   |denominator| >= 1e-20    smaller denominators are undecided
-verifier_service/grader.py:
+verifier_service/rules/symbolic.py and rules/numbers.py:
   exact constants: different beyond 1e-30 relative (50-digit values), else math-verify decides
   rounded gold: within half a unit of the gold's last shown digit (Fraction path, and the float
   path with its 1e-9 slack), else no match

@@ -1,7 +1,9 @@
 """Placement: which device each rank takes, decided by one pure function of the launcher's environment.
 
 The table below covers the launchers' variables (deepspeed's ``LOCAL_SIZE``, torchrun's
-``LOCAL_WORLD_SIZE``, one GPU made visible per task, CPU ranks) with the devices worked out by hand.
+``LOCAL_WORLD_SIZE``, one GPU made visible per task, CPU ranks) with the devices worked out by hand;
+a second table checks the ``LOCAL_RANK`` that DeepSpeed and vLLM then read is each rank's own
+device's index (Slurm's ``--gpus-per-task=1`` and ``--gpus-per-node``, launchers, one process).
 The ordering test runs the loop's start-up with a fake ``torch.cuda`` (no GPU here): it reports 2
 GPUs and records ``set_device``; the test checks ``set_device(cuda:1)`` comes before the policy
 loads, and that the policy loads on the CPU (the backend places it).
@@ -12,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stapo.core.placement import Placement, place
+from stapo.core.placement import Placement, apply, place, presented_env
 
 LAUNCH2 = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
 
@@ -67,6 +69,46 @@ def test_tensor_parallel_groups_are_consecutive_ranks():
 def test_impossible_placements_name_the_variable_or_key(env, gpus, requested, tp, fragment):
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         place(env, cuda_devices=gpus, requested=requested, tp_size=tp)
+
+
+# What DeepSpeed (set_device(LOCAL_RANK)), zero.Init and vLLM's external launcher (LOCAL_RANK < device
+# count, cuda:LOCAL_RANK) see as LOCAL_RANK once the rank is placed: always the index of its own device.
+SLURM_TASK3 = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8"}
+
+
+@pytest.mark.parametrize(
+    "env, gpus, requested, presented",
+    [
+        ({**SLURM_TASK3, "CUDA_VISIBLE_DEVICES": "3"}, 1, "auto",  # --gpus-per-task=1: sees only GPU 3
+         {"LOCAL_RANK": "0", "STAPO_LAUNCHER_LOCAL_RANK": "3"}),
+        ({**SLURM_TASK3, "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, 8, "auto", {}),  # --gpus-per-node=8
+        (SLURM_TASK3, 8, "auto", {}),  # deepspeed / torchrun: every GPU of the node visible
+        ({**SLURM_TASK3, "LOCAL_RANK": "0", "RANK": "0", "CUDA_VISIBLE_DEVICES": "6"}, 1, "auto", {}),  # task 0
+        ({}, 8, "cuda:5", {"LOCAL_RANK": "5", "STAPO_LAUNCHER_LOCAL_RANK": "0"}),  # one process on a chosen GPU
+        ({**SLURM_TASK3, "CUDA_VISIBLE_DEVICES": "3"}, 0, "auto", {}),  # CPU: nothing indexes a GPU
+    ],
+)
+def test_local_rank_is_presented_as_the_ranks_own_device(env, gpus, requested, presented, monkeypatch):
+    p = place(env, cuda_devices=gpus, requested=requested)
+    assert presented_env(p, env) == presented
+    seen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append(str(d)))
+    proc = dict(env)
+    apply(p, proc)
+    index = p.device.split(":")[1] if p.is_cuda else None
+    if p.is_cuda:  # what DeepSpeed and vLLM then compute from LOCAL_RANK is the device set here
+        assert seen == [p.device] and proc["LOCAL_RANK"] == index and int(proc["LOCAL_RANK"]) < gpus
+        again = place(proc, cuda_devices=gpus, requested=requested)  # a second look agrees
+        assert again.device == p.device and presented_env(again, proc) == {}
+    else:
+        assert seen == [] and proc == env
+
+
+def test_vllm_tensor_parallel_under_one_gpu_per_task_names_the_slurm_setting():
+    env = {**SLURM_TASK3, "CUDA_VISIBLE_DEVICES": "3"}
+    with pytest.raises(ValueError, match=r"^rollout\.vllm\.tensor_parallel_size=2 with one GPU visible per process.*"
+                                         r"--gpus-per-node .*--gpus-per-task=1"):
+        place(env, cuda_devices=1, tp_size=2)
 
 
 class _Stop(Exception):
