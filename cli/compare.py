@@ -2,7 +2,9 @@
 
     stapo compare runs/grpo_eval runs/stapo_eval runs/grpo runs/stapo --out reports/cmp
 
-The first dir is the baseline; every other run's numbers carry a delta against it. Runs whose
+The first dir is the baseline; every other run's numbers carry a delta against it. Several seeds of
+one method (``--group``, or runs of one recipe that differ only in the seed) are summarised as a
+mean with a 95% t interval, and each method's paired per-seed difference against the first. Runs whose
 ``config.yaml`` differ in more than the method (batch, length, grader, reward scale, sampler,
 schedule, seed, ...) get a warning in the tables and the report. Writes
 ``compare.json``, ``curves/*.png`` and a self-contained ``report.html`` under ``--out`` and
@@ -31,6 +33,13 @@ def command(
         list[str] | None,
         typer.Option("--label", "-l", metavar="NAME", help="Display name per run, repeatable, in the order of RUNS (default: dir names)."),
     ] = None,
+    group: Annotated[
+        list[str] | None,
+        typer.Option("--group", "-g", metavar="METHOD",
+                     help="Method of each run, repeatable, in the order of RUNS: runs of one method are its seeds "
+                          "(mean, 95% t interval, paired difference vs the first method). Default: seeds of one "
+                          "recipe group by themselves."),
+    ] = None,
 ) -> None:
     """Compare runs: per-benchmark accuracy with deltas vs the first run, training curves, an HTML report.
 
@@ -39,6 +48,7 @@ def command(
     \b
       stapo compare runs/grpo_eval runs/stapo_eval --out reports/evals     # accuracy tables with deltas
       stapo compare runs/grpo runs/stapo -l GRPO -l STAPO --out reports/cmp # training curves
+      stapo compare runs/grpo-s0 runs/grpo-s1 runs/stapo-s0 runs/stapo-s1 -g GRPO -g GRPO -g STAPO -g STAPO
     """
     from rich.console import Console
 
@@ -46,7 +56,7 @@ def command(
 
     console = Console()
     try:
-        report = compare_runs(runs, out_dir=out, labels=label or None)
+        report = compare_runs(runs, out_dir=out, labels=label or None, groups=group or None)
     except (FileNotFoundError, ValueError) as err:
         raise CLIError(str(err)) from None
     for table in terminal_tables(report):

@@ -39,9 +39,10 @@ from typing import Any
 
 from stapo.core.tracking import read_jsonl
 from stapo.evals.metrics import metric_value
-from stapo.evals.report import esc, fmt_delta, fmt_num, fmt_pct, html_page, html_table, img_tag, section
+from stapo.evals.report import esc, html_page, html_table, img_tag, section
 
-__all__ = ["RunData", "CURVES", "load_run", "compare_runs", "terminal_tables"]
+__all__ = ["RunData", "CURVES", "load_run", "compare_runs", "terminal_tables", "group_runs", "seeded_summary",
+           "unit_of"]
 
 CURVES: tuple[tuple[str, str], ...] = (
     ("reward/mean", "mean reward"),
@@ -58,6 +59,31 @@ CURVES: tuple[tuple[str, str], ...] = (
 KINDS = ("avg", "pass", "maj")
 
 
+def unit_of(key: str) -> str:
+    """The one unit a metric is shown in everywhere (tables, compare.json, report.html, PNG axes):
+    accuracies, fractions and rates in % (a silenced rate of 0.0208 is 2.08 %); entropies in nats;
+    lengths in tokens; step counts; wall time in seconds; "" for unitless numbers (reward, loss, norms)."""
+    k = key.removeprefix("final ")
+    if "accuracy" in k or "frac" in k or "rate" in k or "clip_ratio" in k:
+        return "%"
+    if "entropy" in k:
+        return "nats"
+    if "length" in k:
+        return "tokens"
+    return {"steps": "steps", "wall_s": "s"}.get(k, "")
+
+
+def in_unit(key: str, v: float | None) -> float | None:
+    """A metric's value (as logged: fractions in [0, 1]) in the unit :func:`unit_of` names."""
+    return None if v is None else (100.0 * v if unit_of(key) == "%" else v)
+
+
+def labelled(key: str) -> str:
+    """``silenced_rate (%)``: the metric's name with its unit, as every table row and axis shows it."""
+    u = unit_of(key)
+    return f"{key} ({u})" if u else key
+
+
 @dataclass
 class RunData:
     """What compare reads from one dir."""
@@ -70,6 +96,7 @@ class RunData:
     summary: dict[str, Any] | None = None  # summary.json
     algorithm: str | None = None  # config.yaml algorithm.name / token_weighting
     config: dict[str, Any] | None = None  # config.yaml as saved (nested), for the confound check
+    config_changes: list[str] = field(default_factory=list)  # "from step N: key old -> new" per resume change
 
     @property
     def kinds(self) -> list[str]:
@@ -109,12 +136,27 @@ def load_run(path: Path, label: str | None = None) -> RunData:
             run.config = cfg if isinstance(cfg, dict) else None
         except yaml.YAMLError:
             run.algorithm = None
+    run.config_changes = read_config_changes(path)
     if not run.kinds:
         raise ValueError(
             f"compare: {path} has none of results.json (eval dir) or metrics.jsonl / val.jsonl / summary.json "
             "(training run dir)"
         )
     return run
+
+
+def read_config_changes(path: Path) -> list[str]:
+    """``from step N: key old -> new`` for each change a resume recorded in ``config_changes.jsonl``
+    (``{"step", "changes": [{"key", "old", "new", "bookkeeping"}]}`` rows; bookkeeping changes such as
+    a longer ``trainer.max_steps`` are marked). Rows or fields it does not know are skipped."""
+    out = []
+    for row in _read_jsonl(path / "config_changes.jsonl"):
+        changes = row.get("changes") if isinstance(row, dict) else None
+        for c in changes if isinstance(changes, list) else []:
+            if isinstance(c, dict) and "key" in c:
+                mark = " (bookkeeping)" if c.get("bookkeeping") else ""
+                out.append(f"from step {row.get('step', '?')}: {c['key']} {c.get('old')!r} -> {c.get('new')!r}{mark}")
+    return out
 
 
 def _labels(paths: Sequence[Path]) -> list[str]:
@@ -147,9 +189,9 @@ def _finite(v: Any) -> float | None:
 def accuracy_tables(runs: Sequence[RunData]) -> dict[str, Any]:
     """avg / pass / maj tables over benchmarks (rows) and eval runs (columns), with deltas.
 
-    Values are fractions in [0, 1]; deltas are value - baseline (the first run that has the
-    benchmark is not assumed: the baseline is always the first run, and a missing baseline value
-    gives no delta). The ``Avg.`` row is the mean over benchmarks that every eval run has.
+    Values are in % (0-100); deltas are value - baseline in percentage points (the first run that
+    has the benchmark is not assumed: the baseline is always the first run, and a missing baseline
+    value gives no delta). The ``Avg.`` row is the mean over benchmarks that every eval run has.
     """
     evals = [r for r in runs if r.results is not None]
     baseline = runs[0].label
@@ -167,7 +209,7 @@ def accuracy_tables(runs: Sequence[RunData]) -> dict[str, Any]:
             rows[b], ks[b] = {}, {}
             for r in evals:
                 m = r.results["benchmarks"].get(b)  # type: ignore[index]
-                rows[b][r.label] = metric_value(m, kind) if m else None
+                rows[b][r.label] = in_unit("accuracy", metric_value(m, kind)) if m else None
                 ks[b][r.label] = _k_of(m, kind) if m else None
         if len(common) > 0 and evals:
             rows["Avg."] = {
@@ -282,15 +324,139 @@ def s2t_notes(runs: Sequence[RunData]) -> list[str]:
     return notes
 
 
+# ----------------------------------------------------------------------------- seeds
+
+
+def run_seed(run: RunData) -> int | None:
+    """The run's ``trainer.seed`` (config.yaml, or the config an eval dir's results.json carries)."""
+    for cfg in (run.config, (run.results or {}).get("config")):
+        seed = ((cfg or {}).get("trainer") or {}).get("seed") if isinstance(cfg, dict) else None
+        if isinstance(seed, int):
+            return seed
+    return None
+
+
+def _replicate_key(run: RunData) -> str | None:
+    """What two seeds of one method share: the config without its seed and execution keys."""
+    from stapo.core.fairness import classify, flatten
+
+    if run.config is None or "train" not in run.kinds:
+        return None
+    flat = flatten(run.config)
+    return json.dumps(sorted((k, repr(v)) for k, v in flat.items() if classify(k) not in ("seed", "execution")))
+
+
+def group_runs(runs: Sequence[RunData], names: Sequence[str] | None = None) -> dict[str, list[RunData]]:
+    """Runs by method, in order of first appearance: ``names`` (one per run, ``--group``), or else the
+    training runs whose configs differ only in seed and execution keys, each with its own seed,
+    named by the recipe (``algorithm.name``); every other run is a group of its own under its label."""
+    if names is not None:
+        if len(names) != len(runs):
+            raise ValueError(f"compare: {len(names)} --group labels for {len(runs)} runs (give one per run, in order)")
+        out: dict[str, list[RunData]] = {}
+        for r, g in zip(runs, names, strict=True):
+            out.setdefault(g, []).append(r)
+        return out
+    keys = [_replicate_key(r) for r in runs]
+    for k in set(keys):  # a repeated seed is a rerun, not a replicate: those runs stay apart
+        seeds = [run_seed(r) for r, kk in zip(runs, keys, strict=True) if kk == k]
+        if k is not None and len(set(seeds)) < len(seeds):
+            keys = [None if kk == k else kk for kk in keys]
+    out = {}
+    taken = {r.label for r in runs}
+    named: dict[str, str] = {}
+    for r, k in zip(runs, keys, strict=True):
+        if k is None or keys.count(k) < 2:
+            out[r.label] = [r]
+            continue
+        if k not in named:
+            name = r.algorithm or r.label
+            while name in out or (name in taken and name != r.label):
+                name += "*"
+            named[k] = name
+            out[name] = []
+        out[named[k]].append(r)
+    return out
+
+
+def _pairing_keys(groups: dict[str, list[RunData]]) -> tuple[str, dict[str, Any]]:
+    """("seed", {label: seed}) when every run names a seed and no group repeats one; else
+    ("order", {label: position in its group})."""
+    seeds = {r.label: run_seed(r) for g in groups.values() for r in g}
+    ok = all(v is not None for v in seeds.values()) and all(
+        len({seeds[r.label] for r in g}) == len(g) for g in groups.values())
+    if ok:
+        return "seed", seeds
+    return "order", {r.label: i for g in groups.values() for i, r in enumerate(g)}
+
+
+def _seeded_metric(groups: dict[str, list[RunData]], value: Any, keys: dict[str, Any]) -> dict[str, Any]:
+    """{"groups": {g: mean_interval + values}, "paired": {g: paired_difference vs the first group}}
+    of one metric; ``value(run)`` gives a run's value (None: not counted)."""
+    from stapo.evals.compare_stats import mean_interval, paired_difference
+
+    per: dict[str, dict[Any, float]] = {}
+    for g, members in groups.items():
+        vals = {keys[r.label]: value(r) for r in members}
+        per[g] = {k: v for k, v in vals.items() if v is not None}
+    out: dict[str, Any] = {"groups": {}, "paired": {}}
+    names = [g for g in groups if per[g]]
+    for g in names:
+        out["groups"][g] = mean_interval(list(per[g].values())) | {"values": {str(k): v for k, v in per[g].items()}}
+    base = next(iter(groups))
+    for g in names:
+        if g != base and per.get(base):
+            out["paired"][g] = paired_difference(per[base], per[g])
+    return out
+
+
+def seeded_summary(groups: dict[str, list[RunData]], training: dict[str, dict[str, float | None]],
+                   tables: dict[str, Any]) -> dict[str, Any] | None:
+    """Every number of the training and accuracy tables as mean and 95% t interval per group, and
+    the paired difference of each group against the first; None when no group has two runs."""
+    from stapo.evals.compare_stats import INTERVAL_NOTE
+
+    if all(len(g) < 2 for g in groups.values()):
+        return None
+    out: dict[str, Any] = {"interval": INTERVAL_NOTE, "baseline": next(iter(groups)), "groups": {}}
+    train_groups = {g: [r for r in m if r.label in training] for g, m in groups.items()}
+    train_groups = {g: m for g, m in train_groups.items() if m}
+    eval_groups = {g: [r for r in m if r.results is not None] for g, m in groups.items()}
+    eval_groups = {g: m for g, m in eval_groups.items() if m}
+    out["pairing"] = {}
+    if train_groups:
+        mode, keys = _pairing_keys(train_groups)
+        out["pairing"]["training"] = mode
+        metric_keys = list(next(iter(training.values())))
+        out["training"] = {
+            k: {"unit": unit_of(k)} | _seeded_metric(train_groups, lambda r, k=k: training[r.label].get(k), keys)
+            for k in metric_keys
+        }
+    if eval_groups:
+        mode, keys = _pairing_keys(eval_groups)
+        out["pairing"]["eval"] = mode
+        out["tables"] = {
+            kind: {b: {"unit": "%"} | _seeded_metric(eval_groups, lambda r, kind=kind, b=b: tables[kind]["rows"][b].get(r.label), keys)
+                   for b in tables[kind]["rows"]}
+            for kind in KINDS
+        }
+    for g, members in groups.items():
+        out["groups"][g] = {"runs": [r.label for r in members], "seeds": [run_seed(r) for r in members]}
+    return out
+
+
 # ----------------------------------------------------------------------------- fairness
 
 
-def config_check(runs: Sequence[RunData]) -> dict[str, Any]:
-    """Each training run's config differences from the first training run's, and a warning if any is a confound.
+def config_check(runs: Sequence[RunData], groups: dict[str, list[RunData]] | None = None) -> dict[str, Any]:
+    """Each training run's config differences from a reference run's, and a warning if any is a confound.
 
-    ``{"baseline": label, "runs": {label: {"method": [...], "execution": [...], "confounds": [...]}},
-    "unchecked": [labels of training runs without config.yaml], "warning": str | None}``; each
-    difference is ``{"key", "group", "base", "other"}``."""
+    Without replicates the reference is the first training run. When a group holds several seeds of
+    one method (``groups``), each run is checked against the baseline group's run with the same
+    seed (else its first run), and seed keys are the replicate axis, listed under ``replicate``, not
+    as confounds. ``{"baseline": label, "runs": {label: {"reference", "method", "execution",
+    "replicate", "confounds"}}, "unchecked": [labels of training runs without config.yaml],
+    "warning": str | None}``; each difference is ``{"key", "group", "base", "other"}``."""
     from stapo.core.fairness import config_differences
 
     train = [r for r in runs if "train" in r.kinds]
@@ -301,20 +467,44 @@ def config_check(runs: Sequence[RunData]) -> dict[str, Any]:
     if not with_cfg:
         return out
     base = with_cfg[0]
+    seeded = groups is not None and any(len(g) > 1 for g in groups.values())
+    base_group = next((g for g in (groups or {}).values() if base in g), [base])
+    by_seed = {run_seed(r): r for r in reversed(base_group) if r.config is not None}
     for r in with_cfg[1:]:
-        diffs = config_differences(base.config or {}, r.config or {})
-        out["runs"][r.label] = {
+        ref = by_seed.get(run_seed(r), base) if seeded else base
+        if ref is r:
+            ref = base
+        diffs = config_differences(ref.config or {}, r.config or {})
+
+        def is_confound(d: Any) -> bool:
+            return d.confound and not (seeded and d.group == "seed")
+
+        out["runs"][r.label] = {"reference": ref.label} | {
             part: [{"key": d.key, "group": d.group, "base": d.base, "other": d.other} for d in diffs if pick(d)]
             for part, pick in (("method", lambda d: d.group == "method"),
                                ("execution", lambda d: d.group == "execution"),
-                               ("confounds", lambda d: d.confound))
+                               ("replicate", lambda d: seeded and d.group == "seed"),
+                               ("confounds", is_confound))
         }
+    for r in train:
+        trained = [c for c in r.config_changes if not c.endswith("(bookkeeping)")]
+        if trained:
+            out["notes"].append(f"{r.label} was resumed with other settings than its config.yaml: "
+                                + "; ".join(trained) + ". Its steps before and after differ in more than the method.")
+    if seeded and groups:
+        for name, members in groups.items():
+            cfgd = [r for r in members if r.config is not None]
+            for r in cfgd[1:]:
+                keys = [d.key for d in config_differences(cfgd[0].config or {}, r.config or {}) if d.group == "method"]
+                if keys:
+                    out["notes"].append(f"{r.label} is in group {name} but differs from {cfgd[0].label} in method keys "
+                                        f"({', '.join(keys)}): a group's runs should be seeds of one method.")
     bad = {lab: v["confounds"] for lab, v in out["runs"].items() if v["confounds"]}
     if bad:
         groups = sorted({d["group"] for ds in bad.values() for d in ds})
         out["warning"] = (
             f"WARNING: the runs differ in more than the method ({', '.join(groups)}): "
-            + "; ".join(f"{lab} vs {base.label}: " + ", ".join(f"{d['key']} {d['base']!r} -> {d['other']!r}" for d in ds)
+            + "; ".join(f"{lab} vs {out['runs'][lab]['reference']}: " + ", ".join(f"{d['key']} {d['base']!r} -> {d['other']!r}" for d in ds)
                         for lab, ds in bad.items())
             + ". The comparison does not isolate the method; `stapo recipes matched A B` aligns two recipes."
         )
@@ -325,7 +515,8 @@ def config_check(runs: Sequence[RunData]) -> dict[str, Any]:
 
 
 def _series(run: RunData, key: str) -> tuple[list[float], list[float]]:
-    """(steps, values) of one metric; validation accuracy prefers val.jsonl (it holds step 0)."""
+    """(steps, values in :func:`unit_of`'s unit) of one metric; validation accuracy prefers val.jsonl
+    (it holds step 0)."""
     rows = run.val if key == "val/accuracy" and run.val else run.metrics
     src_key = "accuracy" if key == "val/accuracy" and run.val else key
     xs, ys = [], []
@@ -334,7 +525,7 @@ def _series(run: RunData, key: str) -> tuple[list[float], list[float]]:
         x = _finite(r.get("step"))
         if y is not None and x is not None:
             xs.append(x)
-            ys.append(y)
+            ys.append(in_unit(key, y))  # type: ignore[arg-type]
     return xs, ys
 
 
@@ -346,8 +537,28 @@ def _ema(ys: Sequence[float], alpha: float) -> list[float]:
     return out
 
 
-def plot_curves(runs: Sequence[RunData], out_dir: Path) -> dict[str, Path]:
-    """One PNG per metric that at least one run has; returns {metric key: png path}."""
+def band(series: Sequence[tuple[list[float], list[float]]]) -> tuple[list[float], list[float], list[float], list[float]]:
+    """(steps, mean, low, high) over seeds at every step that two or more runs logged (one run: its
+    value, no band); low / high are the 95% t interval of the mean at that step."""
+    from stapo.evals.compare_stats import mean_interval
+
+    at: dict[float, list[float]] = {}
+    for xs, ys in series:
+        for x, y in zip(xs, ys, strict=True):
+            at.setdefault(x, []).append(y)
+    steps = sorted(at)
+    stats = [mean_interval(at[x]) for x in steps]
+    mean = [st["mean"] for st in stats]
+    low = [st["low"] if st["low"] is not None else st["mean"] for st in stats]
+    high = [st["high"] if st["high"] is not None else st["mean"] for st in stats]
+    return steps, mean, low, high
+
+
+def plot_curves(runs: Sequence[RunData], out_dir: Path, groups: dict[str, list[RunData]] | None = None) -> dict[str, Path]:
+    """One PNG per metric that at least one run has; returns {metric key: png path}.
+
+    With ``groups`` holding several seeds of a method, each group is one line (the mean over its
+    seeds, EMA-smoothed per run first past 20 steps) inside a shaded 95% t band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -356,24 +567,35 @@ def plot_curves(runs: Sequence[RunData], out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     written: dict[str, Path] = {}
+    seeded = groups is not None and any(len(g) > 1 for g in groups.values())
+    lines = (list(groups.items()) if seeded and groups else [(r.label, [r]) for r in runs])
     for key, title in CURVES:
-        series = [(r, *_series(r, key)) for r in runs]
-        if not any(xs for _, xs, _ in series):
+        per_line = [(name, [_series(r, key) for r in members]) for name, members in lines]
+        if not any(xs for _, ss in per_line for xs, _ in ss):
             continue
         fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
-        for i, (r, xs, ys) in enumerate(series):
-            if not xs:
+        for i, (name, ss) in enumerate(per_line):
+            ss = [(xs, ys) for xs, ys in ss if xs]
+            if not ss:
                 continue
             c = colors[i % len(colors)]
-            if len(xs) > 20 and key != "val/accuracy":
+            smooth = max(len(xs) for xs, _ in ss) > 20 and key != "val/accuracy"
+            if len(ss) > 1:
+                steps, mean, low, high = band([(xs, _ema(ys, 0.15) if smooth else ys) for xs, ys in ss])
+                ax.fill_between(steps, low, high, color=c, alpha=0.2, linewidth=0)
+                ax.plot(steps, mean, color=c, linewidth=1.8, marker="o" if len(steps) <= 20 else None, markersize=3,
+                        label=f"{name} (mean of {len(ss)}, 95% band)")
+                continue
+            ((xs, ys),) = ss
+            if smooth:
                 ax.plot(xs, ys, color=c, alpha=0.25, linewidth=0.8)
-                ax.plot(xs, _ema(ys, 0.15), color=c, linewidth=1.8, label=r.label)
+                ax.plot(xs, _ema(ys, 0.15), color=c, linewidth=1.8, label=name)
             else:
                 ax.plot(xs, ys, color=c, linewidth=1.8, marker="o" if len(xs) <= 20 else None, markersize=3,
-                        label=r.label)
+                        label=name)
         ax.set_title(title, fontsize=11)
         ax.set_xlabel("RL step")
-        ax.set_ylabel(key)
+        ax.set_ylabel(labelled(key))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, frameon=False)
         fig.tight_layout()
@@ -387,115 +609,195 @@ def plot_curves(runs: Sequence[RunData], out_dir: Path) -> dict[str, Path]:
 # ----------------------------------------------------------------------------- report
 
 
-def compare_runs(paths: Sequence[Path], *, out_dir: Path, labels: Sequence[str] | None = None) -> dict[str, Any]:
-    """Load the runs, write ``compare.json``, ``curves/*.png`` and ``report.html``; return the JSON object."""
+def compare_runs(paths: Sequence[Path], *, out_dir: Path, labels: Sequence[str] | None = None,
+                 groups: Sequence[str] | None = None) -> dict[str, Any]:
+    """Load the runs, write ``compare.json``, ``curves/*.png`` and ``report.html``; return the JSON object.
+
+    ``groups`` names each run's method (``--group``); without it, seeds of one recipe group by
+    themselves (:func:`group_runs`)."""
     if not paths:
         raise ValueError("compare: give at least one run dir")
     labs = list(labels) if labels else _labels(paths)
     if len(labs) != len(paths):
         raise ValueError(f"compare: {len(labs)} labels for {len(paths)} runs")
     runs = [load_run(Path(p), lab) for p, lab in zip(paths, labs, strict=True)]
+    grouped = group_runs(runs, list(groups) if groups else None)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tables = accuracy_tables(runs)
     train_runs = [r for r in runs if "train" in r.kinds]
-    training = {r.label: training_summary(r) for r in train_runs}
-    pngs = plot_curves(train_runs, out_dir / "curves") if train_runs else {}
+    training = {r.label: {k: in_unit(k, v) for k, v in training_summary(r).items()} for r in train_runs}
+    train_groups = {g: [r for r in m if "train" in r.kinds] for g, m in grouped.items()}
+    train_groups = {g: m for g, m in train_groups.items() if m}
+    pngs = plot_curves(train_runs, out_dir / "curves", train_groups) if train_runs else {}
     report = {
         "baseline": runs[0].label,
+        "units": {"accuracy tables": "%", "deltas of % values": "percentage points",
+                  **{k: unit_of(k) for k in (next(iter(training.values())) if training else {})}},
         "runs": [
             {"label": r.label, "path": str(r.path), "kinds": r.kinds, "algorithm": r.algorithm,
-             "model": (r.results or {}).get("model")}
+             "model": (r.results or {}).get("model"), "seed": run_seed(r), "config_changes": r.config_changes,
+             "group": next(g for g, m in grouped.items() if r in m)}
             for r in runs
         ],
         "tables": tables,
         "training": training,
+        "seeded": seeded_summary(grouped, training, tables),
         "curves": {k: str(p.relative_to(out_dir)) for k, p in pngs.items()},
-        "config_check": config_check(runs),
+        "config_check": config_check(runs, grouped),
     }
     (out_dir / "compare.json").write_text(json.dumps(report, indent=2))
     (out_dir / "report.html").write_text(render_html(report, runs, pngs), encoding="utf-8")
     return report
 
 
-def _delta_cell(d: float | None, *, colored: bool = True) -> str:
+def fmt_value(key: str, v: float | None) -> str:
+    """A value in its unit: accuracies 1 decimal, other % values and the rest 3-4 significant
+    digits in fixed notation (a 0.0123 % silenced rate never rounds to 0.00)."""
+    if v is None:
+        return "–"
+    if unit_of(key) == "%" and "accuracy" in key:
+        return f"{v:.1f}"
+    if unit_of(key) == "steps":
+        return f"{v:.0f}"
+    return _sig(v, 3 if unit_of(key) == "%" else 4)
+
+
+def fmt_signed(key: str, d: float | None) -> str:
+    """A difference in the value's unit (percentage points for % values), with its sign."""
+    if d is None:
+        return ""
+    if unit_of(key) == "%" and "accuracy" in key:
+        return f"{d:+.1f}"
+    return ("+" if d > 0 else "") + _sig(d, 3)
+
+
+def _sig(v: float, digits: int) -> str:
+    """``digits`` significant digits in fixed notation: 2.0833 -> 2.08, 0.012345 -> 0.0123, 156.2 -> 156."""
+    if v == 0 or not math.isfinite(v):
+        return f"{v:g}"
+    if abs(v) >= 10 ** digits:
+        return f"{v:.0f}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(v))))
+    return f"{v:.{decimals}f}"
+
+
+def _interval_txt(key: str, st: dict[str, Any]) -> str:
+    """``52.5 [48.1, 56.9] n=4``; one run: its value and ``n=1``."""
+    if st.get("mean") is None:
+        return "–"
+    ci = f" [{fmt_value(key, st['low'])}, {fmt_value(key, st['high'])}]" if st.get("low") is not None else ""
+    return f"{fmt_value(key, st['mean'])}{ci} n={st['n']}"
+
+
+def _better_up(key: str) -> bool:
+    """Metrics where a higher value is a win (accuracy, reward)."""
+    return "accuracy" in key or key.startswith(("reward", "final reward"))
+
+
+def _paired_txt(key: str, p: dict[str, Any]) -> str:
+    """``Δ +2.5 [0.4, 4.6], wins 4/4`` (accuracy, reward) or ``higher in 1/4`` (other metrics)."""
+    if p.get("mean") is None:
+        return "Δ – (no shared seed)"
+    ci = f" [{fmt_signed(key, p['low'])}, {fmt_signed(key, p['high'])}]" if p.get("low") is not None else ""
+    count = f"wins {p['n_higher']}/{p['n']}" if _better_up(key) else f"higher in {p['n_higher']}/{p['n']}"
+    return f"Δ {fmt_signed(key, p['mean'])}{ci}, {count}"
+
+
+def seeded_rows(seeded: dict[str, Any]) -> tuple[list[str], list[tuple[str, list[tuple[str, str]]]]]:
+    """(group names, [(row label, [(value text, paired text) per group])]) of the seeded summary, the
+    rows the terminal and the HTML report both print: accuracy tables' avg@k first, then training."""
+    names = list(seeded["groups"])
+    rows: list[tuple[str, list[tuple[str, str]]]] = []
+    sources = [(f"avg@k {b} (%)", "accuracy", m) for b, m in (seeded.get("tables") or {}).get("avg", {}).items()]
+    sources += [(labelled(k), k, m) for k, m in (seeded.get("training") or {}).items()]
+    for label, key, m in sources:
+        if not m["groups"]:
+            continue  # no run of any group logged it
+        cells = []
+        for g in names:
+            st = m["groups"].get(g)
+            p = m["paired"].get(g)
+            cells.append((_interval_txt(key, st) if st else "–", _paired_txt(key, p) if p else ""))
+        rows.append((label, cells))
+    return names, rows
+
+
+def _delta_cell(key: str, d: float | None, *, colored: bool = True) -> str:
     """`` (+1.3)`` in green / red for accuracies (up is better); muted where up is not better."""
     if d is None:
         return ""
     cls = ("pos" if d > 0 else "neg" if d < 0 else "muted") if colored else "muted"
-    return f' <span class="{cls}">({esc(fmt_delta(d))})</span>'
-
-
-def _is_pct(key: str) -> bool:
-    return "accuracy" in key or "frac" in key
-
-
-def _train_fmt(key: str, v: float | None) -> str:
-    """Accuracies in % (1 decimal), fractions in % (2 decimals: silenced shares are small), else 4 digits."""
-    if v is None:
-        return "–"
-    if key == "silenced_rate":  # a rate near 1e-4: scientific, never a rounded 0.00%
-        return f"{v:.2e}"
-    if _is_pct(key):
-        return fmt_pct(v, 2 if "frac" in key else 1)
-    return fmt_num(v, 4)
+    return f' <span class="{cls}">({esc(fmt_signed(key, d))})</span>'
 
 
 def render_html(report: dict[str, Any], runs: Sequence[RunData], pngs: dict[str, Path]) -> str:
-    """The report page: run list, accuracy tables (value and delta per cell), training table, curves."""
+    """The report page: run list, seeded summary, accuracy tables (value and delta per cell),
+    training table, curves."""
     base = report["baseline"]
     parts = []
     run_rows = [
-        [esc(r["label"]) + (" <b>(baseline)</b>" if r["label"] == base else ""), esc(", ".join(r["kinds"])),
+        [esc(r["label"]) + (" <b>(baseline)</b>" if r["label"] == base else ""), esc(r["group"]),
+         esc("" if r["seed"] is None else r["seed"]), esc(", ".join(r["kinds"])),
          esc(r["algorithm"] or ""), esc(r["model"] or ""), esc(r["path"])]
         for r in report["runs"]
     ]
-    parts.append(section("Runs", html_table(["run", "kind", "algorithm", "model", "path"], run_rows, raw=True,
-                                            left_cols=5)))
+    parts.append(section("Runs", html_table(["run", "group", "seed", "kind", "algorithm", "model", "path"], run_rows,
+                                            raw=True, left_cols=7)))
     parts.insert(0, _config_check_html(report["config_check"]))
+    seeded = report.get("seeded")
+    if seeded:
+        names, rows = seeded_rows(seeded)
+        cells = [[esc(label)] + [esc(v) + (f'<br><span class="muted">{esc(p)}</span>' if p else "") for v, p in cs]
+                 for label, cs in rows]
+        pairing = ", ".join(f"{k}: by {v}" for k, v in seeded["pairing"].items())
+        note = (f'<p class="meta">Each cell: mean over the group\'s runs, {esc(seeded["interval"])}; n = runs. '
+                f"Δ = the paired difference against <b>{esc(seeded['baseline'])}</b> (mean and 95% t interval of the "
+                f"per-seed differences; pairs {esc(pairing)}) and how many pairs are higher. Values in the unit "
+                "each row names; differences of % values in percentage points.</p>")
+        parts.append(section("Over seeds", note + html_table(["", *names], cells, raw=True, table_id="table-seeded")))
     tables = report["tables"]
     if tables["avg"]["columns"]:
-        names = {"avg": "avg@k (mean accuracy over k samples, %)", "pass": "pass@k (unbiased, %)",
-                 "maj": "maj@k (majority vote, %)"}
+        names_k = {"avg": "avg@k (mean accuracy over k samples, %)", "pass": "pass@k (unbiased, %)",
+                   "maj": "maj@k (majority vote, %)"}
         for kind in KINDS:
             t = tables[kind]
-            rows = []
+            rows_html = []
             for bench, vals in t["rows"].items():
                 ks = {k for k in t["k"].get(bench, {}).values() if k}
                 k_txt = f"{kind}@{ks.pop()}" if len(ks) == 1 else (f"{kind}@k (k differs)" if ks else "")
-                cells = [f"{esc(bench)}" + (f' <span class="muted">{esc(k_txt)}</span>' if k_txt else "")]
+                row = [f"{esc(bench)}" + (f' <span class="muted">{esc(k_txt)}</span>' if k_txt else "")]
                 for lab in t["columns"]:
                     v = vals.get(lab)
                     d = t["delta"].get(bench, {}).get(lab)
-                    cells.append(esc(fmt_pct(v)) + _delta_cell(d))
-                rows.append(cells)
-            note = (f'<p class="meta">Deltas in percentage points against <b>{esc(base)}</b>. '
+                    row.append(esc(fmt_value("accuracy", v)) + _delta_cell("accuracy", d))
+                rows_html.append(row)
+            note = (f'<p class="meta">Accuracy in %, deltas in percentage points against <b>{esc(base)}</b>. '
                     f"Avg. = mean over the benchmarks every run has: {esc(', '.join(tables['common_benchmarks']))}.</p>")
-            parts.append(section(names[kind], note + html_table(["benchmark", *t["columns"]], rows, raw=True,
-                                                               table_id=f"table-{kind}")))
+            parts.append(section(names_k[kind], note + html_table(["benchmark", *t["columns"]], rows_html, raw=True,
+                                                                 table_id=f"table-{kind}")))
     if report["training"]:
         labels = list(report["training"])
         keys = list(next(iter(report["training"].values())))
-        rows = []
+        rows_html = []
         for key in keys:
-            cells = [esc(key)]
+            row = [esc(labelled(key))]
             b = report["training"][labels[0]].get(key)
             for lab in labels:
                 v = report["training"][lab].get(key)
-                pct = _is_pct(key)
-                txt = _train_fmt(key, v)
-                d = (v - b) if (pct and v is not None and b is not None and lab != labels[0]) else None
-                cells.append(esc(txt) + _delta_cell(d, colored="accuracy" in key))
-            rows.append(cells)
+                d = (v - b) if (unit_of(key) == "%" and v is not None and b is not None and lab != labels[0]) else None
+                row.append(esc(fmt_value(key, v)) + _delta_cell(key, d, colored="accuracy" in key))
+            rows_html.append(row)
         parts.append(section(
             "Training runs",
-            f'<p class="meta">Accuracies and fractions in %, deltas against <b>{esc(labels[0])}</b> (the first '
-            'training run); "final" = mean over the last 10% of steps.</p>'
-            + html_table(["", *labels], rows, raw=True, table_id="table-training"),
+            f'<p class="meta">Each row in the unit it names (% for accuracies, fractions and rates); deltas of % '
+            f'values in percentage points against <b>{esc(labels[0])}</b> (the first training run); "final" = '
+            "mean over the last 10% of steps.</p>"
+            + html_table(["", *labels], rows_html, raw=True, table_id="table-training"),
         ))
     if pngs:
         figs = "".join(
-            f"<figure>{img_tag(p, key)}<figcaption>{esc(key)}</figcaption></figure>" for key, p in pngs.items()
+            f"<figure>{img_tag(p, key)}<figcaption>{esc(labelled(key))}</figcaption></figure>" for key, p in pngs.items()
         )
         parts.append(section("Training curves", f'<div class="grid">{figs}</div>'))
     return html_page("stapo compare", parts, subtitle=f"{len(runs)} runs, baseline {base}")
@@ -505,12 +807,14 @@ def _config_check_html(check: dict[str, Any]) -> str:
     """The fairness section: a red warning box with the confounds, or a one-line all-clear; then every difference."""
     rows = [[esc(lab), esc(d["group"]) + (" <b>(confound)</b>" if part == "confounds" else ""), esc(d["key"]),
              esc(repr(d["base"])), esc(repr(d["other"]))]
-            for lab, v in check["runs"].items() for part in ("confounds", "method", "execution") for d in v[part]]
+            for lab, v in check["runs"].items() for part in ("confounds", "method", "execution", "replicate")
+            for d in v.get(part, [])]
     if check["warning"]:
         head = f'<p id="confound-warning" style="background:#fde7e7;border:2px solid #b3261e;color:#8c1d18;padding:8px"><b>{esc(check["warning"])}</b></p>'
     elif check["runs"]:
         head = (f'<p id="config-check" class="meta">The training runs differ from <b>{esc(check["baseline"])}</b> '
-                "in method keys only (execution keys do not change the objective).</p>")
+                "in method keys only (execution keys do not change the objective; seeds of one group are its "
+                "replicates).</p>")
     else:
         head = '<p id="config-check" class="meta">One training run with a config.yaml: nothing to check.</p>'
     for note in check.get("notes", []):
@@ -523,11 +827,11 @@ def _config_check_html(check: dict[str, Any]) -> str:
 
 
 def terminal_tables(report: dict[str, Any]) -> list[Any]:
-    """Rich tables for the terminal: avg@k with deltas, and the training summary."""
+    """Rich tables for the terminal: the seeded summary, avg@k with deltas, and the training summary."""
     from rich.table import Table
     from rich.text import Text
 
-    out = []
+    out: list[Any] = []
     check = report["config_check"]
     if check["warning"]:
         table = Table(title="[bold red]WARNING: the runs differ in more than the method[/]", title_justify="left")
@@ -540,9 +844,20 @@ def terminal_tables(report: dict[str, Any]) -> list[Any]:
     for note in check.get("notes", []):
         out.append(Text("note: " + note, style="bold yellow"))
     base = report["baseline"]
+    seeded = report.get("seeded")
+    if seeded:
+        names, rows = seeded_rows(seeded)
+        table = Table(title=f"over seeds: mean [95% t interval] n=runs; Δ = paired difference vs {seeded['baseline']}",
+                      title_justify="left")
+        table.add_column("")
+        for g in names:
+            table.add_column(g, justify="right")
+        for label, cells in rows:
+            table.add_row(label, *[Text(v + (f"\n{p}" if p else "")) for v, p in cells])
+        out.append(table)
     t = report["tables"]["avg"]
     if t["columns"]:
-        deltas = f"deltas vs {base}" if base in t["columns"] else f"no deltas: the baseline {base} has no eval results"
+        deltas = f"deltas vs {base} in points" if base in t["columns"] else f"no deltas: the baseline {base} has no eval results"
         table = Table(title=f"avg@k (%) — {deltas}")
         table.add_column("benchmark")
         for lab in t["columns"]:
@@ -552,17 +867,18 @@ def terminal_tables(report: dict[str, Any]) -> list[Any]:
             for lab in t["columns"]:
                 d = t["delta"].get(bench, {}).get(lab)
                 color = "green" if (d or 0) > 0 else "red" if (d or 0) < 0 else "dim"
-                cells.append(fmt_pct(vals.get(lab)) + (f" [{color}]({fmt_delta(d)})[/]" if d is not None else ""))
+                cells.append(fmt_value("accuracy", vals.get(lab))
+                             + (f" [{color}]({fmt_signed('accuracy', d)})[/]" if d is not None else ""))
             table.add_row(*cells)
         out.append(table)
     if report["training"]:
         labels = list(report["training"])
         confounded = " [bold red](CONFOUNDED: see the warning above)[/]" if check["warning"] else ""
-        table = Table(title=f"training runs (accuracies and fractions in %){confounded}")
+        table = Table(title=f"training runs (each row in the unit it names){confounded}")
         table.add_column("")
         for lab in labels:
             table.add_column(lab, justify="right")
         for key in next(iter(report["training"].values())):
-            table.add_row(key, *[_train_fmt(key, report["training"][lab].get(key)) for lab in labels])
+            table.add_row(labelled(key), *[fmt_value(key, report["training"][lab].get(key)) for lab in labels])
         out.append(table)
     return out

@@ -106,25 +106,25 @@ def test_compare_writes_tables_pngs_and_selfcontained_html(runs: list[Path], tmp
     assert rep["baseline"] == "eval_grpo"
     avg = rep["tables"]["avg"]
     assert avg["columns"] == ["eval_grpo", "eval_stapo"]
-    assert avg["rows"]["aime24"] == {"eval_grpo": 0.10, "eval_stapo": 0.15}
-    assert avg["delta"]["aime24"]["eval_stapo"] == pytest.approx(0.05)
-    assert avg["delta"]["math500"]["eval_stapo"] == pytest.approx(-0.02)
-    assert avg["rows"]["gsm8k"] == {"eval_grpo": None, "eval_stapo": 0.9}
+    assert avg["rows"]["aime24"] == pytest.approx({"eval_grpo": 10.0, "eval_stapo": 15.0})  # % everywhere
+    assert avg["delta"]["aime24"]["eval_stapo"] == pytest.approx(5.0)  # percentage points
+    assert avg["delta"]["math500"]["eval_stapo"] == pytest.approx(-2.0)
+    assert avg["rows"]["gsm8k"] == {"eval_grpo": None, "eval_stapo": pytest.approx(90.0)}
     assert avg["delta"]["gsm8k"]["eval_stapo"] is None  # no baseline value, no delta
     # Avg. over the benchmarks both runs have (aime24, math500), not gsm8k.
     assert rep["tables"]["common_benchmarks"] == ["aime24", "math500"]
-    assert avg["rows"]["Avg."]["eval_stapo"] == pytest.approx((0.15 + 0.58) / 2)
-    assert rep["tables"]["pass"]["rows"]["math500"]["eval_stapo"] == 0.80
+    assert avg["rows"]["Avg."]["eval_stapo"] == pytest.approx((15 + 58) / 2)
+    assert rep["tables"]["pass"]["rows"]["math500"]["eval_stapo"] == pytest.approx(80.0)
     assert rep["tables"]["avg"]["k"]["aime24"]["eval_grpo"] == 32
 
     tr = rep["training"]
     assert set(tr) == {"grpo", "stapo"}
-    assert tr["stapo"]["val_accuracy_after"] == 0.5 and tr["stapo"]["val_accuracy_best"] == 0.5
+    assert tr["stapo"]["val_accuracy_after"] == 50.0 and tr["stapo"]["val_accuracy_best"] == 50.0
     assert tr["grpo"]["steps"] == 30
     # "final" = mean of the last 10% of steps (3 steps: 28, 29, 30).
     assert tr["stapo"]["final reward/mean"] == pytest.approx(0.2 + 0.01 * 29)
 
-    assert json.loads((out / "compare.json").read_text())["tables"]["avg"]["rows"]["aime24"]["eval_stapo"] == 0.15
+    assert json.loads((out / "compare.json").read_text())["tables"]["avg"]["rows"]["aime24"]["eval_stapo"] == pytest.approx(15.0)
     assert set(rep["curves"]) == {k for k, _ in CURVES}
     for rel in rep["curves"].values():
         png = (out / rel).read_bytes()
@@ -140,7 +140,7 @@ def test_compare_writes_tables_pngs_and_selfcontained_html(runs: list[Path], tmp
     assert table["math500 avg@4"][1].startswith("58.0 (-2.0)")
     assert table["Avg."][0] == "35.0"
     train = {row[0]: row[1:] for row in p.tables["table-training"]}
-    assert train["val_accuracy_after"][1].startswith("50.0 (+10.0)")
+    assert train["val_accuracy_after (%)"][1].startswith("50.0 (+10.0)")
 
 
 def test_compare_rejects_dirs_that_are_not_runs(tmp_path: Path) -> None:
@@ -243,3 +243,197 @@ def test_config_differences_group_every_key():
     assert [(x.key, x.group, x.base, x.other, x.confound) for x in d] == [("rollout.n", "batch", 8, 16, True)]
     assert matched_overrides({"rollout": {"n": 8}, "algorithm": {"name": "x"}},
                              {"rollout": {"n": 16}, "algorithm": {"name": "y"}}) == ["rollout.n=8"]
+
+
+# ----------------------------------------------------------------------------- one unit per metric
+
+
+def test_every_fraction_is_a_labelled_percentage_in_json_tables_html_and_axes(tmp_path: Path, monkeypatch) -> None:
+    import matplotlib.axes
+
+    run = write_demo_run(tmp_path, "stapo")
+    # 3 steps x 1200 valid tokens, 25 silenced a step: the run's rate 75 / 3600 = 0.020833 -> 2.08 %;
+    # the per-step fraction 0.0156 -> 1.56 %: the same unit side by side, never 2.08e-02 beside 1.56.
+    rows = [{"step": s, "stapo/silenced_count": 25, "tokens/valid": 1200, "stapo/silenced_frac": 0.0156,
+             "entropy/mean": 0.8} for s in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ylabels: list[str] = []
+    real = matplotlib.axes.Axes.set_ylabel
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_ylabel", lambda ax, text, *a, **k: (ylabels.append(text), real(ax, text, *a, **k))[1])
+    output = _compare_cli([run], tmp_path / "cmp")
+    rep = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    tr = rep["training"]["stapo"]
+    assert tr["silenced_rate"] == pytest.approx(100 * 75 / 3600) and tr["final stapo/silenced_frac"] == pytest.approx(1.56)
+    assert rep["units"]["silenced_rate"] == rep["units"]["final stapo/silenced_frac"] == "%"
+    assert rep["units"]["final entropy/mean"] == "nats" and rep["units"]["accuracy tables"] == "%"
+    flat = re.sub(r"\s+", " ", output)
+    assert "silenced_rate (%) │ 2.08" in flat and "final stapo/silenced_frac (%) │ 1.56" in flat
+    assert "e-0" not in output
+    p = _Tables()
+    p.feed((tmp_path / "cmp" / "report.html").read_text())
+    train = {row[0]: row[1:] for row in p.tables["table-training"]}
+    assert train["silenced_rate (%)"] == ["2.08"] and train["final stapo/silenced_frac (%)"] == ["1.56"]
+    assert "stapo/silenced_frac (%)" in ylabels and "entropy/mean (nats)" in ylabels
+
+
+# ----------------------------------------------------------------------------- seeds
+
+
+def write_seeded_run(root: Path, name: str, seed: int, val_after: float, *method: str) -> Path:
+    """One seed of one method: the demo config with ``trainer.seed``, 3 metric rows, validation at start and end."""
+    run = write_demo_run(root, name, *method, f"trainer.seed={seed}")
+    rows = [{"step": s, "reward/mean": 0.1 * s + 0.01 * seed + val_after, "entropy/mean": 1.0} for s in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # each seed its own curve
+    (run / "val.jsonl").write_text("".join(json.dumps({"step": s, "accuracy": a, "n": 40}) + "\n"
+                                           for s, a in ((0, 0.3), (3, val_after))))
+    (run / "summary.json").write_text(json.dumps(
+        {"steps": 3, "val_accuracy_before": 0.3, "val_accuracy_after": val_after, "wall_s": 10.0}))
+    return run
+
+
+GRPO = ("algorithm.token_weighting=none", "algorithm.name=grpo")
+
+
+@pytest.fixture()
+def seeded_runs(tmp_path: Path) -> list[Path]:
+    # GRPO seeds 0, 1, 2 end at 40, 50, 45 %; STAPO's end at 46, 52, 50 % (given in another order: 2, 0, 1).
+    grpo = [write_seeded_run(tmp_path, f"grpo-s{s}", s, v, *GRPO) for s, v in ((0, 0.40), (1, 0.50), (2, 0.45))]
+    stapo = [write_seeded_run(tmp_path, f"stapo-s{s}", s, v) for s, v in ((2, 0.50), (0, 0.46), (1, 0.52))]
+    return grpo + stapo
+
+
+def test_seeds_of_a_recipe_group_with_t_intervals_and_paired_differences(seeded_runs: list[Path], tmp_path: Path) -> None:
+    output = _compare_cli(seeded_runs, tmp_path / "cmp")
+    rep = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    seeded = rep["seeded"]
+    assert seeded["groups"] == {"grpo": {"runs": ["grpo-s0", "grpo-s1", "grpo-s2"], "seeds": [0, 1, 2]},
+                                "stapo": {"runs": ["stapo-s2", "stapo-s0", "stapo-s1"], "seeds": [2, 0, 1]}}
+    assert seeded["pairing"] == {"training": "seed"} and seeded["baseline"] == "grpo"
+    after = seeded["training"]["val_accuracy_after"]
+    # GRPO: mean 45, sd 5, half width t(0.975, 2) x 5 / sqrt(3) = 4.303 x 2.88675 = 12.4217
+    g = after["groups"]["grpo"]
+    assert g["mean"] == pytest.approx(45.0) and g["sd"] == pytest.approx(5.0) and g["n"] == 3
+    assert (g["low"], g["high"]) == (pytest.approx(45 - 12.4217, abs=1e-3), pytest.approx(45 + 12.4217, abs=1e-3))
+    # Paired by seed: 46-40 = 6, 52-50 = 2, 50-45 = 5; mean 13/3, sd sqrt(13/3) = 2.08167,
+    # half width 4.303 x 2.08167 / sqrt(3) = 5.1716
+    d = after["paired"]["stapo"]
+    assert d["diffs"] == {"0": pytest.approx(6.0), "1": pytest.approx(2.0), "2": pytest.approx(5.0)}
+    assert d["mean"] == pytest.approx(13 / 3) and d["sd"] == pytest.approx(2.08167, abs=1e-5)
+    assert (d["low"], d["high"]) == (pytest.approx(13 / 3 - 5.1716, abs=1e-3), pytest.approx(13 / 3 + 5.1716, abs=1e-3))
+    assert (d["n"], d["n_higher"], d["n_lower"]) == (3, 3, 0)
+    assert "grpo" not in after["paired"]  # the baseline is not paired with itself
+    # Seeds of one group are replicates, not confounds; across groups each run is checked against its seed's pair.
+    check = rep["config_check"]
+    assert check["warning"] is None and "WARNING" not in output
+    assert check["runs"]["grpo-s1"]["replicate"][0]["key"] == "trainer.seed"
+    assert check["runs"]["stapo-s2"]["reference"] == "grpo-s2" and check["runs"]["stapo-s2"]["confounds"] == []
+    flat = re.sub(r"\s+", " ", output)
+    assert "45.0 [32.6, 57.4] n=3" in flat and "Δ +4.3 [-0.8, +9.5], wins 3/3" in flat
+    assert "silenced_rate" not in flat.split("over seeds")[1].split("training runs")[0]  # rows no run has are left out
+    p = _Tables()
+    p.feed((tmp_path / "cmp" / "report.html").read_text())
+    row = {r[0]: r[1:] for r in p.tables["table-seeded"]}["val_accuracy_after (%)"]
+    assert row == ["45.0 [32.6, 57.4] n=3", "49.3 [41.7, 56.9] n=3Δ +4.3 [-0.8, +9.5], wins 3/3"]
+
+
+def test_group_labels_pair_eval_dirs_and_one_run_groups_behave_as_before(tmp_path: Path) -> None:
+    a = [write_eval_dir(tmp_path, f"a{i}", {"aime24": (4, v, 0.5, 0.3)}) for i, v in enumerate((0.10, 0.20))]
+    b = [write_eval_dir(tmp_path, f"b{i}", {"aime24": (4, v, 0.5, 0.3)}) for i, v in enumerate((0.25, 0.15))]
+    rep = compare_runs([*a, *b], out_dir=tmp_path / "cmp", groups=["A", "A", "B", "B"])
+    s = rep["seeded"]
+    assert s["pairing"] == {"eval": "order"}  # no seeds in these results.json: paired by position in the group
+    aime = s["tables"]["avg"]["aime24"]
+    # A: 10, 20 -> mean 15, sd 7.0711, half 12.706 x 7.0711 / sqrt(2) = 63.53; B - A: 15, -5 -> mean 5, 1 win of 2
+    assert aime["groups"]["A"]["mean"] == pytest.approx(15.0)
+    assert aime["groups"]["A"]["high"] == pytest.approx(15 + 63.53, abs=1e-2)
+    assert aime["paired"]["B"]["mean"] == pytest.approx(5.0) and aime["paired"]["B"]["n_higher"] == 1
+    assert aime["paired"]["B"]["low"] == pytest.approx(5 - 12.706 * 10, abs=1e-2)  # sd of (15, -5) = 14.142
+    with pytest.raises(ValueError, match="2 --group labels for 4 runs"):
+        compare_runs([*a, *b], out_dir=tmp_path / "x", groups=["A", "B"])
+    mixed = [write_seeded_run(tmp_path / "m", f"r{s}", s, 0.5, *(GRPO if s else ())) for s in (0, 1)]
+    notes = compare_runs(mixed, out_dir=tmp_path / "mixed", groups=["A", "A"])["config_check"]["notes"]
+    assert any(n.startswith("r1 is in group A but differs from r0 in method keys (algorithm.name") for n in notes)
+    one = compare_runs([a[0], b[0]], out_dir=tmp_path / "one", groups=["A", "B"])
+    assert one["seeded"] is None  # every group has one run: the per-run tables alone, as without groups
+
+
+def test_t_table_and_the_curve_band() -> None:
+    from stapo.evals.compare import band
+    from stapo.evals.compare_stats import mean_interval, t975
+
+    assert (t975(1), t975(2), t975(30), t975(35), t975(1000)) == (12.706, 4.303, 2.042, 2.042, 1.960)
+    assert mean_interval([7.0]) == {"mean": 7.0, "low": None, "high": None, "n": 1, "sd": None}
+    # step 1: runs at 1 and 3 -> mean 2, sd sqrt(2), half 12.706 x sqrt(2) / sqrt(2); step 2: one run, no band
+    steps, mean, low, high = band([([1, 2], [1.0, 4.0]), ([1], [3.0])])
+    assert steps == [1, 2] and mean == [2.0, 4.0]
+    assert low == [pytest.approx(2 - 12.706), 4.0] and high == [pytest.approx(2 + 12.706), 4.0]
+
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "evaluation.md"
+
+
+def _doc_compare_lines() -> list[str]:
+    """The `stapo compare` lines of docs/evaluation.md's fenced blocks (the synopsis with DIR... aside)."""
+    lines, fenced = [], False
+    for line in DOC.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif fenced and line.startswith("stapo compare ") and "DIR..." not in line:
+            lines.append(line.split("  #")[0])
+    return lines
+
+
+def test_documented_compare_lines_run(tmp_path: Path, monkeypatch) -> None:
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from stapo.cli.main import app
+
+    lines = _doc_compare_lines()
+    assert len(lines) == 3, lines
+    monkeypatch.chdir(tmp_path)
+    for i, (method, seeds) in enumerate(((GRPO, "grpo"), ((), "stapo"), (GRPO, "a"), ((), "b"))):
+        for s in range(3):
+            write_seeded_run(tmp_path / "runs", f"{seeds}-s{s}", s, 0.4 + 0.01 * i + 0.02 * s, *method)
+    write_demo_run(tmp_path / "runs", "grpo", *GRPO)
+    write_demo_run(tmp_path / "runs", "stapo")
+    write_eval_dir(tmp_path / "evals", "grpo", {"aime24": (32, 0.10, 0.40, 0.20)})
+    write_eval_dir(tmp_path / "evals", "stapo", {"aime24": (32, 0.15, 0.45, 0.20)})
+    for line in lines:
+        res = CliRunner().invoke(app, shlex.split(line)[1:], env={"COLUMNS": "200"})
+        assert res.exit_code == 0, (line, res.output)
+        out = Path(shlex.split(line)[shlex.split(line).index("--out") + 1])
+        rep = json.loads((out / "compare.json").read_text())
+        if "seeds" in line or "--group" in line:
+            assert len(rep["seeded"]["groups"]) == 2 and "over seeds" in res.output, line
+        else:
+            assert rep["seeded"] is None and "GRPO-train" in rep["training"]
+
+
+def test_a_resume_that_changed_settings_is_named_in_the_fairness_box(tmp_path: Path) -> None:
+    a = write_demo_run(tmp_path, "grpo", *GRPO)
+    b = write_demo_run(tmp_path, "stapo")
+    (b / "config_changes.jsonl").write_text(
+        json.dumps({"step": 3, "time": 0, "changes": [
+            {"key": "trainer.lr", "old": 2e-5, "new": 0.5, "bookkeeping": False},
+            {"key": "trainer.max_steps", "old": 3, "new": 6, "bookkeeping": True}]}) + "\n"
+        + '{"step": 9, "changes": "not a list"}\n{"torn')  # rows it does not know are skipped
+    output = _compare_cli([a, b], tmp_path / "cmp")
+    rep = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert rep["runs"][1]["config_changes"] == ["from step 3: trainer.lr 2e-05 -> 0.5",
+                                                "from step 3: trainer.max_steps 3 -> 6 (bookkeeping)"]
+    (note,) = [n for n in rep["config_check"]["notes"] if "resumed" in n]
+    assert note.startswith("stapo was resumed with other settings than its config.yaml: from step 3: trainer.lr "
+                           "2e-05 -> 0.5. ")
+    assert "max_steps" not in note  # a bookkeeping change does not make the run unfair
+    assert "trainer.lr 2e-05 -> 0.5" in re.sub(r"\s+", " ", output)
+    assert "trainer.lr 2e-05 -&gt; 0.5" in (tmp_path / "cmp" / "report.html").read_text()
+
+
+def test_two_runs_of_one_config_and_seed_are_not_grouped(tmp_path: Path) -> None:
+    a = write_seeded_run(tmp_path, "first", 0, 0.4)
+    b = write_seeded_run(tmp_path, "rerun", 0, 0.5)
+    c = write_seeded_run(tmp_path, "other-seed", 1, 0.5, *GRPO)
+    rep = compare_runs([a, b, c], out_dir=tmp_path / "cmp")
+    assert rep["seeded"] is None and [r["group"] for r in rep["runs"]] == ["first", "rerun", "other-seed"]
