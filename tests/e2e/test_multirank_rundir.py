@@ -3,6 +3,7 @@
 * ``deepspeed --num_gpus 2 --no_local_rank --module stapo.cli.main train ...``: one run dir, both
   ranks' checkpoint shards in it; a resume from the step-1 checkpoint (step 2's removed, as after a
   crash) with the same launcher reproduces step 2 exactly;
+* the job's log carries each Python warning once (rank 0's) and no progress bars;
 * one launcher per "node" (``--hostfile --no_ssh --node_rank=R``, both on this machine): the two
   launchers run in different time zones, so each names a different default run dir from its own
   clock; rank 0's name is the one both use;
@@ -62,6 +63,10 @@ def test_two_ranks_without_run_dir_write_one_run_dir_and_resume_exactly(tmp_path
     ckpt = run / "checkpoints" / "step_000001"
     assert {p.name for p in ckpt.glob("rng_*.pt")} == {"rng_0.pt", "rng_1.pt"}  # both ranks wrote here
     assert first.stdout.count("run dir: ") == 1
+    log = first.stdout + first.stderr
+    repeated = [ln for ln in log.splitlines() if "Warning:" in ln]
+    assert len(repeated) == len(set(repeated)), repeated  # each warning once per job, not once per rank
+    assert "\r" not in log and "it/s]" not in log  # no progress bars in a log
 
     original = _rows(run / "metrics.jsonl")
     shutil.rmtree(run / "checkpoints" / "step_000002")  # as if the run died during step 2's checkpoint
