@@ -516,6 +516,7 @@ def write_outputs(result: dict[str, Any], sample: CalibrationSample, out_dir: Pa
     if math.isfinite(row["tau_h_mean"]):
         ax.axvline(row["tau_h_mean"], color="tab:red", linestyle=":", linewidth=1,
                    label=f"tau_h^({q:g}) = {row['tau_h_mean']:.3g} nats (mean over mini-batches)")
+    ax.ticklabel_format(useOffset=False)
     ax.set_xlabel("entropy H of the next-token distribution (nats)")
     ax.set_ylabel("log10 p of the sampled token")
     s = result["sample"]
