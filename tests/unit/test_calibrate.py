@@ -179,3 +179,13 @@ def test_entropy_step_is_the_first_order_change_of_a_real_sgd_step(one_thread):
     row0 = m & ~subset
     parts = entropy_rates(model, batch, rows, {"sub": subset, "row0": row0}, temperature=1.0, chunk_size=64, micro_rows=3)
     assert parts["sub"] + parts["row0"] == pytest.approx(parts["all"], rel=1e-6)
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--q", "1.5"], "--q must be in [0, 1], got 1.5"),
+    (["--tau-p", "0"], "--tau-p must be a probability in (0, 1], got 0.0"),
+    (["--limit", "0"], "--limit must be >= 1 prompt, got 0"),
+])
+def test_bad_options_are_one_line_before_the_model_loads(stapo_main, tmp_path, args, line):
+    code, _out, err = stapo_main("calibrate", "--config", "tiny", *args, "--out", str(tmp_path / "c"))
+    assert code == 2 and line in err and not (tmp_path / "c").exists()
