@@ -1,4 +1,5 @@
-"""`stapo calibrate` end to end on the tiny config, and every documented `stapo calibrate` line.
+"""`stapo calibrate` end to end on the tiny config, and every documented `stapo calibrate` line
+(README.md, docs/*.md, the command's --help examples).
 
 Real sampling, grading, teacher forcing and the registered ``s2t`` weighting on the tiny random
 model (configs/tiny.yaml: tau_p 0.1, q 0.75, so its A > 0 tokens are candidates). The documented
@@ -52,27 +53,34 @@ def test_calibrate_on_tiny_prints_the_grid_taxonomy_and_reading(tmp_path):
 
 
 def _documented() -> list[tuple[str, list[str]]]:
-    """(where, argv) of every `stapo calibrate` command line in README.md and docs/*.md: lines of
-    fenced blocks and inline code spans."""
+    """(where, argv) of every `stapo calibrate` command line in README.md, docs/*.md (lines of fenced
+    blocks and inline code spans) and the command's --help examples."""
+    from stapo.cli.calibrate import command
+
     found = []
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+    texts = [(str(p.relative_to(ROOT)), p.read_text()) for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]]
+    for where, text in [*texts, ("stapo calibrate --help", command.__doc__ or "")]:
+        for n, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
             spans = re.findall(r"`(stapo calibrate [^`]+)`", line)
             if line.startswith("stapo calibrate "):
                 spans.append(line)
             for cmd in spans:
                 if not re.match(r"stapo calibrate( -|\s*(#|$))", cmd):  # a command line, not a listing's prose
                     continue
-                found.append((f"{path.relative_to(ROOT)}:{n}", shlex.split(cmd, comments=True)[1:]))
-    return found
+                found.append((f"{where}:{n}", shlex.split(cmd, comments=True)[1:]))
+    same: dict[tuple[str, ...], list[str]] = {}  # one run per distinct line, named by every place showing it
+    for where, argv in found:
+        same.setdefault(tuple(argv), []).append(where)
+    return [(" + ".join(w), list(a)) for a, w in same.items()]
 
 
 DOCUMENTED = _documented()
 
 
 def test_the_docs_show_calibrate_lines():
-    assert any(w.startswith("README.md") for w, _ in DOCUMENTED)
-    assert any(w.startswith("docs/algorithms.md") for w, _ in DOCUMENTED)
+    for where in ("README.md", "docs/algorithms.md", "stapo calibrate --help"):
+        assert any(w.startswith(where) for w, _ in DOCUMENTED), where
 
 
 @pytest.mark.parametrize(("where", "argv"), DOCUMENTED, ids=[w for w, _ in DOCUMENTED])
