@@ -189,6 +189,7 @@ def taxonomy(sample: CalibrationSample, *, tau_p: float, q: float) -> dict[str, 
     cells = {c: {"count": 0, "grad_norm_sum": 0.0} for c in CELLS}
     sets = {k: {"count": 0, "grad_norm_sum": 0.0, "grad_norm_sq_sum": 0.0} for k in ("silenced", "random")}
     total = total_sq = 0.0
+    per_mb = []  # candidates per mini-batch
     for mb in sample.minibatches:
         g = token_grad_norms(mb)  # [n]
         total += float(g.sum())
@@ -203,6 +204,7 @@ def taxonomy(sample: CalibrationSample, *, tau_p: float, q: float) -> dict[str, 
             cells[pc, ec]["count"] += int(sel.sum())
             cells[pc, ec]["grad_norm_sum"] += float(g[sel].sum())
         ref = reference_sets(mb, tau_p=tau_p, q=q)
+        per_mb.append(int(ref["candidates"].sum()))
         for k, acc in sets.items():
             acc["count"] += int(ref[k].sum())
             acc["grad_norm_sum"] += float(g[ref[k]].sum())
@@ -220,6 +222,7 @@ def taxonomy(sample: CalibrationSample, *, tau_p: float, q: float) -> dict[str, 
         acc["mean_grad_norm"] = acc["grad_norm_sum"] / acc["count"] if acc["count"] else math.nan
     r, s = sets["random"]["share"], sets["silenced"]["share"]
     return {"tau_p": float(tau_p), "q": float(q), "positive_tokens": n_pos, "cells": out_cells, "sets": sets,
+            "candidates_per_minibatch": per_mb,
             "grad_norm_total": total, "grad_norm_sq_total": total_sq,
             "silenced_vs_random": s / r if r and r > 0 else math.nan}
 
@@ -466,7 +469,10 @@ def reading(result: dict[str, Any]) -> str:
             f"Qwen3 base models).")
     if not sil["count"]:
         why = ("no token has A > 0 (every group all right or all wrong)" if not tax["positive_tokens"]
-               else "no A > 0 token has p < tau_p" if not row["candidates"] else "no candidate lies below tau_h^(q)")
+               else "no A > 0 token has p < tau_p" if not row["candidates"]
+               else "no mini-batch has more than one candidate, and a lone candidate is its own q-quantile, never "
+                    "strictly below it" if max(tax["candidates_per_minibatch"]) <= 1
+               else "no candidate lies below tau_h^(q)")
         return head + base + f" Nothing is silenced here: {why}."
     rnd = tax["sets"]["random"]
     text = (head + base + f" The silenced tokens carry {100 * sil['share']:.2f}% of the batches' per-token gradient norm "

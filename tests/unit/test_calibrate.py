@@ -70,6 +70,7 @@ def test_taxonomy_cells_counts_gradient_norms_and_shares():
     assert sil["count"] == 2 and sil["share"] == pytest.approx(3 * s / total, rel=1e-6)
     assert sil["share_sq"] == pytest.approx(5 * s * s / (5 * s * s + 0.5 + 16 * s * s), rel=1e-6)
     assert tax["sets"]["random"]["count"] == 2  # the same size, drawn among the same candidates
+    assert tax["candidates_per_minibatch"] == [4, 4]
 
 
 def test_random_set_is_seeded_and_among_the_candidates():
@@ -89,6 +90,9 @@ def test_analyse_marks_the_rule_and_reads_it():
     assert "times a random same-size set" in res["reading"]
     empty = analyse(CalibrationSample(minibatches=[_mb([0.5], [1.0], [1])], info={"model": "hand"}), tau_p=0.002, q=0.75)
     assert "Nothing is silenced here: no A > 0 token has p < tau_p." in empty["reading"]
+    lone = analyse(CalibrationSample(minibatches=[_mb([0.001, 0.5], [0.1, 1.0], [1, 1])], info={"model": "hand"}),
+                   tau_p=0.002, q=0.75)
+    assert "no mini-batch has more than one candidate" in lone["reading"]
 
 
 # ----------------------------------------------------------------------------- on the tiny model
