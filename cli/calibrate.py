@@ -1,17 +1,18 @@
-"""`stapo calibrate`: the S2T silenced rate on your model and prompts, for a grid of thresholds.
+"""`stapo calibrate`: what the paper's S2T rule silences on your model and prompts, and the mechanism.
 
     stapo calibrate --config tiny --limit 8 --out runs/calib-tiny
-    stapo calibrate --set rollout.max_new_tokens=256 --limit 32 --out runs/calib-demo
+    stapo calibrate --config demo --limit 8 --entropy-step --out runs/calib-demo
 
-Samples with the configured rollout engine, grades with the configured grader, teacher-forces p and
-H in the training dtype and prints, per (tau_p, tau_h), the fraction of response tokens S2T silences
-(before and after the advantage condition), marking the paper's band (1e-5..1e-3) and the cell
-nearest ``--target``. Writes ``calibration.json`` and ``calibration.png`` under ``--out``. See
-:mod:`stapo.core.calibrate`.
+Samples with the configured rollout engine, grades with the configured grader, teacher-forces p, H
+and sum pi^2 in the training dtype, applies the registered ``s2t`` weighting per optimizer
+mini-batch and prints the silenced rate per (tau_p, q), the paper's taxonomy of A > 0 tokens with
+their gradient norms, the silenced set's gradient share beside a random same-size set, and a reading.
+Writes ``calibration.json`` and ``calibration.png`` under ``--out``. See :mod:`stapo.core.calibrate`.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -27,29 +28,35 @@ def command(
         "calibration"
     ),
     limit: Annotated[int, typer.Option("--limit", "-n", metavar="N", help="Prompts to sample (each gives rollout.n responses).")] = 64,
-    target: Annotated[float, typer.Option("--target", metavar="RATE", help="Silenced rate to aim at; the nearest cell is marked.")] = 1e-4,
     tau_p: Annotated[
-        list[float] | None, typer.Option("--tau-p", metavar="P", help="tau_p values of the grid, repeatable (default: 1e-4 .. 0.1).")
-    ] = None,
-    tau_h_quantile: Annotated[
         list[float] | None,
-        typer.Option("--tau-h-quantile", metavar="Q", help="tau_h quantiles of the grid, repeatable (default: 0.01 .. 0.8)."),
+        typer.Option("--tau-p", metavar="P", help="tau_p values of the grid (candidates have p < tau_p), repeatable "
+                     "(default: 0.0005 0.001 0.002 0.005 0.01; the paper's is 0.002)."),
     ] = None,
-    tau_h: Annotated[
+    q: Annotated[
         list[float] | None,
-        typer.Option("--tau-h", metavar="NATS", help="Absolute tau_h values of the grid, repeatable (default: 0.01, 0.1, 1)."),
+        typer.Option("--q", metavar="Q", help="q values of the grid (tau_h^(q) is the q-th quantile of each mini-batch's "
+                     "candidates' entropies), repeatable (default: 0.5 0.75 0.9; the paper's is 0.75)."),
     ] = None,
+    entropy_step: Annotated[
+        bool,
+        typer.Option("--entropy-step", help="Also measure, per mini-batch, the entropy change of one SGD step on the "
+                     "baseline objective restricted to the silenced tokens vs a random same-size set of candidates "
+                     "(first order; one backward per set per micro-batch)."),
+    ] = False,
 ) -> None:
-    """Measure how many tokens S2T would silence on the configured model and prompts.
+    """Measure what the paper's S2T rule silences on the configured model and prompts, and why.
 
-    The run's own setting (algorithm.s2t) is always in the grid, marked (cfg).
+    The taxonomy, gradient shares, entropy step and figure use the config's own rule
+    (algorithm.s2t.tau_p and .q; the paper's 0.002 and 0.75 in the STAPO recipes), which is always
+    in the grid, marked c.
 
     Examples:
 
     \b
       stapo calibrate --config tiny --limit 8 --out runs/calib-tiny
-      stapo calibrate --config tiny --limit 8 --tau-p 0.05 --tau-p 0.1 --tau-h-quantile 0.5 --out runs/calib-tiny
-      stapo calibrate --set rollout.max_new_tokens=256 --limit 32 --out runs/calib-demo   # the demo model
+      stapo calibrate --config tiny --limit 8 --tau-p 0.05 --tau-p 0.1 --q 0.5 --entropy-step --out runs/calib-tiny
+      stapo calibrate --config demo --limit 8 --out runs/calib-demo   # the demo model
     """
     from stapo.core.config import ConfigError, load_config
 
@@ -59,32 +66,21 @@ def command(
         raise CLIError(str(err)) from None
     if limit < 1:
         raise CLIError(f"--limit must be >= 1 prompt, got {limit}")
-    if not target > 0:
-        raise CLIError(f"--target must be a rate > 0, got {target}")
     for p in tau_p or []:
         if not 0 < p <= 1:
             raise CLIError(f"--tau-p must be a probability in (0, 1], got {p}")
-    for q in tau_h_quantile or []:
-        if not 0 <= q <= 1:
-            raise CLIError(f"--tau-h-quantile must be in [0, 1], got {q}")
-    for h in tau_h or []:
-        if h < 0:
-            raise CLIError(f"--tau-h must be >= 0 nats, got {h}")
+    for x in q or []:
+        if not 0 <= x <= 1:
+            raise CLIError(f"--q must be in [0, 1], got {x}")
     check_inputs(cfg)
     quiet_known_noise(cfg.trainer.backend)
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from stapo.core.calibrate import DEFAULT_TAU_H, DEFAULT_TAU_P, calibration_grid, collect, write_outputs
+    from stapo.core.calibrate import DEFAULT_Q, DEFAULT_TAU_P, analyse, collect, write_outputs
 
     console = Console()
-    s2t = cfg.algorithm.s2t
-    configured = None
-    if s2t.target_rate is None:
-        configured = (s2t.tau_p, "quantile", s2t.tau_h_quantile) if s2t.tau_h_quantile is not None else (
-            s2t.tau_p, "absolute", s2t.tau_h)
-    grid_h = [("quantile", q) for q in tau_h_quantile or []] + [("absolute", h) for h in tau_h or []]
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=False) as bar:
         task = bar.add_task("sample, grade, teacher-force", total=None)
@@ -92,60 +88,74 @@ def command(
         def progress(_phase: str, done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        sample = collect(cfg, limit=limit, progress=progress, log=console.print)
-    result = calibration_grid(sample, tau_ps=tau_p or DEFAULT_TAU_P, tau_hs=grid_h or DEFAULT_TAU_H,
-                              target=target, configured=configured)
-    paths = write_outputs(result, out)
+        sample = collect(cfg, limit=limit, entropy_step=entropy_step, progress=progress, log=console.print)
+    s2t = cfg.algorithm.s2t
+    result = analyse(sample, tau_ps=tau_p or DEFAULT_TAU_P, qs=q or DEFAULT_Q, tau_p=s2t.tau_p, q=s2t.q)
+    paths = write_outputs(result, sample, out)
     for item in terminal_tables(result):
         console.print(item)
     console.print(f"wrote {paths['json']} and {paths['png']}")
 
 
 def terminal_tables(result: dict) -> list:
-    """The entropy summary and the grid (rows tau_p, columns tau_h) as rich renderables."""
+    """The grids (rows tau_p, columns q), the taxonomy, the gradient shares and the reading as rich renderables."""
     from rich import box
     from rich.table import Table
     from rich.text import Text
 
-    st, s = result["stats"], result["sample"]
-    qs = ", ".join(f"q{k}={v:.3g}" for k, v in st["entropy_quantiles"].items())
+    s, tax = result["sample"], result["taxonomy"]
     head = Text(
         f"{s['responses']} responses ({s['kept']} in the update's population, {s['correct']} correct), "
-        f"{st['tokens']} response tokens from {s['model']} ({s['dtype']}). Entropy (nats): {qs}; "
-        f"H < 0.01: {100 * st['share_entropy_below_0.01']:.2f}%, p < 0.01: {100 * st['share_p_below_0.01']:.2f}%, "
-        f"A > 0: {100 * st['share_positive_advantage']:.1f}% of tokens. Smallest measurable rate: "
-        f"{result['resolution'] or float('nan'):.1e}."
+        f"{s['tokens']} response tokens from {s['model']} ({s['dtype']}), {s['minibatches']} optimizer mini-batch(es): "
+        f"the rule's population. Smallest measurable rate: {result['resolution'] or float('nan'):.1e}."
     )
     rows = result["grid"]
     tps = sorted({r["tau_p"] for r in rows})
-    labels = list(dict.fromkeys(r["label"] for r in rows))
-    band = f"{result['band'][0]:g}..{result['band'][1]:g}"
+    qs = sorted({r["q"] for r in rows})
     out: list = [head]
-    judged = result.get("judged_on", "rate")
-    if judged != "rate":
-        out.append(Text("No sampled token has A > 0 (every group all right or all wrong), so the update would "
-                        "silence nothing here; the band and target marks are on the rates before the advantage "
-                        "condition (what S2T silences once a group has mixed rewards: times the share of tokens "
-                        "with A > 0).", style="bold yellow"))
-    for key, what in (("rate", "with A > 0: what the update silences"), ("rate_before_adv", "before the advantage condition")):
-        t = Table(title=f"silenced fraction of response tokens, {what}", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
-                  caption=f"bold: in the paper's band {band}; *: nearest {result['target']:g}; c: the config's setting"
-                  if key == judged else None)
-        t.add_column("tau_h", no_wrap=True)
+    for key, what in (("rate", "with A > 0: what the update silences"),
+                      ("rate_before_adv", "before the A > 0 condition (every token taken as A > 0)")):
+        t = Table(title=f"silenced fraction of response tokens, {what}", box=box.SIMPLE_HEAD, padding=(0, 1),
+                  pad_edge=False, caption=f"rows tau_p, columns q; c: the config's rule; the paper reports mostly "
+                  f"< {result['paper_rate']:g}")
+        t.add_column("tau_p \\ q", no_wrap=True)
+        for x in qs:
+            t.add_column(f"q {x:g}", justify="right", no_wrap=True)
         for tp in tps:
-            t.add_column(f"{tp:g}", justify="right", no_wrap=True)
-        for lab in labels:
             cells = []
-            for tp in tps:
-                r = next((r for r in rows if r["tau_p"] == tp and r["label"] == lab), None)
-                if r is None:
-                    cells.append("")
-                    continue
-                txt = _rate(r[key]) + (("*" if r["nearest_target"] else "") + ("c" if r["configured"] else "")
-                                       if key == judged else "")
-                cells.append(f"[bold]{txt}[/]" if key == judged and r["in_band"] else txt)
-            t.add_row(lab, *cells)
+            for x in qs:
+                r = next(r for r in rows if r["tau_p"] == tp and r["q"] == x)
+                cells.append(_rate(r[key]) + ("c" if r["configured"] else ""))
+            t.add_row(f"{tp:g}", *cells)
         out.append(t)
+    t = Table(title=f"A > 0 tokens by probability (tau_p {tax['tau_p']:g}) x entropy (each mini-batch's tau_h^({tax['q']:g}))",
+              box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
+              caption="gradient norm w.r.t. the logits, exact: |A| sqrt(1 - 2p + sum pi^2); low/low is the paper's "
+                      "spurious quadrant")
+    for col in ("probability", "entropy", "tokens", "share", "mean grad norm"):
+        t.add_column(col, justify="right" if col in ("tokens", "share", "mean grad norm") else "left", no_wrap=True)
+    for c in tax["cells"]:
+        t.add_row(c["probability"], c["entropy"], str(c["count"]), _pct(c["share_of_positive"]), _num(c["mean_grad_norm"]))
+    out.append(t)
+    t = Table(title="share of the batches' gradient norm (sum over every response token)", box=box.SIMPLE_HEAD,
+              padding=(0, 1), pad_edge=False)
+    for col in ("set", "tokens", "mean grad norm", "share of sum of norms", "share of squared norm"):
+        t.add_column(col, justify="left" if col == "set" else "right", no_wrap=True)
+    for name, label in (("silenced", "silenced (the rule)"), ("random", "random same-size candidates")):
+        v = tax["sets"][name]
+        t.add_row(label, str(v["count"]), _num(v["mean_grad_norm"]), _pct(v["share"]), _pct(v["share_sq"]))
+    out.append(t)
+    es = result.get("entropy_step")
+    if es:
+        t = Table(title=f"entropy change of one SGD step per set, first order, summed over {es['minibatches']} mini-batch(es)",
+                  box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
+                  caption=f"dH/d(eta) = -<grad H, grad L_S>; at lr {es['lr']:g}: the change in nats")
+        for col in ("set", "dH/d(eta)", "at lr"):
+            t.add_column(col, justify="left" if col == "set" else "right", no_wrap=True)
+        for name in ("silenced", "random", "all"):
+            t.add_row(name, f"{es['rate_sum'][name]:+.4g}", f"{es['delta_at_lr'][name]:+.3g}")
+        out.append(t)
+    out.append(Text(result["reading"], style="bold"))
     return out
 
 
@@ -155,3 +165,11 @@ def _rate(x: float) -> str:
         return "0"
     m, e = f"{x:.1e}".split("e")
     return f"{m}e{int(e)}"
+
+
+def _pct(x: float) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{100 * x:.2f}%"
+
+
+def _num(x: float) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x:.3g}"

@@ -6,7 +6,7 @@
     stapo compare   runs side by side: tables, curves, HTML report
     stapo verifier  serve | bench: the math-verification service
     stapo inspect   the tokens a mask silenced, in context
-    stapo calibrate the S2T silenced rate on your model and prompts, for a grid of thresholds
+    stapo calibrate what S2T silences on your model and prompts, and those tokens' gradient share
     stapo recipes   the shipped recipes and their sources; `recipes diff A B`
     stapo rollout   serve: a vLLM server for rollout.engine=vllm_server
 

@@ -1,13 +1,11 @@
 """The first ten minutes show the method: on the tiny config STAPO silences tokens and trains
 differently from GRPO; `stapo compare` says when S2T never fired and when two runs are the same;
-`stapo inspect` lists exactly the tokens the update silenced; the rate watch warns once;
-`stapo calibrate` runs on the tiny config. Real loop, real tiny model, real grader."""
+`stapo inspect` lists exactly the tokens the update silenced; the rate watch warns once (`stapo
+calibrate`: tests/e2e/test_calibrate.py). Real loop, real tiny model, real grader."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -95,21 +93,3 @@ def test_inspect_lists_exactly_what_the_update_silenced_on_the_same_boundary(run
         report = inspect_run(run, step=int(dump["step"]))
         assert all(t["prob"] < tau_p for t in report["silenced_tokens"])
     assert silenced_total > 0
-
-
-def test_calibrate_cli_on_tiny(tmp_path):
-    out = tmp_path / "calib"
-    res = subprocess.run([sys.executable, "-m", "stapo.cli.main", "calibrate", "--config", "tiny", "--limit", "8",
-                          "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    text = " ".join(res.stdout.split())
-    assert "silenced fraction of response tokens, with A > 0" in text and "q0.5" in text and "0.1" in text
-    result = json.loads((out / "calibration.json").read_text())
-    assert result["sample"]["responses"] == 64 and result["stats"]["tokens"] == 64
-    (cfg_row,) = [r for r in result["grid"] if r["configured"]]
-    assert (cfg_row["tau_p"], cfg_row["tau_h_kind"], cfg_row["tau_h_setting"]) == (0.1, "quantile", 0.5)
-    assert len(result["grid"]) == 8 * 9  # the default grid holds the tiny config's own cell
-    assert (out / "calibration.png").stat().st_size > 1000
-    bad = subprocess.run([sys.executable, "-m", "stapo.cli.main", "calibrate", "--config", "tiny", "--limit", "0"],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--limit must be >= 1" in bad.stderr

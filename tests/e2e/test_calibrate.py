@@ -1,0 +1,97 @@
+"""`stapo calibrate` end to end on the tiny config, and every documented `stapo calibrate` line
+(README.md, docs/*.md, the command's --help examples).
+
+Real sampling, grading, teacher forcing and the registered ``s2t`` weighting on the tiny random
+model (configs/tiny.yaml: tau_p 0.1, q 0.75, so its A > 0 tokens are candidates). The documented
+lines of README.md and docs/*.md run as written except for what this machine forces: a line's
+``--config demo`` runs with ``--config tiny`` (the demo model is a 135M model: ~10 minutes here) and
+``--out`` goes to a temporary folder."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.long  # each line samples, grades and teacher-forces the tiny model (~15 s)
+
+
+def _run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stapo.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**__import__("os").environ, "COLUMNS": "200"})
+
+
+def test_calibrate_on_tiny_prints_the_grid_taxonomy_and_reading(tmp_path):
+    out = tmp_path / "calib"
+    res = _run(["calibrate", "--config", "tiny", "--limit", "8", "--entropy-step", "--out", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    text = " ".join(res.stdout.split())
+    assert "silenced fraction of response tokens, with A > 0" in text and "rows tau_p, columns q" in text
+    assert "A > 0 tokens by probability (tau_p 0.1) x entropy" in text
+    assert "random same-size candidates" in text and "entropy change of one SGD step" in text
+    assert "On tiny-random (64 response tokens" in text and "the paper's rule (tau_p 0.1, q 0.75) silences" in text
+    result = json.loads((out / "calibration.json").read_text())
+    s, tax = result["sample"], result["taxonomy"]
+    assert s["responses"] == 64 and s["tokens"] == 64 and s["minibatches"] == 1
+    assert len(result["grid"]) == 6 * 3  # the default 5 x 3 grid plus the config's tau_p 0.1 row
+    (ref,) = [r for r in result["grid"] if r["configured"]]
+    assert (ref["tau_p"], ref["q"]) == (0.1, 0.75)
+    assert sum(c["count"] for c in tax["cells"]) == tax["positive_tokens"] > 0
+    assert tax["sets"]["silenced"]["count"] == tax["sets"]["random"]["count"] == ref["silenced"] > 0
+    assert set(result["entropy_step"]["rate_sum"]) == {"silenced", "random", "all"}
+    assert result["reading"] in text.replace("\n", " ") or result["reading"][:60] in text
+    assert (out / "calibration.png").stat().st_size > 1000
+    bad = _run(["calibrate", "--config", "tiny", "--limit", "0"], timeout=120)
+    assert bad.returncode == 2 and "--limit must be >= 1" in bad.stderr
+
+
+def _documented() -> list[tuple[str, list[str]]]:
+    """(where, argv) of every `stapo calibrate` command line in README.md, docs/*.md (lines of fenced
+    blocks and inline code spans) and the command's --help examples."""
+    from stapo.cli.calibrate import command
+
+    found = []
+    texts = [(str(p.relative_to(ROOT)), p.read_text()) for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]]
+    for where, text in [*texts, ("stapo calibrate --help", command.__doc__ or "")]:
+        for n, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
+            spans = re.findall(r"`(stapo calibrate [^`]+)`", line)
+            if line.startswith("stapo calibrate "):
+                spans.append(line)
+            for cmd in spans:
+                if not re.match(r"stapo calibrate( -|\s*(#|$))", cmd):  # a command line, not a listing's prose
+                    continue
+                found.append((f"{where}:{n}", shlex.split(cmd, comments=True)[1:]))
+    same: dict[tuple[str, ...], list[str]] = {}  # one run per distinct line, named by every place showing it
+    for where, argv in found:
+        same.setdefault(tuple(argv), []).append(where)
+    return [(" + ".join(w), list(a)) for a, w in same.items()]
+
+
+DOCUMENTED = _documented()
+
+
+def test_the_docs_show_calibrate_lines():
+    for where in ("README.md", "docs/algorithms.md", "stapo calibrate --help"):
+        assert any(w.startswith(where) for w, _ in DOCUMENTED), where
+
+
+@pytest.mark.parametrize(("where", "argv"), DOCUMENTED, ids=[w for w, _ in DOCUMENTED])
+def test_documented_calibrate_line_runs(where, argv, tmp_path):
+    args = list(argv)
+    if "--config" in args and args[args.index("--config") + 1] == "demo":
+        args[args.index("--config") + 1] = "tiny"
+    if "--out" in args:
+        args[args.index("--out") + 1] = str(tmp_path / "out")
+    else:
+        args += ["--out", str(tmp_path / "out")]
+    res = _run(args)
+    assert res.returncode == 0, (where, res.stderr[-3000:])
+    assert (tmp_path / "out" / "calibration.json").exists(), where
