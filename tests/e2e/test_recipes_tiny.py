@@ -40,7 +40,7 @@ CASES = {
     "entropy-bonus": [],
     # vanilla GRPO with its optional KL to the frozen initial policy switched on; STARE's schedule on
     "grpo+kl": ["algorithm.kl_coef=0.04"],
-    "stare+adaptive": ["algorithm.stare.adaptive=true"],
+    "stare+adaptive": ["algorithm.stare.adaptive=true", "algorithm.name=stare-adaptive"],  # another method: its name
 }
 EXPECT = {"grpo+kl": ["actor/kl"], "stare": ["stare/reweight_w", "stare/gate_on"], "lp-reg": ["lp_reg/below_floor_frac"],
           "stare+adaptive": ["stare/reweight_w"]}
@@ -69,7 +69,7 @@ def test_recipe_trains_two_steps_on_cpu(case, tmp_path):
 def test_stare_schedule_survives_resume(tmp_path):
     """W, M live in the checkpoint: 2 steps + resume to 3 continue the schedule (1.09, 1.08 -> 1.07)."""
     base = []
-    for o in [*TINY, "algorithm.stare.adaptive=true"]:
+    for o in [*TINY, "algorithm.stare.adaptive=true", "algorithm.name=stare-adaptive"]:
         base += ["--set", o]
     runner, run_dir = CliRunner(), tmp_path / "stare"
     out = runner.invoke(app, ["train", "--config", "stare", "--run-dir", str(run_dir), *base])

@@ -1,7 +1,7 @@
 """The first ten minutes show the method: on the tiny config STAPO silences tokens and trains
 differently from GRPO; `stapo compare` says when S2T never fired and when two runs are the same;
 `stapo inspect` lists exactly the tokens the update silenced; the rate watch warns once (`stapo
-calibrate`: tests/e2e/test_calibrate.py). Real loop, real tiny model, real grader."""
+calibrate`: tests/e2e/test_calibrate_docs.py). Real loop, real tiny model, real grader."""
 
 from __future__ import annotations
 

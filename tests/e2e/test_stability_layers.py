@@ -138,8 +138,8 @@ def test_branches_share_exactly_the_pivot_prefix_and_local_loss_skips_it(tmp_pat
         captured.append((snap, br))
         return br, m
 
-    def spy_hook(self, run, br, step):
-        hook = orig_hook(self, run, br, step)
+    def spy_hook(self, run, br, step, roots=None):
+        hook = orig_hook(self, run, br, step, roots)
         if hook is None:
             return None
         backend = run.backend

@@ -195,14 +195,15 @@ def test_two_ranks_train_identical_teachers_on_everyones_groups(tmp_path) -> Non
 
 
 def test_candidate_pool_scales_with_the_round():
-    """The recipe's generation round (dynamic sampling: 3 x 256 = 768 prompts) scores 4 x 768
-    candidates, as a round of 8 scores 32: the teacher rejects three in four at any round size
-    (a fixed pool of 1,024 for ~691 greedy slots rejected a third)."""
+    """A generation round of 768 prompts (dynamic sampling's 3 x 256) scores 4 x 768 candidates, as a
+    round of 8 scores 32: the teacher rejects three in four at any round size (a fixed pool of 1,024
+    for ~691 greedy slots rejected a third)."""
     from stapo.configs import preset_path
     from stapo.core.config import load_config
     from stapo.core.sampler import build_sampler, prompts_per_round
 
-    cfg = load_config(preset_path("stapo-goldilocks"), ["data.goldilocks.num_features=64"])
+    cfg = load_config(preset_path("stapo-goldilocks"), ["data.goldilocks.num_features=64",
+                                                        "algorithm.dynamic_sampling=true", "algorithm.gen_batch_multiplier=3"])
     per_round = prompts_per_round(cfg)
     assert per_round == 768
     prompts = [type("P", (), {"prompt": f"question {i}"})() for i in range(5000)]
