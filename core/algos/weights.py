@@ -284,8 +284,14 @@ def s2t_tau_h(
         raise ValueError(f"q must be in [0, 1], got {q}")
     with torch.no_grad():
         cand = s2t_candidates(logprobs, advantages, mask, tau_p=tau_p)  # [B, T]
-        local = entropy.detach()[cand].double()  # [n_cand] this rank's
-        return quantile(gather(local) if gather is not None else local, q)
+        return quantile(candidate_entropies(entropy, cand, gather), q)
+
+
+def candidate_entropies(entropy: Tensor, cand: Tensor, gather: Gather | None = None) -> Tensor:
+    """[n_cand] float64: the entropies of the candidates ``cand`` [B, T], over every rank with
+    ``gather`` (one all-gather): the population of S2T's quantiles."""
+    local = entropy.detach()[cand].double()  # [n_cand] this rank's
+    return gather(local) if gather is not None else local
 
 
 def _random_share(ctx: TokenContext, cand: Tensor, k: int) -> Tensor:
@@ -329,15 +335,18 @@ def s2t_weighting(
     if silence not in S2T_SILENCE:
         raise ValueError(f"silence must be one of {', '.join(S2T_SILENCE)}; got {silence!r}")
     with torch.no_grad():
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"q must be in [0, 1], got {q}")
         cand = s2t_candidates(ctx.logprobs, ctx.advantages, ctx.mask, tau_p=tau_p)  # [B, T]
-        tau = s2t_tau_h(ctx.logprobs, ctx.entropy, ctx.advantages, ctx.mask, tau_p=tau_p, q=q, gather=ctx.gather)
-        lowest = s2t_mask(ctx.logprobs, ctx.entropy, ctx.advantages, ctx.mask, tau_p=tau_p, tau_h=tau)  # [B, T]
+        ents = candidate_entropies(ctx.entropy, cand, ctx.gather)  # [n_cand] all ranks: one gather
+        tau = quantile(ents, q)  # tau_h^(q), as s2t_tau_h
+        _, lowh = below_thresholds(ctx.logprobs, ctx.entropy, tau_p=tau_p, tau_h=tau)  # the mask's comparison
+        lowest = cand & lowh  # [B, T] = s2t_mask at tau_h^(q)
         if silence == "lowest_entropy":
             silenced = lowest
         elif silence == "all":
             silenced = cand
         elif silence == "highest_entropy":
-            ents = ctx.gathered(ctx.entropy.detach()[cand].double())  # [n_cand] all ranks
             hi = quantile(ents, 1.0 - q)
             silenced = cand & (ctx.entropy.detach().double() > hi)  # the mirror of H < tau_h^(q)
         else:
