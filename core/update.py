@@ -490,7 +490,7 @@ class MiniBatch:
         coef_i = d(aggregate)/d(l_i) is taken once by autograd on a ones tensor (every aggregation
         is linear in the per-token losses), so the LM head's gradient is formed inside the chunked
         forward. Returns (loss, logprobs [b, L], entropy [b, L]), the last two detached."""
-        from stapo.core.algos.regularizers import add_terms
+        from stapo.core.algos.objective import per_token_objective
 
         p = self.parts
         x = torch.ones(self.mask[sl].shape, dtype=torch.float32, device=self.mask.device, requires_grad=True)
@@ -506,8 +506,10 @@ class MiniBatch:
         def token_loss_fn(lp: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
             lp2 = lp.unsqueeze(0)  # [1, n]: the registered loss works on [B, T] tensors
             old = old_f[idx].unsqueeze(0).to(lp.dtype) if old_f is not None else lp2.detach()
-            per_tok, _ = loss_fn(lp2, old, adv_f[idx].unsqueeze(0), mask_f[idx].unsqueeze(0), **loss_kw)
-            per_tok1 = add_terms(per_tok[0], lp, [t.flat(idx) for t in terms_f])  # [n]
+            per_tok, _ = per_token_objective(lp2, old, adv_f[idx].unsqueeze(0), mask_f[idx].unsqueeze(0),
+                                             policy_loss=loss_fn, loss_kwargs=loss_kw,
+                                             terms=[t.flat(idx) for t in terms_f])
+            per_tok1 = per_tok[0]  # [n]
             c = coef_f[idx].to(per_tok1.dtype)  # [n]
             return torch.where(c != 0, c * per_tok1, torch.zeros_like(c))  # as aggregate: 0 where w == 0
 

@@ -385,4 +385,4 @@ def test_kl_term_is_elementwise_for_the_fused_path():
     term = kl_token_term(ref, torch.ones(1, 3, dtype=torch.bool), coef=0.3)
     lp = t([[-1.2, -1.0, -0.4]])
     idx = torch.tensor([2, 0])
-    assert torch.allclose(term.flat(idx)(lp[0, idx]), term(lp)[0, idx])
+    assert torch.allclose(term.flat(idx)(lp[:, idx]), term(lp)[:, idx])  # [1, n]
