@@ -491,7 +491,9 @@ def main(argv: list[str] | None = None) -> int:
             f"eval.every={scale.eval_every}"])) for s in seeds]
 
     log("arms A and B:")
-    run_jobs(arm_jobs(arms[0], "A") + arm_jobs(arms[1], "B"), args.jobs, log)
+    # seed by seed, A beside B: a run cut short leaves whole pairs
+    run_jobs([job for pair in zip(arm_jobs(arms[0], "A"), arm_jobs(arms[1], "B"), strict=True) for job in pair],
+             args.jobs, log)
     per_arm = {lab: {s: run_metrics(out / lab / f"seed{s}", scale.ref_step) for s in seeds} for lab in ("A", "B")}
     if b_beats_a(per_arm["A"], per_arm["B"]):
         log("B beats A: arm C (random silencing):")
