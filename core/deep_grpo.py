@@ -83,7 +83,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from stapo.core.batch import Batch, derive_seed
+from stapo.core.distributed import DataParallel, minibatch_rows
 from stapo.core.extras import LoopHook, StepState
+from stapo.core.micro import Micro, micro_batches, micro_spec
+from stapo.core.update import Actor, ExtraRows
 
 __all__ = ["DeepGRPO", "BranchRollouts", "branch_minibatches", "loss_branches", "set_local_advantages",
            "OnlineLogistic", "pivot_utility", "sample_pivot", "suffix_mask", "branch_ratio", "pivot_outcomes", "local_advantages", "LOCAL_ADVANTAGES"]
@@ -304,8 +308,6 @@ def collate_branches(run: Any, kept: list[Any], counts: list[int]) -> BranchRoll
     no-grad pass micro-batched as the update's (``trainer.micro_batch_tokens``: packed), with the
     busiest rank's number of forwards on every rank. ``counts``: kept branch rows of every rank."""
     from stapo.core.batch import collate_with_pad_row
-    from stapo.core.distributed import DataParallel
-    from stapo.core.update import Actor
 
     cfg, dp = run.cfg, DataParallel(run.backend)
     batch = collate_with_pad_row(kept, run.pad_id, pad=dp.multi).to(run.backend.device)
@@ -479,22 +481,14 @@ class LocalLoss:
 
     def __init__(self, cfg: Any, backend: Any, br: BranchRollouts, step: int, k_branch: int, lam: float,
                  sums: dict[str, float]) -> None:
-        from stapo.core.batch import Batch
-        from stapo.core.distributed import DataParallel
-
         self.cfg, self.br, self.step, self.k_branch, self.lam, self.sums = cfg, br, step, k_branch, lam, sums
         self.dp = DataParallel(backend)
         self.counts = br.counts or [br.batch.input_ids.shape[0]]
         # the forwards' rows: the local term's tokens (the continuation) are their response positions
         self.batch = Batch(br.batch.input_ids, br.batch.attention_mask, br.suffix, br.batch.advantages)
-        self.plan: list[list[Any]] = []  # this epoch's forwards, per branch mini-batch
+        self.plan: list[list[Micro]] = []  # this epoch's forwards, per branch mini-batch
 
-    def rows(self, update: int) -> Any:
-        from stapo.core.batch import derive_seed
-        from stapo.core.distributed import minibatch_rows
-        from stapo.core.micro import micro_batches, micro_spec
-        from stapo.core.update import ExtraRows
-
+    def rows(self, update: int) -> ExtraRows | None:
         cfg = self.cfg
         epoch, mb = divmod(update, cfg.algorithm.mini_batches)
         if mb == 0:  # a new pass over the GLOBAL branch rows, split like the root rows

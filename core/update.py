@@ -55,7 +55,7 @@ import torch
 
 from stapo.core.batch import Batch, derive_seed, mean_or_nan
 from stapo.core.config import Config
-from stapo.core.distributed import DataParallel
+from stapo.core.distributed import DataParallel, check_minibatches, group_minibatches, minibatch_rows
 from stapo.core.micro import Micro, MicroSpec, micro_batches, micro_spec, row_slices
 
 if TYPE_CHECKING:
@@ -276,8 +276,6 @@ class Actor:
         of every PPO epoch; ``stapo/tau_h`` is the mean of the mini-batches' tau_h^(q) (S2T's rule,
         computed for the diagnostics under any weighting; mini-batches without a candidate have none).
         """
-        from stapo.core.distributed import check_minibatches, group_minibatches, minibatch_rows
-
         cfg, backend, hooks = self.cfg, self.backend, self.hooks
         batch, old_lp, old_ent, step = inputs.batch, inputs.old_lp, inputs.old_ent, inputs.step
         record, off_policy = inputs.record, inputs.off_policy
