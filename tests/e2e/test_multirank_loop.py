@@ -55,9 +55,8 @@ LOOP_SCRIPT = textwrap.dedent(
 
 
     class StepSequences(LoopHook):
-        """Every sequence a step sampled, all rounds (round 0 and dynamic sampling's refills), graded
-        and shaped: what the logged reward/mean is over."""
-
+        # every sequence a step sampled, all rounds (round 0 and dynamic sampling's refills), graded
+        # and shaped: what the logged reward/mean is over
         name = "step_sequences"
 
         def __init__(self, out):
