@@ -91,7 +91,8 @@ class Run:
     @classmethod
     def build(cls, cfg: Config, run_dir: Path | str, log: Callable[[str], None] = print, **parts: Any) -> Run:
         """The run of ``cfg`` in ``run_dir``, every part made from the config unless given in ``parts``
-        (names: :data:`PARTS`). ``log`` gets the start-up lines (the policy's size, the data)."""
+        (names: :data:`PARTS`; the policy and its tokenizer load together unless both are given). ``log``
+        gets the start-up lines (the policy's size, the data) and, through ``train``, the run's."""
         unknown = sorted(set(parts) - set(PARTS))
         if unknown:
             raise TypeError(f"Run.build() got unknown parts: {', '.join(unknown)}; parts are: {', '.join(PARTS)}")
@@ -110,7 +111,7 @@ class Run:
         else:
             t0 = time.time()
             model, tokenizer = models.load_policy(cfg.model, device="cpu", compute_device=device,
-                                           init_context=load_context(cfg))
+                                                  init_context=load_context(cfg))
             run.model, run.tokenizer = parts.get("model", model), parts.get("tokenizer", tokenizer)
             log(f"policy {cfg.model.name_or_path}: {models.count_params(run.model) / 1e6:.1f}M params "
                 f"for {device} ({time.time() - t0:.1f}s)")
