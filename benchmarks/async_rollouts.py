@@ -30,8 +30,9 @@ from pathlib import Path
 
 def run_once(args: argparse.Namespace, async_on: bool, root: Path, tag: str) -> dict[str, float]:
     from stapo.configs import preset_path
-    from stapo.core import loop
     from stapo.core.config import load_config
+    from stapo.core.loop import train
+    from stapo.core.run import Run
     from stapo.core.tracking import read_jsonl
 
     tiny = {"hidden_size": args.hidden, "num_layers": args.layers, "num_heads": 4,
@@ -50,7 +51,7 @@ def run_once(args: argparse.Namespace, async_on: bool, root: Path, tag: str) -> 
     load0 = os.getloadavg()[0]
     cpu0 = _cpu_s()
     t0 = time.time()
-    loop.train(cfg, run_dir, log=lambda m: None)
+    train(Run.build(cfg, run_dir, log=lambda m: None))
     wall = time.time() - t0
     cpu = _cpu_s() - cpu0
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] > args.skip]

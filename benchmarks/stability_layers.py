@@ -44,13 +44,14 @@ def variants(prompts: int, n: int) -> dict[str, list[str]]:
 
 def run_once(preset: str, overrides: list[str], steps: int) -> list[dict]:
     from stapo.configs import preset_path
-    from stapo.core import loop
     from stapo.core.config import load_config
+    from stapo.core.loop import train
+    from stapo.core.run import Run
     from stapo.core.tracking import read_jsonl
 
     cfg = load_config(preset_path(preset), [*QUIET, f"trainer.max_steps={steps}", *overrides])
     with tempfile.TemporaryDirectory() as d:
-        loop.train(cfg, Path(d), log=lambda m: None)
+        train(Run.build(cfg, Path(d), log=lambda m: None))
         return read_jsonl(Path(d) / "metrics.jsonl")
 
 

@@ -118,10 +118,11 @@ def _step_prompts(cfg: Any, tokenizer: Any, steps: int) -> list[Any]:
 
 def run_stapo(args: argparse.Namespace, baseline: bool) -> list[dict[str, float]]:
     from stapo.core.loop import train
+    from stapo.core.run import Run
 
     cfg = _stapo_cfg(args, BASELINE_OVERRIDES if baseline else [])
     with tempfile.TemporaryDirectory(prefix="vs_trl_stapo_") as tmp:
-        train(cfg, Path(tmp), log=lambda m: None)
+        train(Run.build(cfg, Path(tmp), log=lambda m: None))
         rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines() if line.strip()]
     out = []
     for r in rows:

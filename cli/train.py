@@ -8,8 +8,8 @@
 
 The command builds and validates the config and checks its inputs (model path, data source) before
 it writes anything, so a mistake fails in a second with a one-line message and no run dir left
-behind; then it takes the run dir's lock and calls :func:`stapo.core.loop.train` (the run dir's
-rules: :mod:`stapo.core.rundir`). Ctrl-C, or SIGTERM after a checkpoint of the step in flight,
+behind; then it takes the run dir's lock and trains: ``train(Run.build(cfg, run_dir))``
+(:mod:`stapo.core.run`, :func:`stapo.core.loop.train`; the run dir's rules: :mod:`stapo.core.rundir`). Ctrl-C, or SIGTERM after a checkpoint of the step in flight,
 stops the run and prints the last checkpoint and the exact command that resumes it.
 """
 
@@ -17,11 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
-import shutil
-import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -41,6 +37,9 @@ from stapo.cli.train_plan import plan_at_start, print_plan
 
 if TYPE_CHECKING:
     from stapo.core.config import Config
+    from stapo.core.loop import TrainResult
+    from stapo.core.plan import Plan
+    from stapo.core.rundir import RunDirOwner
 
 
 
@@ -148,36 +147,57 @@ def command(
     if plan:
         print_plan(cfg, world_size, card_gib, as_json)
         return
+    from stapo.core.rundir import RunDirBusy, default_run_dir, holds_run, owned
+
     if run_dir is None:  # under a launcher each rank names one; rank 0's is used (stapo.core.rundir)
-        run_dir = Path("runs") / f"{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = default_run_dir(cfg.algorithm.name)
     check_inputs(cfg)
     check_launch(cfg)
-    cfg = plan_at_start(cfg, card_gib)
+    cfg, memory_plan = plan_at_start(cfg, card_gib)
     quiet_known_noise(cfg.trainer.backend)
-    with _owned(run_dir) as owner:
-        if not resume and _holds_run(run_dir):
+    with contextlib.ExitStack() as stack:
+        try:
+            owner = stack.enter_context(owned(run_dir))
+        except RunDirBusy as err:
+            raise CLIError(str(err)) from None
+        if owner.previous:
+            typer.echo(f"note: {run_dir}: taking over the lock of a run that is no longer running ({owner.previous})",
+                       err=True)
+        if not resume and holds_run(run_dir):
             raise CLIError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --run-dir")
         if resume and _check_resumable(run_dir, fresh, cfg.trainer.max_steps, say):
             return
         if resume and owner.rank0:
             _record_resume(run_dir, resumed, cfg, say)
-        _train(cfg, path, run_dir, resume, owner, say)
+        _train(cfg, memory_plan, path, run_dir, resume, owner, say)
 
 
-def _train(cfg: Config, path: Path, run_dir: Path, resume: bool, owner: _Owner, say: Callable[..., None]) -> None:
-    """Run the loop; on a failure before the first step, remove what this command wrote."""
+def run_training(cfg: Config, run_dir: Path, *, resume: bool, log: Callable[[str], None], plan: Plan | None) -> TrainResult:
+    """The library call `stapo train` makes once its checks pass: build the run (with the memory plan
+    printed at start, so the run is not planned twice) and train it. The one seam of this command:
+    CLI tests stand a recorder in for it to see the config that reached the library."""
     from stapo.core.loop import train
+    from stapo.core.run import Run
+
+    return train(Run.build(cfg, run_dir, log=log, plan=plan), resume=resume)
+
+
+def _train(cfg: Config, plan: Plan | None, path: Path, run_dir: Path, resume: bool, owner: RunDirOwner,
+           say: Callable[..., None]) -> None:
+    """Run the loop; on a failure before the first step, remove what this command wrote."""
     from stapo.core.rewards import RewardError
-    from stapo.core.rundir import SharedDirError
+    from stapo.core.rundir import SharedDirError, stop_report
 
     say(f"run dir: {run_dir}  (config: {path})")  # rank 0's: the other ranks take its name (agree_run_dir)
     try:
-        result = train(cfg, run_dir, resume=resume, log=say)
+        result = run_training(cfg, run_dir, resume=resume, log=say, plan=plan)
     except KeyboardInterrupt as err:  # Ctrl-C, and SIGTERM (stapo.core.rundir.Stopped)
         _quiet_grader_shutdown()
         owner.clean_up(keep_config=True)
         if owner.rank0:  # (another rank's run_dir may be its own default name, not the run's)
-            _interrupted(cfg, run_dir, err)
+            typer.echo("", err=True)
+            for line in stop_report(run_dir, err, cfg.trainer.max_steps, cfg.checkpoint.every):
+                typer.echo(line, err=True)
         raise typer.Exit(getattr(err, "exit_code", 130)) from None
     except RewardError as err:
         owner.clean_up()
@@ -360,13 +380,6 @@ def _record_resume(run_dir: Path, resumed: _Resumed | None, cfg: Config, say: Ca
             + "; ".join(map(str, changes)))
 
 
-def _holds_run(run_dir: Path) -> bool:
-    """A run dir with metrics or a checkpoint: a new run there would mix with it."""
-    from stapo.core.checkpoint import list_checkpoints
-
-    return (run_dir / "metrics.jsonl").exists() or bool(list_checkpoints(run_dir))
-
-
 def _check_not_busy(run_dir: Path) -> None:
     from stapo.core.rundir import RunDirBusy, check_not_busy
 
@@ -374,107 +387,6 @@ def _check_not_busy(run_dir: Path) -> None:
         check_not_busy(run_dir)
     except RunDirBusy as err:
         raise CLIError(str(err)) from None
-
-
-class _Owner:
-    """What this command owns in its run dir: what it must remove when the run fails before its first step.
-
-    Under a launcher only rank 0 takes the lock and cleans up (the other ranks write only checkpoint
-    shards, which exist only after a step)."""
-
-    def __init__(self, run_dir: Path, rank0: bool) -> None:
-        from stapo.core.checkpoint import checkpoint_step, latest_checkpoint
-        from stapo.core.rundir import CHANGES_NAME
-
-        self.run_dir, self.rank0 = run_dir, rank0
-        self.created = not run_dir.exists()
-        self.before = set() if self.created else {p.name for p in run_dir.iterdir()}
-        ckpt = latest_checkpoint(run_dir)
-        self.start = checkpoint_step(ckpt) if ckpt is not None else 0  # the step this run starts after
-        record = run_dir / CHANGES_NAME
-        self.record = record.read_bytes() if record.is_file() else None  # restored when no step ran
-
-    def clean_up(self, *, keep_config: bool = False) -> None:
-        """When no step finished: remove what this command added (``config.yaml`` kept for an
-        interrupted run, so that ``--resume --fresh`` starts it again with the same config). A
-        failed start puts the record of config changes back as it was (its changes never ran); an
-        interrupted one keeps this resume's row, so the printed ``--resume`` goes on with them."""
-        from stapo.core.rundir import CHANGES_NAME, LOCK_NAME
-        from stapo.core.tracking import read_jsonl
-
-        rows = read_jsonl(self.run_dir / "metrics.jsonl")
-        if not self.rank0 or not self.run_dir.is_dir() or (rows and int(rows[-1]["step"]) > self.start):
-            return
-        keep = self.before | {LOCK_NAME} | ({"config.yaml", CHANGES_NAME} if keep_config else set())
-        for p in self.run_dir.iterdir():
-            if p.name not in keep:
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-        if self.record is not None and not keep_config:
-            (self.run_dir / CHANGES_NAME).write_bytes(self.record)
-
-
-@contextlib.contextmanager
-def _owned(run_dir: Path) -> Iterator[_Owner]:
-    """Hold the run dir's lock (rank 0) and handle SIGTERM like Ctrl-C for the command's lifetime;
-    a run dir this command made and left empty is removed at the end."""
-    from stapo.core.rundir import RunDirBusy, install_signal_handlers, lock_run_dir
-
-    owner = _Owner(run_dir, int(os.environ.get("RANK", "0")) == 0)
-    lock = None
-    if owner.rank0:
-        try:
-            lock = lock_run_dir(run_dir)
-        except RunDirBusy as err:
-            raise CLIError(str(err)) from None
-        if lock.previous:
-            typer.echo(f"note: {run_dir}: taking over the lock of a run that is no longer running ({lock.previous})",
-                       err=True)
-    previous = install_signal_handlers()
-    try:
-        yield owner
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-        if lock is not None:
-            lock.release()
-            if owner.created and run_dir.is_dir() and not any(run_dir.iterdir()):
-                run_dir.rmdir()
-
-
-def _interrupted(cfg: Config, run_dir: Path, err: KeyboardInterrupt) -> None:
-    """Ctrl-C or SIGTERM: where the run stopped, its last checkpoint and the command that continues it."""
-    from stapo.core.checkpoint import latest_checkpoint
-    from stapo.core.rundir import Stopped
-    from stapo.core.tracking import read_jsonl
-
-    echo = typer.echo
-    metrics = run_dir / "metrics.jsonl"
-    rows = read_jsonl(metrics)
-    done = int(rows[-1]["step"]) if rows else 0
-    total = cfg.trainer.max_steps
-    what = f"stopped by {err}" if isinstance(err, Stopped) else "interrupted"
-    if isinstance(err, Stopped) and err.checkpointed:
-        where = f"after step {done} of {total}"
-    elif done == 0:
-        where = "before the first step finished"
-    else:
-        where = f"during step {done + 1} of {total}" if done < total else "after the last step"
-    files = f" (metrics: {metrics})" if metrics.exists() else ""
-    echo("", err=True)
-    echo(f"{what} {where}; {done} step(s) done{files}", err=True)
-    ckpt = latest_checkpoint(run_dir)
-    quoted = shlex.quote(str(run_dir))
-    if ckpt is not None:
-        echo(f"last checkpoint: {ckpt}", err=True)
-        echo(f"resume with: stapo train --run-dir {quoted} --resume", err=True)
-    elif (run_dir / "config.yaml").is_file():
-        every = cfg.checkpoint.every
-        when = f"checkpoint.every={every} writes one every {every} steps" if every else (
-            "checkpoint.every=0 writes one only at the end")
-        echo(f"no checkpoint yet ({when})", err=True)
-        echo(f"start it over with: stapo train --run-dir {quoted} --resume --fresh", err=True)
-    else:
-        echo(f"nothing was kept in {run_dir}; run the same command to start again", err=True)
 
 
 def _quiet_grader_shutdown() -> None:

@@ -10,6 +10,7 @@ from stapo.cli.common import CLIError, JobError
 
 if TYPE_CHECKING:
     from stapo.core.config import Config
+    from stapo.core.plan import Plan
 
 
 def print_plan(cfg: Config, world_size: int | None, card: float | None, as_json: bool) -> None:
@@ -31,8 +32,9 @@ def print_plan(cfg: Config, world_size: int | None, card: float | None, as_json:
         raise typer.Exit(1)
 
 
-def plan_at_start(cfg: Config, card: float | None) -> Config:
-    """On a GPU: refuse a config that cannot fit, print the plan's line (rank 0), resolve the update's path."""
+def plan_at_start(cfg: Config, card: float | None) -> tuple[Config, Plan | None]:
+    """On a GPU: refuse a config that cannot fit, print the plan's line (rank 0), resolve the update's
+    path. Returns the config and the plan (None on a CPU), which the run is built with."""
     import os
 
     from stapo.core.plan import PlanError
@@ -44,4 +46,4 @@ def plan_at_start(cfg: Config, card: float | None) -> Config:
         raise JobError(str(err)) from None
     if os.environ.get("RANK", "0") == "0":
         typer.echo(result.line() if result else "memory plan: skipped (CPU run; `stapo train --plan` plans a GPU run)")
-    return cfg2
+    return cfg2, result

@@ -49,7 +49,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,16 +64,16 @@ from stapo.core.batch import (
     mean_or_nan,
     seed_everything,
 )
-from stapo.core.config import Config, save_config
+from stapo.core.config import Config
 from stapo.core.rollouts import (
     dynamic_sampling_refill,
     rollout_and_grade,
     rollout_metrics,
     shape_and_advantage,
 )
+from stapo.core.run import Run
 from stapo.core.trainer.base import begin_rollout_step
 from stapo.core.update import (
-    Actor,
     UpdateInputs,
     UpdateRecord,
     needs_old_pass,
@@ -86,7 +86,7 @@ if TYPE_CHECKING:
 __all__ = ["train", "TrainResult"]
 
 
-# ----------------------------------------------------------------------------- the parts of a run
+# ----------------------------------------------------------------------------- what a run returns
 
 
 @dataclass
@@ -99,84 +99,10 @@ class TrainResult:
     notes: dict[str, Any] = field(default_factory=dict)  # the hooks' summary (e.g. S2T's whole-run rate)
 
 
-class _Run:
-    """Everything a run holds: model, trainer backend, rollout engine, rewards, data, tracking."""
-
-    def __init__(self, cfg: Config, run_dir: Path, log: Callable[[str], None]) -> None:
-        from stapo.core.data import encode_prompt, load_prompts
-        from stapo.core.models import count_params, load_policy
-        from stapo.core.placement import rank_placement
-        from stapo.core.rewards import RewardFunction
-        from stapo.core.rollout import build_rollout_engine
-        from stapo.core.trainer import build_trainer_backend, load_context
-
-        self.cfg, self.run_dir, self.log = cfg, run_dir, log
-        # this rank's device, set before anything touches a GPU (stapo.core.placement); the policy
-        # loads on the CPU (ZeRO-3: partitioned as it is built) and the trainer backend places it there
-        self.placement = rank_placement(cfg.trainer.device, tp_size=vllm_tp_size(cfg))
-        seed_everything(cfg.trainer.seed)
-        device = self.placement.device
-        t0 = time.time()
-        self.model, self.tokenizer = load_policy(cfg.model, device="cpu", compute_device=device,
-                                                 init_context=load_context(cfg))
-        log(f"policy {cfg.model.name_or_path}: {count_params(self.model) / 1e6:.1f}M params "
-            f"for {device} ({time.time() - t0:.1f}s)")
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        total_updates = cfg.trainer.max_steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches
-        self.backend = build_trainer_backend(cfg, self.model, total_optimizer_steps=max(total_updates, 1))
-        # Data parallel (deepspeed launcher): each rank samples its share of the step's prompts; the
-        # token-mean normalizer and the S2T thresholds are reduced across ranks; rank 0 writes files.
-        self.rank = int(self.backend.rank)
-        self.world_size = int(self.backend.world_size)
-        if cfg.rollout.prompts_per_step % self.world_size:
-            raise ValueError(
-                f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be divisible by the "
-                f"number of data-parallel ranks ({self.world_size})"
-            )
-        self.engine = build_rollout_engine(cfg, model=self.backend.model, tokenizer=self.tokenizer)
-        if self.world_size > 1 and hasattr(self.engine, "synced_gpus"):
-            # ZeRO-3 gathers parameters in every generate step: a rank whose sequences finished early
-            # keeps stepping (transformers' synced_gpus) until every rank is done.
-            self.engine.synced_gpus = True
-        self.rewards = RewardFunction(cfg.reward)
-        self.train_prompts, self.val_prompts = load_prompts(cfg.data, self.tokenizer)
-        if not self.train_prompts:
-            raise ValueError(f"no training prompts from data.source={cfg.data.source!r}")
-        log(f"data: {len(self.train_prompts)} train / {len(self.val_prompts)} val prompts from {cfg.data.source}")
-        self._encode = lambda text: encode_prompt(self.tokenizer, text, chat_template=cfg.data.chat_template)
-        self._encoded: dict[str, list[int]] = {}
-        # which prompts (uniform | goldilocks: docs/stability.md); the loop's sampling asks it
-        from stapo.core.sampler import build_sampler
-
-        self.sampler = build_sampler(cfg, self.train_prompts, encode=self.encode, model=self.backend.model)
-        # every extra (async rollouts, the sampler's step, DEEP-GRPO, KL / Lp-Reg / STARE / overlong
-        # filter) is a named hook with one interface: stapo.core.extras
-        from stapo.core.extras import build_hooks
-
-        self.hooks = build_hooks(self)
-        self.actor = Actor(cfg, self.backend, self.hooks)  # the update; asks the hooks for its in-update phases
-
-    def encode(self, rec: Any) -> list[int]:
-        if rec.id not in self._encoded:
-            self._encoded[rec.id] = self._encode(rec.prompt)
-        return self._encoded[rec.id]
-
-    def close(self) -> None:
-        try:
-            self.hooks.close()
-        finally:
-            self.rewards.close()
-
-
-def vllm_tp_size(cfg: Config) -> int:
-    """vLLM's tensor-parallel size (1 unless the colocated vllm engine is used)."""
-    return cfg.rollout.vllm.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
-
-
 # ----------------------------------------------------------------------------- phases of a step
 
 
-def validate(run: _Run) -> dict[str, float]:
+def validate(run: Run) -> dict[str, float]:
     """Accuracy on held-out prompts (greedy by default), global over data-parallel ranks.
 
     Each rank generates a strided share of the prompts, padded to the same count (every rank makes
@@ -218,7 +144,7 @@ def dump_candidates(cfg: Config, seqs: Sequence[Sequence_]) -> list[int]:
     return order[: cfg.logging.dump_max_sequences]
 
 
-def dump_forward(run: _Run, batch: Batch, rows: list[int]) -> dict[str, torch.Tensor]:
+def dump_forward(run: Run, batch: Batch, rows: list[int]) -> dict[str, torch.Tensor]:
     """Theorem 3.1 data of the dump rows from one forward of the PRE-update (sampled) policy at the
     sampling temperature (``Actor.distribution``): p, H, sum q^2 and top-k describe the same
     distribution, on the CPU; every rank makes the same number of forwards (ZeRO-3)."""
@@ -226,7 +152,7 @@ def dump_forward(run: _Run, batch: Batch, rows: list[int]) -> dict[str, torch.Te
     return {k: v.cpu() for k, v in dist.items()}
 
 
-def dump_tokens(run: _Run, step: int, seqs: list[Sequence_], batch: Batch, rows: list[int],
+def dump_tokens(run: Run, step: int, seqs: list[Sequence_], batch: Batch, rows: list[int],
                 dist: dict[str, torch.Tensor], record: UpdateRecord, dp: Any) -> None:
     """Bounded token-level dump for `stapo inspect` (format in docs/architecture.md); rank 0 writes.
 
@@ -288,8 +214,9 @@ def dump_tokens(run: _Run, step: int, seqs: list[Sequence_], batch: Batch, rows:
 # ----------------------------------------------------------------------------- the loop
 
 
-def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[str], None] = print) -> TrainResult:
-    """Run (or resume) RL training; returns where it went and validation before/after.
+def train(run: Run, *, resume: bool = False) -> TrainResult:
+    """Train (or resume) the built ``run`` (:meth:`stapo.core.run.Run.build`) and close it; returns
+    where it went and validation before/after.
 
     Each step, top to bottom: sample -> grade -> advantages (+ dynamic sampling) -> old pass (where
     needed) -> update -> weight sync -> metrics / validation / checkpoint. The extras are hooks
@@ -298,25 +225,28 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
     Nothing is written before the run is built and the ranks agree on rank 0's ``run_dir``; a
     SIGTERM stops the run at a step boundary, after a checkpoint (``stapo.core.rundir``).
     """
-    from stapo.core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from stapo.core.checkpoint import load_checkpoint, save_checkpoint
     from stapo.core.distributed import DataParallel
     from stapo.core.extras import StepState, legacy_hook_state
-    from stapo.core.rundir import Stopped, agree_run_dir, stop_at_once, stop_at_step_boundary, stop_requested
+    from stapo.core.rundir import (
+        Stopped,
+        agree_run_dir,
+        open_run_dir,
+        stop_at_once,
+        stop_at_step_boundary,
+        stop_requested,
+    )
     from stapo.core.tracking import LiveView, Tracker, truncate_jsonl
 
-    t_start = time.time()
-    run = _Run(cfg, Path(run_dir), log)
+    cfg, run_dir, log = run.cfg, run.run_dir, run.log
+    t_start = run.started  # (the build's time counts: the run started there)
     hooks = run.hooks
     dp = DataParallel(run.backend)
     main = run.rank == 0
     try:  # nothing is written before the run is built and every rank agrees on rank 0's run dir
         run_dir = run.run_dir = agree_run_dir(run_dir, dp)
         run.placement.record(run_dir / "ranks", run.backend.device)  # which host / GPU each rank took
-        ckpt = latest_checkpoint(run_dir) if resume else None
-        if main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if ckpt is None or not (run_dir / "config.yaml").is_file():  # a resume keeps the run's first config
-                save_config(cfg, run_dir / "config.yaml")  # (its changes: stapo.core.rundir's record)
+        ckpt = open_run_dir(run_dir, cfg, resume=resume, main=main)  # rank 0: the dir and config.yaml
         tracker = Tracker(run_dir, cfg) if main else _NullTracker()
     except BaseException:
         run.close()
@@ -426,13 +356,13 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
     return result
 
 
-def sync_weights(run: _Run) -> None:
+def sync_weights(run: Run) -> None:
     """Trainer -> rollout engine (a no-op when the hf engine shares the trained model)."""
     if run.cfg.rollout.engine != "hf" or getattr(run.engine, "model", None) is not run.backend.model:
         run.engine.load_weights(run.backend.named_parameters_for_sync())
 
 
-def update_step(run: _Run, st: StepState, dp: Any) -> None:
+def update_step(run: Run, st: StepState, dp: Any) -> None:
     """One step's update on ``st.kept`` (every rank, also one with no row): collate, the token dump's
     forward of the sampled policy, the old pass where the config or a hook needs it, the hooks'
     ``before_update``, the actor's update, the hooks' ``after_update``, the dump. Metrics go to

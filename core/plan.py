@@ -73,7 +73,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from stapo.core.config import Config, ModelConfig
 
-__all__ = ["GIB", "ModelShape", "Plan", "PlanError", "card_gib", "model_shape", "plan_at_start", "plan_memory", "plan_run"]
+__all__ = ["GIB", "ModelShape", "Plan", "PlanError", "card_gib", "model_shape", "plan_at_start", "plan_memory", "plan_run",
+           "resolve_update_memory"]
 
 GIB = 2**30
 # Planning without a GPU and without --card-gib / trainer.gpu_memory_gib: an 80 GB card (H100/A100),
@@ -627,6 +628,13 @@ def plan_at_start(cfg: Config, world_size: int, card: float | None = None) -> tu
     plan = plan_run(cfg, world_size, card_gib(cfg, card))
     if not plan.fits:
         raise PlanError(f"{plan.line()} (`stapo train --plan` shows each part)")
-    if cfg.trainer.update_memory == "auto" and plan.update_path == "bounded":
-        cfg = _with(cfg, ["trainer.update_memory=bounded"])
-    return cfg, plan
+    return resolve_update_memory(cfg, plan), plan
+
+
+def resolve_update_memory(cfg: Config, plan: Plan | None) -> Config:
+    """``trainer.update_memory: auto`` as ``plan`` decides: ``bounded`` when the kept graphs do not fit
+    the card; any other value, or no plan (a CPU run), leaves ``cfg`` as it is. ``stapo train`` and
+    ``stapo.core.run.Run.build`` both resolve it here."""
+    if plan is not None and cfg.trainer.update_memory == "auto" and plan.update_path == "bounded":
+        return _with(cfg, ["trainer.update_memory=bounded"])
+    return cfg

@@ -7,8 +7,14 @@
   the lock over and says whose it was. Released, the file is removed. Under a launcher only rank 0
   takes it. On NFS, ``flock`` is carried by NFS byte-range locks (Linux >= 2.6.12), so ranks and
   runs on other nodes see it too.
-* **One name** (:func:`agree_run_dir`): under a launcher every rank names a default run dir from its
-  own clock; rank 0's name wins, broadcast over the process group before any rank writes a file.
+* **Ownership** (:func:`owned`, :class:`RunDirOwner`): ``stapo train`` holds the lock and handles
+  SIGTERM like Ctrl-C for its whole run. A run that fails before its first step removes what it
+  added (a dir it made and left empty is removed too); one interrupted there keeps ``config.yaml``,
+  so that ``--resume --fresh`` starts it again with the same config. :func:`stop_report` is what a
+  stopped run says: where it stopped, its last checkpoint and the command that continues it.
+* **One name** (:func:`default_run_dir`, :func:`agree_run_dir`): under a launcher every rank names a default run dir from its
+  own clock (``runs/<algorithm>-<time>``); rank 0's name wins, broadcast over the process group
+  before any rank writes a file; :func:`open_run_dir` then creates it and writes ``config.yaml``.
   Rank 0 then writes a token file there and every rank reads it back: a rank that does not see it
   (a multi-node launch whose nodes do not share the run dir's filesystem) stops the run at start,
   naming the ranks and hosts, not at the first checkpoint whose shards would land elsewhere.
@@ -35,16 +41,24 @@ import fcntl
 import json
 import os
 import secrets
+import shlex
+import shutil
 import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stapo.core.checkpoint import checkpoint_step, latest_checkpoint, list_checkpoints
+from stapo.core.config import save_config
+from stapo.core.tracking import read_jsonl
+
 __all__ = [
-    "LOCK_NAME", "RunDirBusy", "RunLock", "check_not_busy", "lock_run_dir", "agree_run_dir", "SharedDirError", "Stopped",
+    "LOCK_NAME", "RunDirBusy", "RunLock", "check_not_busy", "lock_run_dir", "RunDirOwner", "owned", "holds_run",
+    "default_run_dir", "agree_run_dir", "open_run_dir", "SharedDirError", "Stopped", "stop_report",
     "install_signal_handlers", "stop_at_step_boundary", "stop_at_once", "stop_requested",
     "CHANGES_NAME", "BOOKKEEPING_KEYS", "ConfigChange", "config_changes", "resume_config_data",
     "record_config_changes", "read_config_changes", "describe_config_changes",
@@ -153,7 +167,78 @@ def lock_run_dir(run_dir: Path) -> RunLock:
     return RunLock(path, fd, _describe(holder) if holder else None)
 
 
+# ----------------------------------------------------------------------------- ownership and clean-up
+
+
+def holds_run(run_dir: Path) -> bool:
+    """A run dir with metrics or a checkpoint: a new run there would mix with it."""
+    return (Path(run_dir) / "metrics.jsonl").exists() or bool(list_checkpoints(run_dir))
+
+
+class RunDirOwner:
+    """What this process owns in its run dir: what it removes when the run fails before its first step.
+
+    Under a launcher only rank 0 takes the lock and cleans up (the other ranks write only checkpoint
+    shards, which exist only after a step). ``previous`` describes a dead holder whose lock this run
+    took over (None: none)."""
+
+    def __init__(self, run_dir: Path, rank0: bool) -> None:
+        self.run_dir, self.rank0 = Path(run_dir), rank0
+        self.previous: str | None = None
+        self.created = not self.run_dir.exists()
+        self.before = set() if self.created else {p.name for p in self.run_dir.iterdir()}
+        ckpt = latest_checkpoint(self.run_dir)
+        self.start = checkpoint_step(ckpt) if ckpt is not None else 0  # the step this run starts after
+        record = self.run_dir / CHANGES_NAME
+        self.record = record.read_bytes() if record.is_file() else None  # restored when no step ran
+
+    def clean_up(self, *, keep_config: bool = False) -> None:
+        """When no step finished: remove what this run added (``config.yaml`` kept for an
+        interrupted run, so that ``--resume --fresh`` starts it again with the same config). A
+        failed start puts the record of config changes back as it was (its changes never ran); an
+        interrupted one keeps this resume's row, so the printed ``--resume`` goes on with them."""
+        rows = read_jsonl(self.run_dir / "metrics.jsonl")
+        if not self.rank0 or not self.run_dir.is_dir() or (rows and int(rows[-1]["step"]) > self.start):
+            return
+        keep = self.before | {LOCK_NAME} | ({"config.yaml", CHANGES_NAME} if keep_config else set())
+        for p in self.run_dir.iterdir():
+            if p.name not in keep:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if self.record is not None and not keep_config:
+            (self.run_dir / CHANGES_NAME).write_bytes(self.record)
+
+
+@contextlib.contextmanager
+def owned(run_dir: Path, *, rank0: bool | None = None) -> Iterator[RunDirOwner]:
+    """Hold the run dir's lock (rank 0: ``RANK`` 0 unless ``rank0`` says) and handle SIGTERM like
+    Ctrl-C while the block runs; a run dir this made and left empty is removed at the end. Raises
+    :class:`RunDirBusy` (nothing taken) when another live run holds the dir."""
+    rank0 = int(os.environ.get("RANK", "0")) == 0 if rank0 is None else rank0
+    owner = RunDirOwner(run_dir, rank0)
+    lock = None
+    if owner.rank0:
+        lock = lock_run_dir(run_dir)
+        owner.previous = lock.previous
+    previous = install_signal_handlers()
+    try:
+        yield owner
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        if lock is not None:
+            lock.release()
+            if owner.created and owner.run_dir.is_dir() and not any(owner.run_dir.iterdir()):
+                owner.run_dir.rmdir()
+
+
 # ----------------------------------------------------------------------------- one name for all ranks
+
+
+def default_run_dir(algorithm: str) -> Path:
+    """``runs/<algorithm>-<time>``: the run dir a rank names when none is given (from its own clock:
+    under a launcher rank 0's name is the run's, :func:`agree_run_dir`)."""
+    return Path("runs") / f"{algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
+
 
 
 def agree_run_dir(run_dir: Path, dp: Any) -> Path:
@@ -189,6 +274,18 @@ def agree_run_dir(run_dir: Path, dp: Any) -> Path:
             "on each)"
         )
     return run_dir
+
+
+def open_run_dir(run_dir: Path, cfg: Any, *, resume: bool, main: bool) -> Path | None:
+    """The loop's start in its (agreed) run dir: the checkpoint a resume continues from (None: the
+    run starts at step 0). Rank 0 (``main``) creates the dir and writes ``config.yaml``; a resume
+    keeps the run's first config (what changed is the record's: :func:`record_config_changes`)."""
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if ckpt is None or not (run_dir / "config.yaml").is_file():
+            save_config(cfg, run_dir / "config.yaml")
+    return ckpt
 
 
 # ----------------------------------------------------------------------------- signals
@@ -252,6 +349,35 @@ def stop_requested(dp: Any) -> int | None:
     return signal.SIGTERM if dp.total(1.0 if local is not None else 0.0) > 0 else None
 
 
+def stop_report(run_dir: Path, err: KeyboardInterrupt, max_steps: int, checkpoint_every: int) -> list[str]:
+    """What a run stopped by Ctrl-C or SIGTERM (``err``) says, line by line: where it stopped, its
+    last checkpoint and the command that continues it (only files that exist are named)."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    rows = read_jsonl(metrics)
+    done = int(rows[-1]["step"]) if rows else 0
+    what = f"stopped by {err}" if isinstance(err, Stopped) else "interrupted"
+    if isinstance(err, Stopped) and err.checkpointed:
+        where = f"after step {done} of {max_steps}"
+    elif done == 0:
+        where = "before the first step finished"
+    else:
+        where = f"during step {done + 1} of {max_steps}" if done < max_steps else "after the last step"
+    files = f" (metrics: {metrics})" if metrics.exists() else ""
+    lines = [f"{what} {where}; {done} step(s) done{files}"]
+    ckpt = latest_checkpoint(run_dir)
+    quoted = shlex.quote(str(run_dir))
+    if ckpt is not None:
+        lines += [f"last checkpoint: {ckpt}", f"resume with: stapo train --run-dir {quoted} --resume"]
+    elif (Path(run_dir) / "config.yaml").is_file():
+        every = checkpoint_every
+        when = f"checkpoint.every={every} writes one every {every} steps" if every else (
+            "checkpoint.every=0 writes one only at the end")
+        lines += [f"no checkpoint yet ({when})", f"start it over with: stapo train --run-dir {quoted} --resume --fresh"]
+    else:
+        lines.append(f"nothing was kept in {run_dir}; run the same command to start again")
+    return lines
+
+
 # ----------------------------------------------------------------------------- the record of config changes
 
 CHANGES_NAME = "config_changes.jsonl"
@@ -303,8 +429,6 @@ def read_config_changes(run_dir: Path) -> list[dict[str, Any]]:
     Each row: ``{"step": S, "time": unix seconds, "changes": [{"key", "old", "new", "bookkeeping"}]}``,
     S being the first step run with the changed values. ``stapo inspect`` and ``stapo compare`` show them.
     """
-    from stapo.core.tracking import read_jsonl
-
     return read_jsonl(Path(run_dir) / CHANGES_NAME)
 
 

@@ -65,15 +65,17 @@ def stapo_main(monkeypatch, capsys):
 
 @pytest.fixture
 def stub_train(monkeypatch) -> list:
-    """``stapo train`` up to the loop: ``loop.train`` records the config it was given and returns at
-    once (the CLI's checks, plan and run-dir handling all run). The list fills with those configs."""
-    from stapo.core import loop
+    """``stapo train`` up to the library: its one call into it (``stapo.cli.train.run_training``)
+    records the config it was given and returns at once (the CLI's checks, plan and run-dir handling
+    all run). The list fills with those configs."""
+    from stapo.cli import train
+    from stapo.core.loop import TrainResult
 
     seen: list = []
 
-    def finishes(cfg, run_dir, *, resume=False, log=print):
+    def finishes(cfg, run_dir, *, resume, log, plan):
         seen.append(cfg)
-        return loop.TrainResult(run_dir, cfg.trainer.max_steps, None, None, 0.0)
+        return TrainResult(run_dir, cfg.trainer.max_steps, None, None, 0.0)
 
-    monkeypatch.setattr(loop, "train", finishes)
+    monkeypatch.setattr(train, "run_training", finishes)
     return seen

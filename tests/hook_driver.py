@@ -1,6 +1,5 @@
 """Driving the loop from a test: the config's hooks built by the registry as the loop builds them,
-the ``before_update`` phase on a batch the test made, and a whole ``loop.train`` that hands back the
-run it built. Imported by tests (``from hook_driver import ...``; tests/ is on sys.path through its
+the ``before_update`` phase on a batch the test made, and a whole run trained and handed back. Imported by tests (``from hook_driver import ...``; tests/ is on sys.path through its
 conftest, and multi-rank workers put it there themselves)."""
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class HookRun:
-    """What the hook factories read from a run (``loop._Run``), for tests that drive the update's
+    """What the hook factories read from a run (``stapo.core.run.Run``), for tests that drive the update's
     phases themselves: the config, the trainer backend (None: layers that need no model) and the
     prompt sampler."""
 
@@ -21,7 +20,7 @@ class HookRun:
 
 
 def run_hooks(cfg: Any, backend: Any = None) -> Any:
-    """The config's hooks, built by the registry the way ``loop._Run`` builds them."""
+    """The config's hooks, built by the registry the way ``Run.build`` builds them."""
     from stapo.core.extras import build_hooks
 
     return build_hooks(HookRun(cfg, backend))
@@ -58,20 +57,10 @@ def before_update(hooks: Any, batch: Any, old_lp: Any, old_ent: Any, *, micro_ba
 
 
 def train_keeping_run(cfg: Any, run_dir: Any, log: Any = lambda _m: None) -> tuple[Any, Any]:
-    """``loop.train(cfg, run_dir)`` -> (its result, the run it built): for tests that look at the
-    trained model or the rollout engine afterwards (``train`` does not hand its run out)."""
-    from stapo.core import loop
+    """``train(Run.build(cfg, run_dir))`` -> (its result, the run): for tests that look at the
+    trained model or the rollout engine afterwards."""
+    from stapo.core.loop import train
+    from stapo.core.run import Run
 
-    seen: dict[str, Any] = {}
-    orig = loop._Run.__init__
-
-    def keep(self: Any, *a: Any, **kw: Any) -> None:
-        orig(self, *a, **kw)
-        seen["run"] = self
-
-    loop._Run.__init__ = keep
-    try:
-        result = loop.train(cfg, run_dir, log=log)
-    finally:
-        loop._Run.__init__ = orig
-    return result, seen["run"]
+    run = Run.build(cfg, run_dir, log=log)
+    return train(run), run

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 from stapo.configs import preset_path
-from stapo.core import loop
 from stapo.core.config import load_config
+from stapo.core.loop import train
+from stapo.core.run import Run
 from stapo.core.tracking import read_jsonl
 
 SKIP = ("time/", "perf/", "async/", "offpolicy/", "reward/retried")  # the machine's load, not training
@@ -56,9 +57,9 @@ def close(a: dict, b: dict, tol: float = 1e-6) -> bool:
 
 
 def test_max_staleness_zero_is_the_synchronous_loop(tmp_path, one_thread):
-    loop.train(tiny(), tmp_path / "sync", log=lambda m: None)
-    loop.train(tiny("rollout.async.enabled=true", "rollout.async.max_staleness=0",
-                    "algorithm.off_policy.ess_lr_scaling=true"), tmp_path / "async", log=lambda m: None)
+    train(Run.build(tiny(), tmp_path / "sync", log=lambda m: None))
+    train(Run.build(tiny("rollout.async.enabled=true", "rollout.async.max_staleness=0",
+                         "algorithm.off_policy.ess_lr_scaling=true"), tmp_path / "async", log=lambda m: None))
     a, b = rows(tmp_path / "sync"), rows(tmp_path / "async")
     assert [r["step"] for r in b] == [1, 2, 3]
     assert any(r["actor/grad_norm"] > 0 for r in a)  # the updates compared are real ones
@@ -70,13 +71,13 @@ def test_max_staleness_zero_is_the_synchronous_loop(tmp_path, one_thread):
 
 
 def test_one_step_off_policy_with_vcpo_logs_staleness_ess_and_ratios(tmp_path, one_thread):
-    loop.train(tiny("rollout.async.enabled=true", "rollout.async.max_staleness=1", "trainer.max_steps=3",
-                    "algorithm.off_policy.ess_lr_scaling=true", "algorithm.off_policy.min_variance_baseline=true",
-                    "algorithm.off_policy.behaviour_weight_cap=5.0", "algorithm.mini_batches=2",
-                    # DEEP-GRPO on the same run: branches from stale roots, sampled by the learner
-                    "algorithm.deep_grpo.enabled=true", "algorithm.deep_grpo.k_branches=4",
-                    "algorithm.deep_grpo.max_pivots=1", "algorithm.deep_grpo.lambda=1.0"),
-               tmp_path / "k1", log=lambda m: None)
+    train(Run.build(tiny("rollout.async.enabled=true", "rollout.async.max_staleness=1", "trainer.max_steps=3",
+                         "algorithm.off_policy.ess_lr_scaling=true", "algorithm.off_policy.min_variance_baseline=true",
+                         "algorithm.off_policy.behaviour_weight_cap=5.0", "algorithm.mini_batches=2",
+                         # DEEP-GRPO on the same run: branches from stale roots, sampled by the learner
+                         "algorithm.deep_grpo.enabled=true", "algorithm.deep_grpo.k_branches=4",
+                         "algorithm.deep_grpo.max_pivots=1", "algorithm.deep_grpo.lambda=1.0"),
+                    tmp_path / "k1", log=lambda m: None))
     logged = read_jsonl(tmp_path / "k1" / "metrics.jsonl")
     assert [r["async/staleness"] for r in logged] == [0.0, 1.0, 1.0]
     assert [r["async/version"] for r in logged] == [0.0, 0.0, 1.0]

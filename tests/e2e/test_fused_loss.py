@@ -29,7 +29,9 @@ from stapo.configs import preset_path
 from stapo.core import loop, update
 from stapo.core.batch import collate
 from stapo.core.config import config_from_dict, load_config
+from stapo.core.loop import train
 from stapo.core.models import load_policy
+from stapo.core.run import Run
 from stapo.core.tracking import read_jsonl
 from stapo.core.trainer import build_trainer_backend
 from stapo.core.trainer.torch_backend import TorchBackend
@@ -291,7 +293,6 @@ def shared_first_rollout(monkeypatch):
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 def test_train_tiny_fused_equals_unfused(aggregation, tmp_path, shared_first_rollout, monkeypatch):
     rows, weights = {}, {}
-    orig = loop._Run.__init__
     fused_calls = {"n": 0}
     real_token_loss = TorchBackend.token_loss
 
@@ -301,26 +302,19 @@ def test_train_tiny_fused_equals_unfused(aggregation, tmp_path, shared_first_rol
 
     monkeypatch.setattr(TorchBackend, "token_loss", counted)
 
-    def spy(self, *a, **k):
-        orig(self, *a, **k)
-        weights["model"] = self.model
-
     for fused in ("true", "false"):
         cfg = tiny_train_cfg(
             "trainer.max_steps=1", "data.val_size=0", "checkpoint.export_hf=false", "logging.dump_tokens_every=0",
             "algorithm.ppo_epochs=2", "algorithm.mini_batches=2", "algorithm.token_weighting=none",
             f"algorithm.aggregation={aggregation}", f"trainer.fused_loss={fused}",
         )
-        loop._Run.__init__ = spy
-        try:
-            loop.train(cfg, tmp_path / fused, log=lambda m: None)
-        finally:
-            loop._Run.__init__ = orig
+        run = Run.build(cfg, tmp_path / fused, log=lambda m: None)
+        train(run)
         rows[fused] = [
             {k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))}
             for r in read_jsonl(tmp_path / fused / "metrics.jsonl")
         ]
-        weights[fused] = {n: p.detach().clone() for n, p in weights.pop("model").named_parameters()}
+        weights[fused] = {n: p.detach().clone() for n, p in run.model.named_parameters()}
     assert len(shared_first_rollout) == 1
     assert fused_calls["n"] == 2 * 2  # fused run only: 2 epochs x 2 mini-batches of 4 (= 1 micro-batch)
     assert [r["step"] for r in rows["true"]] == [1]

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 
 from stapo.configs import preset_path
-from stapo.core import loop
 from stapo.core.config import load_config
 from stapo.core.extras import HOOKS, LoopHook, StepState
+from stapo.core.loop import train
+from stapo.core.run import Run
 from stapo.core.tracking import read_jsonl
 
 # 2 mini-batches: two optimizer steps per training step; a checkpoint after every step
@@ -71,7 +72,7 @@ def test_registered_hook_sees_every_phase_in_order_and_resumes(tmp_path, monkeyp
     loaded: list = []
     monkeypatch.setitem(HOOKS, "recorder", lambda run: Recorder(calls, loaded))
     cfg = load_config(preset_path("tiny"), [*CFG, "trainer.max_steps=1"])
-    loop.train(cfg, tmp_path, log=lambda m: None)
+    train(Run.build(cfg, tmp_path, log=lambda m: None))
     step_phases = [("sample", 1), ("on_batch", 1, True), ("needs_old_stats", 1, True), ("before_update", 1, True),
                    ("rows", 0), ("rows", 1), ("after_update", 1), ("after_sync", 1)]
     row = read_jsonl(tmp_path / "metrics.jsonl")[0]
@@ -82,8 +83,8 @@ def test_registered_hook_sees_every_phase_in_order_and_resumes(tmp_path, monkeyp
     meta = json.loads(next(tmp_path.glob("checkpoints/*/meta.json")).read_text())
     assert meta["extra"]["hooks"]["recorder"] == {"seen": 1}
     calls.clear()
-    loop.train(load_config(preset_path("tiny"), [*CFG, "trainer.max_steps=2"]), tmp_path, resume=True,
-               log=lambda m: None)
+    train(Run.build(load_config(preset_path("tiny"), [*CFG, "trainer.max_steps=2"]), tmp_path, log=lambda m: None),
+          resume=True)
     assert loaded == [{"seen": 1}]  # given back under its name before step 2
     assert calls[0] == ("sample", 2) and calls[-1] == ("close",)
 

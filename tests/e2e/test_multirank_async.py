@@ -35,19 +35,14 @@ RUNS_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, torch
     from stapo.configs import preset_path
-    from stapo.core import async_rollout, loop
+    from stapo.core import async_rollout
     from stapo.core.config import load_config
+    from stapo.core.loop import train
+    from stapo.core.run import Run
 
     if __name__ == "__main__":  # the producer (spawn) and the grader's workers import __main__ again
         out, runs = sys.argv[1], json.loads(sys.argv[2])
         rank = int(os.environ["RANK"])
-        made = []
-        orig_init = loop._Run.__init__
-
-        def init_spy(self, *a, **k):
-            orig_init(self, *a, **k)
-            made.append(self)
-
         scales = []  # the LR multiplier of every optimizer step on this rank, in order
         orig_step = async_rollout.OffPolicyStep.step
 
@@ -62,15 +57,16 @@ RUNS_SCRIPT = textwrap.dedent(
         def rollouts_spy(self, *a, **k):  # the "dies" run: rank 0's producer exits while producing step 1
             orig_rollouts(self, *a, **k, **fault)
 
-        loop._Run.__init__, async_rollout.OffPolicyStep.step = init_spy, step_spy
+        async_rollout.OffPolicyStep.step = step_spy
         async_rollout.AsyncRollouts.__init__ = rollouts_spy
         for name, overrides in runs.items():
             scales.clear()
             error = None
             if name == "dies":
                 fault["fault"] = async_rollout.FaultInjection(die_at_step=1)
+            run = Run.build(load_config(preset_path("tiny"), overrides), os.path.join(out, name), log=lambda m: None)
             try:
-                loop.train(load_config(preset_path("tiny"), overrides), os.path.join(out, name), log=lambda m: None)
+                train(run)
             except async_rollout.ProducerDied as err:
                 error = str(err)
             if name == "dies":
@@ -78,7 +74,7 @@ RUNS_SCRIPT = textwrap.dedent(
                     json.dump({"error": error}, f)
                 continue
             # every rank joins the ZeRO-3 gathers; rank 0 saves
-            params = {n: t.detach().cpu().clone() for n, t in made[-1].backend.named_parameters_for_sync()}
+            params = {n: t.detach().cpu().clone() for n, t in run.backend.named_parameters_for_sync()}
             if rank == 0:
                 torch.save(params, os.path.join(out, name + ".pt"))
             with open(os.path.join(out, f"{name}.rank{rank}.json"), "w") as f:

@@ -2,7 +2,7 @@
 
 What each test checks:
 
-* ``test_two_rank_loop_completes_resumes_and_logs_global_metrics`` - ``loop.train`` with parameters
+* ``test_two_rank_loop_completes_resumes_and_logs_global_metrics`` - ``train(Run.build(...))`` with parameters
   actually partitioned (persistence threshold 0), dynamic sampling on, rewards that vary within
   groups (DAPO overlong shaping on a tiny random model: response lengths differ), 2 mini-batches of
   micro-batches, token dumps and validation every step, a checkpoint every step. It must finish
@@ -48,8 +48,24 @@ LOOP_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, torch
     from stapo.configs import preset_path
-    from stapo.core import loop, rollouts
     from stapo.core.config import load_config
+    from stapo.core.extras import LoopHook, register_hook
+    from stapo.core.loop import train
+    from stapo.core.run import Run
+
+
+    class StepSequences(LoopHook):
+        # every sequence a step sampled, all rounds (round 0 and dynamic sampling's refills), graded
+        # and shaped: what the logged reward/mean is over
+        name = "step_sequences"
+
+        def __init__(self, out):
+            self.out = out
+
+        def on_batch(self, st):
+            self.out.append((st.step, list(st.seqs)))
+            return {}
+
 
     if __name__ == "__main__":  # the grader's workers (spawn/forkserver) import __main__ again
 
@@ -57,29 +73,18 @@ LOOP_SCRIPT = textwrap.dedent(
         # PRELUDE: other checks sharing this launch run here, before the loop (one torchrun start)
         run_dir, out, resume = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
         cfg = load_config(preset_path("tiny"), json.loads(sys.argv[4]))
-        seen, runs = {}, []
-        orig_init, orig_roll = loop._Run.__init__, loop.rollout_and_grade
-
-        def init_spy(self, *a, **k):
-            orig_init(self, *a, **k)
-            runs.append(self)
-            ps = list(self.backend.model.parameters())
-            seen["partitioned"] = sum(int(p.ds_tensor.numel() < p.ds_numel) for p in ps if hasattr(p, "ds_tensor"))
-            seen["n_params"] = len(ps)
-
-        def roll_spy(run, step, round_):
-            seqs, m = orig_roll(run, step, round_)
-            seen.setdefault("seqs", []).append((step, seqs))  # rewards read at the end: shaping mutates them
-            return seqs, m
-
-        loop._Run.__init__ = init_spy
-        loop.rollout_and_grade = rollouts.rollout_and_grade = roll_spy  # round 0 and dynamic sampling's refills
-        loop.train(cfg, run_dir, resume=resume, log=lambda m: None)
+        seen, steps = {}, []
+        register_hook(StepSequences.name)(lambda run: StepSequences(steps))  # last in every phase
+        run = Run.build(cfg, run_dir, log=lambda m: None)
+        ps = list(run.backend.model.parameters())
+        seen["partitioned"] = sum(int(p.ds_tensor.numel() < p.ds_numel) for p in ps if hasattr(p, "ds_tensor"))
+        seen["n_params"] = len(ps)
+        train(run, resume=resume)
         rewards = {}
-        for step, seqs in seen.pop("seqs", []):
+        for step, seqs in steps:
             rewards.setdefault(str(step), []).extend(s.reward for s in seqs)
         seen["rewards"] = rewards
-        params = {n: t.detach().cpu().clone() for n, t in runs[0].backend.named_parameters_for_sync()}
+        params = {n: t.detach().cpu().clone() for n, t in run.backend.named_parameters_for_sync()}
         if rank == 0:
             torch.save(params, out + ".pt")
         with open(f"{out}.rank{rank}.json", "w") as f:

@@ -14,6 +14,7 @@ from stapo.cli.train import method_overrides
 from stapo.configs import preset_path
 from stapo.core.config import load_config
 from stapo.core.loop import train
+from stapo.core.run import Run
 from stapo.core.tracking import read_jsonl
 
 pytestmark = pytest.mark.long  # three tiny runs (10 steps) in one fixture
@@ -24,7 +25,7 @@ def _train(run_dir: Path, *overrides: str, recipe: str | None = None) -> list[st
     sets = method_overrides(preset_path(recipe), load_config(base).rollout.max_new_tokens) if recipe else []
     cfg = load_config(base, [*sets, "checkpoint.export_hf=false", "logging.tensorboard=false", *overrides])
     logs: list[str] = []
-    train(cfg, run_dir, log=logs.append)
+    train(Run.build(cfg, run_dir, log=logs.append))
     return logs
 
 

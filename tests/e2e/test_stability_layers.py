@@ -18,8 +18,9 @@ import torch
 
 from stapo.configs import preset_path
 from stapo.core import deep_grpo as deep_mod
-from stapo.core import loop
 from stapo.core.config import load_config
+from stapo.core.loop import train
+from stapo.core.run import Run
 from stapo.core.tracking import read_jsonl
 
 # The recipes are GPU recipes; these overrides shrink them to the tiny random model on CPU and keep
@@ -63,17 +64,8 @@ def _params(model) -> torch.Tensor:
 
 def _train(cfg, run_dir: Path, seen: dict | None = None):
     seen = {} if seen is None else seen
-    orig = loop._Run.__init__
-
-    def spy(self, *a, **k):
-        orig(self, *a, **k)
-        seen["run"] = self
-
-    loop._Run.__init__ = spy
-    try:
-        loop.train(cfg, run_dir, log=lambda m: None)
-    finally:
-        loop._Run.__init__ = orig
+    seen["run"] = run = Run.build(cfg, run_dir, log=lambda m: None)
+    train(run)
     return seen
 
 
@@ -211,7 +203,7 @@ def test_goldilocks_and_deep_resume_replays_the_uninterrupted_run(tmp_path):
     _train(_cfg("stapo-stack", *over, "trainer.max_steps=2"), full)
     part = tmp_path / "part"
     _train(_cfg("stapo-stack", *over, "trainer.max_steps=1"), part)
-    loop.train(_cfg("stapo-stack", *over, "trainer.max_steps=2"), part, resume=True, log=lambda m: None)
+    train(Run.build(_cfg("stapo-stack", *over, "trainer.max_steps=2"), part, log=lambda m: None), resume=True)
 
     def strip(rows):
         return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]

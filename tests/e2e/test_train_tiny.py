@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from stapo.configs import preset_path
-from stapo.core import loop
 from stapo.core.config import load_config
+from stapo.core.loop import train
+from stapo.core.run import Run
 from stapo.core.tracking import read_jsonl
-from stapo.core.update import Actor
 
 REQUIRED = [
     "step", "reward/mean", "reward/std", "entropy/mean", "stapo/silenced_frac",
@@ -61,19 +61,9 @@ def tiny_run(tmp_path_factory):
     """One 3-step STAPO run, shared by the checks below (it is the slow part)."""
     run_dir = tmp_path_factory.mktemp("tiny")
     cfg = tiny("algorithm.s2t.tau_p=0.5", "algorithm.s2t.q=0.9")
-    seen = {}
-    orig = loop._Run.__init__
-
-    def spy(self, *a, **k):
-        orig(self, *a, **k)
-        seen["before"] = _params(self.model)
-        seen["model"] = self.model
-
-    loop._Run.__init__ = spy
-    try:
-        result = loop.train(cfg, run_dir, log=lambda m: None)
-    finally:
-        loop._Run.__init__ = orig
+    run = Run.build(cfg, run_dir, log=lambda m: None)
+    seen = {"before": _params(run.model), "model": run.model}
+    result = train(run)
     return result, run_dir, seen
 
 
@@ -118,32 +108,30 @@ def test_silencing_follows_thresholds(tiny_run, tmp_path):
     # With `none` nothing is silenced, on the same seeds.
     cfg = tiny("algorithm.token_weighting=none", "trainer.max_steps=1", "data.val_size=0",
                "algorithm.s2t.tau_p=0.5", "algorithm.s2t.q=0.9")
-    loop.train(cfg, tmp_path / "none", log=lambda m: None)
+    train(Run.build(cfg, tmp_path / "none", log=lambda m: None))
     none_rows = read_jsonl(tmp_path / "none" / "metrics.jsonl")
     assert none_rows[0]["stapo/silenced_frac"] == 0.0
     assert max(pos_lowp) > 0
     assert max(r["stapo/silenced_frac"] for r in rows) > 0
 
 
-def test_resume_reproduces_uninterrupted_run(tmp_path, monkeypatch):
+def test_resume_reproduces_uninterrupted_run(tmp_path):
     over = ["trainer.max_steps=4", "checkpoint.every=2", "data.val_size=0", "checkpoint.export_hf=false",
             "trainer.lr=0.01"]
-    loop.train(tiny(*over), tmp_path / "a", log=lambda m: None)
+    train(Run.build(tiny(*over), tmp_path / "a", log=lambda m: None))
 
-    real = Actor.update
-    calls = {"n": 0}
+    run = Run.build(tiny(*over), tmp_path / "b", log=lambda m: None)
+    real = run.actor.update
 
-    def crash_at_step_3(actor, inputs):
+    def crash_at_step_3(inputs):
         if inputs.step == 3:
             raise KeyboardInterrupt("killed")  # like a kill mid-step, after step 2's checkpoint
-        calls["n"] += 1
-        return real(actor, inputs)
+        return real(inputs)
 
-    monkeypatch.setattr(Actor, "update", crash_at_step_3)
+    run.actor.update = crash_at_step_3  # (this run's actor only)
     with pytest.raises(KeyboardInterrupt):
-        loop.train(tiny(*over), tmp_path / "b", log=lambda m: None)
-    monkeypatch.setattr(Actor, "update", real)
-    loop.train(tiny(*over), tmp_path / "b", resume=True, log=lambda m: None)
+        train(run)
+    train(Run.build(tiny(*over), tmp_path / "b", log=lambda m: None), resume=True)
     a, b = _deterministic_rows(tmp_path / "a"), _deterministic_rows(tmp_path / "b")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert a == b
@@ -154,11 +142,11 @@ def test_reward_outage_fails_loudly(tmp_path):
 
     cfg = tiny("reward.urls=['http://127.0.0.1:9']", "data.val_size=0", "trainer.max_steps=1")
     with pytest.raises(RewardError, match="127.0.0.1:9"):
-        loop.train(cfg, tmp_path / "down", log=lambda m: None)
+        train(Run.build(cfg, tmp_path / "down", log=lambda m: None))
     assert read_jsonl(tmp_path / "down" / "metrics.jsonl") == []
 
 
-def test_nan_loss_skips_update_and_is_logged(tmp_path, monkeypatch):
+def test_nan_loss_skips_update_and_is_logged(tmp_path):
     from stapo.core.algos import POLICY_LOSSES, PolicyLoss
 
     cfg = tiny("data.val_size=0", "trainer.max_steps=1")
@@ -176,19 +164,12 @@ def test_nan_loss_skips_update_and_is_logged(tmp_path, monkeypatch):
     # the configured loss's registration, its function swapped for one whose loss is NaN (unfused path)
     POLICY_LOSSES.unregister(name)
     POLICY_LOSSES.add(name, PolicyLoss(nan_loss, real.options, elementwise=False))
-    seen = {}
-    orig = loop._Run.__init__
-
-    def spy(self, *a, **k):
-        orig(self, *a, **k)
-        seen["model"] = self.model
-        seen["before"] = _params(self.model)
-
-    monkeypatch.setattr(loop._Run, "__init__", spy)
     try:
-        loop.train(cfg, tmp_path / "nan", log=lambda m: None)
+        run = Run.build(cfg, tmp_path / "nan", log=lambda m: None)
+        before = _params(run.model)
+        train(run)
     finally:
         restore()
     row = read_jsonl(tmp_path / "nan" / "metrics.jsonl")[0]
     assert row["actor/skipped_updates"] == 1.0
-    assert torch.equal(seen["before"], _params(seen["model"]))
+    assert torch.equal(before, _params(run.model))

@@ -14,9 +14,10 @@ import pytest
 from pydantic import Field
 
 from stapo.configs import preset_path
-from stapo.core import loop
 from stapo.core.algos import TOKEN_WEIGHTS, TokenContext, TokenWeights, register_token_weighting
 from stapo.core.config import ConfigError, load_config
+from stapo.core.loop import train
+from stapo.core.run import Run
 from stapo.core.tracking import read_jsonl
 from stapo.core.weighting_options import WeightingOptions
 
@@ -43,7 +44,7 @@ def _cfg(*overrides: str):
 
 
 def _step1_loss(cfg, run_dir) -> float:
-    loop.train(cfg, run_dir, log=lambda m: None)
+    train(Run.build(cfg, run_dir, log=lambda m: None))
     return read_jsonl(run_dir / "metrics.jsonl")[0]["actor/loss"]
 
 

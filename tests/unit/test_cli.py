@@ -112,12 +112,12 @@ def test_empty_config_is_an_error(monkeypatch, capsys, tmp_path, stapo_main):
 
 
 def test_unexpected_error_is_short_and_debug_shows_traceback(monkeypatch, capsys, tmp_path, stapo_main):
-    from stapo.core import loop
+    from stapo.cli import train
 
     def boom(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(loop, "train", boom)
+    monkeypatch.setattr(train, "run_training", boom)
     args = ["train", "--config", "tiny", "--run-dir", str(tmp_path / "r")]
     code, _o, err = stapo_main(*args)
     assert code == 1 and _first(err) == "error: RuntimeError: boom"
@@ -145,19 +145,19 @@ def test_resume_without_checkpoint_refuses(monkeypatch, capsys, tmp_path, stapo_
 def _interrupt_at(monkeypatch, step: int) -> None:
     """Ctrl-C right after step ``step`` logged its metrics (before its periodic checkpoint):
     a KeyboardInterrupt from inside the real loop."""
-    from stapo.core import loop
+    from stapo.cli import train
 
-    real = loop.train
+    real = train.run_training
 
-    def train(cfg, run_dir, *, resume=False, log=print):
+    def run_training(cfg, run_dir, *, log, **kw):
         def log_then_interrupt(msg: str) -> None:
             log(msg)
             if msg.startswith(f"step {step}/"):
                 raise KeyboardInterrupt
 
-        return real(cfg, run_dir, resume=resume, log=log_then_interrupt)
+        return real(cfg, run_dir, log=log_then_interrupt, **kw)
 
-    monkeypatch.setattr(loop, "train", train)
+    monkeypatch.setattr(train, "run_training", run_training)
 
 
 FAST = ["--set", "logging.tensorboard=false", "--set", "logging.dump_tokens_every=0", "--set", "data.val_size=0"]
@@ -188,22 +188,23 @@ def test_ctrl_c_names_checkpoint_and_resume_command(monkeypatch, capsys, tmp_pat
 
 
 def test_ctrl_c_without_checkpoint_then_fresh(monkeypatch, capsys, tmp_path, stapo_main):
-    from stapo.core import loop
+    from stapo.cli import train
+    from stapo.core.loop import TrainResult
 
     run = tmp_path / "run"
     calls = []
 
-    def interrupted(cfg, run_dir, *, resume=False, log=print):
+    def interrupted(cfg, run_dir, **_kw):
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(preset_path("tiny").read_text())
         (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
         raise KeyboardInterrupt
 
-    def finishes(cfg, run_dir, *, resume=False, log=print):
+    def finishes(cfg, run_dir, *, resume, **_kw):
         calls.append(resume)
-        return loop.TrainResult(run_dir, cfg.trainer.max_steps, None, None, 0.0)
+        return TrainResult(run_dir, cfg.trainer.max_steps, None, None, 0.0)
 
-    monkeypatch.setattr(loop, "train", interrupted)
+    monkeypatch.setattr(train, "run_training", interrupted)
     code, _o, err = stapo_main("train", "--config", "tiny", "--run-dir", str(run))
     assert code == 130
     assert err.strip().splitlines() == [
@@ -211,7 +212,7 @@ def test_ctrl_c_without_checkpoint_then_fresh(monkeypatch, capsys, tmp_path, sta
         "no checkpoint yet (checkpoint.every=0 writes one only at the end)",
         f"start it over with: stapo train --run-dir {run} --resume --fresh",
     ]
-    monkeypatch.setattr(loop, "train", finishes)
+    monkeypatch.setattr(train, "run_training", finishes)
     code, _o, err = stapo_main("train", "--run-dir", str(run), "--resume")  # no --fresh: refused
     assert code == 2 and _first(err).startswith(f"error: {run} has no checkpoint to resume from")
     code, out, err = stapo_main("train", "--run-dir", str(run), "--resume", "--fresh")

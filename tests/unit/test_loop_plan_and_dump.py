@@ -26,11 +26,12 @@ import pytest
 import torch
 
 from stapo.configs import preset_path
-from stapo.core import loop
 from stapo.core.batch import Batch
 from stapo.core.config import load_config
 from stapo.core.distributed import balanced_quota, even_shard, minibatch_rows
+from stapo.core.loop import train
 from stapo.core.micro import MicroSpec, micro_batches
+from stapo.core.run import Run
 from stapo.core.tracking import read_jsonl
 from stapo.core.trainer.torch_backend import TorchBackend
 
@@ -98,32 +99,27 @@ def test_even_shard_pads_every_rank_to_the_same_count():
 # ----------------------------------------------------------------------------- 2: no bare forward
 
 
-def test_dump_runs_no_forward_outside_the_backend(tmp_path, monkeypatch):
+def test_dump_runs_no_forward_outside_the_backend(tmp_path):
     """A bare ``model(...)`` outside the backend (and outside generate) is what hangs ZeRO-3."""
     calls = {"bare": 0, "generating": False}
-    orig_init = loop._Run.__init__
+    run = Run.build(tiny(), tmp_path / "run", log=lambda m: None)
+    model, engine = run.backend.model, run.engine
+    fwd, gen = model.forward, engine.generate
 
-    def init_spy(self, *a, **k):
-        orig_init(self, *a, **k)
-        model, engine = self.backend.model, self.engine
-        fwd, gen = model.forward, engine.generate
+    def counting_forward(*args, **kw):
+        if not calls["generating"]:
+            calls["bare"] += 1
+        return fwd(*args, **kw)
 
-        def counting_forward(*args, **kw):
-            if not calls["generating"]:
-                calls["bare"] += 1
-            return fwd(*args, **kw)
+    def generate(*args, **kw):
+        calls["generating"] = True
+        try:
+            return gen(*args, **kw)
+        finally:
+            calls["generating"] = False
 
-        def generate(*args, **kw):
-            calls["generating"] = True
-            try:
-                return gen(*args, **kw)
-            finally:
-                calls["generating"] = False
-
-        model.forward, engine.generate = counting_forward, generate
-
-    monkeypatch.setattr(loop._Run, "__init__", init_spy)
-    loop.train(tiny(), tmp_path / "run", log=lambda m: None)
+    model.forward, engine.generate = counting_forward, generate  # this run's model and engine only
+    train(run)
     assert list((tmp_path / "run" / "dumps").glob("step_*.json"))
     assert calls["bare"] == 0
 
@@ -153,7 +149,7 @@ def test_dumped_silenced_tokens_are_exactly_the_zero_gradient_tokens(tmp_path, m
     monkeypatch.setattr(TorchBackend, "token_stats", spy)
     cfg = tiny("algorithm.mini_batches=2", "trainer.micro_batch_size=2")
     run_dir = tmp_path / "run"
-    loop.train(cfg, run_dir, log=lambda m: None)
+    train(Run.build(cfg, run_dir, log=lambda m: None))
     dump = json.loads((run_dir / "dumps" / "step_000001.json").read_text())
     by_response: dict[tuple, list[list[bool]]] = {}
     for ids, resp, g, keep in seen:
@@ -193,36 +189,36 @@ def test_dumped_silenced_tokens_are_exactly_the_zero_gradient_tokens(tmp_path, m
 # ----------------------------------------------------------------------------- 4: one distribution
 
 
-def test_dump_theorem_data_is_the_sampled_policy_at_the_sampling_temperature(tmp_path, monkeypatch):
+def test_dump_theorem_data_is_the_sampled_policy_at_the_sampling_temperature(tmp_path):
     temp, k = 0.7, 3
-    models, dumped = {}, {}
-    orig_init, orig_dump = loop._Run.__init__, loop.dump_tokens
-
-    def init_spy(self, *a, **kw):
-        orig_init(self, *a, **kw)
-        models["before"] = copy.deepcopy(self.backend.model).eval()
-
-    def dump_spy(run, step, seqs, *a, **kw):
-        dumped["seqs"] = list(seqs)
-        return orig_dump(run, step, seqs, *a, **kw)
-
-    monkeypatch.setattr(loop._Run, "__init__", init_spy)
-    monkeypatch.setattr(loop, "dump_tokens", dump_spy)
     cfg = tiny(f"rollout.temperature={temp}", f"logging.dump_top_k={k}")
-    loop.train(cfg, tmp_path / "run", log=lambda m: None)
+    run = Run.build(cfg, tmp_path / "run", log=lambda m: None)
+    before = copy.deepcopy(run.backend.model).eval()
+    sampled = []  # (prompt ids, response ids) of every rollout: the engine's own outputs
+    gen = run.engine.generate
+
+    def generate(prompts, sampling):
+        out = gen(prompts, sampling)
+        sampled.extend((list(p), list(c.token_ids)) for p, comps in zip(prompts, out, strict=True) for c in comps)
+        return out
+
+    run.engine.generate = generate  # (this run's engine only)
+    train(run)
     dump = json.loads((tmp_path / "run" / "dumps" / "step_000001.json").read_text())
 
     ref = {}
     with torch.no_grad():  # independent: full logits of the pre-update model, softmax at T
-        for s in dumped["seqs"]:
-            ids = torch.tensor([s.prompt_ids + s.response_ids])
-            q = torch.softmax(models["before"](input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1].double() / temp,
+        for prompt_ids, response_ids in sampled:
+            ids = torch.tensor([prompt_ids + response_ids])
+            q = torch.softmax(before(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].double() / temp,
                               dim=-1)  # [R, V]
-            p = q.gather(1, torch.tensor(s.response_ids).unsqueeze(1)).squeeze(1)
-            ref[(tuple(s.response_ids), s.gold)] = (p, -(q * q.log()).sum(-1), (q * q).sum(-1), q.topk(k).values)
+            p = q.gather(1, torch.tensor(response_ids).unsqueeze(1)).squeeze(1)
+            # a dumped sequence names its prompt by its decoded text (the last 500 characters)
+            prompt = run.tokenizer.decode(prompt_ids, skip_special_tokens=True)[-500:]
+            ref[(prompt, tuple(response_ids))] = (p, -(q * q.log()).sum(-1), (q * q).sum(-1), q.topk(k).values)
     assert dump["sequences"]
     for s in dump["sequences"]:
-        p, h, q2, top = ref[(tuple(s["token_ids"]), s["gold"])]
+        p, h, q2, top = ref[(s["prompt"], tuple(s["token_ids"]))]
         torch.testing.assert_close(torch.tensor(s["prob"], dtype=torch.float64), p, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(torch.tensor(s["entropy"], dtype=torch.float64), h, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(torch.tensor(s["sum_q2"], dtype=torch.float64), q2, atol=1e-5, rtol=1e-4)

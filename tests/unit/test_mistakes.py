@@ -85,14 +85,14 @@ MISTAKES = [
 @pytest.mark.parametrize(("name", "argv", "fragment"), MISTAKES, ids=lambda v: v if isinstance(v, str) else None)
 def test_a_mistake_is_one_line_naming_the_fix_before_anything_heavy(name, argv, fragment, tmp_path, stapo_main,
                                                                     monkeypatch):
-    import stapo.core.loop as loop
+    import stapo.cli.train as cli_train
     import stapo.core.models as models
 
     def heavy(*_a, **_k):
         raise AssertionError(f"{name}: a model loaded before the mistake was caught")
 
     monkeypatch.setattr(models, "load_policy", heavy)
-    monkeypatch.setattr(loop, "train", heavy)
+    monkeypatch.setattr(cli_train, "run_training", heavy)
     monkeypatch.chdir(tmp_path)  # a default run dir would land here
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -118,8 +118,9 @@ class _Stop(Exception):
 def test_set_device_comes_before_the_policy_loads(monkeypatch, tmp_path):
     """Fake ``torch.cuda`` (no GPU on this machine): 2 devices; this process is local rank 1 of 2."""
     from stapo.configs import preset_path
-    from stapo.core import loop, models
+    from stapo.core import models
     from stapo.core.config import load_config
+    from stapo.core.run import Run
 
     events: list[str] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -136,9 +137,10 @@ def test_set_device_comes_before_the_policy_loads(monkeypatch, tmp_path):
         raise _Stop
 
     monkeypatch.setattr(models, "load_policy", fake_load)
-    cfg = load_config(preset_path("tiny"), ["trainer.device=auto", "model.dtype=auto"])
+    # the memory plan (a GPU run's first part) measures against the config's card: no GPU to ask
+    cfg = load_config(preset_path("tiny"), ["trainer.device=auto", "model.dtype=auto", "trainer.gpu_memory_gib=80"])
     with pytest.raises(_Stop):
-        loop._Run(cfg, tmp_path, log=lambda m: None)
+        Run.build(cfg, tmp_path, log=lambda m: None)
     assert events == ["set_device cuda:1", "load_policy on cpu for cuda:1"]
 
 

@@ -97,7 +97,7 @@ def test_resume_that_changes_training_is_refused_in_one_line_naming_each_key(tmp
 def test_a_resume_that_fails_before_its_first_step_leaves_the_record_as_it_was(tmp_path, stapo_main, monkeypatch):
     """A failed start: its changes never ran, the record is put back. An interrupted one (Ctrl-C)
     keeps its row, so the printed `--resume` goes on with the changes the user allowed."""
-    import stapo.core.loop as loop
+    from stapo.cli import train
 
     run = _run_with_checkpoint(tmp_path)
     args = ("train", "--run-dir", str(run), "--resume", "--set", "trainer.lr=0.5", "--set", "trainer.max_steps=4",
@@ -106,7 +106,7 @@ def test_a_resume_that_fails_before_its_first_step_leaves_the_record_as_it_was(t
     def fails(*_a, **_k):
         raise RuntimeError("a bug at start-up")
 
-    monkeypatch.setattr(loop, "train", fails)
+    monkeypatch.setattr(train, "run_training", fails)
     code, out, _err = stapo_main(*args)
     assert code == 1 and "resuming with changes from step 3" in out
     assert not (run / CHANGES_NAME).exists()
@@ -114,7 +114,7 @@ def test_a_resume_that_fails_before_its_first_step_leaves_the_record_as_it_was(t
     def interrupted(*_a, **_k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loop, "train", interrupted)
+    monkeypatch.setattr(train, "run_training", interrupted)
     code, _out, err = stapo_main(*args)
     assert code == 130 and f"resume with: stapo train --run-dir {run} --resume" in err
     assert describe_config_changes(run) == ["from step 3: trainer.lr 0.001 -> 0.5, trainer.max_steps 2 -> 4"]

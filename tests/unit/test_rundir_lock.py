@@ -43,19 +43,19 @@ def test_a_lock_file_nobody_holds_is_a_dead_holder(tmp_path):
 
 def _interrupt_on(monkeypatch, prefix: str) -> None:
     """Ctrl-C in the real loop right after it logs a line starting with ``prefix``."""
-    from stapo.core import loop
+    from stapo.cli import train
 
-    real = loop.train
+    real = train.run_training
 
-    def train(cfg, run_dir, *, resume=False, log=print):
+    def run_training(cfg, run_dir, *, log, **kw):
         def log_then_interrupt(msg: str) -> None:
             log(msg)
             if msg.startswith(prefix):
                 raise KeyboardInterrupt
 
-        return real(cfg, run_dir, resume=resume, log=log_then_interrupt)
+        return real(cfg, run_dir, log=log_then_interrupt, **kw)
 
-    monkeypatch.setattr(loop, "train", train)
+    monkeypatch.setattr(train, "run_training", run_training)
 
 
 TINY = ["train", "--config", "tiny", "--set", "logging.dump_tokens_every=0", "--set", "logging.live=false"]

@@ -25,7 +25,9 @@ from stapo.core import loop, update
 from stapo.core.algos import AGGREGATIONS, POLICY_LOSSES, TOKEN_WEIGHTS
 from stapo.core.batch import collate
 from stapo.core.config import config_from_dict
+from stapo.core.loop import train
 from stapo.core.models import load_policy
+from stapo.core.run import Run
 from stapo.core.trainer import prefix
 from stapo.core.trainer.base import compute_token_stats
 from stapo.core.trainer.torch_backend import TorchBackend
@@ -268,15 +270,23 @@ def test_loop_runs_no_separate_statistics_pass_on_policy(tmp_path, monkeypatch):
     cfg = load_config(preset_path("tiny"), ["trainer.max_steps=1", "checkpoint.every=0", "data.val_size=0",
                                             "logging.dump_tokens_every=1", "logging.live=false"])
     passes, stats = [], []
-    real_old, real_shared = update.Actor.old_stats, prefix.prefix_shared_token_stats
-    monkeypatch.setattr(update.Actor, "old_stats", lambda *a, **k: passes.append(1) or real_old(*a, **k))
+    real_shared = prefix.prefix_shared_token_stats
 
     def shared(*a, **k):
         stats.append(torch.is_grad_enabled())
         return real_shared(*a, **k)
 
     monkeypatch.setattr("stapo.core.trainer.torch_backend.prefix_shared_token_stats", shared)
-    loop.train(cfg, tmp_path, log=lambda m: None)
+    run = Run.build(cfg, tmp_path, log=lambda m: None)
+    real_stats = run.backend.token_stats
+
+    def token_stats(*a, grad, **k):  # the no-grad statistics pass is token_stats(grad=False)
+        if not grad:
+            passes.append(1)
+        return real_stats(*a, grad=grad, **k)
+
+    run.backend.token_stats = token_stats  # (this run's backend only)
+    train(run)
     assert not passes  # on-policy: no no-grad statistics pass
     assert stats and all(stats)  # the statistics came from gradient forwards (prompt prefix shared)
     assert (tmp_path / "dumps" / "step_000001.json").is_file()  # token dumps still get p and H
@@ -314,7 +324,7 @@ def test_waves_are_graded_while_the_next_wave_generates(tmp_path, monkeypatch):
 
     monkeypatch.setattr(HFRolloutEngine, "generate", generate)
     monkeypatch.setattr(RewardFunction, "__call__", grade)
-    loop.train(cfg, tmp_path, log=lambda m: None)
+    train(Run.build(cfg, tmp_path, log=lambda m: None))
     kinds = [e[0] for e in events]
     assert kinds.count("gen_start") == 2 and [e[1] for e in events if e[0] == "gen_start"] == [1, 1]
     assert events[0][2] != events[kinds.index("gen_start", 1)][2]  # each wave its own seed

@@ -1,0 +1,183 @@
+"""A run: everything one training run holds, built from its config. The way to train from Python.
+
+    from stapo.configs import preset_path
+    from stapo.core.config import load_config
+    from stapo.core.loop import train
+    from stapo.core.run import Run
+
+    cfg = load_config(preset_path("tiny"), ["trainer.max_steps=2"])
+    result = train(Run.build(cfg, "runs/tiny"))          # what `stapo train --config tiny` runs
+
+:meth:`Run.build` makes the parts in this order, each from the config: the memory plan (on a GPU:
+``trainer.update_memory: auto`` becomes the path the plan chooses, and a config that cannot fit is
+refused, as ``stapo train`` does at start; ``stapo.core.plan``), this rank's placement (its device
+set before anything touches a GPU), the policy and its tokenizer (on the CPU; the backend places
+it), the trainer backend, the rollout engine, the reward function, the train / val prompts, the
+prompt sampler, the hooks (``stapo.core.extras``) and the actor (``stapo.core.update``). A part
+given as a keyword replaces the one ``build`` would make, and the parts after it are made from
+it: an engine or a reward function that stands in, prompts of one's own, a backend over a model
+already loaded. :data:`PARTS` lists the names. ``train(run)`` (``stapo.core.loop``) trains it and
+closes it; nothing is written into ``run_dir`` before ``train`` starts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stapo.core import models
+from stapo.core.batch import seed_everything
+from stapo.core.config import Config
+from stapo.core.data import encode_prompt, load_prompts
+from stapo.core.extras import Hooks, build_hooks
+from stapo.core.placement import Placement, rank_placement
+from stapo.core.plan import plan_at_start, resolve_update_memory
+from stapo.core.rewards import RewardFunction
+from stapo.core.rollout import build_rollout_engine
+from stapo.core.sampler import build_sampler
+from stapo.core.trainer import build_trainer_backend, load_context
+from stapo.core.update import Actor
+
+__all__ = ["PARTS", "Run", "vllm_tp_size"]
+
+#: What :meth:`Run.build` takes as keywords instead of making it (in the order it makes them).
+#: ``plan``: the memory plan of this launch (``stapo.core.plan.Plan``; None: none, as on a CPU),
+#: which resolves ``trainer.update_memory: auto``; ``stapo train`` passes the one it printed.
+PARTS = ("plan", "placement", "model", "tokenizer", "backend", "engine", "rewards", "train_prompts",
+         "val_prompts", "sampler", "hooks", "actor")
+
+
+def vllm_tp_size(cfg: Config) -> int:
+    """vLLM's tensor-parallel size (1 unless the colocated vllm engine is used)."""
+    return cfg.rollout.vllm.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
+
+
+class Run:
+    """Everything a run holds: model, trainer backend, rollout engine, rewards, data, hooks, actor.
+
+    Made by :meth:`build`; the loop's phases read these attributes (``stapo.core.rollouts``, the
+    hooks' factories, ``stapo.core.loop``).
+    """
+
+    cfg: Config  # the config as it runs (``update_memory: auto`` resolved on a GPU)
+    run_dir: Path  # the run's folder (under a launcher ``train`` sets rank 0's on every rank)
+    log: Callable[[str], None]
+    started: float  # time.time() when the build began (the run's wall time counts from it)
+    plan: Any  # stapo.core.plan.Plan of this launch, or None (CPU)
+    placement: Placement
+    model: Any
+    tokenizer: Any
+    pad_id: int
+    backend: Any  # stapo.core.trainer.base.TrainerBackend
+    rank: int
+    world_size: int
+    engine: Any  # stapo.core.rollout.base.RolloutEngine
+    rewards: Any  # (texts, golds) -> graded; stapo.core.rewards.RewardFunction
+    train_prompts: list[Any]
+    val_prompts: list[Any]
+    sampler: Any  # stapo.core.sampler
+    hooks: Hooks
+    actor: Any  # stapo.core.update.Actor
+
+    def __init__(self, cfg: Config, run_dir: Path | str, log: Callable[[str], None] = print) -> None:
+        """An empty run; :meth:`build` makes one with its parts."""
+        self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
+        self.started = time.time()
+        self._encoded: dict[str, list[int]] = {}
+
+    @classmethod
+    def build(cls, cfg: Config, run_dir: Path | str, log: Callable[[str], None] = print, **parts: Any) -> Run:
+        """The run of ``cfg`` in ``run_dir``, every part made from the config unless given in ``parts``
+        (names: :data:`PARTS`; the policy and its tokenizer load together unless both are given). ``log``
+        gets the start-up lines (the policy's size, the data) and, through ``train``, the run's."""
+        unknown = sorted(set(parts) - set(PARTS))
+        if unknown:
+            raise TypeError(f"Run.build() got unknown parts: {', '.join(unknown)}; parts are: {', '.join(PARTS)}")
+        run = cls(cfg, run_dir, log)
+        # the memory plan first: a config that cannot fit is refused before anything loads, and
+        # update_memory: auto becomes the plan's path on every rank alike (WORLD_SIZE: the launch's)
+        run.plan = _part(parts, "plan", lambda: plan_at_start(cfg, int(os.environ.get("WORLD_SIZE", "1")))[1])
+        run.cfg = cfg = resolve_update_memory(cfg, run.plan)
+        # this rank's device, set before anything touches a GPU (stapo.core.placement); the policy
+        # loads on the CPU (ZeRO-3: partitioned as it is built) and the trainer backend places it there
+        run.placement = _part(parts, "placement", lambda: rank_placement(cfg.trainer.device, tp_size=vllm_tp_size(cfg)))
+        seed_everything(cfg.trainer.seed)
+        device = run.placement.device
+        if "model" in parts and "tokenizer" in parts:
+            run.model, run.tokenizer = parts["model"], parts["tokenizer"]
+        else:
+            t0 = time.time()
+            model, tokenizer = models.load_policy(cfg.model, device="cpu", compute_device=device,
+                                                  init_context=load_context(cfg))
+            run.model, run.tokenizer = parts.get("model", model), parts.get("tokenizer", tokenizer)
+            log(f"policy {cfg.model.name_or_path}: {models.count_params(run.model) / 1e6:.1f}M params "
+                f"for {device} ({time.time() - t0:.1f}s)")
+        run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
+        total_updates = cfg.trainer.max_steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches
+        run.backend = _part(parts, "backend", lambda: build_trainer_backend(cfg, run.model,
+                                                                            total_optimizer_steps=max(total_updates, 1)))
+        # Data parallel (deepspeed launcher): each rank samples its share of the step's prompts; the
+        # token-mean normalizer and the S2T thresholds are reduced across ranks; rank 0 writes files.
+        run.rank, run.world_size = int(run.backend.rank), int(run.backend.world_size)
+        if cfg.rollout.prompts_per_step % run.world_size:
+            raise ValueError(
+                f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be divisible by the "
+                f"number of data-parallel ranks ({run.world_size})"
+            )
+        run.engine = _part(parts, "engine", lambda: build_rollout_engine(cfg, model=run.backend.model,
+                                                                          tokenizer=run.tokenizer))
+        if run.world_size > 1 and hasattr(run.engine, "synced_gpus"):
+            # ZeRO-3 gathers parameters in every generate step: a rank whose sequences finished early
+            # keeps stepping (transformers' synced_gpus) until every rank is done.
+            run.engine.synced_gpus = True
+        run.rewards = _part(parts, "rewards", lambda: RewardFunction(cfg.reward))
+        try:
+            run._build_data_and_update(parts)
+        except BaseException:
+            run.close()
+            raise
+        return run
+
+    def _build_data_and_update(self, parts: dict[str, Any]) -> None:
+        """The prompts, the sampler, the hooks and the actor (after the rewards: :meth:`build`)."""
+        cfg, log = self.cfg, self.log
+        if "train_prompts" in parts and "val_prompts" in parts:
+            self.train_prompts, self.val_prompts = list(parts["train_prompts"]), list(parts["val_prompts"])
+        else:
+            train, val = load_prompts(cfg.data, self.tokenizer)
+            self.train_prompts, self.val_prompts = list(parts.get("train_prompts", train)), list(parts.get("val_prompts", val))
+            log(f"data: {len(self.train_prompts)} train / {len(self.val_prompts)} val prompts from {cfg.data.source}")
+        if not self.train_prompts:
+            raise ValueError(f"no training prompts from data.source={cfg.data.source!r}")
+        # which prompts (uniform | goldilocks: docs/stability.md); the loop's sampling asks it
+        self.sampler = _part(parts, "sampler", lambda: build_sampler(cfg, self.train_prompts, encode=self.encode,
+                                                                     model=self.backend.model))
+        # every extra (async rollouts, the sampler's step, DEEP-GRPO, KL / Lp-Reg / STARE / overlong
+        # filter) is a named hook with one interface: stapo.core.extras
+        self.hooks = _part(parts, "hooks", lambda: build_hooks(self))
+        # the update; it asks the hooks for its in-update phases
+        self.actor = _part(parts, "actor", lambda: Actor(cfg, self.backend, self.hooks))
+
+    def encode(self, rec: Any) -> list[int]:
+        """A prompt record's token ids (its chat template applied), encoded once per run."""
+        if rec.id not in self._encoded:
+            self._encoded[rec.id] = encode_prompt(self.tokenizer, rec.prompt, chat_template=self.cfg.data.chat_template)
+        return self._encoded[rec.id]
+
+    def close(self) -> None:
+        """The hooks' end of run, then the reward function's (its worker pool)."""
+        try:
+            if getattr(self, "hooks", None) is not None:
+                self.hooks.close()
+        finally:
+            close = getattr(self.rewards, "close", None)  # (a stand-in reward function may have none)
+            if close is not None:
+                close()
+
+
+def _part(parts: dict[str, Any], name: str, make: Callable[[], Any]) -> Any:
+    """The part given as ``name``, else ``make()`` (made only when not given)."""
+    return parts[name] if name in parts else make()
