@@ -1,10 +1,11 @@
 """The extras' no-grad passes make a rank-independent number of forwards (data parallel, one process).
 
 Under ZeRO-3 every policy forward all-gathers parameters, so each rank must make the same number of
-them whatever it holds: ``minp_stats_batched`` (Lp-Reg's proxy pass) pads its micro-batch loop to
-``calls`` with the batch's zero-weight padding row, like ``update.token_stats_batched``; so does the
-frozen reference when it is partitioned like the policy (ZeRO-3), while a plain reference copy
-(ZeRO 0-2) is a local module and runs on real rows only. The 2-rank equivalence of the whole update
+them whatever it holds: ``minp_stats_batched`` (Lp-Reg's proxy pass) runs every forward of the
+old pass (``stapo.core.micro.micro_batches``: padded to the busiest rank's count with the batch's
+zero-weight padding row, like ``Actor.old_stats``); so does the frozen reference when it is
+partitioned like the policy (ZeRO-3), while a plain reference copy (ZeRO 0-2) is a local module and
+runs on real rows only. The 2-rank equivalence of the whole update
 is tests/e2e/test_multirank_extras.py.
 """
 
