@@ -108,7 +108,7 @@ class StepState:
     old_lp: torch.Tensor | None = None  # [N, L] sampling policy's log-probs (None: no old pass ran)
     old_ent: torch.Tensor | None = None  # [N, L] its entropies
     before_step: list[Callable[[int, bool], None]] = field(default_factory=list)  # before each optimizer step
-    off_policy: Any = None  # async_rollout.OffPolicyStep: stale rows' corrections for the update
+    off_policy: Any = None  # algos.vcpo.OffPolicyStep: stale rows' corrections for the update
     ref_lp: torch.Tensor | None = None  # [N, L] the step's KL target (kl_reference's before_update)
 
 
@@ -565,9 +565,11 @@ class AsyncHook(LoopHook):
 
     def before_update(self, st: StepState) -> dict[str, float]:
         if st.old_lp is not None:
-            from stapo.core.async_rollout import off_policy_step
+            from stapo.core.algos.vcpo import off_policy_step
 
-            st.off_policy = off_policy_step(self.run, st.kept, st.batch, st.old_lp, st.step, st.temperature, self.dp)
+            cfg = self.run.cfg
+            st.off_policy = off_policy_step(cfg.algorithm.off_policy, st.kept, st.batch, st.old_lp, st.step,
+                                            scale_by_std=cfg.algorithm.advantage == "grpo", dp=self.dp)
         return {}
 
     def after_update(self, st: StepState) -> dict[str, float]:

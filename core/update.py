@@ -321,7 +321,7 @@ class UpdateInputs:
     when it has more rows than ``counts[rank]``); None: one process, every row real. ``record``:
     where the update stores its token weightings per row for the token dump. ``before_step(update_index,
     fresh)`` runs right before each optimizer step (DEEP-GRPO's local branch loss). ``off_policy``
-    (``stapo.core.async_rollout.OffPolicyStep``), for stale asynchronous rows: the loss sees each
+    (``stapo.core.algos.vcpo.OffPolicyStep``), for stale asynchronous rows: the loss sees each
     token's weight times its behaviour weight sg[pi_prox / mu] (AReaL's decoupled objective, with
     ``old_lp`` the proximal policy), the diagnostics the weighting's own output, and every optimizer
     step runs at VCPO's ESS-scaled LR.
