@@ -48,7 +48,9 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
+from stapo.core.rewards import RewardFunction
 from stapo.core.rollout.process import FaultInjection, ProcessRolloutEngine, ProducerDied
 from stapo.core.rollouts import RolloutInputs, record_groups, rollout_and_grade
 from stapo.core.sampler import prompts_per_round
@@ -192,8 +194,6 @@ class AsyncRollouts:
         error: BaseException | None = fut.exception(timeout=timeout)
         world = self.inputs.world_size
         if world > 1:  # a rank whose batch failed must not leave the others in a collective
-            import torch.distributed as dist
-
             flags: list[Any] = [None] * world
             dist.all_gather_object(flags, None if error is None else f"{type(error).__name__}: {error}")
             failed = [(r, m) for r, m in enumerate(flags) if m is not None]
@@ -234,8 +234,6 @@ def async_rollouts(run: Any, start: int) -> AsyncRollouts:
     """The run's asynchronous rollouts from version ``start``: through the rollout servers
     (``vllm_server``, the loop's engine; the loop pushes the weights), or through a producer process
     of this rank (``hf``; published here at every version)."""
-    from stapo.core.rewards import RewardFunction
-
     check_supported(run.cfg)
     inputs = RolloutInputs.of(run, rewards=RewardFunction(run.cfg.reward))
     if run.cfg.rollout.engine == "vllm_server":

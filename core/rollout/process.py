@@ -28,6 +28,7 @@ asynchronous rollouts guards its entry point with ``if __name__ == "__main__":``
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import os
 import queue
 import threading
@@ -38,7 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 
+from stapo.core.config import Config, config_from_dict
+from stapo.core.models import load_policy
+from stapo.core.placement import rank_placement
+from stapo.core.rollout import build_rollout_engine
 from stapo.core.rollout.base import Completion, SamplingParams
 
 __all__ = ["FaultInjection", "ProcessRolloutEngine", "ProducerDied"]
@@ -102,10 +108,6 @@ class ProcessRolloutEngine:
     """
 
     def __init__(self, cfg: Any, *, fault: FaultInjection | None = None, threads: int | None = None) -> None:
-        import torch.multiprocessing as mp
-
-        from stapo.core.config import Config
-
         ctx = mp.get_context("spawn")
         self._weights, self._requests, self._replies = ctx.Queue(), ctx.Queue(), ctx.Queue()
         data = cfg.model_dump(mode="json", by_alias=True) if isinstance(cfg, Config) else cfg
@@ -216,8 +218,6 @@ class ProcessRolloutEngine:
 
 def _get(q: Any) -> Any:
     """The next item of ``q`` (``_STOP`` once the learner is gone: nobody will ever send again)."""
-    import multiprocessing
-
     parent = multiprocessing.parent_process()
     while True:
         try:
@@ -246,11 +246,6 @@ def producer_main(cfg_data: dict[str, Any], weights_q: Any, requests_q: Any, rep
     step: int | None = None
     try:
         torch.set_num_threads(threads)
-        from stapo.core.config import config_from_dict
-        from stapo.core.models import load_policy
-        from stapo.core.placement import rank_placement
-        from stapo.core.rollout import build_rollout_engine
-
         cfg = config_from_dict(cfg_data)
         # the rank's variables are inherited: the producer shares its rank's device
         model, tokenizer = load_policy(cfg.model, device=rank_placement(cfg.trainer.device).device)
