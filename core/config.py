@@ -285,7 +285,7 @@ class ServerOptions(_Section):
 
 
 class AsyncOptions(_Section):
-    """A producer process samples and grades the next batches while the learner updates."""
+    """The next batches are sampled and graded while the learner updates (docs/async.md)."""
 
     enabled: bool = Field(False, description="Overlap rollouts + grading with the update (docs/async.md).")
     max_staleness: int = Field(
@@ -890,9 +890,9 @@ class Config(_Section):
             return
         if self.data.sampler != "uniform":
             raise ValueError(
-                f"rollout.async.enabled needs data.sampler=uniform (got {self.data.sampler}): the producer draws "
-                "a step's prompts up to max_staleness steps ahead, before the teacher has learned from the steps "
-                "in between, and it would need the learner's teacher state (docs/async.md)"
+                f"rollout.async.enabled needs data.sampler=uniform (got {self.data.sampler}): asynchronous "
+                "rollouts draw a step's prompts up to max_staleness steps ahead, before the teacher has learned from "
+                "the steps in between (docs/async.md)"
             )
 
 

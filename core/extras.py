@@ -26,7 +26,7 @@ phase               when / what a hook may do there
 ``terms_read_stats``  inside the update, per mini-batch: live keywords for the token weighting
                     (STARE), additive per-token terms (KL, Lp-Reg) and whether those read p
 ``after_update``    after the optimizer steps: returns metrics (only on steps with an update)
-``after_sync``      after the weights reached the rollout engine (async: publish them)
+``after_sync``      after the weights reached the rollout engine (async: the next version)
 ``state_dict`` /
 ``load_state_dict`` what survives a resume (saved under the hook's name in the checkpoint)
 ``close``           end of the run (also on error)
@@ -38,7 +38,7 @@ parallelism; each built only when its own config keys switch it on):
 ====================  ===============================  ==============================================
 hook                  switched on by                   what
 ====================  ===============================  ==============================================
-``async``             ``rollout.async.enabled``        producer process + off-policy corrections
+``async``             ``rollout.async.enabled``        rollouts ahead of the update + off-policy fixes
 ``sampler``           always                           the prompt sampler's step and state (Goldilocks)
 ``deep_grpo``         ``algorithm.deep_grpo.enabled``  pivot branches and their local loss
 ``overlong_filter``   ``algorithm.overlong.filter``    DAPO: truncated rows leave the loss
@@ -108,7 +108,7 @@ class StepState:
     old_lp: torch.Tensor | None = None  # [N, L] sampling policy's log-probs (None: no old pass ran)
     old_ent: torch.Tensor | None = None  # [N, L] its entropies
     contributions: list[Contribution] = field(default_factory=list)  # rows added to optimizer steps (DEEP-GRPO)
-    off_policy: Any = None  # async_rollout.OffPolicyStep: stale rows' corrections for the update
+    off_policy: Any = None  # algos.vcpo.OffPolicyStep: stale rows' corrections for the update
     ref_lp: torch.Tensor | None = None  # [N, L] the step's KL target (kl_reference's before_update)
 
 
@@ -529,11 +529,13 @@ class KLInReward(LoopHook):
 
 
 class AsyncHook(LoopHook):
-    """Asynchronous rollouts (``rollout.async.enabled``, docs/async.md): a producer process samples and
-    grades round 0 of the coming steps (``sample``); stale rows, or VCPO's baseline, need the proximal
-    policy's log-probs (``needs_old_stats``) and get their off-policy corrections (``before_update``);
-    the weights after each step go to the producer (``after_sync``). The producer starts at the first
-    ``sample`` (after a resume's checkpoint and the first validation), from the weights of that moment."""
+    """Asynchronous rollouts (``rollout.async.enabled``, docs/async.md): round 0 of the coming steps is
+    sampled and graded while the learner updates (``sample``: ``stapo.core.async_rollout``, through
+    the rollout servers or a producer process); stale rows, or VCPO's baseline, need the proximal
+    policy's log-probs (``needs_old_stats``) and get their off-policy corrections (``before_update``:
+    ``stapo.core.algos.vcpo``); each step's weights become the next version (``after_sync``). The
+    rollouts start at the first ``sample`` (after a resume's checkpoint and the first validation),
+    from the weights of that moment."""
 
     name: ClassVar[str] = "async"
 
@@ -544,24 +546,26 @@ class AsyncHook(LoopHook):
         check_supported(run.cfg)
         self.run = run
         self.dp = DataParallel(run.backend)  # the off-policy decisions are global over ranks
-        self.learner: Any = None
+        self.rollouts: Any = None
 
     def sample(self, step: int) -> tuple[list[Any], dict[str, float]]:
-        if self.learner is None:
-            from stapo.core.async_rollout import async_learner
+        if self.rollouts is None:
+            from stapo.core.async_rollout import async_rollouts
 
-            self.learner = async_learner(self.run, step - 1)
-        return self.learner.rollouts(step)
+            self.rollouts = async_rollouts(self.run, step - 1)
+        return self.rollouts.rollouts(step)
 
     def needs_old_stats(self, st: StepState) -> bool:
         # whether the step's round 0 is stale is fixed by the step: the same answer on every rank
-        return self.learner.stale(st.step) or self.run.cfg.algorithm.off_policy.min_variance_baseline
+        return self.rollouts.stale(st.step) or self.run.cfg.algorithm.off_policy.min_variance_baseline
 
     def before_update(self, st: StepState) -> dict[str, float]:
         if st.old_lp is not None:
-            from stapo.core.async_rollout import off_policy_step
+            from stapo.core.algos.vcpo import off_policy_step
 
-            st.off_policy = off_policy_step(self.run, st.kept, st.batch, st.old_lp, st.step, st.temperature, self.dp)
+            cfg = self.run.cfg
+            st.off_policy = off_policy_step(cfg.algorithm.off_policy, st.kept, st.batch, st.old_lp, st.step,
+                                            scale_by_std=cfg.algorithm.advantage == "grpo", dp=self.dp)
         return {}
 
     def after_update(self, st: StepState) -> dict[str, float]:
@@ -569,12 +573,12 @@ class AsyncHook(LoopHook):
         return dict(st.off_policy.metrics) if st.off_policy is not None else {}
 
     def after_sync(self, st: StepState) -> None:
-        if self.learner is not None:
-            self.learner.publish(st.step)  # version `step` to the producer
+        if self.rollouts is not None:
+            self.rollouts.publish(st.step)  # version `step`
 
     def close(self) -> None:
-        if self.learner is not None:
-            self.learner.close()
+        if self.rollouts is not None:
+            self.rollouts.close()
 
 
 class SamplerHook(LoopHook):

@@ -1,18 +1,18 @@
 """The rollout phase of a step: sample G responses per prompt, grade them, shape rewards and take
 group advantages; DAPO's dynamic sampling (more rounds until enough groups have mixed outcomes).
 
-The one implementation of "sample and grade a step": the synchronous loop (``stapo.core.loop``), the
-asynchronous producer (``stapo.core.async_rollout``) and the fleet (``stapo.core.async_fleet``) call
-:func:`rollout_and_grade`. ``run`` is the loop's run: it has ``cfg``, ``engine``, ``rewards``,
-``sampler``, ``train_prompts``, ``encode``, ``rank`` and ``world_size``.
+The one implementation of "sample and grade a step": the synchronous loop (``stapo.core.loop``) and
+asynchronous rollouts (``stapo.core.async_rollout``) call :func:`rollout_and_grade`. What it reads
+is :class:`RolloutInputs`: the loop passes its run (which has every field), asynchronous rollouts an
+explicit :class:`RolloutInputs` with the engine at a version and a reward function of their own.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,12 +22,37 @@ from stapo.core.config import Config
 from stapo.core.rewards import rule_shares
 from stapo.core.sampler import prompts_per_round, refill_until_full
 
-__all__ = ["dynamic_sampling_refill", "mixed_groups", "record_groups", "rollout_and_grade", "rollout_metrics",
+__all__ = ["RolloutInputs", "dynamic_sampling_refill", "mixed_groups", "record_groups", "rollout_and_grade", "rollout_metrics",
            "shape_and_advantage", "trim_kept"]
 
 
-def rollout_and_grade(run: Any, step: int, round_: int) -> tuple[list[Sequence_], dict[str, float]]:
-    """Sample G responses for this step's prompts and grade them."""
+@dataclass(frozen=True)
+class RolloutInputs:
+    """What :func:`rollout_and_grade` reads: the config, an engine, a reward function, the prompt
+    sampler and prompts, the prompt encoder, and which share of the step's prompts is this rank's."""
+
+    cfg: Config
+    engine: Any  # generate(prompt_ids, SamplingParams) -> [prompt][sample] Completion
+    rewards: Any  # (texts, golds) -> graded rewards (stapo.core.rewards.RewardFunction)
+    sampler: Any  # select(step, round, k) -> prompt indices; record(...) learns from the groups
+    train_prompts: Sequence[Any]
+    encode: Callable[[Any], list[int]]
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def of(cls, run: Any, **changes: Any) -> RolloutInputs:
+        """The fields of the loop's ``run``, with ``changes`` (e.g. another ``engine``)."""
+        fields = {k: getattr(run, k) for k in ("cfg", "engine", "rewards", "sampler", "train_prompts", "encode")}
+        fields.update(rank=int(getattr(run, "rank", 0)), world_size=int(getattr(run, "world_size", 1)))
+        return cls(**{**fields, **changes})
+
+
+def rollout_and_grade(run: RolloutInputs | Any, step: int, round_: int, *,
+                      record: bool = True) -> tuple[list[Sequence_], dict[str, float]]:
+    """Sample G responses for this step's prompts and grade them (``run``: a :class:`RolloutInputs`
+    or the loop's run). ``record``: the prompt sampler learns from the groups (asynchronous rollouts
+    record when the learner takes the batch, not when it is generated)."""
     from stapo.core.rollout import SamplingParams
 
     cfg = run.cfg
@@ -40,7 +65,7 @@ def rollout_and_grade(run: Any, step: int, round_: int) -> tuple[list[Sequence_]
         max_new_tokens=cfg.rollout.max_new_tokens,
         seed=derive_seed(cfg.trainer.seed, step, round_, run.rank),
         ignore_eos=cfg.rollout.ignore_eos,
-        logprobs=cfg.rollout.async_.enabled,  # only the async producer reads behaviour log-probs
+        logprobs=cfg.rollout.async_.enabled,  # only asynchronous rollouts read behaviour log-probs
     )
     # With the hf engine, a step larger than one generate call (rollout.batch_size
     #    sequences) is sampled in waves, and each wave is graded (in a thread; the grader's work runs
@@ -84,7 +109,8 @@ def rollout_and_grade(run: Any, step: int, round_: int) -> tuple[list[Sequence_]
             failed += graded.valid.count(False)  # no reward computed: timeout, error, undecided
             retried += graded.retried
             no_answer += graded.statuses.get("no_answer", 0)
-    record_groups(run, idx[run.rank :: run.world_size], seqs)  # the sampler learns from observed accuracies
+    if record:
+        record_groups(run, idx[run.rank :: run.world_size], seqs)  # the sampler learns from observed accuracies
     times = {"time/rollout_s": t_roll, "time/reward_s": time.time() - t_wait, "time/reward_total_s": sum(t_grade),
              "reward/failed": failed, "reward/retried": retried, "reward/no_answer_frac": no_answer / max(len(seqs), 1),
              **rule_shares([fut.result() for _, fut in futures])}

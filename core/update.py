@@ -176,7 +176,7 @@ class UpdateInputs:
     with one zero-weight padding row when it has more rows than ``counts[rank]``); None: one process,
     every row real. ``record``: where the update stores its token weightings per row for the token
     dump. ``contributions``: terms that add rows to optimizer steps (:class:`Contribution`: DEEP-GRPO's
-    local loss). ``off_policy`` (``stapo.core.async_rollout.OffPolicyStep``), for stale asynchronous
+    local loss). ``off_policy`` (``stapo.core.algos.vcpo.OffPolicyStep``), for stale asynchronous
     rows: the loss sees each token's weight times its behaviour weight sg[pi_prox / mu] (AReaL's
     decoupled objective, with ``old_lp`` the proximal policy), the diagnostics the weighting's own
     output, and every optimizer step runs at VCPO's ESS-scaled LR.

@@ -479,16 +479,17 @@ class ServerRolloutEngine:
             self._reserved[version] = self._reserved.get(version, 0) + 1
 
     def generate_at(self, version: int, prompt_token_ids: list[list[int]], sampling: SamplingParams,
-                    *, stop: threading.Event | None = None) -> list[list[Completion]]:
+                    *, stop: threading.Event | None = None, step: int | None = None) -> list[list[Completion]]:
         """:meth:`generate` once the servers hold ``version`` (reserved before), then release it.
 
         Waits while the learner has not pushed ``version`` yet; ``stop`` ends the wait (``RuntimeError``).
+        ``step`` names the batch in that error.
         """
         try:
             with self._cv:
                 while self.weight_version is None or self.weight_version < version:
                     if stop is not None and stop.is_set():
-                        raise RuntimeError(f"stopped while waiting for weight version {version}")
+                        raise RuntimeError(f"stopped while waiting for weight version {version} (step {step}'s batch)")
                     self._cv.wait(timeout=0.2)
                 if self.weight_version != version:
                     raise RuntimeError(f"batch reserved at version {version}, servers at {self.weight_version}")

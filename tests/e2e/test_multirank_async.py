@@ -1,16 +1,17 @@
 """Asynchronous rollouts in the real RL loop on 2 CPU ranks (gloo, torchrun) under DeepSpeed ZeRO-3.
 
-Rank 0 owns the one producer process; it samples and grades both ranks' shares (each with that
-rank's seed) and rank 0 broadcasts the batch, so the ranks stay in lockstep. What can fail here:
+Each rank drives its own producer process (the hf engine on a copy of the policy), which samples
+that rank's share of every step with the rank's seed; the ranks stay in lockstep because the version
+that samples a step is fixed by the step. What can fail here:
 
 * with max_staleness = 0 the 2-rank async run must make the 2-rank synchronous run's updates (same
-  seeds) to 1e-6: the producer must sample exactly what each rank would have, from the weights
-  rank 0 published (gathered under ZeRO-3 by both ranks);
+  seeds) to 1e-6: each producer must sample exactly what its rank would have, from the weights its
+  rank published (gathered under ZeRO-3 by both ranks);
 * with max_staleness = 1 every step's batch lags by exactly min(1, t - 1) versions on both ranks,
   and the off-policy decisions (ESS, hence the LR multiplier) are global: a rank deciding alone
   would step its ZeRO partition with another LR, or skip a collective and hang (the timeout);
-* when rank 0's producer dies, every rank raises ProducerDied (rank 1 through rank 0's broadcast)
-  instead of waiting forever for a batch.
+* when rank 0's producer dies, every rank raises ProducerDied (rank 1 through the step's all-gather
+  of failures) instead of waiting forever in a collective.
 
 The four runs share one torchrun launch (starting two ranks costs more than the runs).
 Skipped without deepspeed.
@@ -36,29 +37,31 @@ RUNS_SCRIPT = textwrap.dedent(
     import json, os, sys, torch
     from stapo.configs import preset_path
     from stapo.core import async_rollout
+    from stapo.core.algos import vcpo
     from stapo.core.config import load_config
     from stapo.core.loop import train
+    from stapo.core.rollout import process
     from stapo.core.run import Run
 
     if __name__ == "__main__":  # the producer (spawn) and the grader's workers import __main__ again
         out, runs = sys.argv[1], json.loads(sys.argv[2])
         rank = int(os.environ["RANK"])
         scales = []  # the LR multiplier of every optimizer step on this rank, in order
-        orig_step = async_rollout.OffPolicyStep.step
+        orig_step = vcpo.OffPolicyStep.step
 
         def step_spy(self, backend):
             out = orig_step(self, backend)
             scales.append(self.scales[-1])
             return out
 
-        orig_rollouts = async_rollout.AsyncRollouts.__init__
+        orig_engine = process.ProcessRolloutEngine.__init__
         fault = {}
 
-        def rollouts_spy(self, *a, **k):  # the "dies" run: rank 0's producer exits while producing step 1
-            orig_rollouts(self, *a, **k, **fault)
+        def engine_spy(self, *a, **k):  # the "dies" run: rank 0's producer exits while producing step 1
+            orig_engine(self, *a, **k, **(fault if rank == 0 else {}))
 
-        async_rollout.OffPolicyStep.step = step_spy
-        async_rollout.AsyncRollouts.__init__ = rollouts_spy
+        vcpo.OffPolicyStep.step = step_spy
+        process.ProcessRolloutEngine.__init__ = engine_spy
         for name, overrides in runs.items():
             scales.clear()
             error = None

@@ -1,7 +1,10 @@
-"""The rollout producer process: the staleness bound holds whichever side is slow, the batches carry
-behaviour log-probs and their version, and a producer that dies is reported, never waited on.
+"""Asynchronous rollouts through a producer process (the hf engine on its own copy of the policy,
+driven by the same versioned driver as the rollout servers): the staleness bound holds whichever side
+is slow, the batches carry behaviour log-probs and their version, and a producer that dies is
+reported, never waited on.
 
-The checks share one real producer process (spawn) with its own copy of a tiny random policy."""
+The checks share one real producer process (spawn) with its own copy of a tiny random policy, and
+the learner side's real prompts, prompt sampler and grader."""
 
 from __future__ import annotations
 
@@ -21,7 +24,12 @@ from stapo.core.async_rollout import (
     staleness,
 )
 from stapo.core.config import load_config
+from stapo.core.data import encode_prompt, load_prompts
 from stapo.core.models import load_policy
+from stapo.core.rewards import RewardFunction
+from stapo.core.rollout.process import ProcessRolloutEngine
+from stapo.core.rollouts import RolloutInputs
+from stapo.core.sampler import build_sampler
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "seed": 0}
 
@@ -36,9 +44,20 @@ def tiny_cfg(k: int, steps: int, *extra: str):
     ])
 
 
-def params(cfg):
-    model, _ = load_policy(cfg.model)
-    return model, lambda: ((n, p.detach()) for n, p in model.named_parameters())
+def async_rollouts(cfg, fault: FaultInjection) -> AsyncRollouts:
+    """The driver on a producer process, as the async hook builds it for one hf rank (the learner's
+    own policy stands in for its trainer: its weights are what gets published)."""
+    model, tok = load_policy(cfg.model)
+    prompts, _ = load_prompts(cfg.data, tok)
+
+    def encode(rec):
+        return encode_prompt(tok, rec.prompt, chat_template=cfg.data.chat_template)
+
+    inputs = RolloutInputs(cfg=cfg, engine=None, rewards=RewardFunction(cfg.reward),
+                           sampler=build_sampler(cfg, prompts, encode=encode, model=model), train_prompts=prompts,
+                           encode=encode)
+    return AsyncRollouts(inputs, ProcessRolloutEngine(cfg, fault=fault), start=0, owns_engine=True,
+                         weights=lambda: ((n, p.detach()) for n, p in model.named_parameters()))
 
 
 def test_versions_are_fixed_by_the_step() -> None:
@@ -70,54 +89,57 @@ def one_producer_run():
 
 def _run_phases() -> dict:
     cfg = tiny_cfg(2, 8)
-    _, named = params(cfg)
     out: dict = {"batches": {}, "published": {}, "waited": {}}
     fault = FaultInjection(step_delays={5: 2.5, 6: 1.5, 7: 30.0})
-    with AsyncRollouts(cfg, named(), fault=fault) as ar:
+    ar = async_rollouts(cfg, fault)
+    try:
         for step in range(1, 7):
             t0 = time.time()
-            out["batches"][step] = ar.next_batch(step, timeout=120)
+            out["batches"][step] = ar.rollouts(step, timeout=120)
             out["waited"][step] = time.time() - t0
             if step <= 3:
                 time.sleep(1.5)  # a slow learner
             out["published"][step] = time.time()  # just before: the producer may start at once
-            ar.publish(step, named())
-        os.kill(ar.pid, signal.SIGKILL)  # mid-step: step 7's batch is in its 30 s delay
+            ar.publish(step)
+        os.kill(ar.engine.pid, signal.SIGKILL)  # mid-step: step 7's batch is in its 30 s delay
         t0 = time.time()
         try:
-            ar.next_batch(7, timeout=60)  # a hang would end in TimeoutError, failing the check
+            ar.rollouts(7, timeout=60)  # a hang would end in TimeoutError, failing the check
         except Exception as err:  # noqa: BLE001 - recorded, checked below
             out["error"] = err
         out["error_after_s"] = time.time() - t0
+        out["started_at"] = dict(ar.engine.started_at)  # when the producer began each step's batch
+    finally:
+        ar.close()
     return out
 
 
 def test_every_batch_is_sampled_by_its_fixed_version_with_behaviour_logprobs(one_producer_run) -> None:
-    for step, b in one_producer_run["batches"].items():
-        assert b.step == step and b.version == generating_version(step, 2)
-        assert staleness(step, b.version) == min(2, step - 1) <= 2
-        [(seqs, _)] = b.shares  # one learner rank: one share
-        assert len(seqs) == 4 and all(s.version == b.version for s in seqs)
+    for step, (seqs, metrics) in one_producer_run["batches"].items():
+        version = generating_version(step, 2)
+        assert metrics["async/version"] == version
+        assert metrics["async/staleness"] == staleness(step, version) == min(2, step - 1) <= 2
+        assert len(seqs) == 4 and all(s.version == version for s in seqs)
         for s in seqs:  # behaviour log-probs of the sampled tokens, recorded at generation
             assert len(s.behaviour_logprobs) == len(s.response_ids)
             assert all(math.isfinite(x) and x <= 0 for x in s.behaviour_logprobs)
 
 
 def test_slow_trainer_fast_producer_runs_ahead_within_the_bound(one_producer_run) -> None:
-    b, published = one_producer_run["batches"], one_producer_run["published"]
+    started, published = one_producer_run["started_at"], one_producer_run["published"]
     # step t+1 began before the learner had finished step t, and (k = 2) at least once step t+2 did
     for step in (1, 2, 3):
-        assert b[step + 1].started_at < published[step]
-    assert any(b[step + 2].started_at < published[step] for step in (1, 2, 3))
+        assert started[step + 1] < published[step]
+    assert any(started[step + 2] < published[step] for step in (1, 2, 3))
     # ... but never before its version existed: the bound holds with the learner as the slow side
     for step in (4, 5, 6):
-        assert b[step].started_at >= published[b[step].version]
+        assert started[step] >= published[generating_version(step, 2)]
 
 
 def test_slow_producer_fast_trainer_waits_within_the_bound(one_producer_run) -> None:
     for step in (5, 6):  # the learner, not the producer, was the one waiting
         assert one_producer_run["waited"][step] > 0.3
-        assert staleness(step, one_producer_run["batches"][step].version) == 2
+        assert one_producer_run["batches"][step][1]["async/staleness"] == 2
 
 
 def test_a_producer_killed_mid_step_is_reported_not_waited_on(one_producer_run) -> None:
@@ -132,19 +154,21 @@ def test_a_producer_killed_mid_step_is_reported_not_waited_on(one_producer_run) 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("STAPO_SLOW") != "1", reason="slow: set STAPO_SLOW=1")
 def test_a_producer_exiting_mid_step_is_reported() -> None:
-    cfg = tiny_cfg(2, 3)
-    _, named = params(cfg)
-    with AsyncRollouts(cfg, named(), fault=FaultInjection(die_at_step=2)) as ar:
-        ar.next_batch(1, timeout=120)
+    ar = async_rollouts(tiny_cfg(2, 3), FaultInjection(die_at_step=2))
+    try:
+        ar.rollouts(1, timeout=120)
         with pytest.raises(ProducerDied, match="exited with code 3 before delivering step 2"):
-            ar.next_batch(2, timeout=120)
+            ar.rollouts(2, timeout=120)
+    finally:
+        ar.close()
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("STAPO_SLOW") != "1", reason="slow: set STAPO_SLOW=1")
 def test_producer_exception_is_reported_with_its_traceback() -> None:
-    cfg = tiny_cfg(1, 3)
-    _, named = params(cfg)
-    with AsyncRollouts(cfg, named(), fault=FaultInjection(raise_at_step=1)) as ar:
+    ar = async_rollouts(tiny_cfg(1, 3), FaultInjection(raise_at_step=1))
+    try:
         with pytest.raises(ProducerDied, match="(?s)failed at step 1.*fault injected at step 1"):
-            ar.next_batch(1, timeout=120)
+            ar.rollouts(1, timeout=120)
+    finally:
+        ar.close()

@@ -140,7 +140,7 @@ def test_decoupled_loss_hand_value() -> None:
 
 
 def test_lr_scaled_step_uses_scaled_lr_and_leaves_the_schedule_alone() -> None:
-    from stapo.core.async_rollout import OffPolicyStep
+    from stapo.core.algos.vcpo import OffPolicyStep
 
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=0.1)
@@ -182,7 +182,7 @@ def _weights(b: int):
 def test_lr_multiplier_is_each_mini_batchs_ess_summed_over_ranks() -> None:
     """VCPO scales each optimizer step by its own mini-batch's ESS (the authors' code), not once per
     batch: a mini-batch of equal weights runs at the full LR, one dominated by a sequence does not."""
-    from stapo.core.async_rollout import OffPolicyStep
+    from stapo.core.algos.vcpo import OffPolicyStep
 
     w = torch.tensor([1.0, 1.0, 4.0, 0.0, 1.0], dtype=torch.float64)  # 5 real rows; row 5 = padding
     off = OffPolicyStep(torch.ones(6, 1), w, {}, lr_rule=ess_lr_scale)  # sqrt rule
@@ -204,7 +204,7 @@ def test_behaviour_logprobs_go_to_the_response_positions_of_stale_rows_only() ->
 
 
     from stapo.core import loop
-    from stapo.core.async_rollout import behaviour_logprobs
+    from stapo.core.algos.vcpo import behaviour_logprobs
     from stapo.core.batch import collate
 
     seqs = [loop.Sequence_([5, 6], [7, 8, 9], "stop", "", "0", group=0, version=0, behaviour_logprobs=[-1.0, -2.0, -3.0]),
@@ -228,7 +228,7 @@ def test_vcpo_baseline_per_minibatch_at_the_current_weights(one_thread) -> None:
     import copy
 
     from stapo.core import loop, update
-    from stapo.core.async_rollout import MinVarianceBaseline, OffPolicyStep
+    from stapo.core.algos.vcpo import MinVarianceBaseline, OffPolicyStep
     from stapo.core.batch import collate
     from stapo.core.config import config_from_dict
     from stapo.core.extras import Hooks
@@ -289,3 +289,15 @@ def test_vcpo_baseline_per_minibatch_at_the_current_weights(one_thread) -> None:
     got = [float(batch.advantages[i][batch.response_mask[i]][0]) for i in second]
     assert got == pytest.approx(expect, rel=1e-4)
     assert step.metrics["offpolicy/baseline_shift"] > 0 and step.metrics["time/baseline_s"] > 0
+
+
+def test_vcpo_imports_without_the_async_machinery():
+    """VCPO's corrections sit with the other policy-gradient corrections (``stapo.core.algos``): an
+    update can use them without importing the rollout producer or its engines."""
+    import subprocess
+    import sys
+
+    code = ("import sys, stapo.core.algos.vcpo; "
+            "print(sorted(m for m in sys.modules if m.startswith(('stapo.core.async', 'stapo.core.rollout'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
