@@ -11,7 +11,7 @@ and this process's CPU seconds (on a shared machine the CPU seconds are the work
     python benchmarks/deep_local_loss.py --rows 32 --mini-batches 4 --tokens 2048 --repeat 3
     python benchmarks/deep_local_loss.py --before 58aafe3          # also the local loss of that commit
 
-``--before COMMIT`` loads ``core/deep_grpo.py`` of that commit (``git show``) and runs its local loss
+``--before COMMIT`` loads ``core/train/deep_grpo.py`` of that commit (``git show``) and runs its local loss
 on the same rows with row micro-batches (the branch rows' statistics from a row-micro-batched no-grad
 pass, as that code built them).
 """
@@ -42,9 +42,9 @@ def lengths(n: int, *, median: float, sigma: float, lo: int, hi: int, seed: int)
 
 
 def setup(args: argparse.Namespace, micro: dict) -> tuple:
-    from stapo.core import loop
     from stapo.core.config import config_from_dict
-    from stapo.core.models import load_policy
+    from stapo.core.train import loop
+    from stapo.core.trainer.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
     cfg = config_from_dict({
@@ -82,7 +82,7 @@ def counting(backend) -> dict[str, int]:
 
 
 def load_before(commit: str):
-    src = subprocess.run(["git", "show", f"{commit}:core/deep_grpo.py"], capture_output=True, text=True,
+    src = subprocess.run(["git", "show", f"{commit}:core/train/deep_grpo.py"], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parents[1]).stdout
     path = Path(tempfile.mkdtemp()) / "deep_grpo_before.py"
     path.write_text(src)
@@ -94,7 +94,7 @@ def load_before(commit: str):
 
 
 def one(args: argparse.Namespace, micro: dict, before=None) -> dict[str, float]:
-    from stapo.core import deep_grpo, loop
+    from stapo.core.train import deep_grpo, loop
 
     cfg, run, kept = setup(args, micro)
     if before is None:
@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="rounds (round-robin over the variants); median time")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--before", default=None, help="also run core/deep_grpo.py of this commit (row-padded)")
+    ap.add_argument("--before", default=None, help="also run core/train/deep_grpo.py of this commit (row-padded)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     variants = {f"rows of {args.micro_rows}": ({"micro_batch_size": args.micro_rows}, None),

@@ -8,8 +8,8 @@
 
 The command builds and validates the config and checks its inputs (model path, data source) before
 it writes anything, so a mistake fails in a second with a one-line message and no run dir left
-behind; then it takes the run dir's lock and calls :func:`stapo.core.loop.train` (the run dir's
-rules: :mod:`stapo.core.rundir`). Ctrl-C, or SIGTERM after a checkpoint of the step in flight,
+behind; then it takes the run dir's lock and calls :func:`stapo.core.train.loop.train` (the run dir's
+rules: :mod:`stapo.core.train.rundir`). Ctrl-C, or SIGTERM after a checkpoint of the step in flight,
 stops the run and prints the last checkpoint and the exact command that resumes it.
 """
 
@@ -148,7 +148,7 @@ def command(
     if plan:
         print_plan(cfg, world_size, card_gib, as_json)
         return
-    if run_dir is None:  # under a launcher each rank names one; rank 0's is used (stapo.core.rundir)
+    if run_dir is None:  # under a launcher each rank names one; rank 0's is used (stapo.core.train.rundir)
         run_dir = Path("runs") / f"{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     check_inputs(cfg)
     check_launch(cfg)
@@ -166,14 +166,14 @@ def command(
 
 def _train(cfg: Config, path: Path, run_dir: Path, resume: bool, owner: _Owner, say: Callable[..., None]) -> None:
     """Run the loop; on a failure before the first step, remove what this command wrote."""
-    from stapo.core.loop import train
-    from stapo.core.rewards import RewardError
-    from stapo.core.rundir import SharedDirError
+    from stapo.core.task.rewards import RewardError
+    from stapo.core.train.loop import train
+    from stapo.core.train.rundir import SharedDirError
 
     say(f"run dir: {run_dir}  (config: {path})")  # rank 0's: the other ranks take its name (agree_run_dir)
     try:
         result = train(cfg, run_dir, resume=resume, log=say)
-    except KeyboardInterrupt as err:  # Ctrl-C, and SIGTERM (stapo.core.rundir.Stopped)
+    except KeyboardInterrupt as err:  # Ctrl-C, and SIGTERM (stapo.core.train.rundir.Stopped)
         _quiet_grader_shutdown()
         owner.clean_up(keep_config=True)
         if owner.rank0:  # (another rank's run_dir may be its own default name, not the run's)
@@ -289,7 +289,7 @@ def _check_resumable(run_dir: Path, fresh: bool, max_steps: int, say: Callable[.
     """``--resume`` needs a checkpoint; ``--fresh`` starts a run dir without one over, and says so
     (``say``: rank 0 only under a launcher). True: the run has finished (its last checkpoint is
     ``trainer.max_steps``), said so, nothing to do."""
-    from stapo.core.checkpoint import checkpoint_step, latest_checkpoint
+    from stapo.core.train.checkpoint import checkpoint_step, latest_checkpoint
 
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
@@ -314,14 +314,14 @@ class _Resumed:
     check that a resume changes nothing the run learns unless ``--allow-changes`` says so."""
 
     def __init__(self, run_dir: Path, step: int) -> None:
-        from stapo.core.rundir import resume_config_data
+        from stapo.core.train.rundir import resume_config_data
 
         self.run_dir, self.step = run_dir, step
         self.data = resume_config_data(run_dir, step)  # config.yaml + the recorded changes
 
     @classmethod
     def of(cls, run_dir: Path) -> _Resumed | None:
-        from stapo.core.checkpoint import checkpoint_step, latest_checkpoint
+        from stapo.core.train.checkpoint import checkpoint_step, latest_checkpoint
 
         ckpt = latest_checkpoint(run_dir)
         if ckpt is None or not (run_dir / "config.yaml").is_file():
@@ -332,7 +332,7 @@ class _Resumed:
         """The resumed config: the run's own with ``overrides`` (or ``path``'s, when --config names one).
         Refused in one line naming every changed key that is not bookkeeping, without ``allow_changes``."""
         from stapo.core.config import apply_overrides, config_from_dict, load_config
-        from stapo.core.rundir import BOOKKEEPING_KEYS, config_changes
+        from stapo.core.train.rundir import BOOKKEEPING_KEYS, config_changes
 
         cfg = load_config(path, overrides) if path is not None else config_from_dict(apply_overrides(self.data, overrides))
         changed = [c for c in config_changes(self.data, cfg.model_dump(mode="json", by_alias=True)) if not c.bookkeeping]
@@ -349,7 +349,7 @@ class _Resumed:
 def _record_resume(run_dir: Path, resumed: _Resumed | None, cfg: Config, say: Callable[..., None]) -> None:
     """Rank 0, under the lock: write the resume's changes to the run's record and say them. A resume
     that starts over (no checkpoint, --fresh) drops the record with the old run."""
-    from stapo.core.rundir import CHANGES_NAME, record_config_changes
+    from stapo.core.train.rundir import CHANGES_NAME, record_config_changes
 
     if resumed is None:
         (run_dir / CHANGES_NAME).unlink(missing_ok=True)
@@ -362,13 +362,13 @@ def _record_resume(run_dir: Path, resumed: _Resumed | None, cfg: Config, say: Ca
 
 def _holds_run(run_dir: Path) -> bool:
     """A run dir with metrics or a checkpoint: a new run there would mix with it."""
-    from stapo.core.checkpoint import list_checkpoints
+    from stapo.core.train.checkpoint import list_checkpoints
 
     return (run_dir / "metrics.jsonl").exists() or bool(list_checkpoints(run_dir))
 
 
 def _check_not_busy(run_dir: Path) -> None:
-    from stapo.core.rundir import RunDirBusy, check_not_busy
+    from stapo.core.train.rundir import RunDirBusy, check_not_busy
 
     try:
         check_not_busy(run_dir)
@@ -383,8 +383,8 @@ class _Owner:
     shards, which exist only after a step)."""
 
     def __init__(self, run_dir: Path, rank0: bool) -> None:
-        from stapo.core.checkpoint import checkpoint_step, latest_checkpoint
-        from stapo.core.rundir import CHANGES_NAME
+        from stapo.core.train.checkpoint import checkpoint_step, latest_checkpoint
+        from stapo.core.train.rundir import CHANGES_NAME
 
         self.run_dir, self.rank0 = run_dir, rank0
         self.created = not run_dir.exists()
@@ -399,8 +399,8 @@ class _Owner:
         interrupted run, so that ``--resume --fresh`` starts it again with the same config). A
         failed start puts the record of config changes back as it was (its changes never ran); an
         interrupted one keeps this resume's row, so the printed ``--resume`` goes on with them."""
-        from stapo.core.rundir import CHANGES_NAME, LOCK_NAME
         from stapo.core.tracking import read_jsonl
+        from stapo.core.train.rundir import CHANGES_NAME, LOCK_NAME
 
         rows = read_jsonl(self.run_dir / "metrics.jsonl")
         if not self.rank0 or not self.run_dir.is_dir() or (rows and int(rows[-1]["step"]) > self.start):
@@ -417,7 +417,7 @@ class _Owner:
 def _owned(run_dir: Path) -> Iterator[_Owner]:
     """Hold the run dir's lock (rank 0) and handle SIGTERM like Ctrl-C for the command's lifetime;
     a run dir this command made and left empty is removed at the end."""
-    from stapo.core.rundir import RunDirBusy, install_signal_handlers, lock_run_dir
+    from stapo.core.train.rundir import RunDirBusy, install_signal_handlers, lock_run_dir
 
     owner = _Owner(run_dir, int(os.environ.get("RANK", "0")) == 0)
     lock = None
@@ -443,9 +443,9 @@ def _owned(run_dir: Path) -> Iterator[_Owner]:
 
 def _interrupted(cfg: Config, run_dir: Path, err: KeyboardInterrupt) -> None:
     """Ctrl-C or SIGTERM: where the run stopped, its last checkpoint and the command that continues it."""
-    from stapo.core.checkpoint import latest_checkpoint
-    from stapo.core.rundir import Stopped
     from stapo.core.tracking import read_jsonl
+    from stapo.core.train.checkpoint import latest_checkpoint
+    from stapo.core.train.rundir import Stopped
 
     echo = typer.echo
     metrics = run_dir / "metrics.jsonl"

@@ -1,4 +1,4 @@
-"""`stapo train --plan` and the memory check `stapo train` runs at start (stapo.core.plan; docs/gpu.md)."""
+"""`stapo train --plan` and the memory check `stapo train` runs at start (stapo.core.train.plan; docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def print_plan(cfg: Config, world_size: int | None, card: float | None, as_json:
     import json
     import os
 
-    from stapo.core.plan import PlanError, card_gib, plan_run
+    from stapo.core.train.plan import PlanError, card_gib, plan_run
 
     ranks = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -35,8 +35,8 @@ def plan_at_start(cfg: Config, card: float | None) -> Config:
     """On a GPU: refuse a config that cannot fit, print the plan's line (rank 0), resolve the update's path."""
     import os
 
-    from stapo.core.plan import PlanError
-    from stapo.core.plan import plan_at_start as plan_launch
+    from stapo.core.train.plan import PlanError
+    from stapo.core.train.plan import plan_at_start as plan_launch
 
     try:
         cfg2, result = plan_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")), card)

@@ -876,7 +876,7 @@ class Config(_Section):
 
     def _async_checks(self) -> None:
         """Config-level limits of asynchronous rollouts (docs/async.md); what depends on the machine
-        (engine, backend, ranks) is checked when the run starts (stapo.core.async_rollout)."""
+        (engine, backend, ranks) is checked when the run starts (stapo.core.rollout.async_rollout)."""
         r, a, op = self.rollout, self.algorithm, self.algorithm.off_policy
         if (op.ess_lr_scaling or op.min_variance_baseline or op.behaviour_weight_cap is not None) and not r.async_.enabled:
             raise ValueError(

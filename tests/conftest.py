@@ -67,7 +67,7 @@ def stapo_main(monkeypatch, capsys):
 def stub_train(monkeypatch) -> list:
     """``stapo train`` up to the loop: ``loop.train`` records the config it was given and returns at
     once (the CLI's checks, plan and run-dir handling all run). The list fills with those configs."""
-    from stapo.core import loop
+    from stapo.core.train import loop
 
     seen: list = []
 

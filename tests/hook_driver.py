@@ -22,7 +22,7 @@ class HookRun:
 
 def run_hooks(cfg: Any, backend: Any = None) -> Any:
     """The config's hooks, built by the registry the way ``loop._Run`` builds them."""
-    from stapo.core.extras import build_hooks
+    from stapo.core.train.extras import build_hooks
 
     return build_hooks(HookRun(cfg, backend))
 
@@ -31,8 +31,8 @@ def before_update(hooks: Any, batch: Any, old_lp: Any, old_ent: Any, *, micro_ba
                   calls: int | None = None, pad_row: int | None = None, kept: Any = ()) -> tuple[Any, dict]:
     """The loop's ``before_update`` phase after its old pass (``loop.update_step``) on a batch the
     test built: (the step's state, with what the hooks published there, and the phase's metrics)."""
-    from stapo.core.extras import StepState
-    from stapo.core.update import MicroSpec
+    from stapo.core.train.extras import StepState
+    from stapo.core.train.update import MicroSpec
 
     spec = micro_batch if isinstance(micro_batch, MicroSpec) else MicroSpec(int(micro_batch))
     st = StepState(0, list(kept), list(kept), {}, batch=batch, pad_row=pad_row, spec=spec, calls=calls,
@@ -43,7 +43,7 @@ def before_update(hooks: Any, batch: Any, old_lp: Any, old_ent: Any, *, micro_ba
 def train_keeping_run(cfg: Any, run_dir: Any, log: Any = lambda _m: None) -> tuple[Any, Any]:
     """``loop.train(cfg, run_dir)`` -> (its result, the run it built): for tests that look at the
     trained model or the rollout engine afterwards (``train`` does not hand its run out)."""
-    from stapo.core import loop
+    from stapo.core.train import loop
 
     seen: dict[str, Any] = {}
     orig = loop._Run.__init__

@@ -2,7 +2,7 @@
 
 A trainer backend owns the learner side of RL: the forward pass that yields per-token log-probs and
 entropies, backward, the optimizer step (clipping, LR schedule, non-finite skip), weight export for
-the rollout engine, and checkpoint state. The RL loop (``stapo.core.loop``) codes against
+the rollout engine, and checkpoint state. The RL loop (``stapo.core.train.loop``) codes against
 :class:`TrainerBackend` only, so ``torch`` (one device) and ``deepspeed`` (ZeRO 0-3, many GPUs and
 nodes) are interchangeable.
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from stapo.configs import preset_path
-from stapo.core import loop
 from stapo.core.config import load_config
 from stapo.core.tracking import read_jsonl
+from stapo.core.train import loop
 
 SKIP = ("time/", "perf/", "async/", "offpolicy/", "reward/retried")  # the machine's load, not training
 

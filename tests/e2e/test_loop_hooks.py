@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 
 from stapo.configs import preset_path
-from stapo.core import loop
 from stapo.core.config import load_config
-from stapo.core.extras import HOOKS, LoopHook, StepState
 from stapo.core.tracking import read_jsonl
+from stapo.core.train import loop
+from stapo.core.train.extras import HOOKS, LoopHook, StepState
 
 # 2 mini-batches: two optimizer steps per training step; a checkpoint after every step
 CFG = ["model.tiny.vocab=chars", "data.arithmetic.answer_range=null", "rollout.prompts_per_step=2", "rollout.n=4",

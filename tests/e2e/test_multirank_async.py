@@ -35,7 +35,8 @@ RUNS_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, torch
     from stapo.configs import preset_path
-    from stapo.core import async_rollout, loop
+    from stapo.core.rollout import async_rollout
+    from stapo.core.train import loop
     from stapo.core.config import load_config
 
     if __name__ == "__main__":  # the producer (spawn) and the grader's workers import __main__ again

@@ -48,7 +48,8 @@ LOOP_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, torch
     from stapo.configs import preset_path
-    from stapo.core import loop, rollouts
+    from stapo.core.train import loop
+    from stapo.core.rollout import rollouts
     from stapo.core.config import load_config
 
     if __name__ == "__main__":  # the grader's workers (spawn/forkserver) import __main__ again
@@ -118,12 +119,12 @@ def same_prompt_samples(out: str) -> None:
 
     from stapo.configs import preset_path
     from stapo.core.config import load_config
-    from stapo.core.data import encode_prompt, load_prompts
-    from stapo.core.models import load_policy
-    from stapo.core.rewards import RewardFunction
     from stapo.core.rollout import build_rollout_engine
-    from stapo.core.rollouts import rollout_and_grade
-    from stapo.core.sampler import build_sampler
+    from stapo.core.rollout.rollouts import rollout_and_grade
+    from stapo.core.task.data import encode_prompt, load_prompts
+    from stapo.core.task.rewards import RewardFunction
+    from stapo.core.task.sampler import build_sampler
+    from stapo.core.trainer.models import load_policy
 
     cfg = load_config(preset_path("tiny"), TINY_SHAPE)
     model, tok = load_policy(cfg.model)
@@ -311,9 +312,9 @@ def fixed_update(backend_name: str, split: list[int], silence: str = "lowest_ent
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stapo.core import loop
     from stapo.core.config import config_from_dict
-    from stapo.core.extras import Hooks
+    from stapo.core.train import loop
+    from stapo.core.train.extras import Hooks
     from stapo.core.trainer import build_trainer_backend
 
     torch.manual_seed(0)
@@ -341,8 +342,8 @@ def fixed_update(backend_name: str, split: list[int], silence: str = "lowest_ent
     mine = seqs[start : start + split[rank]]
     batch = loop.collate_with_pad_row(mine, 0, pad=world > 1)
     pad_row = len(mine) if world > 1 else None
-    from stapo.core import update
-    from stapo.core.distributed import DataParallel
+    from stapo.core.train import update
+    from stapo.core.trainer.distributed import DataParallel
 
     spec = update.micro_spec(cfg)
     calls = update.old_pass_calls(DataParallel(backend), batch, spec, len(mine))

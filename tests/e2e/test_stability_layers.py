@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from stapo.configs import preset_path
-from stapo.core import deep_grpo as deep_mod
-from stapo.core import loop
 from stapo.core.config import load_config
 from stapo.core.tracking import read_jsonl
+from stapo.core.train import deep_grpo as deep_mod
+from stapo.core.train import loop
 
 # The recipes are GPU recipes; these overrides shrink them to the tiny random model on CPU and keep
 # every layer switch as the recipe sets it. Overlong shaping over the whole budget gives rewards

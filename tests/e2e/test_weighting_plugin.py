@@ -14,10 +14,10 @@ import pytest
 from pydantic import Field
 
 from stapo.configs import preset_path
-from stapo.core import loop
 from stapo.core.algos import TOKEN_WEIGHTS, TokenContext, TokenWeights, register_token_weighting
 from stapo.core.config import ConfigError, load_config
 from stapo.core.tracking import read_jsonl
+from stapo.core.train import loop
 from stapo.core.weighting_options import WeightingOptions
 
 NAME = "scaled_test"

@@ -13,15 +13,15 @@ import time
 import pytest
 import torch
 
-from stapo.core.async_rollout import (
+from stapo.core.config import load_config
+from stapo.core.rollout.async_rollout import (
     AsyncRollouts,
     FaultInjection,
     ProducerDied,
     generating_version,
     staleness,
 )
-from stapo.core.config import load_config
-from stapo.core.models import load_policy
+from stapo.core.trainer.models import load_policy
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "seed": 0}
 

@@ -112,7 +112,7 @@ def test_empty_config_is_an_error(monkeypatch, capsys, tmp_path, stapo_main):
 
 
 def test_unexpected_error_is_short_and_debug_shows_traceback(monkeypatch, capsys, tmp_path, stapo_main):
-    from stapo.core import loop
+    from stapo.core.train import loop
 
     def boom(*a, **k):
         raise RuntimeError("boom")
@@ -145,7 +145,7 @@ def test_resume_without_checkpoint_refuses(monkeypatch, capsys, tmp_path, stapo_
 def _interrupt_at(monkeypatch, step: int) -> None:
     """Ctrl-C right after step ``step`` logged its metrics (before its periodic checkpoint):
     a KeyboardInterrupt from inside the real loop."""
-    from stapo.core import loop
+    from stapo.core.train import loop
 
     real = loop.train
 
@@ -188,7 +188,7 @@ def test_ctrl_c_names_checkpoint_and_resume_command(monkeypatch, capsys, tmp_pat
 
 
 def test_ctrl_c_without_checkpoint_then_fresh(monkeypatch, capsys, tmp_path, stapo_main):
-    from stapo.core import loop
+    from stapo.core.train import loop
 
     run = tmp_path / "run"
     calls = []
@@ -364,8 +364,8 @@ def test_tiny_task_answers_fit_one_digit_token():
     """The tiny preset's task and vocabulary: every answer is one digit, and one token of the tiny
     digits vocabulary (so a one-token response can be right); letters read as <unk>."""
     from stapo.core.config import load_config
-    from stapo.core.data import load_prompts
-    from stapo.core.models import load_tokenizer
+    from stapo.core.task.data import load_prompts
+    from stapo.core.trainer.models import load_tokenizer
 
     cfg = load_config(preset_path("tiny"))
     tok = load_tokenizer(cfg.model)

@@ -18,10 +18,10 @@ import torch
 from hook_driver import before_update, run_hooks
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stapo.core import loop
 from stapo.core.batch import collate, collate_with_pad_row
 from stapo.core.config import config_from_dict
-from stapo.core.reference import minp_stats_batched
+from stapo.core.train import loop
+from stapo.core.train.reference import minp_stats_batched
 from stapo.core.trainer.base import compute_token_stats
 
 

@@ -26,12 +26,12 @@ import pytest
 import torch
 
 from stapo.configs import preset_path
-from stapo.core import loop
 from stapo.core.config import load_config
-from stapo.core.distributed import balanced_quota, even_shard, minibatch_rows
 from stapo.core.tracking import read_jsonl
+from stapo.core.train import loop
+from stapo.core.train.update import MicroSpec, split_rows, with_padding
+from stapo.core.trainer.distributed import balanced_quota, even_shard, minibatch_rows
 from stapo.core.trainer.torch_backend import TorchBackend
-from stapo.core.update import MicroSpec, split_rows, with_padding
 
 # The shape these tests are calibrated on: a character vocabulary, 2 prompts x 4 responses (the
 # tiny preset itself answers with one token from a digits-only vocabulary).

@@ -85,8 +85,8 @@ MISTAKES = [
 @pytest.mark.parametrize(("name", "argv", "fragment"), MISTAKES, ids=lambda v: v if isinstance(v, str) else None)
 def test_a_mistake_is_one_line_naming_the_fix_before_anything_heavy(name, argv, fragment, tmp_path, stapo_main,
                                                                     monkeypatch):
-    import stapo.core.loop as loop
-    import stapo.core.models as models
+    import stapo.core.train.loop as loop
+    import stapo.core.trainer.models as models
 
     def heavy(*_a, **_k):
         raise AssertionError(f"{name}: a model loaded before the mistake was caught")

@@ -140,7 +140,7 @@ def test_decoupled_loss_hand_value() -> None:
 
 
 def test_lr_scaled_step_uses_scaled_lr_and_leaves_the_schedule_alone() -> None:
-    from stapo.core.async_rollout import OffPolicyStep
+    from stapo.core.rollout.async_rollout import OffPolicyStep
 
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=0.1)
@@ -182,7 +182,7 @@ def _weights(b: int):
 def test_lr_multiplier_is_each_mini_batchs_ess_summed_over_ranks() -> None:
     """VCPO scales each optimizer step by its own mini-batch's ESS (the authors' code), not once per
     batch: a mini-batch of equal weights runs at the full LR, one dominated by a sequence does not."""
-    from stapo.core.async_rollout import OffPolicyStep
+    from stapo.core.rollout.async_rollout import OffPolicyStep
 
     w = torch.tensor([1.0, 1.0, 4.0, 0.0, 1.0], dtype=torch.float64)  # 5 real rows; row 5 = padding
     off = OffPolicyStep(torch.ones(6, 1), w, {}, lr_rule=ess_lr_scale)  # sqrt rule
@@ -203,9 +203,9 @@ def test_lr_multiplier_is_each_mini_batchs_ess_summed_over_ranks() -> None:
 def test_behaviour_logprobs_go_to_the_response_positions_of_stale_rows_only() -> None:
 
 
-    from stapo.core import loop
-    from stapo.core.async_rollout import behaviour_logprobs
     from stapo.core.batch import collate
+    from stapo.core.rollout.async_rollout import behaviour_logprobs
+    from stapo.core.train import loop
 
     seqs = [loop.Sequence_([5, 6], [7, 8, 9], "stop", "", "0", group=0, version=0, behaviour_logprobs=[-1.0, -2.0, -3.0]),
             loop.Sequence_([5], [7], "stop", "", "0", group=0, version=2, behaviour_logprobs=[-9.0]),
@@ -227,12 +227,12 @@ def test_vcpo_baseline_per_minibatch_at_the_current_weights(one_thread) -> None:
     Checked against the model's own logits on each unpadded row."""
     import copy
 
-    from stapo.core import loop, update
-    from stapo.core.async_rollout import MinVarianceBaseline, OffPolicyStep
     from stapo.core.batch import collate
     from stapo.core.config import config_from_dict
-    from stapo.core.extras import Hooks
-    from stapo.core.models import load_policy
+    from stapo.core.rollout.async_rollout import MinVarianceBaseline, OffPolicyStep
+    from stapo.core.train import loop, update
+    from stapo.core.train.extras import Hooks
+    from stapo.core.trainer.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
     tiny = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64, "seed": 0}

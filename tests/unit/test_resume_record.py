@@ -15,7 +15,7 @@ import yaml
 
 from stapo.configs import preset_path
 from stapo.core.config import load_config, save_config
-from stapo.core.rundir import (
+from stapo.core.train.rundir import (
     CHANGES_NAME,
     config_changes,
     describe_config_changes,
@@ -97,7 +97,7 @@ def test_resume_that_changes_training_is_refused_in_one_line_naming_each_key(tmp
 def test_a_resume_that_fails_before_its_first_step_leaves_the_record_as_it_was(tmp_path, stapo_main, monkeypatch):
     """A failed start: its changes never ran, the record is put back. An interrupted one (Ctrl-C)
     keeps its row, so the printed `--resume` goes on with the changes the user allowed."""
-    import stapo.core.loop as loop
+    import stapo.core.train.loop as loop
 
     run = _run_with_checkpoint(tmp_path)
     args = ("train", "--run-dir", str(run), "--resume", "--set", "trainer.lr=0.5", "--set", "trainer.max_steps=4",

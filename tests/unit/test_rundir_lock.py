@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from stapo.core.rundir import LOCK_NAME, RunDirBusy, check_not_busy, lock_run_dir
+from stapo.core.train.rundir import LOCK_NAME, RunDirBusy, check_not_busy, lock_run_dir
 
 
 def test_lock_names_its_holder_refuses_a_second_and_is_removed_on_release(tmp_path):
@@ -43,7 +43,7 @@ def test_a_lock_file_nobody_holds_is_a_dead_holder(tmp_path):
 
 def _interrupt_on(monkeypatch, prefix: str) -> None:
     """Ctrl-C in the real loop right after it logs a line starting with ``prefix``."""
-    from stapo.core import loop
+    from stapo.core.train import loop
 
     real = loop.train
 

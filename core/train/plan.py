@@ -25,7 +25,7 @@ longest forward, h hidden size, n layers)::
                    chunked LM head (logits_chunk_size x vocab, fp32). On CPU a small model's
                    update measures within 3% of this (benchmarks/plan_memory.py).
     kept graphs    a weighting that reads p / H (s2t, top_entropy, stare; Lp-Reg's term) needs the
-                   whole mini-batch's statistics before any backward: stapo.core.update keeps every
+                   whole mini-batch's statistics before any backward: stapo.core.train.update keeps every
                    micro-batch's graph (its checkpointed inputs) until then. When those graphs do
                    not fit the card, the update takes its bounded path instead: a no-grad
                    statistics pass over the mini-batch, then forward + backward per micro-batch.
@@ -137,12 +137,12 @@ def model_config(model_cfg: ModelConfig) -> tuple[Any, str]:
     if name == "tiny-random":
         import torch
 
-        from stapo.core.models import build_tiny_model
+        from stapo.core.trainer.models import build_tiny_model
 
         with torch.device("meta"):
             return build_tiny_model(model_cfg.tiny).config, "tiny-random (model.tiny)"
     if name.startswith("demo:"):
-        from stapo.core.models import demo_cache_path
+        from stapo.core.trainer.models import demo_cache_path
 
         path = demo_cache_path(model_cfg) / "config.json"
     else:
@@ -277,7 +277,7 @@ class Micro:
 
 
 def micro_batches(cfg: Config, world_size: int) -> Micro:
-    """Worst case of :func:`stapo.core.update.split_rows`: every row prompt + response long."""
+    """Worst case of :func:`stapo.core.train.update.split_rows`: every row prompt + response long."""
     r, t = cfg.rollout, cfg.trainer
     seq = cfg.data.max_prompt_tokens + r.max_new_tokens
     rows = max(1, math.ceil(r.prompts_per_step * r.n / cfg.algorithm.mini_batches / world_size))

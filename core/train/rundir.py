@@ -159,7 +159,7 @@ def lock_run_dir(run_dir: Path) -> RunLock:
 def agree_run_dir(run_dir: Path, dp: Any) -> Path:
     """Rank 0's ``run_dir`` on every rank, checked to be the same folder everywhere.
 
-    ``dp`` is a :class:`stapo.core.distributed.DataParallel`; with one rank this returns
+    ``dp`` is a :class:`stapo.core.trainer.distributed.DataParallel`; with one rank this returns
     ``run_dir`` and touches nothing. Every rank calls it (two object gathers). Rank 0 writes a
     random token into the dir first and removes it after; a rank that cannot read it back is named
     in the :class:`SharedDirError` every rank raises.

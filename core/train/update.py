@@ -20,7 +20,7 @@ the update's metrics. One step's update, for every weighting x policy loss x agg
                         p and H come from that forward itself: no separate no-grad pass.
         bounded?        the same weighting when the kept graphs would not fit the GPU
                         (``trainer.update_memory: bounded``, or ``auto`` where the memory plan of
-                        stapo.core.plan says so): a no-grad statistics pass over the mini-batch's
+                        stapo.core.train.plan says so): a no-grad statistics pass over the mini-batch's
                         micro-batches gives the weights, then each micro-batch runs forward +
                         backward at once, one graph alive (one extra forward per micro-batch).
         optimizer step  (after the ``before_step`` hook: DEEP-GRPO's local loss)
@@ -57,7 +57,7 @@ from stapo.core.batch import Batch, derive_seed, mean_or_nan
 from stapo.core.config import Config
 
 if TYPE_CHECKING:
-    from stapo.core.extras import Hooks
+    from stapo.core.train.extras import Hooks
     from stapo.core.trainer.base import TrainerBackend
 
 __all__ = [
@@ -321,7 +321,7 @@ class UpdateInputs:
     when it has more rows than ``counts[rank]``); None: one process, every row real. ``record``:
     where the update stores its token weightings per row for the token dump. ``before_step(update_index,
     fresh)`` runs right before each optimizer step (DEEP-GRPO's local branch loss). ``off_policy``
-    (``stapo.core.async_rollout.OffPolicyStep``), for stale asynchronous rows: the loss sees each
+    (``stapo.core.rollout.async_rollout.OffPolicyStep``), for stale asynchronous rows: the loss sees each
     token's weight times its behaviour weight sg[pi_prox / mu] (AReaL's decoupled objective, with
     ``old_lp`` the proximal policy), the diagnostics the weighting's own output, and every optimizer
     step runs at VCPO's ESS-scaled LR.
@@ -339,7 +339,7 @@ class UpdateInputs:
 
 class Actor:
     """The policy's update, end to end (verl's ``DataParallelPPOActor`` as the model): built once per
-    run from the config, the trainer backend and the run's hooks (``stapo.core.extras.build_hooks``;
+    run from the config, the trainer backend and the run's hooks (``stapo.core.train.extras.build_hooks``;
     the update asks them for the in-update phases: the weighting's live keywords, the additive
     per-token terms and whether those read p), then :meth:`update` once per step."""
 
@@ -359,7 +359,12 @@ class Actor:
         of every PPO epoch; ``stapo/tau_h`` is the mean of the mini-batches' tau_h^(q) (S2T's rule,
         computed for the diagnostics under any weighting; mini-batches without a candidate have none).
         """
-        from stapo.core.distributed import DataParallel, check_minibatches, group_minibatches, minibatch_rows
+        from stapo.core.trainer.distributed import (
+            DataParallel,
+            check_minibatches,
+            group_minibatches,
+            minibatch_rows,
+        )
 
         cfg, backend, hooks = self.cfg, self.backend, self.hooks
         batch, old_lp, old_ent, step = inputs.batch, inputs.old_lp, inputs.old_ent, inputs.step

@@ -21,7 +21,7 @@ holding its own copy of the policy; weights go to it as a state dict of tensors 
 ``torch.multiprocessing`` queue at every version boundary (:meth:`AsyncRollouts.publish`), and
 generated batches come back through another. The producer samples with the step's seed and grades
 through the verifier (local pool or remote service) with the same wave overlap as the synchronous
-loop (``stapo.core.rollouts.rollout_and_grade``: the one implementation of "sample and grade a step").
+loop (``stapo.core.rollout.rollouts.rollout_and_grade``: the one implementation of "sample and grade a step").
 Each sequence carries the behaviour log-probs recorded at generation (``Completion.logprobs``) and
 the version that sampled it.
 
@@ -256,12 +256,12 @@ class _ProducerRun:
     engine on it, the reward function, the prompts and the (uniform) prompt sampler."""
 
     def __init__(self, cfg: Any) -> None:
-        from stapo.core.data import encode_prompt, load_prompts
-        from stapo.core.models import load_policy
         from stapo.core.placement import rank_placement
-        from stapo.core.rewards import RewardFunction
         from stapo.core.rollout import build_rollout_engine
-        from stapo.core.sampler import build_sampler
+        from stapo.core.task.data import encode_prompt, load_prompts
+        from stapo.core.task.rewards import RewardFunction
+        from stapo.core.task.sampler import build_sampler
+        from stapo.core.trainer.models import load_policy
 
         self.cfg = cfg
         self.rank, self.world_size = 0, 1
@@ -334,7 +334,7 @@ def producer_main(cfg_data: dict[str, Any], start: int, end: int, world_size: in
         torch.set_num_threads(threads)
         from stapo.core.batch import derive_seed, seed_everything
         from stapo.core.config import config_from_dict
-        from stapo.core.rollouts import rollout_and_grade
+        from stapo.core.rollout.rollouts import rollout_and_grade
 
         cfg = config_from_dict(cfg_data)
         run = _ProducerRun(cfg)
@@ -416,8 +416,8 @@ class AsyncLearner:
         return staleness(step, generating_version(step, self.k, self.start)) > 0
 
     def rollouts(self, step: int) -> tuple[list[Any], dict[str, float]]:
-        from stapo.core.rollouts import record_groups
-        from stapo.core.sampler import prompts_per_round
+        from stapo.core.rollout.rollouts import record_groups
+        from stapo.core.task.sampler import prompts_per_round
 
         t0 = time.time()
         got: ProducedBatch | str | None = None
@@ -458,10 +458,10 @@ class AsyncLearner:
 
 def async_learner(run: Any, start: int) -> Any:
     """The source of round-0 batches: the rollout servers themselves (``vllm_server``:
-    :class:`stapo.core.async_fleet.FleetLearner`), else this module's producer process (the small
+    :class:`stapo.core.rollout.async_fleet.FleetLearner`), else this module's producer process (the small
     single-process path, ``hf``)."""
     if run.cfg.rollout.engine == "vllm_server":
-        from stapo.core.async_fleet import FleetLearner
+        from stapo.core.rollout.async_fleet import FleetLearner
 
         return FleetLearner(run, start)
     return AsyncLearner(run, start)
@@ -609,10 +609,10 @@ class MinVarianceBaseline:
     ``MegatronPPOActor.update_policy_per_traj`` with ``grad_baselining``, ``compute_grad_info``,
     ``compute_opob_baseline``): at the start of each optimizer mini-batch, at the current weights,
     W_i = w_i^2 ||g_i||^2 (:func:`loss_grad_sq_norms`; w_i unclipped), b = sum W R / sum W per group
-    (every group whole in one mini-batch: ``stapo.core.distributed.group_minibatches``), and
+    (every group whole in one mini-batch: ``stapo.core.trainer.distributed.group_minibatches``), and
     A_i = (R_i - b) / population std of the group's rewards (GRPO; unscaled where the std is
     <= 1e-8, and for Dr. GRPO). It applies to fresh batches too: with w = 1 it still weighs each
-    sequence by its gradient norm. ``stapo.core.update`` calls :meth:`advantages` per mini-batch."""
+    sequence by its gradient norm. ``stapo.core.train.update`` calls :meth:`advantages` per mini-batch."""
 
     rewards: torch.Tensor  # [n] shaped rewards of the real rows
     groups: list[int]  # [n] prompt group of each row
@@ -664,7 +664,7 @@ def off_policy_step(run: Any, seqs: list[Any], batch: Any, proximal: torch.Tenso
     Rows are ``seqs`` (this rank's real rows, in order). With ``min_variance_baseline`` the step
     carries VCPO's baseline (:class:`MinVarianceBaseline`): the update recomputes the rows'
     advantages (``batch.advantages``) at the start of each mini-batch, on fresh batches too. With data
-    parallelism (``dp``: stapo.core.distributed.DataParallel) the decisions are global: whether
+    parallelism (``dp``: stapo.core.trainer.distributed.DataParallel) the decisions are global: whether
     any row is stale, the ESS and so the LR multiplier (a rank stepping with another LR would
     update its ZeRO partition differently), and the logged statistics.
     """

@@ -7,9 +7,9 @@ One step of :func:`train`::
              -> advantages      (grpo / dr_grpo / rloo over each group; DAPO overlong shaping)
              -> dynamic sampling(DAPO: keep groups with mixed rewards, resample to refill)
              -> dump forward    (when dumping: p, H, sum q^2, top-k of the sampled policy, one forward)
-             -> old log-probs   (no-grad pass, only where stapo.core.update.needs_old_pass says: off-policy
+             -> old log-probs   (no-grad pass, only where stapo.core.train.update.needs_old_pass says: off-policy
                                  mini-batches, extras that read the sampling policy)
-             -> K updates       (stapo.core.update: per mini-batch, p and H from the gradient forward ->
+             -> K updates       (stapo.core.train.update: per mini-batch, p and H from the gradient forward ->
                                  token weights -> per-token loss -> aggregation with the GLOBAL
                                  normalizer, so micro-batching and packing never change the update; the
                                  weights' own counts are the logged diagnostics)
@@ -17,13 +17,13 @@ One step of :func:`train`::
              -> metrics, token dump (rank 0 writes), validation, checkpoint
 
 Each phase lives in the module that owns it and none of them imports this one (a test checks):
-``stapo.core.batch`` (sequences, the padded batch, seeds), ``stapo.core.rollouts`` (sample, grade,
-shape, advantages, dynamic sampling), ``stapo.core.update`` (the update and its diagnostics); this
+``stapo.core.batch`` (sequences, the padded batch, seeds), ``stapo.core.rollout.rollouts`` (sample, grade,
+shape, advantages, dynamic sampling), ``stapo.core.train.update`` (the update and its diagnostics); this
 module strings them together.
 
 Everything a recipe may add (asynchronous rollouts, the prompt sampler's step, DEEP-GRPO, the KL
 reference, Lp-Reg, STARE's controller, DAPO's overlong filter) is a hook with one interface, registered
-by name (``stapo.core.extras``: ``LoopHook`` phases sample / on_batch / needs_old_stats /
+by name (``stapo.core.train.extras``: ``LoopHook`` phases sample / on_batch / needs_old_stats /
 before_update / after_update / after_sync / state_dict); :func:`train` calls the phases and never
 branches on a particular extra.
 
@@ -34,7 +34,7 @@ top-entropy mask (arXiv 2506.01939). No KL by default (kl_coef=0), as in DAPO an
 
 Data parallelism (DeepSpeed on N ranks): each rank samples its share of the prompts; every decision
 about the batch is global and every rank issues the same collectives whatever its rewards
-(``stapo.core.distributed``: global refill decision and trim, one global mini-batch plan, zero-weight
+(``stapo.core.trainer.distributed``: global refill decision and trim, one global mini-batch plan, zero-weight
 padding rows); logged metrics are global sums; rank 0 writes files. The token diagnostics
 (``stapo/*``, ``phase/*``, the dump's weights) are the update's own weightings, counted per mini-batch.
 
@@ -65,14 +65,13 @@ from stapo.core.batch import (
     seed_everything,
 )
 from stapo.core.config import Config, save_config
-from stapo.core.rollouts import (
+from stapo.core.rollout.rollouts import (
     dynamic_sampling_refill,
     rollout_and_grade,
     rollout_metrics,
     shape_and_advantage,
 )
-from stapo.core.trainer.base import begin_rollout_step
-from stapo.core.update import (
+from stapo.core.train.update import (
     Actor,
     UpdateInputs,
     UpdateRecord,
@@ -82,9 +81,10 @@ from stapo.core.update import (
     stats_temperature,
     token_stats_batched,
 )
+from stapo.core.trainer.base import begin_rollout_step
 
 if TYPE_CHECKING:
-    from stapo.core.extras import StepState
+    from stapo.core.train.extras import StepState
 
 __all__ = ["train", "TrainResult"]
 
@@ -106,12 +106,12 @@ class _Run:
     """Everything a run holds: model, trainer backend, rollout engine, rewards, data, tracking."""
 
     def __init__(self, cfg: Config, run_dir: Path, log: Callable[[str], None]) -> None:
-        from stapo.core.data import encode_prompt, load_prompts
-        from stapo.core.models import count_params, load_policy
         from stapo.core.placement import rank_placement
-        from stapo.core.rewards import RewardFunction
         from stapo.core.rollout import build_rollout_engine
+        from stapo.core.task.data import encode_prompt, load_prompts
+        from stapo.core.task.rewards import RewardFunction
         from stapo.core.trainer import build_trainer_backend, load_context
+        from stapo.core.trainer.models import count_params, load_policy
 
         self.cfg, self.run_dir, self.log = cfg, run_dir, log
         # this rank's device, set before anything touches a GPU (stapo.core.placement); the policy
@@ -149,12 +149,12 @@ class _Run:
         self._encode = lambda text: encode_prompt(self.tokenizer, text, chat_template=cfg.data.chat_template)
         self._encoded: dict[str, list[int]] = {}
         # which prompts (uniform | goldilocks: docs/stability.md); the loop's sampling asks it
-        from stapo.core.sampler import build_sampler
+        from stapo.core.task.sampler import build_sampler
 
         self.sampler = build_sampler(cfg, self.train_prompts, encode=self.encode, model=self.backend.model)
         # every extra (async rollouts, the sampler's step, DEEP-GRPO, KL / Lp-Reg / STARE / overlong
-        # filter) is a named hook with one interface: stapo.core.extras
-        from stapo.core.extras import build_hooks
+        # filter) is a named hook with one interface: stapo.core.train.extras
+        from stapo.core.train.extras import build_hooks
 
         self.hooks = build_hooks(self)
         self.actor = Actor(cfg, self.backend, self.hooks)  # the update; asks the hooks for its in-update phases
@@ -186,8 +186,8 @@ def validate(run: _Run) -> dict[str, float]:
     the same generate calls; the HF engine runs them with ``synced_gpus`` under data parallelism),
     and the correct counts and lengths are summed over ranks.
     """
-    from stapo.core.distributed import DataParallel, even_shard
     from stapo.core.rollout import SamplingParams
+    from stapo.core.trainer.distributed import DataParallel, even_shard
 
     cfg = run.cfg
     if not run.val_prompts:
@@ -226,7 +226,7 @@ def dump_forward(run: _Run, batch: Batch, rows: list[int], dp: Any) -> dict[str,
     sampling temperature: p, H, sum q^2 and top-k describe the same distribution. Micro-batches as
     the update's (packed with ``trainer.micro_batch_tokens``); every rank makes the same number of
     forwards (ZeRO-3), short ranks run their padding row."""
-    from stapo.core.update import build_micro, lockstep, micro_spec, split_rows, with_padding
+    from stapo.core.train.update import build_micro, lockstep, micro_spec, split_rows, with_padding
 
     cfg = run.cfg
     spec = micro_spec(cfg)
@@ -318,16 +318,22 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
 
     Each step, top to bottom: sample -> grade -> advantages (+ dynamic sampling) -> old pass (where
     needed) -> update -> weight sync -> metrics / validation / checkpoint. The extras are hooks
-    (``stapo.core.extras``: ``run.hooks``), called at their named phases with the step's
-    :class:`~stapo.core.extras.StepState`; nothing below branches on a particular extra.
+    (``stapo.core.train.extras``: ``run.hooks``), called at their named phases with the step's
+    :class:`~stapo.core.train.extras.StepState`; nothing below branches on a particular extra.
     Nothing is written before the run is built and the ranks agree on rank 0's ``run_dir``; a
-    SIGTERM stops the run at a step boundary, after a checkpoint (``stapo.core.rundir``).
+    SIGTERM stops the run at a step boundary, after a checkpoint (``stapo.core.train.rundir``).
     """
-    from stapo.core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from stapo.core.distributed import DataParallel
-    from stapo.core.extras import StepState, legacy_hook_state
-    from stapo.core.rundir import Stopped, agree_run_dir, stop_at_once, stop_at_step_boundary, stop_requested
     from stapo.core.tracking import LiveView, Tracker, truncate_jsonl
+    from stapo.core.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from stapo.core.train.extras import StepState, legacy_hook_state
+    from stapo.core.train.rundir import (
+        Stopped,
+        agree_run_dir,
+        stop_at_once,
+        stop_at_step_boundary,
+        stop_requested,
+    )
+    from stapo.core.trainer.distributed import DataParallel
 
     t_start = time.time()
     run = _Run(cfg, Path(run_dir), log)
@@ -341,7 +347,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
         if main:
             run_dir.mkdir(parents=True, exist_ok=True)
             if ckpt is None or not (run_dir / "config.yaml").is_file():  # a resume keeps the run's first config
-                save_config(cfg, run_dir / "config.yaml")  # (its changes: stapo.core.rundir's record)
+                save_config(cfg, run_dir / "config.yaml")  # (its changes: stapo.core.train.rundir's record)
         tracker = Tracker(run_dir, cfg) if main else _NullTracker()
     except BaseException:
         run.close()
@@ -373,14 +379,14 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
     view = LiveView(cfg.trainer.max_steps, start, enabled=main and cfg.logging.live and sys.stderr.isatty(), log=log)
     last_val: float | None = val_before
     try:
-        stop_at_step_boundary(cfg.checkpoint.on_signal)  # SIGTERM: checkpoint at the step's end (stapo.core.rundir)
+        stop_at_step_boundary(cfg.checkpoint.on_signal)  # SIGTERM: checkpoint at the step's end (stapo.core.train.rundir)
         for step in range(start + 1, cfg.trainer.max_steps + 1):
             t_step = time.time()
             seed_everything(derive_seed(cfg.trainer.seed, step))
             begin_rollout_step(run.backend, step)  # LR of this step when the schedule counts rollout steps (verl)
 
             # --- sample + grade (a hook may supply round 0: async rollouts), advantages, DAPO's
-            #     dynamic sampling (resample until the GLOBAL batch is full: stapo.core.sampler)
+            #     dynamic sampling (resample until the GLOBAL batch is full: stapo.core.task.sampler)
             seqs, metrics = hooks.sample(step) or rollout_and_grade(run, step, 0)
             all_seqs = list(seqs)
             kept = shape_and_advantage(cfg, seqs)

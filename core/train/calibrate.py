@@ -11,7 +11,7 @@ own parts:
    prompts, ``rollout.n`` responses each, in batches of ``rollout.prompts_per_step``: one batch =
    one training step);
 2. grade with the configured grader and take advantages as the loop does
-   (:func:`stapo.core.rollouts.shape_and_advantage`, and DAPO's dynamic sampling filter when on);
+   (:func:`stapo.core.rollout.rollouts.shape_and_advantage`, and DAPO's dynamic sampling filter when on);
 3. teacher-force every sampled token through the configured trainer backend
    (``token_distribution``: the training dtype and chunking; p, H and sum_n pi_n^2 of one forward)
    and split each step's rows into its ``algorithm.mini_batches`` optimizer mini-batches exactly as
@@ -294,16 +294,16 @@ def collect(cfg: Config, *, limit: int, entropy_step: bool = False,
     ``progress(phase, done, total)`` is called after each batch. One process (no launcher).
     """
     from stapo.core.batch import Sequence_, collate, derive_seed, seed_everything
-    from stapo.core.data import encode_prompt, load_prompts
-    from stapo.core.distributed import minibatch_rows
-    from stapo.core.models import load_policy
     from stapo.core.placement import resolve_device
-    from stapo.core.rewards import RewardFunction
     from stapo.core.rollout import SamplingParams, build_rollout_engine
-    from stapo.core.rollouts import mixed_groups, shape_and_advantage
-    from stapo.core.sampler import prompts_for_step
+    from stapo.core.rollout.rollouts import mixed_groups, shape_and_advantage
+    from stapo.core.task.data import encode_prompt, load_prompts
+    from stapo.core.task.rewards import RewardFunction
+    from stapo.core.task.sampler import prompts_for_step
+    from stapo.core.train.update import micro_spec, stats_temperature
     from stapo.core.trainer import build_trainer_backend
-    from stapo.core.update import micro_spec, stats_temperature
+    from stapo.core.trainer.distributed import minibatch_rows
+    from stapo.core.trainer.models import load_policy
 
     if limit < 1:
         raise ValueError(f"--limit must be >= 1 prompt, got {limit}")
@@ -399,7 +399,7 @@ def collect(cfg: Config, *, limit: int, entropy_step: bool = False,
 def _distribution(backend: Any, batch: Any, spec: Any, temperature: float) -> dict[str, torch.Tensor]:
     """p, H and sum pi^2 [N, L] each of every response token, micro-batch by micro-batch through the
     backend's no-grad ``token_distribution`` (one forward each; the update's micro-batch layout)."""
-    from stapo.core.update import build_micro, split_rows
+    from stapo.core.train.update import build_micro, split_rows
 
     n = batch.input_ids.shape[0]
     out = {k: torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)

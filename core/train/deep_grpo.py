@@ -21,7 +21,7 @@ per failed chain (``n_branch_points``) and lambda (``branch_chain_loss_lambda``)
 authors' logistic model is scikit-learn's default (L2, C = 1, intercept not penalized); ours fits
 the same objective by Newton's method, so scikit-learn is not a dependency.
 
-A loop hook (``deep_grpo``, ``stapo.core.extras.LoopHook``; nothing in ``stapo.core.loop`` knows
+A loop hook (``deep_grpo``, ``stapo.core.train.extras.LoopHook``; nothing in ``stapo.core.train.loop`` knows
 about DEEP-GRPO): ``on_batch`` runs :meth:`DeepGRPO.rollout_branches` on the step's rollouts,
 ``before_update`` adds :meth:`DeepGRPO.local_loss_hook`'s callable to the update's ``before_step``,
 ``after_update`` logs the local term, ``state_dict`` carries the recoverability model across a resume.
@@ -52,7 +52,7 @@ the policy loss. S2T's tau_h^(q) is each local mini-batch's own: the quantile ov
 tokens' candidates under the current policy (global over ranks), as the root rows' update takes it.
 
 Micro-batching: the branch rows' no-grad pass and the local loss's forwards/backwards are split as
-the policy update's (``stapo.core.update``'s ``split_rows`` / ``build_micro``): with
+the policy update's (``stapo.core.train.update``'s ``split_rows`` / ``build_micro``): with
 ``trainer.micro_batch_tokens`` rows are packed without padding into token-budget forwards (position
 ids restart at each sequence), else ``trainer.micro_batch_size`` rows per forward. The local loss
 takes the update's ``MiniBatch`` weights and loss: p and H come from its gradient forwards (no
@@ -83,7 +83,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from stapo.core.extras import LoopHook, StepState
+from stapo.core.train.extras import LoopHook, StepState
 
 __all__ = ["DeepGRPO", "BranchRollouts", "branch_minibatches", "loss_branches", "set_local_advantages",
            "OnlineLogistic", "pivot_utility", "sample_pivot", "suffix_mask", "branch_ratio", "pivot_outcomes", "local_advantages", "LOCAL_ADVANTAGES"]
@@ -304,8 +304,8 @@ def collate_branches(run: Any, kept: list[Any], counts: list[int]) -> BranchRoll
     no-grad pass micro-batched as the update's (``trainer.micro_batch_tokens``: packed), with the
     busiest rank's number of forwards on every rank. ``counts``: kept branch rows of every rank."""
     from stapo.core.batch import collate_with_pad_row
-    from stapo.core.distributed import DataParallel
-    from stapo.core.update import micro_spec, old_pass_calls, stats_temperature, token_stats_batched
+    from stapo.core.train.update import micro_spec, old_pass_calls, stats_temperature, token_stats_batched
+    from stapo.core.trainer.distributed import DataParallel
 
     cfg, dp = run.cfg, DataParallel(run.backend)
     batch = collate_with_pad_row(kept, run.pad_id, pad=dp.multi).to(run.backend.device)
@@ -354,9 +354,9 @@ class DeepGRPO(LoopHook):
 
     def rollout_branches(self, run: Any, step: int, seqs: list[Any]) -> tuple[BranchRollouts | None, dict[str, float]]:
         from stapo.core.batch import Sequence_, derive_seed
-        from stapo.core.distributed import DataParallel
         from stapo.core.rollout import SamplingParams
-        from stapo.core.rollouts import shape_and_advantage
+        from stapo.core.rollout.rollouts import shape_and_advantage
+        from stapo.core.trainer.distributed import DataParallel
 
         cfg, o = self.cfg, self.opts
         dp = DataParallel(run.backend)
@@ -438,7 +438,7 @@ class DeepGRPO(LoopHook):
         fewer branch rows than S the step has no local term. ``roots`` None: S = 1 (every mini-batch).
 
         Each call runs the local term of one optimizer mini-batch the way the policy update runs a
-        mini-batch (``stapo.core.update``): its branch rows split into the same micro-batches
+        mini-batch (``stapo.core.train.update``): its branch rows split into the same micro-batches
         (``split_rows`` / ``build_micro``; with ``trainer.micro_batch_tokens`` packed into
         token-budget forwards without padding, position ids restarting per sequence), every rank
         making the busiest rank's number of forwards, and the same ``MiniBatch`` weights and loss:
@@ -452,8 +452,7 @@ class DeepGRPO(LoopHook):
         if br is None or lam == 0.0:
             return None
         from stapo.core.batch import Batch, derive_seed
-        from stapo.core.distributed import DataParallel, minibatch_rows
-        from stapo.core.update import (
+        from stapo.core.train.update import (
             MiniBatch,
             build_micro,
             lockstep,
@@ -461,6 +460,7 @@ class DeepGRPO(LoopHook):
             update_parts,
             with_padding,
         )
+        from stapo.core.trainer.distributed import DataParallel, minibatch_rows
 
         cfg, backend = self.cfg, run.backend
         a = cfg.algorithm
@@ -527,7 +527,7 @@ class DeepGRPO(LoopHook):
         """The local term's loss and tokens, summed over ranks (every rank calls this, with the same keys)."""
         if backend is None or not self._local:
             return dict(self._local)
-        from stapo.core.distributed import DataParallel
+        from stapo.core.trainer.distributed import DataParallel
 
         keys = sorted(self._local)
         return dict(zip(keys, DataParallel(backend).sum([self._local[k] for k in keys]), strict=True))

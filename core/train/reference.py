@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from stapo.core.algos.lpreg import minp_stats_from_logits
-from stapo.core.update import MicroSpec, build_micro, split_rows, with_padding
+from stapo.core.train.update import MicroSpec, build_micro, split_rows, with_padding
 
 __all__ = ["ReferencePolicy", "minp_stats_batched"]
 

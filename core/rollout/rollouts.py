@@ -1,8 +1,8 @@
 """The rollout phase of a step: sample G responses per prompt, grade them, shape rewards and take
 group advantages; DAPO's dynamic sampling (more rounds until enough groups have mixed outcomes).
 
-The one implementation of "sample and grade a step": the synchronous loop (``stapo.core.loop``), the
-asynchronous producer (``stapo.core.async_rollout``) and the fleet (``stapo.core.async_fleet``) call
+The one implementation of "sample and grade a step": the synchronous loop (``stapo.core.train.loop``), the
+asynchronous producer (``stapo.core.rollout.async_rollout``) and the fleet (``stapo.core.rollout.async_fleet``) call
 :func:`rollout_and_grade`. ``run`` is the loop's run: it has ``cfg``, ``engine``, ``rewards``,
 ``sampler``, ``train_prompts``, ``encode``, ``rank`` and ``world_size``.
 """
@@ -19,8 +19,8 @@ import torch
 
 from stapo.core.batch import Sequence_, derive_seed, group_sequences, mean_or_nan
 from stapo.core.config import Config
-from stapo.core.rewards import rule_shares
-from stapo.core.sampler import prompts_per_round, refill_until_full
+from stapo.core.task.rewards import rule_shares
+from stapo.core.task.sampler import prompts_per_round, refill_until_full
 
 __all__ = ["dynamic_sampling_refill", "mixed_groups", "record_groups", "rollout_and_grade", "rollout_metrics",
            "shape_and_advantage", "trim_kept"]
@@ -143,10 +143,10 @@ def trim_kept(kept: list[Sequence_], want: int, n: int, dp: Any) -> list[Sequenc
     """Cut the GLOBAL kept batch to ``want`` sequences (whole groups of ``n``).
 
     One process: the first ``want``, as DAPO fills its batch. Data parallel: the ranks' kept group
-    counts are all-gathered and :func:`stapo.core.distributed.balanced_quota` says how many groups
+    counts are all-gathered and :func:`stapo.core.trainer.distributed.balanced_quota` says how many groups
     each keeps, so the global batch has ``min(want, total)`` sequences spread as evenly as possible.
     """
-    from stapo.core.distributed import balanced_quota
+    from stapo.core.trainer.distributed import balanced_quota
 
     if not dp.multi:
         return kept[:want]

@@ -1,6 +1,6 @@
 """The loop's extras: one typed hook interface, a registry by name, and the stability layers' hooks.
 
-``stapo.core.loop.train`` is a straight line (sample -> grade -> advantages -> old pass -> update ->
+``stapo.core.train.loop.train`` is a straight line (sample -> grade -> advantages -> old pass -> update ->
 sync -> log/checkpoint). Everything some recipes need and others do not is a :class:`LoopHook`,
 registered by name in :data:`HOOKS` and built once per run (a factory returns None when its config
 switch is off, so a plain recipe runs no hook code at all). The loop calls every built hook at named
@@ -57,7 +57,7 @@ sampled advantages). ``tests/unit/test_hooks.py`` checks this table against the 
 
 A new extra is a subclass of :class:`LoopHook` plus ``@register_hook("name")`` on its factory;
 ``train()`` does not change. A factory reads what it needs from the run (``cfg``, ``backend``,
-``sampler``, ...); the run's :class:`Hooks` go to the update (``stapo.core.update.Actor``), which
+``sampler``, ...); the run's :class:`Hooks` go to the update (``stapo.core.train.update.Actor``), which
 asks them for the in-update phases.
 """
 
@@ -80,7 +80,7 @@ from stapo.core.algos.regularizers import (
 )
 from stapo.core.algos.stare import StareSchedule
 from stapo.core.config import Config
-from stapo.core.update import MicroSpec
+from stapo.core.train.update import MicroSpec
 
 __all__ = [
     "HOOKS", "Hooks", "KLInReward", "KLReference", "LoopHook", "LpReg", "OverlongFilter", "StareController",
@@ -138,7 +138,7 @@ class LoopHook:
         only); its metrics."""
         return {}
 
-    # inside the update (stapo.core.update.Actor.update), per mini-batch
+    # inside the update (stapo.core.train.update.Actor.update), per mini-batch
     terms_read_stats: bool = False  # the additive terms read the current policy's p
 
     def weighting_params(self) -> dict[str, float]:
@@ -343,7 +343,7 @@ class KLReference(LoopHook):
         a = cfg.algorithm
         self.cfg, self.backend, self.reference = cfg, backend, None
         if backend is not None and a.kl.reference == "initial":
-            from stapo.core.reference import ReferencePolicy
+            from stapo.core.train.reference import ReferencePolicy
 
             zero3 = getattr(backend, "zero_stage", 0) == 3  # partitioned like the policy (its own engine)
             self.reference = ReferencePolicy(
@@ -410,7 +410,7 @@ class LpReg(LoopHook):
     def before_update(self, st: StepState) -> dict[str, float]:
         if st.old_lp is None or st.old_ent is None:
             return {}
-        from stapo.core.reference import minp_stats_batched
+        from stapo.core.train.reference import minp_stats_batched
 
         o, batch, old_lp = self.cfg.algorithm.lp_reg, st.batch, st.old_lp
         mask = batch.response_mask
@@ -544,8 +544,8 @@ class AsyncHook(LoopHook):
     name: ClassVar[str] = "async"
 
     def __init__(self, run: Any) -> None:
-        from stapo.core.async_rollout import check_supported
-        from stapo.core.distributed import DataParallel
+        from stapo.core.rollout.async_rollout import check_supported
+        from stapo.core.trainer.distributed import DataParallel
 
         check_supported(run.cfg)
         self.run = run
@@ -554,7 +554,7 @@ class AsyncHook(LoopHook):
 
     def sample(self, step: int) -> tuple[list[Any], dict[str, float]]:
         if self.learner is None:
-            from stapo.core.async_rollout import async_learner
+            from stapo.core.rollout.async_rollout import async_learner
 
             self.learner = async_learner(self.run, step - 1)
         return self.learner.rollouts(step)
@@ -565,7 +565,7 @@ class AsyncHook(LoopHook):
 
     def before_update(self, st: StepState) -> dict[str, float]:
         if st.old_lp is not None:
-            from stapo.core.async_rollout import off_policy_step
+            from stapo.core.rollout.async_rollout import off_policy_step
 
             st.off_policy = off_policy_step(self.run, st.kept, st.batch, st.old_lp, st.step, st.temperature, self.dp)
         return {}
@@ -614,7 +614,7 @@ def _sampler_hook(run: Any) -> LoopHook | None:
 
 @register_hook("deep_grpo")
 def _deep_grpo_hook(run: Any) -> LoopHook | None:
-    from stapo.core.deep_grpo import DeepGRPO
+    from stapo.core.train.deep_grpo import DeepGRPO
 
     return DeepGRPO(run.cfg, run) if run.cfg.algorithm.deep_grpo.enabled else None
 
@@ -646,13 +646,13 @@ def _kl_in_reward_hook(run: Any) -> LoopHook | None:
 
 
 class S2TWatch(LoopHook):
-    """Feeds each step's global silenced count into :class:`stapo.core.s2t_watch.RateWatch`; rank 0
+    """Feeds each step's global silenced count into :class:`stapo.core.train.s2t_watch.RateWatch`; rank 0
     logs its warnings (every rank holds the same global counts, so every rank's state agrees)."""
 
     name: ClassVar[str] = "s2t_watch"
 
     def __init__(self, run: Any) -> None:
-        from stapo.core.s2t_watch import RateWatch, describe_thresholds
+        from stapo.core.train.s2t_watch import RateWatch, describe_thresholds
 
         s2t = run.cfg.algorithm.s2t
         self.watch = RateWatch(s2t.watch_steps, describe_thresholds(s2t))
