@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from stapo.core.lazy import LazyRegistry
 from stapo.core.rollout.base import Completion, FinishReason, RolloutEngine, SamplingParams
+from stapo.core.trainer.models import SPECIAL_MODELS
 
 if TYPE_CHECKING:
     from stapo.core.config import Config
@@ -107,8 +108,6 @@ def _vllm_model_path(cfg: Config, model: Any, tokenizer: Any) -> str:
     (``tiny-random``, ``demo:...``) exist only in code, so the learner's model is saved to a temp
     folder once and vLLM loads that; from then on weights travel through ``load_weights``.
     """
-    from stapo.core.trainer.models import SPECIAL_MODELS
-
     name = cfg.model.name_or_path
     if name not in SPECIAL_MODELS:
         return name
