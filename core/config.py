@@ -26,6 +26,7 @@ from typing import Any, Literal, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from stapo.configs import preset_path
 from stapo.core.loss_options import MaspoOptions, PolicyLossOptions
 from stapo.core.weighting_options import S2TOptions, StareOptions, TopEntropyOptions, WeightingOptions
 
@@ -1002,8 +1003,6 @@ def read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str
     base_name = loaded.pop("extends", None)
     if base_name is None:
         return loaded
-    from stapo.configs import preset_path
-
     base = p.parent / f"{base_name}.yaml" if not str(base_name).endswith((".yaml", ".yml")) else p.parent / base_name
     if not base.is_file():
         base = preset_path(str(base_name)) or base
