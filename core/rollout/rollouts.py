@@ -17,10 +17,13 @@ from typing import Any
 
 import torch
 
+from stapo.core.algos import dynamic_sampling_filter, dynamic_sampling_values, get_advantage, overlong_penalty
 from stapo.core.batch import Sequence_, derive_seed, group_sequences, mean_or_nan
 from stapo.core.config import Config
+from stapo.core.rollout import SamplingParams
 from stapo.core.task.rewards import rule_shares
 from stapo.core.task.sampler import prompts_per_round, refill_until_full
+from stapo.core.trainer.distributed import balanced_quota
 
 __all__ = ["dynamic_sampling_refill", "mixed_groups", "record_groups", "rollout_and_grade", "rollout_metrics",
            "shape_and_advantage", "trim_kept"]
@@ -28,8 +31,6 @@ __all__ = ["dynamic_sampling_refill", "mixed_groups", "record_groups", "rollout_
 
 def rollout_and_grade(run: Any, step: int, round_: int) -> tuple[list[Sequence_], dict[str, float]]:
     """Sample G responses for this step's prompts and grade them."""
-    from stapo.core.rollout import SamplingParams
-
     cfg = run.cfg
     idx = run.sampler.select(step, round_, prompts_per_round(cfg))  # uniform: prompts_for_step
     recs = [run.train_prompts[i] for i in idx[run.rank :: run.world_size]]  # this rank's share
@@ -102,8 +103,6 @@ def record_groups(run: Any, idx: Sequence[int], seqs: list[Sequence_]) -> None:
 
 def shape_and_advantage(cfg: Config, seqs: list[Sequence_]) -> list[Sequence_]:
     """Overlong shaping, drop groups with a failed reward, group advantages; returns kept sequences."""
-    from stapo.core.algos import get_advantage, overlong_penalty
-
     if cfg.algorithm.overlong.enabled:
         lengths = torch.tensor([len(s.response_ids) for s in seqs], dtype=torch.float32)
         pen = overlong_penalty(
@@ -128,8 +127,6 @@ def shape_and_advantage(cfg: Config, seqs: list[Sequence_]) -> list[Sequence_]:
 def mixed_groups(seqs: list[Sequence_], metric: str = "acc") -> list[Sequence_]:
     """DAPO dynamic sampling: keep only groups whose accuracies (``metric="acc"``, DAPO) or shaped
     rewards (``"reward"``) are not all equal."""
-    from stapo.core.algos import dynamic_sampling_filter, dynamic_sampling_values
-
     groups = list(group_sequences(seqs).values())
     if not groups:
         return []
@@ -146,8 +143,6 @@ def trim_kept(kept: list[Sequence_], want: int, n: int, dp: Any) -> list[Sequenc
     counts are all-gathered and :func:`stapo.core.trainer.distributed.balanced_quota` says how many groups
     each keeps, so the global batch has ``min(want, total)`` sequences spread as evenly as possible.
     """
-    from stapo.core.trainer.distributed import balanced_quota
-
     if not dp.multi:
         return kept[:want]
     quota = balanced_quota(dp.counts(len(kept) // n), want // n)
