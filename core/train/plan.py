@@ -70,6 +70,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stapo.core.algos import token_weighting_spec
+from stapo.core.config import apply_overrides, config_from_dict
+from stapo.core.rollout.vllm import sleep_release_flags
+from stapo.core.trainer.deepspeed_backend import build_ds_config, engine_options
+from stapo.core.trainer.models import build_tiny_model, demo_cache_path
+
 if TYPE_CHECKING:
     from stapo.core.config import Config, ModelConfig
 
@@ -137,13 +143,9 @@ def model_config(model_cfg: ModelConfig) -> tuple[Any, str]:
     if name == "tiny-random":
         import torch
 
-        from stapo.core.trainer.models import build_tiny_model
-
         with torch.device("meta"):
             return build_tiny_model(model_cfg.tiny).config, "tiny-random (model.tiny)"
     if name.startswith("demo:"):
-        from stapo.core.trainer.models import demo_cache_path
-
         path = demo_cache_path(model_cfg) / "config.json"
     else:
         path = Path(name).expanduser() / "config.json"
@@ -245,8 +247,6 @@ def zero_settings(cfg: Config) -> Any:
     (DeepSpeed's defaults where stapo sets nothing)."""
     _quiet_deepspeed()
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    from stapo.core.trainer.deepspeed_backend import build_ds_config, engine_options
 
     ds = build_ds_config(cfg.trainer, **engine_options(cfg.trainer, cpu=False))
     return DeepSpeedZeroConfig(**ds["zero_optimization"])
@@ -430,8 +430,6 @@ def plan_memory(cfg: Config, world_size: int, card_gib: float, shape: ModelShape
         ref = shape.params * ref_b // (world_size if t.backend == "deepspeed" and t.zero_stage == 3 else 1)
     micro = micro_batches(cfg, world_size)
     mem = update_memory(cfg, shape, micro, nbytes)
-    from stapo.core.algos import token_weighting_spec
-
     reads = token_weighting_spec(a.token_weighting).reads_stats or a.lp_reg.enabled
     kept = micro.count * mem["graph"]  # every micro-batch's graph alive until the mini-batch's weights are known
     runtime = int(RUNTIME_GIB * GIB) if cuda else 0
@@ -526,8 +524,6 @@ def plan_memory(cfg: Config, world_size: int, card_gib: float, shape: ModelShape
 
 
 def _installed_sleep_flags() -> list[str]:
-    from stapo.core.rollout.vllm import sleep_release_flags
-
     return sleep_release_flags()
 
 
@@ -560,8 +556,6 @@ def _knobs(cfg: Config, plan: Plan, card_gib: float) -> list[str]:
 
 
 def _with(cfg: Config, overrides: list[str]) -> Config:
-    from stapo.core.config import apply_overrides, config_from_dict
-
     return config_from_dict(apply_overrides(cfg.model_dump(mode="json", by_alias=True), overrides))
 
 

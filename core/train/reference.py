@@ -29,7 +29,16 @@ from typing import Any
 import torch
 
 from stapo.core.algos.lpreg import minp_stats_from_logits
+from stapo.core.batch import Batch
 from stapo.core.train.update import MicroSpec, build_micro, split_rows, with_padding
+from stapo.core.trainer.base import (
+    _final_hidden,
+    compute_token_stats,
+    forward_as,
+    head_logit_transform,
+    model_inputs,
+    stat_targets,
+)
 
 __all__ = ["ReferencePolicy", "minp_stats_batched"]
 
@@ -81,8 +90,6 @@ class ReferencePolicy:
         padding row); a plain copy issues no collective and runs on the real rows only. Each
         micro-batch runs as the copy's own forward (``forward_as``), so ZeRO-3's hooks fire.
         """
-        from stapo.core.trainer.base import compute_token_stats, forward_as
-
         if self.offload:
             self.model.to(self.device)
         try:
@@ -132,14 +139,6 @@ def minp_stats_batched(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     forward (ZeRO-3: the start-of-forward step reset, then each submodule's parameter gather): under
     ZeRO-3 every rank must make the same number of calls, which ``calls`` guarantees.
     """
-    from stapo.core.trainer.base import (
-        _final_hidden,
-        forward_as,
-        head_logit_transform,
-        model_inputs,
-        stat_targets,
-    )
-
     B, L = input_ids.shape
     device = input_ids.device
     spec = micro_batch if isinstance(micro_batch, MicroSpec) else MicroSpec(int(micro_batch))
@@ -193,8 +192,6 @@ def minp_stats_batched(model: torch.nn.Module, input_ids: torch.Tensor, attentio
 
 def _rows_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor) -> Any:
     """The three tensors as a ``loop.Batch`` (what ``build_micro`` reads; no advantages needed)."""
-    from stapo.core.batch import Batch
-
     return Batch(input_ids, attention_mask, response_mask, torch.zeros(input_ids.shape, device=input_ids.device))
 
 

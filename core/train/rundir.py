@@ -43,6 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stapo.core.fairness import config_differences, owned_by
+from stapo.core.tracking import read_jsonl
+
 __all__ = [
     "LOCK_NAME", "RunDirBusy", "RunLock", "check_not_busy", "lock_run_dir", "agree_run_dir", "SharedDirError", "Stopped",
     "install_signal_handlers", "stop_at_step_boundary", "stop_at_once", "stop_requested",
@@ -278,8 +281,6 @@ class ConfigChange:
 
     @property
     def bookkeeping(self) -> bool:
-        from stapo.core.fairness import owned_by
-
         return owned_by(self.key, BOOKKEEPING_KEYS)
 
     def __str__(self) -> str:
@@ -292,8 +293,6 @@ def _show(value: Any) -> str:
 
 def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[ConfigChange]:
     """Every key whose value differs between two config dumps (nested, as ``config.yaml``), by key."""
-    from stapo.core.fairness import config_differences
-
     return [ConfigChange(d.key, d.base, d.other) for d in config_differences(before, after)]
 
 
@@ -303,8 +302,6 @@ def read_config_changes(run_dir: Path) -> list[dict[str, Any]]:
     Each row: ``{"step": S, "time": unix seconds, "changes": [{"key", "old", "new", "bookkeeping"}]}``,
     S being the first step run with the changed values. ``stapo inspect`` and ``stapo compare`` show them.
     """
-    from stapo.core.tracking import read_jsonl
-
     return read_jsonl(Path(run_dir) / CHANGES_NAME)
 
 

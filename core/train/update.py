@@ -53,8 +53,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stapo.core.algos import (
+    TokenContext,
+    compute_policy_objective,
+    fractions_from_counts,
+    get_aggregation,
+    phase_cells,
+    policy_loss_spec,
+    quantile,
+    s2t_tau_h,
+    token_counts,
+    token_weighting_spec,
+)
+from stapo.core.algos.regularizers import add_terms
 from stapo.core.batch import Batch, derive_seed, mean_or_nan
 from stapo.core.config import Config
+from stapo.core.trainer.distributed import DataParallel, check_minibatches, group_minibatches, minibatch_rows
 
 if TYPE_CHECKING:
     from stapo.core.train.extras import Hooks
@@ -285,8 +299,6 @@ class UpdateParts:
 
 
 def update_parts(cfg: Config, extra_params: dict[str, Any] | None = None) -> UpdateParts:
-    from stapo.core.algos import get_aggregation, policy_loss_spec, token_weighting_spec
-
     a = cfg.algorithm
     spec, loss = token_weighting_spec(a.token_weighting), policy_loss_spec(a.policy_loss)
     return UpdateParts(
@@ -359,13 +371,6 @@ class Actor:
         of every PPO epoch; ``stapo/tau_h`` is the mean of the mini-batches' tau_h^(q) (S2T's rule,
         computed for the diagnostics under any weighting; mini-batches without a candidate have none).
         """
-        from stapo.core.trainer.distributed import (
-            DataParallel,
-            check_minibatches,
-            group_minibatches,
-            minibatch_rows,
-        )
-
         cfg, backend, hooks = self.cfg, self.backend, self.hooks
         batch, old_lp, old_ent, step = inputs.batch, inputs.old_lp, inputs.old_ent, inputs.step
         record, before_step, off_policy = inputs.record, inputs.before_step, inputs.off_policy
@@ -497,8 +502,6 @@ class MiniBatch:
     rank: int = 0
 
     def context(self, lp: torch.Tensor, ent: torch.Tensor) -> Any:
-        from stapo.core.algos import TokenContext
-
         return TokenContext(logprobs=lp, entropy=ent, advantages=self.adv, mask=self.mask, gather=self.gather,
                             all_reduce_sum=self.reduce, seed=self.seed, rank=self.rank)
 
@@ -511,8 +514,6 @@ class MiniBatch:
     def loss(self, sl: slice, lp: torch.Tensor, ent: torch.Tensor, tw: Any, norm: Any,
              terms: list[Any]) -> tuple[torch.Tensor, dict[str, Any]]:
         """Micro-batch ``sl``'s share of the mini-batch loss from its log-probs with graph [b, L]."""
-        from stapo.core.algos import compute_policy_objective
-
         p = self.parts
         old = self.old[sl] if self.old is not None else lp.detach()
         # the entropy bonus needs trainer.entropy_grad (checked by the config)
@@ -527,8 +528,6 @@ class MiniBatch:
         coef_i = d(aggregate)/d(l_i) is taken once by autograd on a ones tensor (every aggregation
         is linear in the per-token losses), so the LM head's gradient is formed inside the chunked
         forward. Returns (loss, logprobs [b, L], entropy [b, L]), the last two detached."""
-        from stapo.core.algos.regularizers import add_terms
-
         p = self.parts
         x = torch.ones(self.mask[sl].shape, dtype=torch.float32, device=self.mask.device, requires_grad=True)
         with torch.enable_grad():
@@ -569,8 +568,6 @@ def step_p05(ent: torch.Tensor, mask: torch.Tensor,
              gather: Callable[[torch.Tensor], torch.Tensor] | None) -> float:
     """The 5th percentile of every valid response token's entropy in the step's GLOBAL batch
     (``entropy/p05``, a diagnostic of how peaked the policy is). One all_gather, on every rank."""
-    from stapo.core.algos import quantile
-
     return quantile(step_entropies(ent, mask, gather), 0.05)
 
 
@@ -578,8 +575,6 @@ def update_diagnostics(cfg: Config, ctx: Any, tw: Any, diag: dict[str, float]) -
     """Add one mini-batch's global token counts (from the weighting's own output) to ``diag``;
     returns the tau_h of the phase cells: the S2T weighting's own, else the paper's tau_h^(q) of this
     mini-batch at ``algorithm.s2t`` (what S2T would use here), so every weighting logs the same cells."""
-    from stapo.core.algos import s2t_tau_h, token_counts
-
     s2t = cfg.algorithm.s2t
     tau = tw.info.get("tau_h")
     if tau is None:
@@ -618,8 +613,6 @@ class UpdateRecord:
             tau_p: float) -> None:
         """Store what one mini-batch's weighting gave its first ``len(rows)`` rows (the real ones;
         padding rows come after them): applied weights, tau_h, and each token's phase cell."""
-        from stapo.core.algos import phase_cells
-
         k = len(rows)
         rows = rows.cpu()
         self.weights[epoch, rows] = tw.weights[:k].detach().float().cpu()
@@ -649,8 +642,6 @@ def update_metrics(diag: dict[str, float], taus: Sequence[float], p05: float, su
     """The update's logged metrics: token diagnostics counted from its own weightings (``diag``,
     summed over mini-batches and epochs), the thresholds it used, and the loss / clip sums and
     optimizer outputs (``step_out``: one per optimizer step), as :meth:`Actor.update` logs them."""
-    from stapo.core.algos import fractions_from_counts
-
     tokens = max(sums["tokens"], 1.0)
     token_diag = fractions_from_counts(diag)
     token_diag["tokens/valid"] = diag["tokens"] / epochs  # every epoch sees each row once
