@@ -69,6 +69,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from stapo.core.algos import get_advantage
 from stapo.core.algos.dapo import overlong_filter_keep
 from stapo.core.algos.losses import get_kl_estimator
 from stapo.core.algos.lpreg import lp_reg_select, minp_proxy_logprobs
@@ -80,7 +81,11 @@ from stapo.core.algos.regularizers import (
 )
 from stapo.core.algos.stare import StareSchedule
 from stapo.core.config import Config
+from stapo.core.rollout.async_rollout import async_learner, check_supported, off_policy_step
+from stapo.core.train.reference import ReferencePolicy, minp_stats_batched
+from stapo.core.train.s2t_watch import RateWatch, describe_thresholds
 from stapo.core.train.update import MicroSpec
+from stapo.core.trainer.distributed import DataParallel
 
 __all__ = [
     "HOOKS", "Hooks", "KLInReward", "KLReference", "LoopHook", "LpReg", "OverlongFilter", "StareController",
@@ -343,8 +348,6 @@ class KLReference(LoopHook):
         a = cfg.algorithm
         self.cfg, self.backend, self.reference = cfg, backend, None
         if backend is not None and a.kl.reference == "initial":
-            from stapo.core.train.reference import ReferencePolicy
-
             zero3 = getattr(backend, "zero_stage", 0) == 3  # partitioned like the policy (its own engine)
             self.reference = ReferencePolicy(
                 backend.model, dtype=a.kl.dtype, offload=a.kl.offload, device=backend.device,
@@ -410,8 +413,6 @@ class LpReg(LoopHook):
     def before_update(self, st: StepState) -> dict[str, float]:
         if st.old_lp is None or st.old_ent is None:
             return {}
-        from stapo.core.train.reference import minp_stats_batched
-
         o, batch, old_lp = self.cfg.algorithm.lp_reg, st.batch, st.old_lp
         mask = batch.response_mask
         kept, pmax = minp_stats_batched(
@@ -505,8 +506,6 @@ class KLInReward(LoopHook):
 
     def apply(self, seqs: Sequence[Any], batch: Any, old_lp: torch.Tensor, ref_lp: torch.Tensor) -> dict[str, float]:
         """Rewrite the rewards, advantages and ``batch.advantages`` of ``seqs``; return the metric."""
-        from stapo.core.algos import get_advantage
-
         a = self.cfg.algorithm
         n = len(seqs)  # data parallel: the batch may end with a zero-weight padding row (not a sequence)
         pen = kl_reward_penalty(old_lp[:n], ref_lp[:n], batch.response_mask[:n], coef=a.kl_coef,
@@ -544,9 +543,6 @@ class AsyncHook(LoopHook):
     name: ClassVar[str] = "async"
 
     def __init__(self, run: Any) -> None:
-        from stapo.core.rollout.async_rollout import check_supported
-        from stapo.core.trainer.distributed import DataParallel
-
         check_supported(run.cfg)
         self.run = run
         self.dp = DataParallel(run.backend)  # the off-policy decisions are global over ranks
@@ -554,8 +550,6 @@ class AsyncHook(LoopHook):
 
     def sample(self, step: int) -> tuple[list[Any], dict[str, float]]:
         if self.learner is None:
-            from stapo.core.rollout.async_rollout import async_learner
-
             self.learner = async_learner(self.run, step - 1)
         return self.learner.rollouts(step)
 
@@ -565,8 +559,6 @@ class AsyncHook(LoopHook):
 
     def before_update(self, st: StepState) -> dict[str, float]:
         if st.old_lp is not None:
-            from stapo.core.rollout.async_rollout import off_policy_step
-
             st.off_policy = off_policy_step(self.run, st.kept, st.batch, st.old_lp, st.step, st.temperature, self.dp)
         return {}
 
@@ -652,8 +644,6 @@ class S2TWatch(LoopHook):
     name: ClassVar[str] = "s2t_watch"
 
     def __init__(self, run: Any) -> None:
-        from stapo.core.train.s2t_watch import RateWatch, describe_thresholds
-
         s2t = run.cfg.algorithm.s2t
         self.watch = RateWatch(s2t.watch_steps, describe_thresholds(s2t))
         self.epochs = run.cfg.algorithm.ppo_epochs
