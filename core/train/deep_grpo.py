@@ -83,7 +83,25 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from stapo.core.algos import overlong_filter_keep
+from stapo.core.algos.advantages import get_advantage
+from stapo.core.batch import Batch, Sequence_, collate_with_pad_row, derive_seed, group_sequences
+from stapo.core.rollout import SamplingParams
+from stapo.core.rollout.rollouts import shape_and_advantage
 from stapo.core.train.extras import LoopHook, StepState
+from stapo.core.train.update import (
+    MiniBatch,
+    build_micro,
+    lockstep,
+    micro_spec,
+    old_pass_calls,
+    split_rows,
+    stats_temperature,
+    token_stats_batched,
+    update_parts,
+    with_padding,
+)
+from stapo.core.trainer.distributed import DataParallel, minibatch_rows
 
 __all__ = ["DeepGRPO", "BranchRollouts", "branch_minibatches", "loss_branches", "set_local_advantages",
            "OnlineLogistic", "pivot_utility", "sample_pivot", "suffix_mask", "branch_ratio", "pivot_outcomes", "local_advantages", "LOCAL_ADVANTAGES"]
@@ -244,8 +262,6 @@ LOCAL_ADVANTAGES: dict[str, str | None] = {"mean_baseline": "dr_grpo", "grpo": N
 
 def local_advantages(rewards: Tensor, mode: str, run_advantage: str, eps: float = 1e-6) -> Tensor:
     """Branch advantages [P, K] from the branch rewards [P, K] (one row per pivot) for ``mode``."""
-    from stapo.core.algos.advantages import get_advantage
-
     if mode not in LOCAL_ADVANTAGES:
         raise ValueError(f"deep_grpo.local_advantage: unknown {mode!r}; valid: {', '.join(LOCAL_ADVANTAGES)}")
     return get_advantage(LOCAL_ADVANTAGES[mode] or run_advantage)(rewards, eps=eps)
@@ -259,8 +275,6 @@ def loss_branches(cfg: Any, branches: list[Any]) -> list[Any]:
     pivot's K branches (:func:`set_local_advantages`, truncated ones included, as DAPO computes group
     statistics before its mask), then, with ``algorithm.overlong.filter``, truncated branches
     (finish reason ``length``) leave the loss, as the root rows do (``OverlongFilter``)."""
-    from stapo.core.algos import overlong_filter_keep
-
     kept = set_local_advantages(cfg, branches)
     if not cfg.algorithm.overlong.filter or not kept:
         return kept
@@ -273,8 +287,6 @@ def set_local_advantages(cfg: Any, kept: list[Any]) -> list[Any]:
     (``algorithm.deep_grpo.local_advantage``; the shaped rewards, as the global advantages use)."""
     if not kept:
         return kept
-    from stapo.core.batch import group_sequences
-
     groups = list(group_sequences(kept).values())
     rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [P, K]
     adv = local_advantages(rewards, cfg.algorithm.deep_grpo.local_advantage, cfg.algorithm.advantage,
@@ -303,10 +315,6 @@ def collate_branches(run: Any, kept: list[Any], counts: list[int]) -> BranchRoll
     under data parallelism), their continuation mask and the sampling policy's statistics from a
     no-grad pass micro-batched as the update's (``trainer.micro_batch_tokens``: packed), with the
     busiest rank's number of forwards on every rank. ``counts``: kept branch rows of every rank."""
-    from stapo.core.batch import collate_with_pad_row
-    from stapo.core.train.update import micro_spec, old_pass_calls, stats_temperature, token_stats_batched
-    from stapo.core.trainer.distributed import DataParallel
-
     cfg, dp = run.cfg, DataParallel(run.backend)
     batch = collate_with_pad_row(kept, run.pad_id, pad=dp.multi).to(run.backend.device)
     pad_row = len(kept) if dp.multi else None
@@ -353,11 +361,6 @@ class DeepGRPO(LoopHook):
     # ----------------------------------------------------------------------------- rollouts
 
     def rollout_branches(self, run: Any, step: int, seqs: list[Any]) -> tuple[BranchRollouts | None, dict[str, float]]:
-        from stapo.core.batch import Sequence_, derive_seed
-        from stapo.core.rollout import SamplingParams
-        from stapo.core.rollout.rollouts import shape_and_advantage
-        from stapo.core.trainer.distributed import DataParallel
-
         cfg, o = self.cfg, self.opts
         dp = DataParallel(run.backend)
         t0 = time.time()
@@ -451,17 +454,6 @@ class DeepGRPO(LoopHook):
         self._local = {}
         if br is None or lam == 0.0:
             return None
-        from stapo.core.batch import Batch, derive_seed
-        from stapo.core.train.update import (
-            MiniBatch,
-            build_micro,
-            lockstep,
-            split_rows,
-            update_parts,
-            with_padding,
-        )
-        from stapo.core.trainer.distributed import DataParallel, minibatch_rows
-
         cfg, backend = self.cfg, run.backend
         a = cfg.algorithm
         parts = update_parts(cfg)  # the configured weighting, loss, aggregation, micro-batching, temperature
@@ -527,8 +519,6 @@ class DeepGRPO(LoopHook):
         """The local term's loss and tokens, summed over ranks (every rank calls this, with the same keys)."""
         if backend is None or not self._local:
             return dict(self._local)
-        from stapo.core.trainer.distributed import DataParallel
-
         keys = sorted(self._local)
         return dict(zip(keys, DataParallel(backend).sum([self._local[k] for k in keys]), strict=True))
 
