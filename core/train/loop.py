@@ -65,23 +65,44 @@ from stapo.core.batch import (
     seed_everything,
 )
 from stapo.core.config import Config, save_config
+from stapo.core.placement import rank_placement
+from stapo.core.rollout import SamplingParams, build_rollout_engine
 from stapo.core.rollout.rollouts import (
     dynamic_sampling_refill,
     rollout_and_grade,
     rollout_metrics,
     shape_and_advantage,
 )
+from stapo.core.task.data import encode_prompt, load_prompts
+from stapo.core.task.rewards import RewardFunction
+from stapo.core.task.sampler import build_sampler
+from stapo.core.tracking import LiveView, Tracker, truncate_jsonl
+from stapo.core.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from stapo.core.train.extras import StepState, build_hooks, legacy_hook_state
+from stapo.core.train.rundir import (
+    Stopped,
+    agree_run_dir,
+    stop_at_once,
+    stop_at_step_boundary,
+    stop_requested,
+)
 from stapo.core.train.update import (
     Actor,
     UpdateInputs,
     UpdateRecord,
+    build_micro,
+    lockstep,
     micro_spec,
     needs_old_pass,
     old_pass_calls,
+    split_rows,
     stats_temperature,
     token_stats_batched,
+    with_padding,
 )
+from stapo.core.trainer import build_trainer_backend, load_context, models
 from stapo.core.trainer.base import begin_rollout_step
+from stapo.core.trainer.distributed import DataParallel, even_shard
 
 if TYPE_CHECKING:
     from stapo.core.train.extras import StepState
@@ -106,13 +127,6 @@ class _Run:
     """Everything a run holds: model, trainer backend, rollout engine, rewards, data, tracking."""
 
     def __init__(self, cfg: Config, run_dir: Path, log: Callable[[str], None]) -> None:
-        from stapo.core.placement import rank_placement
-        from stapo.core.rollout import build_rollout_engine
-        from stapo.core.task.data import encode_prompt, load_prompts
-        from stapo.core.task.rewards import RewardFunction
-        from stapo.core.trainer import build_trainer_backend, load_context
-        from stapo.core.trainer.models import count_params, load_policy
-
         self.cfg, self.run_dir, self.log = cfg, run_dir, log
         # this rank's device, set before anything touches a GPU (stapo.core.placement); the policy
         # loads on the CPU (ZeRO-3: partitioned as it is built) and the trainer backend places it there
@@ -120,9 +134,9 @@ class _Run:
         seed_everything(cfg.trainer.seed)
         device = self.placement.device
         t0 = time.time()
-        self.model, self.tokenizer = load_policy(cfg.model, device="cpu", compute_device=device,
+        self.model, self.tokenizer = models.load_policy(cfg.model, device="cpu", compute_device=device,
                                                  init_context=load_context(cfg))
-        log(f"policy {cfg.model.name_or_path}: {count_params(self.model) / 1e6:.1f}M params "
+        log(f"policy {cfg.model.name_or_path}: {models.count_params(self.model) / 1e6:.1f}M params "
             f"for {device} ({time.time() - t0:.1f}s)")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         total_updates = cfg.trainer.max_steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches
@@ -149,13 +163,9 @@ class _Run:
         self._encode = lambda text: encode_prompt(self.tokenizer, text, chat_template=cfg.data.chat_template)
         self._encoded: dict[str, list[int]] = {}
         # which prompts (uniform | goldilocks: docs/stability.md); the loop's sampling asks it
-        from stapo.core.task.sampler import build_sampler
-
         self.sampler = build_sampler(cfg, self.train_prompts, encode=self.encode, model=self.backend.model)
         # every extra (async rollouts, the sampler's step, DEEP-GRPO, KL / Lp-Reg / STARE / overlong
         # filter) is a named hook with one interface: stapo.core.train.extras
-        from stapo.core.train.extras import build_hooks
-
         self.hooks = build_hooks(self)
         self.actor = Actor(cfg, self.backend, self.hooks)  # the update; asks the hooks for its in-update phases
 
@@ -186,9 +196,6 @@ def validate(run: _Run) -> dict[str, float]:
     the same generate calls; the HF engine runs them with ``synced_gpus`` under data parallelism),
     and the correct counts and lengths are summed over ranks.
     """
-    from stapo.core.rollout import SamplingParams
-    from stapo.core.trainer.distributed import DataParallel, even_shard
-
     cfg = run.cfg
     if not run.val_prompts:
         return {}
@@ -226,8 +233,6 @@ def dump_forward(run: _Run, batch: Batch, rows: list[int], dp: Any) -> dict[str,
     sampling temperature: p, H, sum q^2 and top-k describe the same distribution. Micro-batches as
     the update's (packed with ``trainer.micro_batch_tokens``); every rank makes the same number of
     forwards (ZeRO-3), short ranks run their padding row."""
-    from stapo.core.train.update import build_micro, lockstep, micro_spec, split_rows, with_padding
-
     cfg = run.cfg
     spec = micro_spec(cfg)
     sets = split_rows(torch.tensor(rows, dtype=torch.long), batch.attention_mask.sum(1).cpu(), spec)
@@ -323,18 +328,6 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, log: Callable[[st
     Nothing is written before the run is built and the ranks agree on rank 0's ``run_dir``; a
     SIGTERM stops the run at a step boundary, after a checkpoint (``stapo.core.train.rundir``).
     """
-    from stapo.core.tracking import LiveView, Tracker, truncate_jsonl
-    from stapo.core.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from stapo.core.train.extras import StepState, legacy_hook_state
-    from stapo.core.train.rundir import (
-        Stopped,
-        agree_run_dir,
-        stop_at_once,
-        stop_at_step_boundary,
-        stop_requested,
-    )
-    from stapo.core.trainer.distributed import DataParallel
-
     t_start = time.time()
     run = _Run(cfg, Path(run_dir), log)
     hooks = run.hooks
