@@ -33,6 +33,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from stapo.core.rollout.async_rollout import generating_version, staleness
+from stapo.core.rollout.rollouts import record_groups, rollout_and_grade
+from stapo.core.task.rewards import RewardFunction
+from stapo.core.task.sampler import prompts_per_round
 
 __all__ = ["FleetLearner"]
 
@@ -89,8 +92,6 @@ class FleetLearner:
     :class:`~stapo.core.rollout.async_rollout.AsyncLearner`): ``rollouts``, ``stale``, ``publish``, ``close``."""
 
     def __init__(self, run: Any, start: int) -> None:
-        from stapo.core.task.rewards import RewardFunction
-
         self.run, self.start = run, start
         self.k = int(run.cfg.rollout.async_.max_staleness)
         self.end = int(run.cfg.trainer.max_steps)
@@ -111,8 +112,6 @@ class FleetLearner:
         self._batches[step] = self._pool.submit(self._produce, step, version)
 
     def _produce(self, step: int, version: int) -> tuple[list[Any], dict[str, float]]:
-        from stapo.core.rollout.rollouts import rollout_and_grade
-
         engine = _AtVersion(self.engine, version, self._stop)
         self._thread_run.engine = engine
         t0 = time.time()
@@ -130,9 +129,6 @@ class FleetLearner:
         return staleness(step, generating_version(step, self.k, self.start)) > 0
 
     def rollouts(self, step: int) -> tuple[list[Any], dict[str, float]]:
-        from stapo.core.rollout.rollouts import record_groups
-        from stapo.core.task.sampler import prompts_per_round
-
         t0 = time.time()
         fut = self._batches.pop(step)
         error: BaseException | None = fut.exception()

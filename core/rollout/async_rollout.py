@@ -54,6 +54,25 @@ from typing import Any
 
 import torch
 
+from stapo.core.algos.offpolicy import (
+    behaviour_weights,
+    effective_sample_size,
+    ess_lr_scale,
+    min_variance_advantages,
+    ratio_stats,
+    sequence_importance_weights,
+    with_behaviour_weights,
+)
+from stapo.core.batch import derive_seed, seed_everything
+from stapo.core.config import Config, config_from_dict
+from stapo.core.placement import rank_placement
+from stapo.core.rollout import build_rollout_engine
+from stapo.core.rollout.rollouts import record_groups, rollout_and_grade
+from stapo.core.task.data import encode_prompt, load_prompts
+from stapo.core.task.rewards import RewardFunction
+from stapo.core.task.sampler import build_sampler, prompts_per_round
+from stapo.core.trainer.models import load_policy
+
 __all__ = [
     "AsyncRollouts",
     "async_learner",
@@ -157,8 +176,6 @@ class AsyncRollouts:
         ctx = mp.get_context("spawn")
         self._weights = ctx.Queue()
         self._batches = ctx.Queue()
-        from stapo.core.config import Config
-
         data = cfg.model_dump(mode="json", by_alias=True) if isinstance(cfg, Config) else cfg
         self._proc = ctx.Process(
             target=producer_main,
@@ -256,13 +273,6 @@ class _ProducerRun:
     engine on it, the reward function, the prompts and the (uniform) prompt sampler."""
 
     def __init__(self, cfg: Any) -> None:
-        from stapo.core.placement import rank_placement
-        from stapo.core.rollout import build_rollout_engine
-        from stapo.core.task.data import encode_prompt, load_prompts
-        from stapo.core.task.rewards import RewardFunction
-        from stapo.core.task.sampler import build_sampler
-        from stapo.core.trainer.models import load_policy
-
         self.cfg = cfg
         self.rank, self.world_size = 0, 1
         # rank 0's variables are inherited: the producer shares rank 0's GPU (stapo.core.placement)
@@ -332,10 +342,6 @@ def producer_main(cfg_data: dict[str, Any], start: int, end: int, world_size: in
     run = None
     try:
         torch.set_num_threads(threads)
-        from stapo.core.batch import derive_seed, seed_everything
-        from stapo.core.config import config_from_dict
-        from stapo.core.rollout.rollouts import rollout_and_grade
-
         cfg = config_from_dict(cfg_data)
         run = _ProducerRun(cfg)
         run.world_size = world_size
@@ -416,9 +422,6 @@ class AsyncLearner:
         return staleness(step, generating_version(step, self.k, self.start)) > 0
 
     def rollouts(self, step: int) -> tuple[list[Any], dict[str, float]]:
-        from stapo.core.rollout.rollouts import record_groups
-        from stapo.core.task.sampler import prompts_per_round
-
         t0 = time.time()
         got: ProducedBatch | str | None = None
         failure: Exception | None = None
@@ -501,8 +504,6 @@ class OffPolicyStep:
     def weigh(self, tw: Any, rows: torch.Tensor) -> Any:
         """The token weighting's output on mini-batch ``rows``, times the rows' behaviour weights;
         sets the LR multiplier of the optimizer step that follows (this mini-batch's ESS)."""
-        from stapo.core.algos.offpolicy import with_behaviour_weights
-
         self._next = self.minibatch_lr_scale(rows)
         w = self.token_weights[rows.to(self.token_weights.device)]  # [b, L]
         if w.shape[0] < tw.weights.shape[0]:  # zero-weight padding rows of a data-parallel plan
@@ -512,8 +513,6 @@ class OffPolicyStep:
     def minibatch_lr_scale(self, rows: torch.Tensor) -> float:
         """VCPO's multiplier for the mini-batch of ``rows`` (this rank's; padding rows ignored).
         Every rank calls it once per mini-batch: the ESS sums are global."""
-        from stapo.core.algos.offpolicy import effective_sample_size
-
         if self.lr_rule is None:
             return 1.0
         r = rows.cpu()
@@ -627,8 +626,6 @@ class MinVarianceBaseline:
     def advantages(self, backend: Any, batch: Any, rows: list[int], old_lp: torch.Tensor, parts: Any) -> list[float]:
         """The advantage of each of ``rows`` (one mini-batch's real rows, whole groups) at the current
         weights; also written into ``batch.advantages`` (every response token of the row)."""
-        from stapo.core.algos.offpolicy import min_variance_advantages
-
         t0 = time.time()
         w = self.seq_weights[rows].double()  # [b]
         g2 = loss_grad_sq_norms(backend, batch, rows, old_lp, w.clamp(max=self.is_cap), parts)  # [b]
@@ -668,14 +665,6 @@ def off_policy_step(run: Any, seqs: list[Any], batch: Any, proximal: torch.Tenso
     any row is stale, the ESS and so the LR multiplier (a rank stepping with another LR would
     update its ZeRO partition differently), and the logged statistics.
     """
-    from stapo.core.algos.offpolicy import (
-        behaviour_weights,
-        effective_sample_size,
-        ess_lr_scale,
-        ratio_stats,
-        sequence_importance_weights,
-    )
-
     op = run.cfg.algorithm.off_policy
     n = len(seqs)
     mask = batch.response_mask[:n]
