@@ -1,4 +1,5 @@
-"""stapo.core is a stack of layers; each module imports only its own layer or the ones below it.
+"""stapo.core is a stack of layers; each module imports only its own layer or the ones below it, and
+no module but the loop imports the loop.
 
 The layers, lowest first (docs/architecture.md draws them):
 
@@ -114,6 +115,14 @@ def test_imports_point_down(path):
     assert not up, "imports of a higher layer:\n" + "\n".join(up)
 
 
+def test_no_core_module_but_the_loop_imports_the_loop():
+    """Every part of a step reads and tests without the loop: the loop strings them together."""
+    loop = CORE / "train" / "loop.py"
+    bad = [f"{p.relative_to(CORE.parent)}:{line}" for p in FILES if p != loop
+           for target, line, _ in imports(p) if target == "stapo.core.train.loop"]
+    assert not bad, f"these import stapo.core.train.loop: {bad}"
+
+
 def test_few_imports_sit_inside_functions():
     found = {str(p.relative_to(CORE.parent)): function_level_statements(p) for p in FILES}
     found = {f: lines for f, lines in found.items() if lines}
@@ -130,3 +139,5 @@ def test_the_scan_sees_each_form():
     found = [(m, inside) for m, _, inside in imports(CORE / "algos" / "weights.py", src)]
     assert found == [("stapo.core.train.loop", False), ("stapo.core.algos.registry", False),
                      ("stapo.core.task.sampler", True), ("stapo.core.config", True)]
+    in_train = [m for m, _, _ in imports(CORE / "train" / "extras.py", "from . import loop\nfrom .loop import x\n")]
+    assert in_train == ["stapo.core.train.loop", "stapo.core.train.loop"]
