@@ -464,7 +464,7 @@ def async_learner(run: Any, start: int) -> Any:
     :class:`stapo.core.rollout.async_fleet.FleetLearner`), else this module's producer process (the small
     single-process path, ``hf``)."""
     if run.cfg.rollout.engine == "vllm_server":
-        from stapo.core.rollout.async_fleet import FleetLearner
+        from stapo.core.rollout.async_fleet import FleetLearner  # here: async_fleet.py imports this module
 
         return FleetLearner(run, start)
     return AsyncLearner(run, start)

@@ -606,7 +606,7 @@ def _sampler_hook(run: Any) -> LoopHook | None:
 
 @register_hook("deep_grpo")
 def _deep_grpo_hook(run: Any) -> LoopHook | None:
-    from stapo.core.train.deep_grpo import DeepGRPO
+    from stapo.core.train.deep_grpo import DeepGRPO  # here: deep_grpo.py imports LoopHook from this module
 
     return DeepGRPO(run.cfg, run) if run.cfg.algorithm.deep_grpo.enabled else None
 
