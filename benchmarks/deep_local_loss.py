@@ -2,37 +2,25 @@
 
 A tiny random Llama; branch rows with log-normal response lengths (median ~300 tokens, clipped to
 32-2,048) after a 64-token prompt, each branching at a random third of its response. One step's
-local term over several optimizer mini-batches (``DeepGRPO.local_loss_hook``'s ``before_step`` per
-update, as ``Actor.update`` calls it), S2T weighting (it reads p and H). Counted exactly: gradient
+local term over several optimizer mini-batches (``DeepGRPO.local_loss``'s rows through
+``Actor.contribute`` per optimizer step, as ``Actor.update`` runs them), S2T weighting (it reads p and H). Counted exactly: gradient
 and no-grad forwards, tokens every forward computes, and so the useful-token fraction; timed: wall
 and this process's CPU seconds (on a shared machine the CPU seconds are the work done):
 
     python benchmarks/deep_local_loss.py                            # prints a markdown table
     python benchmarks/deep_local_loss.py --rows 32 --mini-batches 4 --tokens 2048 --repeat 3
-    python benchmarks/deep_local_loss.py --before 58aafe3          # also the local loss of that commit
-
-``--before COMMIT`` loads ``core/train/deep_grpo.py`` of that commit (``git show``) and runs its local loss
-on the same rows with row micro-batches (the branch rows' statistics from a row-micro-batched no-grad
-pass, as that code built them).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import platform
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-
-from stapo.core import batch as batch_mod
 
 
 def lengths(n: int, *, median: float, sigma: float, lo: int, hi: int, seed: int) -> list[int]:
@@ -81,34 +69,18 @@ def counting(backend) -> dict[str, int]:
     return n
 
 
-def load_before(commit: str):
-    src = subprocess.run(["git", "show", f"{commit}:core/train/deep_grpo.py"], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).resolve().parents[1]).stdout
-    path = Path(tempfile.mkdtemp()) / "deep_grpo_before.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("deep_grpo_before", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["deep_grpo_before"] = mod  # (dataclasses look their module up)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def one(args: argparse.Namespace, micro: dict, before=None) -> dict[str, float]:
-    from stapo.core.train import deep_grpo, loop
+def one(args: argparse.Namespace, micro: dict) -> dict[str, float]:
+    from stapo.core.train import deep_grpo
+    from stapo.core.train.update import Actor
 
     cfg, run, kept = setup(args, micro)
-    if before is None:
-        br, mod = deep_grpo.collate_branches(run, kept, [len(kept)]), deep_grpo
-    else:  # that commit's local loss on its own BranchRollouts (row-micro-batched statistics)
-        batch = batch_mod.collate(kept, 0)
-        lp, ent = loop.token_stats_batched(run.backend, batch, cfg.trainer.micro_batch_size, 1.0)
-        suffix = before.suffix_mask(batch.response_mask, torch.tensor([s.prefix_len for s in kept]))
-        br, mod = before.BranchRollouts(kept, batch, suffix, lp, ent, [len(kept)], None), before
-    hook = mod.DeepGRPO(cfg, run).local_loss_hook(run, br, 1)
+    br = deep_grpo.collate_branches(run, kept, [len(kept)])
+    local = deep_grpo.DeepGRPO(cfg, run).local_loss(run.backend, br, 1)
+    actor = Actor(cfg, run.backend)
     n = counting(run.backend)
     t, c = time.perf_counter(), time.process_time()
     for update in range(args.mini_batches):
-        hook(update, update == 0)
+        actor.contribute(local, update)
     dt, cpu = time.perf_counter() - t, time.process_time() - c
     real = sum(len(s.prompt_ids) + len(s.response_ids) for s in kept)  # each row once over the mini-batches
     return {"s": dt, "cpu": cpu, **n, "real": real}
@@ -124,18 +96,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="rounds (round-robin over the variants); median time")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--before", default=None, help="also run core/train/deep_grpo.py of this commit (row-padded)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    variants = {f"rows of {args.micro_rows}": ({"micro_batch_size": args.micro_rows}, None),
-                f"packed {args.tokens} tokens": ({"micro_batch_tokens": args.tokens}, None)}
-    if args.before:
-        variants = {f"{args.before}: rows of {args.micro_rows}": ({"micro_batch_size": args.micro_rows},
-                                                                  load_before(args.before)), **variants}
+    variants = {f"rows of {args.micro_rows}": {"micro_batch_size": args.micro_rows},
+                f"packed {args.tokens} tokens": {"micro_batch_tokens": args.tokens}}
     results: dict[str, list[dict]] = {k: [] for k in variants}
     for _ in range(args.repeat):
-        for name, (micro, before) in variants.items():
-            results[name].append(one(args, micro, before))
+        for name, micro in variants.items():
+            results[name].append(one(args, micro))
     first = next(iter(results.values()))
     base_cpu = statistics.median(r["cpu"] for r in first)
     print(f"{args.rows} branch rows, {args.mini_batches} mini-batches, S2T; {platform.machine()}, torch"

@@ -43,7 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -430,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=None, help="paired seeds per arm (default: the scale's)")
     ap.add_argument("--steps", type=int, default=None, help="RL steps per arm run (default: the scale's)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (each with OMP_NUM_THREADS=1)")
+    ap.add_argument("--eval-every", type=int, default=None, help="held-out accuracy every this many steps "
+                    "(default: the scale's)")
     ap.add_argument("--lr", type=float, default=None, help="skip the learning-rate search: use this rate")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default runs/direction/SCALE)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -443,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--arms takes three recipes: A,B,C")
     seeds = list(range(args.seeds or scale.seeds))
     steps = args.steps or scale.steps
+    if args.eval_every:
+        scale = replace(scale, eval_every=args.eval_every)
     out = args.out or Path("runs/direction") / name
     sets = [*QUIET, *scale.overrides, *([f"trainer.device={args.device}"] if args.device else []), *args.sets]
     differ = arms_differ_in(arm_configs(scale, arms, sets))  # one line on a bad override, before any run
@@ -487,7 +491,9 @@ def main(argv: list[str] | None = None) -> int:
             f"eval.every={scale.eval_every}"])) for s in seeds]
 
     log("arms A and B:")
-    run_jobs(arm_jobs(arms[0], "A") + arm_jobs(arms[1], "B"), args.jobs, log)
+    # seed by seed, A beside B: a run cut short leaves whole pairs
+    run_jobs([job for pair in zip(arm_jobs(arms[0], "A"), arm_jobs(arms[1], "B"), strict=True) for job in pair],
+             args.jobs, log)
     per_arm = {lab: {s: run_metrics(out / lab / f"seed{s}", scale.ref_step) for s in seeds} for lab in ("A", "B")}
     if b_beats_a(per_arm["A"], per_arm["B"]):
         log("B beats A: arm C (random silencing):")

@@ -154,7 +154,7 @@ def _grads_after(cfg: Any, fused: bool, autocast: bool = True) -> dict[str, torc
         return real()
 
     b.step = step
-    old_lp, old_ent = update.token_stats_batched(b, batch, 4, 1.0)
+    old_lp, old_ent = update.Actor(cfg, b).old_stats(batch)
     update.Actor(cfg, b, Hooks()).update(update.UpdateInputs(batch, old_lp, old_ent, step=1))
     assert all(torch.isfinite(p).all() for p in b.model.parameters()), "non-finite weights after the step"
     return grads

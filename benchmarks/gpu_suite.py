@@ -515,10 +515,9 @@ def part_attention(a: argparse.Namespace) -> dict[str, Any]:
         b = TorchBackend(cfg, model, total_optimizer_steps=1)
         if batch is None:
             batch = _long_tail_batch(model.config.vocab_size, lens, prompt_len, group=4).to(b.device)
-        spec = update.micro_spec(cfg)
         _peak_reset(dev)
         t0 = time.perf_counter()
-        lp, _ = update.token_stats_batched(b, batch, spec, 1.0)
+        lp, _ = update.Actor(cfg, b).old_stats(batch)
         _sync(dev)
         stats_s, stats_peak = time.perf_counter() - t0, _peak_gib(dev)
         _peak_reset(dev)

@@ -110,7 +110,7 @@ def one_step(cfg, b, computed: dict, batch) -> tuple[float, float, int]:
 
     computed["tokens"] = 0
     t0, c0 = time.perf_counter(), time.process_time()
-    old_lp, old_ent = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)
+    old_lp, old_ent = update.Actor(cfg, b).old_stats(batch)
     # no hooks: the update's own work (a layer's before_update pass, e.g. a KL reference, is not timed here)
     update.Actor(cfg, b, Hooks()).update(update.UpdateInputs(batch, old_lp, old_ent, step=1))
     return time.perf_counter() - t0, time.process_time() - c0, computed["tokens"]

@@ -206,7 +206,7 @@ def check_logprobs(stapo_side: tuple, trainer: Any, batch: Any, args: argparse.N
     from stapo.core.train import update
 
     cfg, b, _ = stapo_side
-    lp, _ = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)  # [N, L]
+    lp, _ = update.Actor(cfg, b).old_stats(batch)  # [N, L]
     trl_lp, _ = trl_old_logps(trainer, trl_inputs(batch, args.prompt_len), args.rows)  # [N, C]
     resp = batch.response_mask[:, args.prompt_len:]
     diff = float((lp[:, args.prompt_len:][resp] - trl_lp[resp]).abs().max())

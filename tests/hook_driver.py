@@ -27,16 +27,33 @@ def run_hooks(cfg: Any, backend: Any = None) -> Any:
     return build_hooks(HookRun(cfg, backend))
 
 
-def before_update(hooks: Any, batch: Any, old_lp: Any, old_ent: Any, *, micro_batch: Any, temperature: float = 1.0,
-                  calls: int | None = None, pad_row: int | None = None, kept: Any = ()) -> tuple[Any, dict]:
-    """The loop's ``before_update`` phase after its old pass (``loop.update_step``) on a batch the
-    test built: (the step's state, with what the hooks published there, and the phase's metrics)."""
-    from stapo.core.train.extras import StepState
-    from stapo.core.train.update import MicroSpec
+def forwards(batch: Any, micro_batch: int, *, calls: int = 1, pad_row: int | None = None) -> list[Any]:
+    """The forwards of a pass over ``batch``'s real rows (all, or those before ``pad_row``) in rows of
+    ``micro_batch``, as the busiest of several ranks would have them: at least ``calls``, those past
+    the real rows on ``pad_row`` (``stapo.core.train.micro.micro_batches``)."""
+    import torch
 
-    spec = micro_batch if isinstance(micro_batch, MicroSpec) else MicroSpec(int(micro_batch))
-    st = StepState(0, list(kept), list(kept), {}, batch=batch, pad_row=pad_row, spec=spec, calls=calls,
-                   temperature=temperature, old_lp=old_lp, old_ent=old_ent)
+    from stapo.core.batch import Batch
+    from stapo.core.train.micro import MicroSpec, micro_batches
+
+    if not isinstance(batch, Batch):  # (input_ids, attention_mask, response_mask)
+        batch = Batch(*batch, torch.zeros(batch[0].shape))
+    real = batch.input_ids.shape[0] if pad_row is None else pad_row
+    return micro_batches(batch, [torch.arange(real)], MicroSpec(micro_batch), pad_row=pad_row, min_forwards=calls)[0]
+
+
+def before_update(hooks: Any, batch: Any, old_lp: Any, old_ent: Any, *, micro_batch: int = 1, calls: int = 1,
+                  pad_row: int | None = None, micros: Any = None, temperature: float = 1.0,
+                  kept: Any = ()) -> tuple[Any, dict]:
+    """The loop's ``before_update`` phase after its old pass (``loop.update_step``) on a batch the
+    test built, whose forwards are ``micros`` (else :func:`forwards` of ``micro_batch``, ``calls``,
+    ``pad_row``): (the step's state, with what the hooks published there, and the phase's metrics)."""
+    from stapo.core.train.extras import StepState
+
+    if micros is None and hasattr(batch, "attention_mask"):
+        micros = forwards(batch, micro_batch, calls=calls, pad_row=pad_row)
+    st = StepState(0, list(kept), list(kept), {}, batch=batch, micros=micros, temperature=temperature,
+                   old_lp=old_lp, old_ent=old_ent)
     return st, hooks.before_update(st)
 
 

@@ -26,6 +26,18 @@ from .regularizers import TokenTerm, add_terms, entropy_bonus
 from .weights import TokenWeights
 
 
+def per_token_objective(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
+                        policy_loss: str | PolicyLossFn, loss_kwargs: dict[str, Any],
+                        terms: Sequence[TokenTerm] = ()) -> tuple[Tensor, dict[str, Tensor]]:
+    """The per-token part of the objective [B, T]: the policy loss plus the additive terms, before
+    any weighting or aggregation (the fused LM-head path weights it inside the chunked forward, the
+    unfused one in :func:`compute_policy_objective`: both call this). ``loss_kwargs``: every keyword
+    of the policy loss, the clip ranges included."""
+    loss_fn = get_policy_loss(policy_loss) if isinstance(policy_loss, str) else policy_loss
+    per_token, metrics = loss_fn(logprobs, old_logprobs, advantages, mask, **loss_kwargs)  # [B, T]
+    return add_terms(per_token, logprobs, terms), metrics
+
+
 def compute_policy_objective(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -56,10 +68,9 @@ def compute_policy_objective(
     (the entropy bonus; ``entropy`` must carry gradient).
     """
     agg = get_aggregation(aggregation) if isinstance(aggregation, str) else aggregation
-    loss_fn = get_policy_loss(policy_loss) if isinstance(policy_loss, str) else policy_loss
     kw = {"eps_low": eps_low, "eps_high": eps_high, "dual_clip_c": dual_clip_c, **(loss_kwargs or {})}
-    per_token, metrics = loss_fn(logprobs, old_logprobs, advantages, mask, **kw)  # [B, T]
-    per_token = add_terms(per_token, logprobs, terms)  # [B, T]
+    per_token, metrics = per_token_objective(logprobs, old_logprobs, advantages, mask, policy_loss=policy_loss,
+                                             loss_kwargs=kw, terms=terms)  # [B, T]
     if normalizer is None:
         normalizer = agg.normalizer(weights, mask)
     loss = agg.aggregate(per_token, weights, normalizer=normalizer)

@@ -53,10 +53,10 @@ class TokenTerm:
         return TokenTerm(self.name, self.target[index], self.coef[index], self.estimator, self.below_only)
 
     def flat(self, index: Tensor) -> TokenTerm:
-        """The term at flat positions ``index`` of its [b, L] tensors (the fused path's indexing)."""
-        return TokenTerm(
-            self.name, self.target.reshape(-1)[index], self.coef.reshape(-1)[index], self.estimator, self.below_only
-        )
+        """The term at flat positions ``index`` [n] of its [b, L] tensors, as [1, n] (the fused path's
+        indexing: one row of the chunk's tokens, the registered losses' [B, T] layout)."""
+        target, coef = self.target.reshape(-1)[index].unsqueeze(0), self.coef.reshape(-1)[index].unsqueeze(0)
+        return TokenTerm(self.name, target, coef, self.estimator, self.below_only)
 
     def __call__(self, logprobs: Tensor) -> Tensor:
         if logprobs.shape != self.coef.shape:

@@ -56,7 +56,8 @@ from stapo.core.rollout.rollouts import mixed_groups, shape_and_advantage
 from stapo.core.task.data import encode_prompt, load_prompts
 from stapo.core.task.rewards import RewardFunction
 from stapo.core.task.sampler import prompts_for_step
-from stapo.core.train.update import build_micro, micro_spec, split_rows, stats_temperature
+from stapo.core.train.micro import MicroSpec, micro_batches
+from stapo.core.train.update import Actor, stats_temperature
 from stapo.core.trainer import build_trainer_backend
 from stapo.core.trainer.base import compute_token_stats
 from stapo.core.trainer.distributed import minibatch_rows
@@ -237,7 +238,7 @@ def taxonomy(sample: CalibrationSample, *, tau_p: float, q: float) -> dict[str, 
 
 
 def entropy_rates(model: torch.nn.Module, batch: Any, rows: torch.Tensor, sets: dict[str, torch.Tensor], *,
-                  temperature: float, chunk_size: int, micro_rows: int) -> dict[str, float]:
+                  temperature: float, chunk_size: int, spec: MicroSpec) -> dict[str, float]:
     """Per set S, dH/d(eta) of one SGD step theta <- theta - eta grad L_S, to first order.
 
     L_S = -(1/n) sum_{t in S} A_t log p_t is the baseline objective (token-mean over the mini-batch's
@@ -247,7 +248,8 @@ def entropy_rates(model: torch.nn.Module, batch: Any, rows: torch.Tensor, sets: 
     and independent of a step size (multiply by a learning rate for a change in nats). Since g_S is
     linear in S, the rates of disjoint sets add up. ``sets``: name -> [b, L] bool over ``rows``
     (batch layout); ``"all"`` (every valid token: the whole baseline step) is added. One forward and
-    one backward per objective per micro-batch of ``micro_rows`` rows, parameter-sized vectors held.
+    one backward per objective per micro-batch (``spec``: the update's layout), parameter-sized
+    vectors held.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     resp_all = batch.response_mask[rows].bool()  # [b, L]
@@ -257,19 +259,22 @@ def entropy_rates(model: torch.nn.Module, batch: Any, rows: torch.Tensor, sets: 
     was_training = model.training
     model.train(False)
     try:
-        for s in range(0, rows.numel(), micro_rows):
-            sl = slice(s, s + micro_rows)
-            r = rows[sl]
+        where = {int(r): i for i, r in enumerate(rows.tolist())}
+        for m in micro_batches(batch, [rows], spec)[0]:
+            sl = torch.tensor([where[int(r)] for r in m.rows.tolist()])  # the forward's rows within ``rows``
+            r = m.rows
             resp = resp_all[sl]
             if not bool(resp.any()):
                 continue
             with torch.enable_grad():
-                lp, ent = compute_token_stats(model, batch.input_ids[r], batch.attention_mask[r], resp,
-                                              chunk_size=chunk_size, entropy_grad=True, temperature=temperature)
+                lp, ent = compute_token_stats(model, m.input_ids, m.attention_mask, m.response_mask,
+                                              chunk_size=chunk_size, entropy_grad=True, temperature=temperature,
+                                              position_ids=m.position_ids)
+                lp, ent = m.to_rows(lp), m.to_rows(ent)  # [b', L] each
                 adv = batch.advantages[r].float()  # [b', L]
                 terms = {"entropy": (ent * resp).sum() / n}
-                for k, m in objectives.items():
-                    terms[k] = -(adv * lp * m[sl].float()).sum() / n
+                for k, chosen in objectives.items():
+                    terms[k] = -(adv * lp * chosen[sl].float()).sum() / n
                 names = list(terms)
                 for i, k in enumerate(names):
                     gs = torch.autograd.grad(terms[k], params, retain_graph=i < len(names) - 1, allow_unused=True)
@@ -307,7 +312,8 @@ def collect(cfg: Config, *, limit: int, entropy_step: bool = False,
     rewards = RewardFunction(cfg.reward)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     sample = CalibrationSample()
-    spec = micro_spec(cfg)
+    actor = Actor(cfg, backend)  # the update's passes over the policy (its micro-batch layout)
+    spec = actor.spec
     k_mb = cfg.algorithm.mini_batches
     s2t = cfg.algorithm.s2t
     try:
@@ -347,7 +353,7 @@ def collect(cfg: Config, *, limit: int, entropy_step: bool = False,
             sample.kept += len(kept)
             if len(kept) >= k_mb:
                 batch = collate(kept, pad_id).to(backend.device)
-                dist = _distribution(backend, batch, spec, temperature)
+                dist = actor.distribution(batch, range(len(kept)))  # [N, L] each, the sampled policy
                 gen = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, 0))  # the update's epoch 0
                 for mb_index, rows in enumerate(minibatch_rows([len(kept)], 0, k_mb, gen)):
                     rows = rows.to(batch.input_ids.device)
@@ -365,7 +371,7 @@ def collect(cfg: Config, *, limit: int, entropy_step: bool = False,
                             sets[k] = full
                         mb.entropy_step = entropy_rates(
                             backend.model, batch, rows, sets, temperature=temperature,
-                            chunk_size=cfg.trainer.logits_chunk_size, micro_rows=spec.rows)
+                            chunk_size=cfg.trainer.logits_chunk_size, spec=spec)
                     sample.minibatches.append(mb)
             elif kept:
                 log(f"batch {step}: {len(kept)} responses kept, fewer than algorithm.mini_batches={k_mb}: skipped "
@@ -386,21 +392,6 @@ def collect(cfg: Config, *, limit: int, entropy_step: bool = False,
         "lr": cfg.trainer.lr, "wall_s": round(time.time() - t0, 1),
     }
     return sample
-
-
-def _distribution(backend: Any, batch: Any, spec: Any, temperature: float) -> dict[str, torch.Tensor]:
-    """p, H and sum pi^2 [N, L] each of every response token, micro-batch by micro-batch through the
-    backend's no-grad ``token_distribution`` (one forward each; the update's micro-batch layout)."""
-    n = batch.input_ids.shape[0]
-    out = {k: torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
-           for k in ("logprobs", "entropy", "sum_q2")}
-    for rows in split_rows(torch.arange(n), batch.attention_mask.sum(1).cpu(), spec):
-        m = build_micro(batch, rows, spec.packed)
-        dist = backend.token_distribution(m.input_ids, m.attention_mask, m.response_mask, temperature=temperature,
-                                          top_k=0, position_ids=m.position_ids)
-        for k, v in out.items():
-            v[m.rows] = m.to_rows(dist[k].detach().float().to(v.device))
-    return out
 
 
 # ----------------------------------------------------------------------------- the result

@@ -23,7 +23,7 @@ the same objective by Newton's method, so scikit-learn is not a dependency.
 
 A loop hook (``deep_grpo``, ``stapo.core.train.extras.LoopHook``; nothing in ``stapo.core.train.loop`` knows
 about DEEP-GRPO): ``on_batch`` runs :meth:`DeepGRPO.rollout_branches` on the step's rollouts,
-``before_update`` adds :meth:`DeepGRPO.local_loss_hook`'s callable to the update's ``before_step``,
+``before_update`` adds :meth:`DeepGRPO.local_loss` to the update's contributions (:class:`LocalLoss`),
 ``after_update`` logs the local term, ``state_dict`` carries the recoverability model across a resume.
 
 ``rollout_branches``: up to ``max_pivots`` failed rollouts (valid reward, not correct, >= 2 tokens)
@@ -38,24 +38,24 @@ keeps the run's own estimator, our earlier variant). The recoverability model ge
 pivot, (t/T, any of its K branches succeeded), as the authors' ``BranchingFeedback`` does
 (``deep_grpo.outcome: any_of_k``; ``per_branch``, one sample per branch, is our earlier variant).
 
-``local_loss_hook``: returns a callable that the update (``Actor.update``) runs right before each
-optimizer step; it adds lambda * L_local to the accumulated gradient, where L_local is the configured policy loss
+``local_loss``: a contribution whose rows the update (``Actor.update``) runs right before each
+optimizer step; they add lambda * L_local to the accumulated gradient, where L_local is the configured policy loss
 with the configured token weighting and aggregation over the branch rows of that mini-batch, with the
 shared prefix masked out (only continuation tokens count, in the loss and in its normalizer). So the
 update is grad(L_global) + lambda grad(L_local), each stream under its own normalizer: the authors'
 default ``teacher_loss_reduction: separate_stream_mean`` (``verl/trainer/config/actor/actor.yaml``;
 ``dp_actor.py``: ``pg_loss = pg_loss_main + branch_loss_coef * pg_loss_branch``, each a token mean
 of its own stream; their ``mixed_token_mean`` alternative pools the streams under one normalizer).
-With lambda = 0 the hook is None and the update is plain GRPO's, bit for bit. Truncated branch rows
+With lambda = 0 there is no contribution and the update is plain GRPO's, bit for bit. Truncated branch rows
 leave the local loss with DAPO's overlong filter on (:func:`loss_branches`), as the root rows leave
 the policy loss. S2T's tau_h^(q) is each local mini-batch's own: the quantile over its continuation
 tokens' candidates under the current policy (global over ranks), as the root rows' update takes it.
 
 Micro-batching: the branch rows' no-grad pass and the local loss's forwards/backwards are split as
-the policy update's (``stapo.core.train.update``'s ``split_rows`` / ``build_micro``): with
+the policy update's (``stapo.core.train.micro.micro_batches``): with
 ``trainer.micro_batch_tokens`` rows are packed without padding into token-budget forwards (position
 ids restart at each sequence), else ``trainer.micro_batch_size`` rows per forward. The local loss
-takes the update's ``MiniBatch`` weights and loss: p and H come from its gradient forwards (no
+runs through the actor's own mini-batch pass: p and H come from its gradient forwards (no
 no-grad forward), and the weighting and the normalizer see the whole mini-batch, so the gradient is
 the same either way (tests/unit/test_deep_grpo.py compares them).
 
@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -89,18 +89,8 @@ from stapo.core.batch import Batch, Sequence_, collate_with_pad_row, derive_seed
 from stapo.core.rollout import SamplingParams
 from stapo.core.rollout.rollouts import shape_and_advantage
 from stapo.core.train.extras import LoopHook, StepState
-from stapo.core.train.update import (
-    MiniBatch,
-    build_micro,
-    lockstep,
-    micro_spec,
-    old_pass_calls,
-    split_rows,
-    stats_temperature,
-    token_stats_batched,
-    update_parts,
-    with_padding,
-)
+from stapo.core.train.micro import micro_batches, micro_spec
+from stapo.core.train.update import Actor, ExtraRows
 from stapo.core.trainer.distributed import DataParallel, minibatch_rows
 
 __all__ = ["DeepGRPO", "BranchRollouts", "branch_minibatches", "loss_branches", "set_local_advantages",
@@ -321,9 +311,7 @@ def collate_branches(run: Any, kept: list[Any], counts: list[int]) -> BranchRoll
     prefix_len = torch.tensor([b.prefix_len for b in kept] + ([0] if dp.multi else []),
                               device=batch.response_mask.device)
     suffix = suffix_mask(batch.response_mask, prefix_len)  # [N, L]; the padding row has none
-    spec = micro_spec(cfg)
-    old_lp, old_ent = token_stats_batched(run.backend, batch, spec, stats_temperature(cfg),
-                                          calls=old_pass_calls(dp, batch, spec, len(kept)), pad_row=pad_row)
+    old_lp, old_ent = Actor(cfg, run.backend).old_stats(batch, counts)
     return BranchRollouts(kept, batch, suffix, old_lp, old_ent, counts, pad_row)
 
 
@@ -350,9 +338,9 @@ class DeepGRPO(LoopHook):
 
     def before_update(self, st: StepState) -> dict[str, float]:
         roots = sum(st.counts) if st.counts else len(st.kept)  # the step's global root rows
-        local = self.local_loss_hook(self.run, self.branches, st.step, roots)
+        local = self.local_loss(self.run.backend, self.branches, st.step, roots)
         if local is not None:
-            st.before_step.append(local)
+            st.contributions.append(local)
         return {}
 
     def after_update(self, st: StepState) -> dict[str, float]:
@@ -431,89 +419,24 @@ class DeepGRPO(LoopHook):
 
     # ----------------------------------------------------------------------------- local loss
 
-    def local_loss_hook(self, run: Any, br: BranchRollouts | None, step: int,
-                        roots: int | None = None) -> Callable[[int, bool], None] | None:
-        """``before_step(update_index, fresh)`` for ``Actor.update``, or None (no branches / lambda = 0).
+    def local_loss(self, backend: Any, br: BranchRollouts | None, step: int,
+                   roots: int | None = None) -> LocalLoss | None:
+        """The local term of this step as a contribution to the actor's update (``Actor.update``), or
+        None (no branches / lambda = 0 / too few branch rows).
 
         Which mini-batches get branch rows: as the authors' ``dp_actor.update_policy``, the N_branch
         global branch rows fill min(K, floor(N_branch / S)) mini-batches (S = ``roots`` / K, the root
         mini-batch's rows; K = ``algorithm.mini_batches``), the first ones of each epoch, balanced; with
-        fewer branch rows than S the step has no local term. ``roots`` None: S = 1 (every mini-batch).
-
-        Each call runs the local term of one optimizer mini-batch the way the policy update runs a
-        mini-batch (``stapo.core.train.update``): its branch rows split into the same micro-batches
-        (``split_rows`` / ``build_micro``; with ``trainer.micro_batch_tokens`` packed into
-        token-budget forwards without padding, position ids restarting per sequence), every rank
-        making the busiest rank's number of forwards, and the same ``MiniBatch`` weights and loss:
-        a weighting that reads p / H gets them from the gradient forwards themselves (graphs kept
-        until the weights are known, then one backward), one that reads none gets its weights from
-        the mask and each micro-batch runs forward + backward at once. No no-grad forward runs. The
-        weighting and the global normalizer see the whole mini-batch, so the gradient does not
-        depend on the micro-batching."""
-        lam = float(self.opts.lambda_)
+        fewer branch rows than S the step has no local term. ``roots`` None: S = 1 (every mini-batch)."""
         self._local = {}
+        lam = float(self.opts.lambda_)
         if br is None or lam == 0.0:
             return None
-        cfg, backend = self.cfg, run.backend
-        a = cfg.algorithm
-        parts = update_parts(cfg)  # the configured weighting, loss, aggregation, micro-batching, temperature
         counts = br.counts or [br.batch.input_ids.shape[0]]
-        k_branch = branch_minibatches(sum(counts), roots, a.mini_batches)
+        k_branch = branch_minibatches(sum(counts), roots, self.cfg.algorithm.mini_batches)
         if k_branch == 0:
             return None
-        rank = int(getattr(backend, "rank", 0))
-        dp = DataParallel(backend)
-        # the forwards' rows: the local term's tokens (the continuation) are their response positions
-        local = Batch(br.batch.input_ids, br.batch.attention_mask, br.suffix, br.batch.advantages)
-        lengths = local.attention_mask.sum(1).cpu()  # [N] real tokens per row
-        params = parts.params
-        plan: list[list[torch.Tensor]] = []  # this rank's micro-batches (batch rows) per mini-batch
-        calls: list[int] = []  # forwards per mini-batch (every rank's max)
-
-        def forward(m: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            lp, ent = backend.token_stats(m.input_ids, m.attention_mask, m.response_mask, grad=True,
-                                          temperature=parts.temperature, position_ids=m.position_ids)
-            return m.to_rows(lp), m.to_rows(ent)  # [b, L] each, graph kept
-
-        def before_step(update: int, fresh: bool) -> None:  # (fresh: unused, the forwards give p and H)
-            epoch, mb = divmod(update, a.mini_batches)
-            if mb == 0:  # a new pass over the GLOBAL branch rows, split like the root rows
-                g = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch, 0xB7))
-                plan[:] = [split_rows(r, lengths, parts.spec) for r in minibatch_rows(counts, rank, k_branch, g)]
-                calls[:] = lockstep(dp, [len(sets) for sets in plan])
-            if mb >= len(plan) or calls[mb] == 0:  # no branch row in this mini-batch on any rank
-                return
-            sets = with_padding(plan[mb], calls[mb], br.pad_row, "DEEP-GRPO local loss")
-            micros = [build_micro(local, rows, parts.spec.packed) for rows in sets]
-            idx = torch.cat([m.rows for m in micros])  # [b] this rank's rows, in micro-batch order
-            bounds = [0]
-            for m in micros:
-                bounds.append(bounds[-1] + int(m.rows.numel()))
-            slices = [slice(s0, s1) for s0, s1 in zip(bounds[:-1], bounds[1:], strict=True)]
-            mbatch = MiniBatch(parts, params, local.advantages[idx], local.response_mask[idx], br.old_lp[idx],
-                               backend.all_gather_1d, backend.all_reduce_sum,  # (no entropy bonus, no terms)
-                               seed=derive_seed(cfg.trainer.seed, step, epoch, mb, 0xB8), rank=rank)
-            losses: list[torch.Tensor] = []
-            if parts.reads_stats:  # statistics first: every forward's graph kept until the weights are known
-                graphs = [forward(m) for m in micros]
-                _, tw, norm = mbatch.weights(torch.cat([lp.detach().float() for lp, _ in graphs]),
-                                             torch.cat([ent.detach().float() for _, ent in graphs]))
-                losses = [lam * mbatch.loss(r, lp, ent, tw, norm, [])[0] for r, (lp, ent) in zip(slices, graphs,
-                                                                                                   strict=True)]
-                backend.backward(torch.stack(losses).sum())
-                del graphs
-            else:  # weights from the mask alone: each micro-batch forward + backward at once
-                zeros = torch.zeros(mbatch.mask.shape, dtype=torch.float32, device=mbatch.mask.device)
-                _, tw, norm = mbatch.weights(zeros, zeros)
-                for m, r in zip(micros, slices, strict=True):
-                    lp, ent = forward(m)
-                    losses.append(lam * mbatch.loss(r, lp, ent, tw, norm, [])[0])
-                    backend.backward(losses[-1])
-            total = float(sum(float(x.detach()) for x in losses))
-            self._local["deep/local_loss"] = self._local.get("deep/local_loss", 0.0) + total
-            self._local["deep/local_tokens"] = self._local.get("deep/local_tokens", 0.0) + float(mbatch.mask.sum())
-
-        return before_step
+        return LocalLoss(self.cfg, backend, br, step, k_branch, lam, self._local)
 
     def local_metrics(self, backend: Any = None) -> dict[str, float]:
         """The local term's loss and tokens, summed over ranks (every rank calls this, with the same keys)."""
@@ -530,3 +453,43 @@ class DeepGRPO(LoopHook):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             self.model.load_state_dict(state.get("logistic", {}))
+
+
+class LocalLoss:
+    """DEEP-GRPO's local loss as a :class:`~stapo.core.train.update.Contribution` to the policy update.
+
+    Before each optimizer step the actor asks for that step's branch rows and runs them through its
+    own mini-batch pass, the way it runs the root rows (``stapo.core.train.micro``: packed into token-budget
+    forwards without padding with ``trainer.micro_batch_tokens``, every rank making the busiest rank's
+    number of forwards; the configured weighting and loss with p and H from the gradient forwards,
+    no no-grad forward; the weighting and the global normalizer see the whole mini-batch, so the
+    gradient does not depend on the micro-batching), scaled by lambda. The branch rows' response mask
+    is their continuation (the shared prefix carries the global term's gradient). At each epoch's
+    first step the GLOBAL branch rows are split into ``k_branch`` mini-batches as the root rows are
+    (``minibatch_rows``, its own seed); later optimizer steps of the epoch get none."""
+
+    def __init__(self, cfg: Any, backend: Any, br: BranchRollouts, step: int, k_branch: int, lam: float,
+                 sums: dict[str, float]) -> None:
+        self.cfg, self.br, self.step, self.k_branch, self.lam, self.sums = cfg, br, step, k_branch, lam, sums
+        self.dp = DataParallel(backend)
+        self.counts = br.counts or [br.batch.input_ids.shape[0]]
+        # the forwards' rows: the local term's tokens (the continuation) are their response positions
+        self.batch = Batch(br.batch.input_ids, br.batch.attention_mask, br.suffix, br.batch.advantages)
+        self.plan: list[list[Any]] = []  # this epoch's forwards, per branch mini-batch
+
+    def rows(self, update: int) -> Any:
+        cfg = self.cfg
+        epoch, mb = divmod(update, cfg.algorithm.mini_batches)
+        if mb == 0:  # a new pass over the GLOBAL branch rows, split like the root rows
+            g = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, self.step, epoch, 0xB7))
+            groups = minibatch_rows(self.counts, self.dp.rank, self.k_branch, g)
+            self.plan = micro_batches(self.batch, groups, micro_spec(cfg), dp=self.dp, pad_row=self.br.pad_row,
+                                      min_forwards=0)
+        if mb >= len(self.plan) or not self.plan[mb]:  # no branch row in this mini-batch on any rank
+            return None
+        return ExtraRows(self.batch, self.plan[mb], self.br.old_lp, self.lam,
+                         seed=derive_seed(cfg.trainer.seed, self.step, epoch, mb, 0xB8))
+
+    def done(self, update: int, loss: float, tokens: float) -> None:
+        self.sums["deep/local_loss"] = self.sums.get("deep/local_loss", 0.0) + loss
+        self.sums["deep/local_tokens"] = self.sums.get("deep/local_tokens", 0.0) + tokens

@@ -18,8 +18,8 @@ phase               when / what a hook may do there
                     from ``kept`` (DAPO's overlong filter); returns metrics
 ``needs_old_stats`` whether the step must run the no-grad pass over its batch
 ``before_update``   after the old pass: the step's constants (reference / proxy log-probs,
-                    STARE's controller, KL in the reward, off-policy weights) and callables
-                    for ``before_step`` (run right before each optimizer step: DEEP-GRPO's
+                    STARE's controller, KL in the reward, off-policy weights) and
+                    ``contributions`` (rows the actor adds to its optimizer steps: DEEP-GRPO's
                     local loss); returns metrics; only on steps with an update
 ``weighting_params``,
 ``terms``,
@@ -82,9 +82,10 @@ from stapo.core.algos.regularizers import (
 from stapo.core.algos.stare import StareSchedule
 from stapo.core.config import Config
 from stapo.core.rollout.async_rollout import async_learner, check_supported, off_policy_step
+from stapo.core.train.micro import Micro
 from stapo.core.train.reference import ReferencePolicy, minp_stats_batched
 from stapo.core.train.s2t_watch import RateWatch, describe_thresholds
-from stapo.core.train.update import MicroSpec
+from stapo.core.train.update import Contribution
 from stapo.core.trainer.distributed import DataParallel
 
 __all__ = [
@@ -107,12 +108,11 @@ class StepState:
     counts: list[int] = field(default_factory=list)  # kept rows of every rank (set after on_batch)
     batch: Any = None  # loop.Batch of ``kept`` (+ the zero-weight padding row under data parallelism)
     pad_row: int | None = None  # this rank's padding row (data parallel), else None
-    spec: MicroSpec | None = None  # the old pass's micro-batching (the update's)
-    calls: int | None = None  # forwards of the old pass on every rank (ZeRO-3 lockstep)
+    micros: list[Micro] | None = None  # the old pass's forwards over ``batch`` (lockstep; set when it runs)
     temperature: float = 1.0  # the sampling temperature the statistics are taken at
     old_lp: torch.Tensor | None = None  # [N, L] sampling policy's log-probs (None: no old pass ran)
     old_ent: torch.Tensor | None = None  # [N, L] its entropies
-    before_step: list[Callable[[int, bool], None]] = field(default_factory=list)  # before each optimizer step
+    contributions: list[Contribution] = field(default_factory=list)  # rows added to optimizer steps (DEEP-GRPO)
     off_policy: Any = None  # async_rollout.OffPolicyStep: stale rows' corrections for the update
     ref_lp: torch.Tensor | None = None  # [N, L] the step's KL target (kl_reference's before_update)
 
@@ -360,17 +360,15 @@ class KLReference(LoopHook):
         return True
 
     def before_update(self, st: StepState) -> dict[str, float]:
-        """The reference's log-probs of the step batch (ZeRO-3: exactly ``st.calls`` forwards, the
-        padding row's included; a plain copy runs the real rows only) and ``actor/kl``."""
+        """The reference's log-probs of the step batch (the old pass's forwards ``st.micros``; ZeRO-3: all
+        of them, the padding row's included; a plain copy runs the real rows only) and ``actor/kl``."""
         if st.old_lp is None or st.old_ent is None:
             return {}
         a, batch = self.cfg.algorithm, st.batch
         metrics: dict[str, float] = {}
         if self.reference is not None:
             self.ref_lp = self.reference.logprobs(  # [N, L]; the padding row has no response: 0
-                batch.input_ids, batch.attention_mask, batch.response_mask, micro_batch=st.spec,
-                temperature=st.temperature, calls=st.calls, pad_row=st.pad_row,
-            ).to(st.old_lp.device)
+                batch, st.micros, temperature=st.temperature).to(st.old_lp.device)
             k = get_kl_estimator(a.kl.estimator)(st.old_lp, self.ref_lp)
             metrics["actor/kl"] = _global_mean(self.backend, k, batch.response_mask)
         else:  # kl.reference=none: KL to the policy that sampled (0 before the update: no metric)
@@ -393,8 +391,7 @@ class LpReg(LoopHook):
     the sampling policy on the lowest-probability negative-advantage tokens, so the negative update
     does not crush rare "reasoning sparks" (``stapo.core.algos.lpreg``).
 
-    ``before_update``: the proxy pass over the policy (exactly ``st.calls`` forwards, as the old
-    pass) gives the proxy log-probs of the sampled tokens; ``terms``: the selection among the
+    ``before_update``: the proxy pass over the policy (the old pass's forwards ``st.micros``) gives the proxy log-probs of the sampled tokens; ``terms``: the selection among the
     mini-batch's tokens at the CURRENT policy (so ``terms_read_stats``: the update takes each
     mini-batch's statistics before its backward) and the term itself.
     """
@@ -415,11 +412,8 @@ class LpReg(LoopHook):
             return {}
         o, batch, old_lp = self.cfg.algorithm.lp_reg, st.batch, st.old_lp
         mask = batch.response_mask
-        kept, pmax = minp_stats_batched(
-            self.backend.model, batch.input_ids, batch.attention_mask, mask, min_p=o.min_p,
-            micro_batch=st.spec, temperature=st.temperature, chunk_size=self.cfg.trainer.logits_chunk_size,
-            calls=st.calls, pad_row=st.pad_row,
-        )
+        kept, pmax = minp_stats_batched(self.backend.model, batch, st.micros, min_p=o.min_p,
+                                        temperature=st.temperature, chunk_size=self.cfg.trainer.logits_chunk_size)
         self.proxy_lp = minp_proxy_logprobs(old_lp, kept, pmax, min_p=o.min_p)
         below = _global_mean(self.backend, (self.proxy_lp <= -1e3).double(), mask)
         # what the first update regularizes (the sampling policy is the current one then)

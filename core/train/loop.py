@@ -90,15 +90,8 @@ from stapo.core.train.update import (
     Actor,
     UpdateInputs,
     UpdateRecord,
-    build_micro,
-    lockstep,
-    micro_spec,
     needs_old_pass,
-    old_pass_calls,
-    split_rows,
     stats_temperature,
-    token_stats_batched,
-    with_padding,
 )
 from stapo.core.trainer import build_trainer_backend, load_context, models
 from stapo.core.trainer.base import begin_rollout_step
@@ -228,32 +221,12 @@ def dump_candidates(cfg: Config, seqs: Sequence[Sequence_]) -> list[int]:
     return order[: cfg.logging.dump_max_sequences]
 
 
-def dump_forward(run: _Run, batch: Batch, rows: list[int], dp: Any) -> dict[str, torch.Tensor]:
+def dump_forward(run: _Run, batch: Batch, rows: list[int]) -> dict[str, torch.Tensor]:
     """Theorem 3.1 data of the dump rows from one forward of the PRE-update (sampled) policy at the
-    sampling temperature: p, H, sum q^2 and top-k describe the same distribution. Micro-batches as
-    the update's (packed with ``trainer.micro_batch_tokens``); every rank makes the same number of
-    forwards (ZeRO-3), short ranks run their padding row."""
-    cfg = run.cfg
-    spec = micro_spec(cfg)
-    sets = split_rows(torch.tensor(rows, dtype=torch.long), batch.attention_mask.sum(1).cpu(), spec)
-    calls = max(1, lockstep(dp, [len(sets)])[0])
-    sets = with_padding(sets, calls, batch.input_ids.shape[0] - 1 if dp.multi else None, "dump_forward")
-    where = {r: i for i, r in enumerate(rows)}
-    out: dict[str, torch.Tensor] = {}
-    for r in sets:
-        m = build_micro(batch, r, spec.packed)
-        dist = run.backend.token_distribution(
-            m.input_ids, m.attention_mask, m.response_mask,
-            temperature=stats_temperature(cfg), top_k=cfg.logging.dump_top_k, position_ids=m.position_ids,
-        )
-        for k, v in dist.items():
-            v = m.to_rows(v.detach()).cpu()  # [b, L, ...]
-            if k not in out:
-                out[k] = torch.zeros((len(rows), *v.shape[1:]), dtype=v.dtype)
-            for j, row in enumerate(m.rows.tolist()):
-                if row in where:  # (padding-row forwards carry nothing)
-                    out[k][where[row]] = v[j]
-    return out
+    sampling temperature (``Actor.distribution``): p, H, sum q^2 and top-k describe the same
+    distribution, on the CPU; every rank makes the same number of forwards (ZeRO-3)."""
+    dist = run.actor.distribution(batch, rows, top_k=run.cfg.logging.dump_top_k, pad=True)
+    return {k: v.cpu() for k, v in dist.items()}
 
 
 def dump_tokens(run: _Run, step: int, seqs: list[Sequence_], batch: Batch, rows: list[int],
@@ -469,23 +442,15 @@ def update_step(run: _Run, st: StepState, dp: Any) -> None:
     record = UpdateRecord.empty(cfg.algorithm.ppo_epochs, batch) if dumping else None
     if dumping:
         dump_rows = dump_candidates(cfg, st.kept)
-        dump_dist = dump_forward(run, batch, dump_rows, dp)  # the pre-update (sampled) policy
+        dump_dist = dump_forward(run, batch, dump_rows)  # the pre-update (sampled) policy
     if needs_old_pass(cfg, hooks.needs_old_stats(st)):
-        st.spec = micro_spec(cfg)
-        st.calls = old_pass_calls(dp, batch, st.spec, len(st.kept))
-        st.old_lp, st.old_ent = token_stats_batched(run.backend, batch, st.spec, st.temperature,
-                                                    calls=st.calls, pad_row=st.pad_row)
+        st.micros = run.actor.forwards(batch, st.counts)  # also the extras' passes (reference, Lp-Reg's proxy)
+        st.old_lp, st.old_ent = run.actor.old_stats(batch, micros=st.micros)
     # async's off-policy weights, KL / Lp-Reg / STARE constants, DEEP-GRPO's local loss
     metrics.update(hooks.before_update(st))
     metrics["time/stats_s"] = time.time() - t0
-
-    def before_step(update: int, fresh: bool) -> None:
-        for fn in st.before_step:
-            fn(update, fresh)
-
     metrics.update(run.actor.update(UpdateInputs(batch, st.old_lp, st.old_ent, step, counts=st.counts, record=record,
-                                                 before_step=before_step if st.before_step else None,
-                                                 off_policy=st.off_policy)))
+                                                 contributions=st.contributions, off_policy=st.off_policy)))
     metrics.update(hooks.after_update(st))
     if dumping:
         dump_tokens(run, step, st.kept, batch, dump_rows, dump_dist, record, dp)

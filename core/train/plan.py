@@ -277,7 +277,7 @@ class Micro:
 
 
 def micro_batches(cfg: Config, world_size: int) -> Micro:
-    """Worst case of :func:`stapo.core.train.update.split_rows`: every row prompt + response long."""
+    """Worst case of :func:`stapo.core.train.micro.micro_batches`: every row prompt + response long."""
     r, t = cfg.rollout, cfg.trainer
     seq = cfg.data.max_prompt_tokens + r.max_new_tokens
     rows = max(1, math.ceil(r.prompts_per_step * r.n / cfg.algorithm.mini_batches / world_size))

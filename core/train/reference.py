@@ -16,8 +16,8 @@ number of reference forwards.
 min-p filter (p >= min_p * max p) and log of the max probability, from the hidden states and the
 LM head in row chunks, never a [B, L, V] tensor; each micro-batch runs as the model's forward and
 the head as the head module's forward (``forward_as``), so ZeRO-3's hooks gather the partitioned
-weights. Data parallel: it makes the same number of forwards on every rank (``calls``, padded with
-the batch's zero-weight row), so Lp-Reg runs under ZeRO-3 on several ranks.
+weights. Data parallel: it runs the forwards it is given (``stapo.core.train.micro``: the same number on
+every rank, padded with the batch's zero-weight row), so Lp-Reg runs under ZeRO-3 on several ranks.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from stapo.core.algos.lpreg import minp_stats_from_logits
 from stapo.core.batch import Batch
-from stapo.core.train.update import MicroSpec, build_micro, split_rows, with_padding
+from stapo.core.train.micro import Micro
 from stapo.core.trainer.base import (
     _final_hidden,
     compute_token_stats,
@@ -78,28 +78,19 @@ class ReferencePolicy:
         return sum(_local_numel(p) * p.element_size() for p in self.model.parameters())
 
     @torch.no_grad()
-    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                 *, micro_batch: int | MicroSpec, temperature: float, calls: int | None = None,
-                 pad_row: int | None = None) -> torch.Tensor:
-        """log ref(o_t | context) at every response position of the batch, 0 elsewhere: [B, L].
+    def logprobs(self, batch: Batch, micros: list[Micro], *, temperature: float) -> torch.Tensor:
+        """log ref(o_t | context) at every response position of ``batch``, 0 elsewhere: [B, L].
 
-        Micro-batches as the update's (``MicroSpec``: packed by tokens, or rows). Data parallel, as
-        ``update.token_stats_batched``: ``pad_row`` is the batch's zero-weight padding row and
-        ``calls`` the number of forwards every rank makes. A partitioned copy gathers its parameters
-        in every forward, so each rank makes exactly ``calls`` of them (past its real rows, on the
-        padding row); a plain copy issues no collective and runs on the real rows only. Each
-        micro-batch runs as the copy's own forward (``forward_as``), so ZeRO-3's hooks fire.
+        ``micros``: the pass's forwards over ``batch`` (``stapo.core.train.micro.micro_batches``, the old
+        pass's: packed by tokens or rows, lockstep over ranks). A partitioned copy gathers its
+        parameters in every forward, so it runs every one of them (the padding row's included, the
+        same count on every rank); a plain copy issues no collective and skips the padding forwards.
+        Each micro-batch runs as the copy's own forward (``forward_as``), so ZeRO-3's hooks fire.
         """
         if self.offload:
             self.model.to(self.device)
         try:
-            batch = _rows_batch(input_ids.to(self.device), attention_mask.to(self.device), response_mask.to(self.device))
-            spec = micro_batch if isinstance(micro_batch, MicroSpec) else MicroSpec(int(micro_batch))
-            real = input_ids.shape[0] if pad_row is None else pad_row
-            row_sets = split_rows(torch.arange(real), attention_mask.sum(1).cpu(), spec)
-            if self.partitioned:
-                row_sets = with_padding(row_sets, calls or 0, pad_row, "ReferencePolicy.logprobs")
-            out = torch.zeros(input_ids.shape, dtype=torch.float32, device=self.device)  # [B, L]
+            out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)  # [B, L]
 
             def stats(ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor,
                       pos: torch.Tensor | None) -> torch.Tensor:
@@ -107,11 +98,14 @@ class ReferencePolicy:
                                             temperature=temperature, position_ids=pos)
                 return lp
 
-            for rows in row_sets:
-                m = build_micro(batch, rows, spec.packed)
+            for m in micros:
+                if m.padding and not self.partitioned:
+                    continue
+                dev = self.device
+                pos = None if m.position_ids is None else m.position_ids.to(dev)
                 with forward_as(self.model, stats):  # the root module's forward (and its hooks)
-                    lp = self.model(m.input_ids, m.attention_mask, m.response_mask, m.position_ids)
-                out[m.rows] = m.to_rows(lp.float())
+                    lp = self.model(m.input_ids.to(dev), m.attention_mask.to(dev), m.response_mask.to(dev), pos)
+                out[m.rows.to(dev)] = m.to_rows(lp.float())
             return out
         finally:
             if self.offload:
@@ -125,27 +119,19 @@ def _local_numel(p: torch.nn.Parameter) -> int:
 
 
 @torch.no_grad()
-def minp_stats_batched(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       response_mask: torch.Tensor, *, min_p: float, micro_batch: int | MicroSpec, temperature: float,
-                       chunk_size: int = 1024, calls: int | None = None,
-                       pad_row: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log kept mass [B, L], log max prob [B, L]) at the response positions (0 elsewhere).
+def minp_stats_batched(model: torch.nn.Module, batch: Batch, micros: list[Micro], *, min_p: float,
+                       temperature: float, chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log kept mass [B, L], log max prob [B, L]) at the response positions of ``batch`` (0 elsewhere).
 
-    Micro-batches as the update's (``MicroSpec``: packed by tokens, or rows). Data parallel, as
-    ``update.token_stats_batched``: ``pad_row`` is the batch's zero-weight padding
-    row (the last one) and ``calls`` the number of forwards every rank makes; calls past this rank's
-    real rows run on the padding row (no response position: nothing is written). Each micro-batch
-    runs as the model's own forward (``forward_as``), so the root module's hooks fire as in any
-    forward (ZeRO-3: the start-of-forward step reset, then each submodule's parameter gather): under
-    ZeRO-3 every rank must make the same number of calls, which ``calls`` guarantees.
+    ``micros``: the pass's forwards (``stapo.core.train.micro.micro_batches``, the old pass's: packed by
+    tokens or rows, the same count on every rank, past a rank's rows on its zero-weight padding row,
+    which has no response position: nothing is written). Each micro-batch runs as the model's own
+    forward (``forward_as``), so the root module's hooks fire as in any forward (ZeRO-3: the
+    start-of-forward step reset, then each submodule's parameter gather): under ZeRO-3 every rank
+    must make the same number of calls, which the lockstep forwards guarantee.
     """
-    B, L = input_ids.shape
-    device = input_ids.device
-    spec = micro_batch if isinstance(micro_batch, MicroSpec) else MicroSpec(int(micro_batch))
-    real = B if pad_row is None else pad_row
-    row_sets = split_rows(torch.arange(real), attention_mask.sum(1).cpu(), spec)
-    row_sets = with_padding(row_sets, calls or 0, pad_row, "minp_stats_batched")
-    batch = _rows_batch(input_ids, attention_mask, response_mask)
+    B, L = batch.input_ids.shape
+    device = batch.input_ids.device
     kept = torch.zeros(B, L, dtype=torch.float32, device=device)
     pmax = torch.zeros(B, L, dtype=torch.float32, device=device)
     scale, needs_logits = head_logit_transform(model)
@@ -175,8 +161,7 @@ def minp_stats_batched(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     was_training = model.training
     model.eval()
     try:
-        for rows in row_sets:
-            m = build_micro(batch, rows, spec.packed)
+        for m in micros:
             ids, attn, resp = m.input_ids, m.attention_mask, m.response_mask
             with forward_as(model, micro_stats):  # the root module's forward (and its hooks)
                 lk, lm = model(ids, attn, resp, m.position_ids)
@@ -188,11 +173,6 @@ def minp_stats_batched(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     finally:
         model.train(was_training)
     return kept, pmax
-
-
-def _rows_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor) -> Any:
-    """The three tensors as a ``loop.Batch`` (what ``build_micro`` reads; no advantages needed)."""
-    return Batch(input_ids, attention_mask, response_mask, torch.zeros(input_ids.shape, device=input_ids.device))
 
 
 def _stats_in_chunks(proj: Any, x: torch.Tensor, min_p: float, temperature: float,

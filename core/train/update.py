@@ -23,7 +23,7 @@ the update's metrics. One step's update, for every weighting x policy loss x agg
                         stapo.core.train.plan says so): a no-grad statistics pass over the mini-batch's
                         micro-batches gives the weights, then each micro-batch runs forward +
                         backward at once, one graph alive (one extra forward per micro-batch).
-        optimizer step  (after the ``before_step`` hook: DEEP-GRPO's local loss)
+        optimizer step  (after the contributions' rows: DEEP-GRPO's local loss)
 
 **When a no-grad pass runs** (:func:`needs_old_pass`): the ratio pi_theta / pi_old needs pi_old on
 every mini-batch after the first, so an off-policy update (``ppo_epochs * mini_batches > 1``) runs
@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -65,9 +65,10 @@ from stapo.core.algos import (
     token_counts,
     token_weighting_spec,
 )
-from stapo.core.algos.regularizers import add_terms
+from stapo.core.algos.objective import per_token_objective
 from stapo.core.batch import Batch, derive_seed, mean_or_nan
 from stapo.core.config import Config
+from stapo.core.train.micro import Micro, MicroSpec, micro_batches, micro_spec, row_slices
 from stapo.core.trainer.distributed import DataParallel, check_minibatches, group_minibatches, minibatch_rows
 
 if TYPE_CHECKING:
@@ -76,191 +77,20 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Actor",
+    "Contribution",
+    "ExtraRows",
     "UpdateInputs",
     "UpdateRecord",
+    "UpdateParts",
     "add_loss_sums",
     "loss_sums",
+    "needs_old_pass",
     "step_entropies",
     "step_p05",
     "update_diagnostics",
     "update_metrics",
-    "MicroSpec",
-    "Micro",
-    "UpdateParts",
-    "micro_spec",
-    "needs_old_pass",
-    "pack_rows",
-    "split_rows",
-    "build_micro",
-    "nograd_stats",
-    "token_stats_batched",
     "update_parts",
 ]
-
-# ----------------------------------------------------------------------------- micro-batches
-
-
-@dataclass(frozen=True)
-class MicroSpec:
-    """How rows become forwards: ``tokens`` set = packed, at most that many tokens per forward (a
-    longer row alone); else ``rows`` sequences per forward, padded to the longest."""
-
-    rows: int
-    tokens: int | None = None
-
-    @property
-    def packed(self) -> bool:
-        return self.tokens is not None
-
-
-def micro_spec(cfg: Config) -> MicroSpec:
-    return MicroSpec(cfg.trainer.micro_batch_size, cfg.trainer.micro_batch_tokens)
-
-
-def pack_rows(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """First-fit decreasing: indices into ``lengths`` grouped so each group's total is <= budget
-    (a single longer item gets its own group). Deterministic: ties keep index order."""
-    if budget < 1:
-        raise ValueError(f"trainer.micro_batch_tokens must be >= 1, got {budget}")
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
-        n = int(lengths[i])
-        for b, r in enumerate(room):
-            if n <= r:
-                bins[b].append(i)
-                room[b] -= n
-                break
-        else:
-            bins.append([i])
-            room.append(budget - n)
-    return bins
-
-
-def split_rows(rows: torch.Tensor, lengths: torch.Tensor, spec: MicroSpec) -> list[torch.Tensor]:
-    """This rank's real ``rows`` (batch indices) as micro-batches: packed by tokens, or consecutive
-    chunks of ``spec.rows`` (the mini-batch's order)."""
-    if not rows.numel():
-        return []
-    if spec.tokens is None:
-        return list(rows.split(spec.rows))
-    lens = lengths[rows].tolist()
-    return [rows[torch.tensor(b, dtype=torch.long)] for b in pack_rows(lens, spec.tokens)]
-
-
-@dataclass(frozen=True)
-class Micro:
-    """One forward's inputs and the map from its layout back to the batch's rows.
-
-    ``rows`` are batch row indices [b]; the forward sees ``input_ids`` etc. in its own layout: [b, W]
-    (padded rows, W the rows' real column span) or [1, T] (packed: rows' real tokens back to back,
-    ``position_ids`` restarting per row). ``src`` (packed) holds, per packed token, (row in this
-    micro-batch, column in the batch); ``cols`` (padded) the batch columns kept.
-    """
-
-    rows: torch.Tensor  # [b]
-    input_ids: torch.Tensor  # [b, W] or [1, T]
-    attention_mask: torch.Tensor
-    response_mask: torch.Tensor
-    position_ids: torch.Tensor | None
-    width: int  # L of the batch
-    cols: slice | None = None
-    src: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def tokens(self) -> int:
-        """Tokens the forward computes (padding included): the cost of this micro-batch."""
-        return int(self.input_ids.numel())
-
-    def to_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[b, L, ...] in batch layout -> the forward's layout."""
-        if self.src is None:
-            return x[:, self.cols]
-        r, c = self.src
-        return x[r, c].unsqueeze(0)
-
-    def to_rows(self, y: torch.Tensor) -> torch.Tensor:
-        """The forward's layout -> [b, L, ...] batch layout, zeros elsewhere; keeps the graph."""
-        b = self.rows.numel()
-        if self.src is None:
-            pad = [0, 0] * (y.dim() - 2) + [self.cols.start, self.width - self.cols.stop]
-            return torch.nn.functional.pad(y, pad)
-        out = y.new_zeros((b, self.width, *y.shape[2:]))
-        return out.index_put(self.src, y[0])
-
-
-def build_micro(batch: Batch, rows: torch.Tensor, packed: bool) -> Micro:
-    rows = rows.to(batch.input_ids.device)
-    ids, attn, resp = batch.input_ids[rows], batch.attention_mask[rows], batch.response_mask[rows]
-    L = ids.shape[1]
-    if not packed:
-        cols = attn.bool().any(0).nonzero()
-        span = slice(int(cols[0]), int(cols[-1]) + 1) if cols.numel() else slice(0, L)
-        return Micro(rows, ids[:, span], attn[:, span], resp[:, span], None, L, cols=span)
-    where = attn.bool().nonzero(as_tuple=True)  # row-major: each row's real tokens in order
-    r, c = where
-    starts = torch.zeros_like(r)
-    first = torch.ones_like(r, dtype=torch.bool)
-    first[1:] = r[1:] != r[:-1]
-    starts[first] = torch.arange(r.numel(), device=r.device)[first]
-    starts = torch.cummax(starts, 0).values
-    pos = (torch.arange(r.numel(), device=r.device) - starts).unsqueeze(0)  # [1, T]: 0.. per row
-    return Micro(rows, ids[r, c].unsqueeze(0), torch.ones_like(attn[r, c]).unsqueeze(0), resp[r, c].unsqueeze(0),
-                 pos, L, src=(r, c))
-
-
-def lockstep(dp: Any, local: list[int]) -> list[int]:
-    """Per entry, the largest count over ranks (one all_gather; identity on one rank)."""
-    if not dp.multi:
-        return local
-    rows = dp.gather_rows([float(x) for x in local])
-    return [int(max(col)) for col in zip(*rows, strict=True)] if local else []
-
-
-def with_padding(sets: list[torch.Tensor], calls: int, pad_row: int | None, what: str) -> list[torch.Tensor]:
-    """``sets`` plus micro-batches of the zero-weight padding row up to ``calls`` (data parallel)."""
-    if calls > len(sets):
-        if pad_row is None:
-            raise ValueError(f"{what}: more forwards than micro-batches needs a padding row (pad_row)")
-        sets = sets + [torch.tensor([pad_row])] * (calls - len(sets))
-    return sets
-
-
-def token_stats_batched(backend: TrainerBackend, batch: Batch, micro: int | MicroSpec, temperature: float, *,
-                        calls: int | None = None, pad_row: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """No-grad log-probs and entropies of a whole batch [N, L] each, micro-batch by micro-batch.
-
-    Data parallel: ``pad_row`` is the batch's zero-weight padding row (the last one) and ``calls``
-    the number of forwards every rank makes (ZeRO-3 gathers parameters in each; :func:`lockstep`
-    gives it); forwards past this rank's real rows run on the padding row.
-    """
-    spec = micro if isinstance(micro, MicroSpec) else MicroSpec(int(micro))
-    n = batch.input_ids.shape[0]
-    real = n if pad_row is None else pad_row
-    lengths = batch.attention_mask.sum(1)
-    sets = split_rows(torch.arange(real), lengths.cpu(), spec)
-    sets = with_padding(sets, calls or 0, pad_row, "token_stats_batched")
-    lp_all = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)  # [N, L]
-    ent_all = torch.zeros_like(lp_all)  # [N, L]
-    for rows in sets:
-        m = build_micro(batch, rows, spec.packed)
-        lp_all[m.rows], ent_all[m.rows] = nograd_stats(backend, m, temperature)
-    return lp_all, ent_all
-
-
-def nograd_stats(backend: TrainerBackend, m: Micro, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """No-grad log-probs and entropies of one micro-batch in batch layout [b, L] each (float32)."""
-    lp, ent = backend.token_stats(m.input_ids, m.attention_mask, m.response_mask, grad=False,
-                                  temperature=temperature, position_ids=m.position_ids)
-    dev = m.response_mask.device
-    return m.to_rows(lp.detach().float().to(dev)), m.to_rows(ent.detach().float().to(dev))
-
-
-def old_pass_calls(dp: Any, batch: Batch, spec: MicroSpec, real: int) -> int:
-    """Forwards every rank makes in a no-grad pass over its ``real`` rows (the busiest rank's count)."""
-    local = len(split_rows(torch.arange(real), batch.attention_mask.sum(1).cpu(), spec))
-    return max(1, lockstep(dp, [local])[0])
-
 
 # ----------------------------------------------------------------------------- the configured parts
 
@@ -324,19 +154,43 @@ def needs_old_pass(cfg: Config, extras_need_stats: bool = False) -> bool:
 
 
 @dataclass(frozen=True)
+class ExtraRows:
+    """Rows another objective adds to one optimizer step (DEEP-GRPO's local branch loss): they run
+    through the actor's own mini-batch pass (the configured weighting, loss and aggregation, the
+    weighting's statistics from the gradient forwards, a global normalizer of their own), their loss
+    scaled by ``scale``, and join the step's gradient before the optimizer step."""
+
+    batch: Batch  # its rows; ``response_mask`` marks the tokens the term trains, ``advantages`` their A
+    micros: list[Micro]  # this rank's forwards over its rows of this step (``stapo.core.train.micro``, lockstep)
+    old_lp: torch.Tensor  # [N, L] the sampling policy's log-probs of ``batch``
+    scale: float  # the term's weight in the objective
+    seed: int  # the weighting's own randomness for these rows
+
+
+class Contribution(Protocol):
+    """A term that adds rows to the update's optimizer steps. Before each optimizer step (``update``
+    counts them over the step's epochs and mini-batches, from 0) the actor asks for this step's rows,
+    runs them and hands back what they cost; a contribution never runs a forward itself."""
+
+    def rows(self, update: int) -> ExtraRows | None: ...
+
+    def done(self, update: int, loss: float, tokens: float) -> None: ...
+
+
+@dataclass(frozen=True)
 class UpdateInputs:
     """One step's update, as the loop hands it over (verl's ``DataProto`` to ``update_policy``).
 
-    ``old_lp`` / ``old_ent`` [N, L]: the no-grad pass's statistics (the sampling policy), or None
-    for an on-policy update without one (:func:`needs_old_pass`). ``counts``: every rank's number of
-    real rows under data parallelism (this rank's batch then ends with one zero-weight padding row
-    when it has more rows than ``counts[rank]``); None: one process, every row real. ``record``:
-    where the update stores its token weightings per row for the token dump. ``before_step(update_index,
-    fresh)`` runs right before each optimizer step (DEEP-GRPO's local branch loss). ``off_policy``
-    (``stapo.core.rollout.async_rollout.OffPolicyStep``), for stale asynchronous rows: the loss sees each
-    token's weight times its behaviour weight sg[pi_prox / mu] (AReaL's decoupled objective, with
-    ``old_lp`` the proximal policy), the diagnostics the weighting's own output, and every optimizer
-    step runs at VCPO's ESS-scaled LR.
+    ``old_lp`` / ``old_ent`` [N, L]: the no-grad pass's statistics (the sampling policy,
+    :meth:`Actor.old_stats`), or None for an on-policy update without one (:func:`needs_old_pass`).
+    ``counts``: every rank's number of real rows under data parallelism (this rank's batch then ends
+    with one zero-weight padding row when it has more rows than ``counts[rank]``); None: one process,
+    every row real. ``record``: where the update stores its token weightings per row for the token
+    dump. ``contributions``: terms that add rows to optimizer steps (:class:`Contribution`: DEEP-GRPO's
+    local loss). ``off_policy`` (``stapo.core.rollout.async_rollout.OffPolicyStep``), for stale asynchronous
+    rows: the loss sees each token's weight times its behaviour weight sg[pi_prox / mu] (AReaL's
+    decoupled objective, with ``old_lp`` the proximal policy), the diagnostics the weighting's own
+    output, and every optimizer step runs at VCPO's ESS-scaled LR.
     """
 
     batch: Batch
@@ -345,18 +199,80 @@ class UpdateInputs:
     step: int
     counts: Sequence[int] | None = None
     record: UpdateRecord | None = None
-    before_step: Callable[[int, bool], None] | None = None
+    contributions: Sequence[Contribution] = ()
     off_policy: Any = None
 
 
-class Actor:
-    """The policy's update, end to end (verl's ``DataParallelPPOActor`` as the model): built once per
-    run from the config, the trainer backend and the run's hooks (``stapo.core.train.extras.build_hooks``;
-    the update asks them for the in-update phases: the weighting's live keywords, the additive
-    per-token terms and whether those read p), then :meth:`update` once per step."""
+class _NoHooks:
+    """What the update asks of the run's hooks, for an actor built without any (calibrate, benchmarks)."""
 
-    def __init__(self, cfg: Config, backend: TrainerBackend, hooks: Hooks) -> None:
-        self.cfg, self.backend, self.hooks = cfg, backend, hooks
+    terms_read_stats = False
+
+    def weighting_params(self) -> dict[str, Any]:
+        return {}
+
+    def terms(self, ctx: Any, rows: torch.Tensor, old_lp: torch.Tensor | None) -> list[Any]:
+        return []
+
+
+class Actor:
+    """Every pass over the policy, end to end (verl's ``DataParallelPPOActor`` as the model, which owns
+    ``compute_log_prob`` and ``update_policy``): built once per run from the config, the trainer backend
+    and the run's hooks (``stapo.core.train.extras.build_hooks``; the update asks them for the in-update
+    phases: the weighting's live keywords, the additive per-token terms and whether those read p).
+    :meth:`old_stats` is the no-grad pass, :meth:`distribution` the token dump's and calibrate's,
+    :meth:`update` the step's update; all micro-batch through ``stapo.core.train.micro``."""
+
+    def __init__(self, cfg: Config, backend: TrainerBackend, hooks: Hooks | None = None) -> None:
+        self.cfg, self.backend = cfg, backend
+        self.hooks: Any = hooks if hooks is not None else _NoHooks()
+        self.spec = micro_spec(cfg)
+        self.temperature = stats_temperature(cfg)
+
+    def forwards(self, batch: Batch, counts: Sequence[int] | None = None) -> list[Micro]:
+        """The forwards of a pass over this rank's real rows of ``batch`` (the same count on every rank
+        under data parallelism: ``counts`` as in :class:`UpdateInputs`)."""
+        dp = DataParallel(self.backend)
+        pad_row = _pad_row(batch, counts, dp.rank)
+        real = batch.input_ids.shape[0] if pad_row is None else pad_row
+        return micro_batches(batch, [torch.arange(real)], self.spec, dp=dp, pad_row=pad_row)[0]
+
+    def old_stats(self, batch: Batch, counts: Sequence[int] | None = None, *,
+                  micros: list[Micro] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """No-grad log-probs and entropies [N, L] of the batch's rows under the current policy at the
+        sampling temperature (the old pass: pi_old of an off-policy update, the statistics extras read).
+        ``counts`` as in :class:`UpdateInputs`; ``micros``: :meth:`forwards` of the batch, when the
+        caller holds them already."""
+        lp_all = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)  # [N, L]
+        ent_all = torch.zeros_like(lp_all)  # [N, L]
+        for m in micros if micros is not None else self.forwards(batch, counts):
+            lp_all[m.rows], ent_all[m.rows] = _nograd_stats(self.backend, m, self.temperature)
+        return lp_all, ent_all
+
+    def distribution(self, batch: Batch, rows: Sequence[int], *, top_k: int = 0,
+                     pad: bool = False) -> dict[str, torch.Tensor]:
+        """The full distribution's statistics of ``rows`` under the current policy at the sampling
+        temperature, one no-grad forward per micro-batch (``backend.token_distribution``): ``logprobs``,
+        ``entropy``, ``sum_q2`` and with ``top_k`` ``top_prob`` / ``top_ids``, each [len(rows), L, ...]
+        in the order of ``rows``. ``pad``: the batch ends with this rank's padding row, and every rank
+        makes the busiest rank's number of forwards (data parallel)."""
+        dp = DataParallel(self.backend)
+        pad_row = batch.input_ids.shape[0] - 1 if pad and dp.multi else None
+        (micros,) = micro_batches(batch, [torch.tensor(list(rows), dtype=torch.long)], self.spec,
+                                  dp=dp if pad else None, pad_row=pad_row)
+        where = {r: i for i, r in enumerate(rows)}
+        out: dict[str, torch.Tensor] = {}
+        for m in micros:
+            dist = self.backend.token_distribution(m.input_ids, m.attention_mask, m.response_mask,
+                                                   temperature=self.temperature, top_k=top_k,
+                                                   position_ids=m.position_ids)
+            for k, v in dist.items():
+                v = m.to_rows(v.detach())  # [b, L, ...]
+                if k not in out:
+                    out[k] = torch.zeros((len(rows), *v.shape[1:]), dtype=v.dtype, device=batch.input_ids.device)
+                if not m.padding:  # (padding-row forwards carry nothing)
+                    out[k][torch.tensor([where[r] for r in m.rows.tolist()])] = v.to(out[k].device)
+        return out
 
     def update(self, inputs: UpdateInputs) -> dict[str, float]:
         """K mini-batch updates with the configured token weighting, loss and aggregation -> metrics.
@@ -373,117 +289,168 @@ class Actor:
         """
         cfg, backend, hooks = self.cfg, self.backend, self.hooks
         batch, old_lp, old_ent, step = inputs.batch, inputs.old_lp, inputs.old_ent, inputs.step
-        record, before_step, off_policy = inputs.record, inputs.before_step, inputs.off_policy
+        record, off_policy = inputs.record, inputs.off_policy
         a = cfg.algorithm
         parts = update_parts(cfg, hooks.weighting_params())  # STARE: the scheduled W, M
-        loss_fn, loss_kw, params, temp = parts.loss_fn, parts.loss_kw, parts.params, parts.temperature
         if old_lp is None and a.ppo_epochs * a.mini_batches > 1:
             raise ValueError("update: an off-policy update (ppo_epochs * mini_batches > 1) needs old_lp")
         dp = DataParallel(backend)
         n = batch.input_ids.shape[0]
         counts = [n] if inputs.counts is None else [int(c) for c in inputs.counts]
-        pad_row = counts[dp.rank] if n > counts[dp.rank] else None
+        pad_row = _pad_row(batch, inputs.counts, dp.rank)
         check_minibatches(sum(counts), a.mini_batches)
         gather, reduce = backend.all_gather_1d, backend.all_reduce_sum
-        lengths = batch.attention_mask.sum(1).cpu()  # [N] real tokens per row
         p05 = None  # the step's 5th entropy percentile under the sampling policy (a logged diagnostic)
         if old_ent is not None:
             p05 = step_p05(old_ent, batch.response_mask, gather)
         reads = parts.reads_stats or hooks.terms_read_stats
         bounded = reads and cfg.trainer.update_memory == "bounded"  # "auto" was resolved by the memory plan
         keep_graphs = reads and not bounded
-        fused = parts.fused and not keep_graphs
         diag: dict[str, float] = {}
         taus: list[float] = []
         sums = loss_sums()
         step_out: list[dict[str, float]] = []
         dev = batch.input_ids.device
-        ctx: Any = None
+        mode = _Mode(keep_graphs=keep_graphs, bounded=bounded, fused=parts.fused and not keep_graphs)
 
-        def forward(m: Micro) -> tuple[torch.Tensor, torch.Tensor]:
-            lp, ent = backend.token_stats(m.input_ids, m.attention_mask, m.response_mask, grad=True,
-                                          temperature=temp, position_ids=m.position_ids)
-            return m.to_rows(lp), m.to_rows(ent)  # [b, L] each, graph kept
-
-        fresh = True  # parameters unchanged since the step's statistics were taken
         for epoch in range(a.ppo_epochs):
             gen = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch))
             baseline = off_policy.baseline if off_policy is not None else None  # VCPO's: whole groups per mini-batch
             rows = (group_minibatches(baseline.groups, a.mini_batches, gen) if baseline is not None
                     else minibatch_rows(counts, dp.rank, a.mini_batches, gen))
-            plan = [split_rows(r, lengths, parts.spec) for r in rows]
-            calls = lockstep(dp, [max(1, len(p)) for p in plan])
-            for mb_index, (sets, k) in enumerate(zip(plan, calls, strict=True)):
-                n_real = sum(int(s.numel()) for s in sets)
-                micros = [build_micro(batch, s, parts.spec.packed)
-                          for s in with_padding(sets, k, pad_row, "update")]
+            plan = micro_batches(batch, rows, parts.spec, dp=dp, pad_row=pad_row)
+            for mb_index, micros in enumerate(plan):
                 mb_rows = torch.cat([m.rows for m in micros]).to(dev)  # [n_mb] batch rows, real ones first
-                bounds = [0]
-                for m in micros:
-                    bounds.append(bounds[-1] + m.rows.numel())
-                slices = [slice(s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+                n_real = sum(int(m.rows.numel()) for m in micros if not m.padding)
                 if baseline is not None:  # VCPO: this mini-batch's advantages at the current weights
                     baseline.advantages(backend, batch, mb_rows[:n_real].tolist(), old_lp, parts)
-                mb = MiniBatch(parts, params, batch.advantages[mb_rows], batch.response_mask[mb_rows],
+                mb = MiniBatch(parts, parts.params, batch.advantages[mb_rows], batch.response_mask[mb_rows],
                                old_lp[mb_rows] if old_lp is not None else None, gather, reduce, a.entropy_coef,
                                seed=derive_seed(cfg.trainer.seed, step, epoch, mb_index, 0x52), rank=dp.rank)
-                if keep_graphs:  # statistics first: every forward's graph kept until the weights are known
-                    graphs = [forward(m) for m in micros]
-                    ctx, tw, norm = mb.weights(torch.cat([g[0].detach() for g in graphs]),
-                                               torch.cat([g[1].detach() for g in graphs]))
-                    tw_loss = off_policy.weigh(tw, mb_rows) if off_policy is not None else tw
-                    terms = hooks.terms(ctx, mb_rows, old_lp)
-                    losses = []
-                    for sl, (lp, ent) in zip(slices, graphs, strict=True):
-                        loss, mets = mb.loss(sl, lp, ent, tw_loss, norm, terms)
-                        losses.append(loss)
-                        add_loss_sums(sums, loss, mets)
-                    # ONE backward through every kept graph: a backend pairs each backward with the forwards
-                    # before it (DeepSpeed's micro-step bookkeeping; ZeRO-3 re-gathers parameters for it)
-                    backend.backward(torch.stack(losses).sum())
-                    del graphs, losses
-                else:  # weights first (from the mask alone, or bounded: a no-grad statistics pass), then
-                    # each micro-batch forward + backward at once
-                    if bounded:
-                        stats = [nograd_stats(backend, m, temp) for m in micros]
-                        ctx0, tw, norm = mb.weights(torch.cat([s[0] for s in stats]), torch.cat([s[1] for s in stats]))
-                        del stats
-                    else:
-                        zeros = torch.zeros(mb.mask.shape, dtype=torch.float32, device=dev)
-                        ctx0, tw, norm = mb.weights(zeros, zeros)
-                    tw_loss = off_policy.weigh(tw, mb_rows) if off_policy is not None else tw
-                    terms = hooks.terms(ctx0, mb_rows, old_lp)
-                    lps: list[torch.Tensor] = []
-                    ents: list[torch.Tensor] = []
-                    for m, sl in zip(micros, slices, strict=True):
-                        if fused:
-                            loss, lp, ent = mb.fused(backend, m, sl, tw_loss, norm, terms)
-                            with torch.no_grad():  # the clip metrics, from the pass's own (detached) log-probs
-                                old = mb.old[sl] if mb.old is not None else lp
-                                _, mets = loss_fn(lp, old, mb.adv[sl], mb.mask[sl], **loss_kw)
-                        else:
-                            lp, ent = forward(m)
-                            loss, mets = mb.loss(sl, lp, ent, tw_loss, norm, terms)
-                        backend.backward(loss)
-                        add_loss_sums(sums, loss, mets)
-                        lps.append(lp.detach().float())
-                        ents.append(ent.detach().float())
-                    ctx = mb.context(torch.cat(lps), torch.cat(ents))
+                ctx, tw = self._minibatch(micros, mb, mode, sums,
+                                          weigh=(lambda tw, r=mb_rows: off_policy.weigh(tw, r)) if off_policy is not None
+                                          else None,
+                                          terms=lambda c, r=mb_rows: hooks.terms(c, r, old_lp))
                 if p05 is None:  # no old pass: this (only) mini-batch's forward saw the sampling policy
                     p05 = step_p05(ctx.entropy, ctx.mask, gather)
                 tau_mb = update_diagnostics(cfg, ctx, tw, diag)
                 taus.append(tau_mb)
                 if record is not None:
                     record.put(epoch, mb_index, mb_rows[:n_real], ctx, tw, tau_mb, a.s2t.tau_p)
-                if before_step is not None:  # DEEP-GRPO: lambda * local branch loss joins this update
-                    before_step(len(step_out), fresh)
+                for c in inputs.contributions:  # e.g. DEEP-GRPO: lambda * local branch loss joins this step
+                    self.contribute(c, len(step_out), parts)
                 step_out.append(off_policy.step(backend) if off_policy is not None else backend.step())
-                fresh = False
         # Global, like every logged metric: each rank's loss is its share of the global objective (the
         # normalizer is all-reduced), so the ranks' losses and clip counts add up (one gather, every rank).
         keys = ("loss", "clip_low", "clip_high", "tokens", "ratio_sum")
         sums = dict(zip(keys, dp.sum([sums[k] for k in keys]), strict=True))
         return update_metrics(diag, taus, float("nan") if p05 is None else p05, sums, step_out, a.ppo_epochs)
+
+    def contribute(self, c: Contribution, update: int, parts: UpdateParts | None = None) -> None:
+        """Add a contribution's rows for optimizer step ``update`` to the accumulated gradient through
+        the mini-batch pass (no additive terms, no entropy bonus, no fused path: the term's own
+        objective), then tell it their cost. :meth:`update` calls it before each optimizer step."""
+        parts = parts if parts is not None else update_parts(self.cfg, self.hooks.weighting_params())
+        extra = c.rows(update)
+        if extra is None:
+            return
+        idx = torch.cat([m.rows for m in extra.micros]).to(extra.batch.input_ids.device)  # [b] in forward order
+        mb = MiniBatch(parts, parts.params, extra.batch.advantages[idx], extra.batch.response_mask[idx],
+                       extra.old_lp[idx], self.backend.all_gather_1d, self.backend.all_reduce_sum,
+                       seed=extra.seed, rank=DataParallel(self.backend).rank)
+        sums = loss_sums()
+        self._minibatch(extra.micros, mb, _Mode(keep_graphs=parts.reads_stats, bounded=False, fused=False), sums,
+                        scale=extra.scale)
+        c.done(update, sums["loss"], float(mb.mask.sum()))
+
+    def _minibatch(self, micros: list[Micro], mb: MiniBatch, mode: _Mode, sums: dict[str, float], *,
+                   weigh: Callable[[Any], Any] | None = None, terms: Callable[[Any], list[Any]] | None = None,
+                   scale: float = 1.0) -> tuple[Any, Any]:
+        """One optimizer mini-batch's forwards and backwards (``mb``'s rows in ``micros``' order) ->
+        (TokenContext at the forwards' p and H, the weighting's TokenWeights). ``weigh``: the loss's
+        weights from the weighting's (async's behaviour weights); ``terms``: the additive per-token
+        terms at a context; ``scale``: the loss's factor. The loss sums go to ``sums``."""
+        backend, p = self.backend, mb.parts
+        slices = row_slices(micros)
+        dev = mb.mask.device
+
+        def forward(m: Micro) -> tuple[torch.Tensor, torch.Tensor]:
+            lp, ent = backend.token_stats(m.input_ids, m.attention_mask, m.response_mask, grad=True,
+                                          temperature=p.temperature, position_ids=m.position_ids)
+            return m.to_rows(lp), m.to_rows(ent)  # [b, L] each, graph kept
+
+        def scaled(loss: torch.Tensor) -> torch.Tensor:
+            return loss if scale == 1.0 else scale * loss
+
+        if mode.keep_graphs:  # statistics first: every forward's graph kept until the weights are known
+            graphs = [forward(m) for m in micros]
+            ctx, tw, norm = mb.weights(torch.cat([g[0].detach() for g in graphs]),
+                                       torch.cat([g[1].detach() for g in graphs]))
+            tw_loss = weigh(tw) if weigh is not None else tw
+            ts = terms(ctx) if terms is not None else []
+            losses = []
+            for sl, (lp, ent) in zip(slices, graphs, strict=True):
+                loss, mets = mb.loss(sl, lp, ent, tw_loss, norm, ts)
+                losses.append(scaled(loss))
+                add_loss_sums(sums, losses[-1], mets)
+            # ONE backward through every kept graph: a backend pairs each backward with the forwards
+            # before it (DeepSpeed's micro-step bookkeeping; ZeRO-3 re-gathers parameters for it)
+            backend.backward(torch.stack(losses).sum())
+            del graphs, losses
+            return ctx, tw
+        # weights first (from the mask alone, or bounded: a no-grad statistics pass), then each
+        # micro-batch forward + backward at once
+        if mode.bounded:
+            stats = [_nograd_stats(backend, m, p.temperature) for m in micros]
+            ctx0, tw, norm = mb.weights(torch.cat([s[0] for s in stats]), torch.cat([s[1] for s in stats]))
+            del stats
+        else:
+            zeros = torch.zeros(mb.mask.shape, dtype=torch.float32, device=dev)
+            ctx0, tw, norm = mb.weights(zeros, zeros)
+        tw_loss = weigh(tw) if weigh is not None else tw
+        ts = terms(ctx0) if terms is not None else []
+        lps: list[torch.Tensor] = []
+        ents: list[torch.Tensor] = []
+        for m, sl in zip(micros, slices, strict=True):
+            if mode.fused:
+                loss, lp, ent = mb.fused(backend, m, sl, tw_loss, norm, ts)
+                with torch.no_grad():  # the clip metrics, from the pass's own (detached) log-probs
+                    old = mb.old[sl] if mb.old is not None else lp
+                    _, mets = p.loss_fn(lp, old, mb.adv[sl], mb.mask[sl], **p.loss_kw)
+            else:
+                lp, ent = forward(m)
+                loss, mets = mb.loss(sl, lp, ent, tw_loss, norm, ts)
+            loss = scaled(loss)
+            backend.backward(loss)
+            add_loss_sums(sums, loss, mets)
+            lps.append(lp.detach().float())
+            ents.append(ent.detach().float())
+        return mb.context(torch.cat(lps), torch.cat(ents)), tw
+
+
+@dataclass(frozen=True)
+class _Mode:
+    """How a mini-batch's gradient forwards run (module docstring): graphs kept until the weights are
+    known, bounded (a no-grad statistics pass first), or fused (the LM head's gradient in the forward)."""
+
+    keep_graphs: bool
+    bounded: bool
+    fused: bool
+
+
+def _pad_row(batch: Batch, counts: Sequence[int] | None, rank: int) -> int | None:
+    """This rank's zero-weight padding row (the batch's last) when it holds more rows than its real
+    ones (``counts[rank]``, data parallel), else None."""
+    n = batch.input_ids.shape[0]
+    return counts[rank] if counts is not None and n > counts[rank] else None
+
+
+def _nograd_stats(backend: TrainerBackend, m: Micro, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """No-grad log-probs and entropies of one micro-batch in batch layout [b, L] each (float32)."""
+    lp, ent = backend.token_stats(m.input_ids, m.attention_mask, m.response_mask, grad=False,
+                                  temperature=temperature, position_ids=m.position_ids)
+    dev = m.response_mask.device
+    return m.to_rows(lp.detach().float().to(dev)), m.to_rows(ent.detach().float().to(dev))
 
 
 @dataclass(frozen=True)
@@ -542,8 +509,10 @@ class MiniBatch:
         def token_loss_fn(lp: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
             lp2 = lp.unsqueeze(0)  # [1, n]: the registered loss works on [B, T] tensors
             old = old_f[idx].unsqueeze(0).to(lp.dtype) if old_f is not None else lp2.detach()
-            per_tok, _ = loss_fn(lp2, old, adv_f[idx].unsqueeze(0), mask_f[idx].unsqueeze(0), **loss_kw)
-            per_tok1 = add_terms(per_tok[0], lp, [t.flat(idx) for t in terms_f])  # [n]
+            per_tok, _ = per_token_objective(lp2, old, adv_f[idx].unsqueeze(0), mask_f[idx].unsqueeze(0),
+                                             policy_loss=loss_fn, loss_kwargs=loss_kw,
+                                             terms=[t.flat(idx) for t in terms_f])
+            per_tok1 = per_tok[0]  # [n]
             c = coef_f[idx].to(per_tok1.dtype)  # [n]
             return torch.where(c != 0, c * per_tok1, torch.zeros_like(c))  # as aggregate: 0 where w == 0
 

@@ -29,7 +29,7 @@ from stapo.configs import preset_path
 from stapo.core.batch import collate
 from stapo.core.config import config_from_dict, load_config
 from stapo.core.tracking import read_jsonl
-from stapo.core.train import loop
+from stapo.core.train import loop, update
 from stapo.core.train.update import Actor, UpdateInputs
 from stapo.core.trainer import build_trainer_backend
 from stapo.core.trainer.models import load_policy
@@ -91,7 +91,7 @@ def rl_batch(vocab: int, seed: int = 0) -> loop.Batch:
 def old_stats(b, batch, seed=0):
     """Old log-probs = current ones shifted per token, so ratios land inside and on both sides of
     the clip range [0.8, 1.28] from the first update on."""
-    lp, ent = loop.token_stats_batched(b, batch, 2, 1.0)
+    lp, ent = update.Actor(b.cfg, b).old_stats(batch)
     g = torch.Generator().manual_seed(seed)
     shift = (torch.rand(lp.shape, generator=g) - 0.5) * 0.8  # ratio = exp(-shift) in [0.67, 1.49]
     return lp + shift * batch.response_mask, ent

@@ -1,6 +1,6 @@
 """The loop's hook interface on the real tiny loop: a hook registered by name sees every phase in
-the documented order with the step's state, its ``before_step`` callables run before each optimizer
-step, its metrics are logged, and its state is saved under its name and given back on resume.
+the documented order with the step's state, a contribution it adds is asked for its rows before each
+optimizer step, its metrics are logged, and its state is saved under its name and given back on resume.
 
 What can fail here: a phase called out of order or not at all, a phase run on a step without an
 update, a state that does not reach the checkpoint or does not come back.
@@ -41,7 +41,13 @@ class Recorder(LoopHook):
 
     def before_update(self, st):
         self.calls.append(("before_update", st.step, st.old_lp is not None))  # 2 mini-batches: old pass ran
-        st.before_step.append(lambda update, fresh: self.calls.append(("before_step", st.step, update, fresh)))
+        st.contributions.append(self)
+
+    def rows(self, update):  # a contribution: asked before each optimizer step, it adds no row
+        self.calls.append(("rows", update))
+
+    def done(self, update, loss, tokens):
+        raise AssertionError("a contribution without rows has no cost to report")
 
     def after_update(self, st):
         self.calls.append(("after_update", st.step))
@@ -67,7 +73,7 @@ def test_registered_hook_sees_every_phase_in_order_and_resumes(tmp_path, monkeyp
     cfg = load_config(preset_path("tiny"), [*CFG, "trainer.max_steps=1"])
     loop.train(cfg, tmp_path, log=lambda m: None)
     step_phases = [("sample", 1), ("on_batch", 1, True), ("needs_old_stats", 1, True), ("before_update", 1, True),
-                   ("before_step", 1, 0, True), ("before_step", 1, 1, False), ("after_update", 1), ("after_sync", 1)]
+                   ("rows", 0), ("rows", 1), ("after_update", 1), ("after_sync", 1)]
     row = read_jsonl(tmp_path / "metrics.jsonl")[0]
     assert row["batch/sequences"] > 0  # overlong shaping gives the random model's groups an advantage
     assert calls == [*step_phases, ("close",)]

@@ -88,16 +88,16 @@ def fixed_deep_update(backend_name: str, root_split: list[int], branch_split: li
     def stats(seqs: list, split: list[int]):
         batch = loop.collate_with_pad_row(seqs, 0, pad=pad)
         pad_row = len(seqs) if pad else None
-        lp, ent = loop.token_stats_batched(backend, batch, 2, 1.0, calls=max(1, -(-max(split) // 2)), pad_row=pad_row)
+        lp, ent = Actor(cfg, backend).old_stats(batch, split)
         return batch, pad_row, lp, ent
 
     batch, _, old_lp, old_ent = stats(roots, root_split)
     run = SimpleNamespace(cfg=cfg, backend=backend, pad_id=0)
     br = collate_branches(run, branches, branch_split)  # the branch rows' old pass: micro-batched as configured
     deep = DeepGRPO(cfg)
-    actor = Actor(cfg, backend, Hooks())  # DEEP-GRPO's local loss comes in as before_step, as the hook gives it
+    actor = Actor(cfg, backend, Hooks())  # DEEP-GRPO's local loss comes in as a contribution, as the hook gives it
     m = actor.update(UpdateInputs(batch, old_lp, old_ent, step=1, counts=root_split,
-                                  before_step=deep.local_loss_hook(run, br, step=1)))
+                                  contributions=[deep.local_loss(backend, br, step=1)]))
     m.update(deep.local_metrics(backend))
     params = {n: t.detach().cpu().clone() for n, t in backend.named_parameters_for_sync()}
     return m, params

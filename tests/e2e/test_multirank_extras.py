@@ -2,7 +2,7 @@
 torchrun, DeepSpeed): the same update as one process.
 
 Each extra is run the way ``loop.train`` runs it (the hooks' ``on_batch`` -> global counts ->
-``token_stats_batched`` -> the hooks' ``before_update`` -> ``Actor.update``) on
+``Actor.old_stats`` -> the hooks' ``before_update`` -> ``Actor.update``) on
 one fixed 6-sequence batch (3 groups of 2), split over 2 ranks unevenly ([2, 4]: both ranks hold
 rows, so every global reduction matters) and with rank 1 empty ([6, 0]: it joins every collective
 and forward with its zero-weight padding row). The final parameters must equal the one-process
@@ -201,15 +201,13 @@ def extras_update(backend_name: str, variant: str, split: list[int]) -> tuple[di
         filt.on_batch(st)
     kept = st.kept
     counts = dp.counts(len(kept))
-    micro = cfg.trainer.micro_batch_size
     batch = loop.collate_with_pad_row(kept, 0, pad=dp.multi)
-    pad_row = len(kept) if dp.multi else None
-    calls = max(1, math.ceil(max(counts) / micro))
-    old_lp, old_ent = loop.token_stats_batched(backend, batch, micro, 1.0, calls=calls, pad_row=pad_row)
+    actor = Actor(cfg, backend, hooks)
+    micros = actor.forwards(batch, counts)  # the busiest rank's number of forwards on every rank
+    old_lp, old_ent = actor.old_stats(batch, micros=micros)
     metrics = {"batch/sequences": float(sum(counts))}
-    metrics.update(before_update(hooks, batch, old_lp, old_ent, micro_batch=micro, calls=calls, pad_row=pad_row,
-                                 kept=kept)[1])
-    metrics.update(Actor(cfg, backend, hooks).update(UpdateInputs(batch, old_lp, old_ent, step=1, counts=counts)))
+    metrics.update(before_update(hooks, batch, old_lp, old_ent, micros=micros, kept=kept)[1])
+    metrics.update(actor.update(UpdateInputs(batch, old_lp, old_ent, step=1, counts=counts)))
     params = {n: t.detach().cpu().clone() for n, t in backend.named_parameters_for_sync()}
     return metrics, params
 

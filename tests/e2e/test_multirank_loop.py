@@ -341,14 +341,10 @@ def fixed_update(backend_name: str, split: list[int], silence: str = "lowest_ent
     start = sum(split[:rank])
     mine = seqs[start : start + split[rank]]
     batch = loop.collate_with_pad_row(mine, 0, pad=world > 1)
-    pad_row = len(mine) if world > 1 else None
     from stapo.core.train import update
-    from stapo.core.trainer.distributed import DataParallel
 
-    spec = update.micro_spec(cfg)
-    calls = update.old_pass_calls(DataParallel(backend), batch, spec, len(mine))
-    old_lp, old_ent = loop.token_stats_batched(backend, batch, spec, 1.0, calls=calls, pad_row=pad_row)
     actor = update.Actor(cfg, backend, Hooks())  # (no layer of this config acts inside the update)
+    old_lp, old_ent = actor.old_stats(batch, split)
     m = actor.update(update.UpdateInputs(batch, old_lp, old_ent, step=1, counts=split))
     params = {n: t.detach().cpu().clone() for n, t in backend.named_parameters_for_sync()}
     return m, params

@@ -128,7 +128,7 @@ def test_branches_share_exactly_the_pivot_prefix_and_local_loss_skips_it(tmp_pat
     captured: list = []
     grads: list = []
     orig_branches = deep_mod.DeepGRPO.rollout_branches
-    orig_hook = deep_mod.DeepGRPO.local_loss_hook
+    orig_local = deep_mod.DeepGRPO.local_loss
 
     def spy_branches(self, run, step, seqs):
         br, m = orig_branches(self, run, step, seqs)
@@ -138,34 +138,37 @@ def test_branches_share_exactly_the_pivot_prefix_and_local_loss_skips_it(tmp_pat
         captured.append((snap, br))
         return br, m
 
-    def spy_hook(self, run, br, step, roots=None):
-        hook = orig_hook(self, run, br, step, roots)
-        if hook is None:
+    def spy_local(self, backend, br, step, roots=None):
+        local = orig_local(self, backend, br, step, roots)
+        if local is None:
             return None
-        backend = run.backend
+        real = backend.token_stats
+        rows, done = local.rows, local.done
 
-        def wrapped(update, fresh):
-            real = backend.token_stats
+        def token_stats(input_ids, attention_mask, response_mask=None, *, grad, **kw):
+            lp, ent = real(input_ids, attention_mask, response_mask, grad=grad, **kw)
+            if grad:  # the local loss's gradient forward: [b, L] rows of the branch batch
+                ids = input_ids.detach().cpu()
+                for name, t in (("lp", lp), ("ent", ent)):
+                    if t.requires_grad:
+                        t.register_hook(lambda g, ids=ids, name=name: grads.append((name, ids, g.detach().cpu())))
+            return lp, ent
 
-            def token_stats(input_ids, attention_mask, response_mask=None, *, grad, **kw):
-                lp, ent = real(input_ids, attention_mask, response_mask, grad=grad, **kw)
-                if grad:  # the local loss's gradient forward: [b, L] rows of the branch batch
-                    ids = input_ids.detach().cpu()
-                    for name, t in (("lp", lp), ("ent", ent)):
-                        if t.requires_grad:
-                            t.register_hook(lambda g, ids=ids, name=name: grads.append((name, ids, g.detach().cpu())))
-                return lp, ent
+        def spy_rows(update):  # the actor runs the rows it gets right away, then reports their cost
+            extra = rows(update)
+            if extra is not None:
+                backend.token_stats = token_stats
+            return extra
 
-            backend.token_stats = token_stats
-            try:
-                hook(update, fresh)
-            finally:
-                backend.token_stats = real
+        def spy_done(update, loss, tokens):
+            backend.token_stats = real
+            done(update, loss, tokens)
 
-        return wrapped
+        local.rows, local.done = spy_rows, spy_done
+        return local
 
     monkeypatch.setattr(deep_mod.DeepGRPO, "rollout_branches", spy_branches)
-    monkeypatch.setattr(deep_mod.DeepGRPO, "local_loss_hook", spy_hook)
+    monkeypatch.setattr(deep_mod.DeepGRPO, "local_loss", spy_local)
     _train(_cfg("stapo-deep", "algorithm.mini_batches=1", "trainer.micro_batch_size=64"), tmp_path)
     assert captured and any(br is not None for _, br in captured)
     for seqs, br in captured:

@@ -276,7 +276,7 @@ def test_bounded_update_matches_kept_graphs_under_zero3():
         })
         model, _ = load_policy(cfg.model, device="cpu")
         b = build_trainer_backend(cfg, model, total_optimizer_steps=2)
-        old_lp, old_ent = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)
+        old_lp, old_ent = update.Actor(cfg, b).old_stats(batch)
         update.Actor(cfg, b, run_hooks(cfg)).update(update.UpdateInputs(batch, old_lp, old_ent, step=1))
         out[mode] = params(b)
     assert_same_params(out["bounded"], out["keep_graphs"])

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hook_driver import before_update, run_hooks
+from hook_driver import before_update, forwards, run_hooks
 
 from stapo.core.algos import (
     TokenContext,
@@ -180,7 +180,8 @@ def test_k1_k3_against_the_frozen_reference_model():
     with torch.no_grad():  # the policy trains on: the reference must not follow
         for p in policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    ref_lp = ref.logprobs(ids, attn, resp, micro_batch=1, temperature=1.0).double()
+    batch = loop.Batch(ids, attn, resp, torch.zeros(ids.shape))
+    ref_lp = ref.logprobs(batch, forwards(batch, 1), temperature=1.0).double()
     assert torch.allclose(ref_lp[resp], before[resp], atol=1e-5)
     assert all(p.device.type == "cpu" and not p.requires_grad for p in ref.model.parameters())
     now = _logprobs_by_full_logits(policy, ids)
@@ -271,8 +272,8 @@ def test_minp_stats_from_the_model_match_full_logits():
     model = _tiny()
     ids = torch.tensor([[5, 9, 3, 7, 2, 11]])
     resp = torch.tensor([[False, False, True, True, True, True]])
-    kept, pmax = minp_stats_batched(model, ids, torch.ones_like(ids), resp, min_p=0.3, micro_batch=1,
-                                    temperature=0.7, chunk_size=3)
+    batch = loop.Batch(ids, torch.ones_like(ids), resp, torch.zeros(ids.shape))
+    kept, pmax = minp_stats_batched(model, batch, forwards(batch, 1), min_p=0.3, temperature=0.7, chunk_size=3)
     with torch.no_grad():
         probs = torch.softmax(model(input_ids=ids).logits[0, :-1].double() / 0.7, -1)  # [L-1, V]
     for pos in range(2, 6):
@@ -384,4 +385,4 @@ def test_kl_term_is_elementwise_for_the_fused_path():
     term = kl_token_term(ref, torch.ones(1, 3, dtype=torch.bool), coef=0.3)
     lp = t([[-1.2, -1.0, -0.4]])
     idx = torch.tensor([2, 0])
-    assert torch.allclose(term.flat(idx)(lp[0, idx]), term(lp)[0, idx])
+    assert torch.allclose(term.flat(idx)(lp[:, idx]), term(lp)[:, idx])  # [1, n]

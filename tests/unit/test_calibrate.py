@@ -19,7 +19,6 @@ from stapo.core.batch import Batch
 from stapo.core.train.calibrate import (
     CalibrationSample,
     MiniBatchStats,
-    _distribution,
     analyse,
     entropy_rates,
     grid,
@@ -27,6 +26,7 @@ from stapo.core.train.calibrate import (
     taxonomy,
     token_grad_norms,
 )
+from stapo.core.train.micro import MicroSpec
 
 
 def _mb(p, h, a, q2=None, seed=7):
@@ -125,9 +125,9 @@ def test_gradient_norm_column_equals_a_real_backward_on_the_logits(one_thread):
     cfg, backend = _tiny(temperature=0.7)
     model = backend.model
     batch = _batch(model.config.vocab_size)
-    from stapo.core.train.update import micro_spec
+    from stapo.core.train.update import Actor
 
-    dist = _distribution(backend, batch, micro_spec(cfg), 0.7)
+    dist = Actor(cfg, backend).distribution(batch, range(3))  # at the sampling temperature, 0.7
     m = batch.response_mask
     mb = MiniBatchStats(dist["logprobs"][m], dist["entropy"][m], dist["sum_q2"][m], batch.advantages[m], seed=0)
     column = token_grad_norms(mb)  # [n]
@@ -152,7 +152,8 @@ def test_entropy_step_is_the_first_order_change_of_a_real_sgd_step(one_thread):
     m = batch.response_mask
     subset = m.clone()
     subset[0] = False  # the objective restricted to rows 1 and 2's tokens
-    rates = entropy_rates(model, batch, rows, {"sub": subset}, temperature=1.0, chunk_size=64, micro_rows=2)
+    rates = entropy_rates(model, batch, rows, {"sub": subset}, temperature=1.0, chunk_size=64,
+                          spec=MicroSpec(2))
 
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -181,7 +182,8 @@ def test_entropy_step_is_the_first_order_change_of_a_real_sgd_step(one_thread):
         for p, g in zip(params, grads, strict=True):
             p += eta * g
     row0 = m & ~subset
-    parts = entropy_rates(model, batch, rows, {"sub": subset, "row0": row0}, temperature=1.0, chunk_size=64, micro_rows=3)
+    parts = entropy_rates(model, batch, rows, {"sub": subset, "row0": row0}, temperature=1.0, chunk_size=64,
+                          spec=MicroSpec(3))
     assert parts["sub"] + parts["row0"] == pytest.approx(parts["all"], rel=1e-6)
 
 

@@ -183,14 +183,14 @@ LOCAL_TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_
 
 
 def _local_loss_grads(micro: dict, algorithm: dict, roots: int | None = None) -> tuple[list[dict[str, torch.Tensor]], object]:
-    """The gradient the local (branch) loss adds at updates 0 and 1 (fresh, and not: the policy
-    update's ``before_step`` flag), on 6 branch rows of uneven lengths and prefixes; and the sequences
+    """The gradient the local (branch) loss adds at optimizer steps 0 and 1 (``Actor.contribute``), on 6 branch rows of uneven lengths and prefixes; and the sequences
     per forward of every forward (from the position ids; rows: minus the padded rows; no grad: 0)."""
     from types import SimpleNamespace
 
     from stapo.core.config import config_from_dict
     from stapo.core.train import loop
     from stapo.core.train.deep_grpo import DeepGRPO, collate_branches
+    from stapo.core.train.update import Actor
     from stapo.core.trainer.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
@@ -211,7 +211,8 @@ def _local_loss_grads(micro: dict, algorithm: dict, roots: int | None = None) ->
         kept.append(s)
     run = SimpleNamespace(cfg=cfg, backend=backend, pad_id=0)
     br = collate_branches(run, kept, [len(kept)])
-    before_step = DeepGRPO(cfg, run).local_loss_hook(run, br, step=1, roots=roots)
+    local = DeepGRPO(cfg, run).local_loss(backend, br, step=1, roots=roots)
+    actor = Actor(cfg, backend)
     forwards, token_stats = [], backend.token_stats
 
     def spy(ids, attn, resp, *, grad, temperature, position_ids=None):
@@ -221,9 +222,9 @@ def _local_loss_grads(micro: dict, algorithm: dict, roots: int | None = None) ->
 
     backend.token_stats = spy
     grads = []
-    for update, fresh in ((0, True), (1, False)):
+    for update in (0, 1):  # the first two optimizer steps' local terms, from the same weights
         backend.zero_grad()
-        before_step(update, fresh)
+        actor.contribute(local, update)
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
     return grads, (model, kept, forwards, br)
 

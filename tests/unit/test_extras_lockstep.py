@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hook_driver import before_update, run_hooks
+from hook_driver import before_update, forwards, run_hooks
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from stapo.core.batch import collate, collate_with_pad_row
@@ -54,20 +54,18 @@ def test_minp_pass_makes_exactly_calls_forwards_and_pads_with_the_padding_row(n_
     model = _tiny()
     batch = collate_with_pad_row(_seqs(n_real), 0, pad=True)  # [n_real + 1, L], last row: padding
     counter = _Counter(model)
-    kept, pmax = minp_stats_batched(model, batch.input_ids, batch.attention_mask, batch.response_mask, min_p=0.3,
-                                    micro_batch=2, temperature=1.0, chunk_size=4, calls=4, pad_row=n_real)
+    kept, pmax = minp_stats_batched(model, batch, forwards(batch, 2, calls=4, pad_row=n_real), min_p=0.3,
+                                    temperature=1.0, chunk_size=4)
     assert counter.n == 4  # the busiest rank's count, not this rank's ceil(n_real / 2)
     assert kept[n_real].abs().sum() == 0 and pmax[n_real].abs().sum() == 0  # the padding row: no response
     if n_real:  # real rows: the same statistics as an unpadded pass, row by row
         plain = collate(_seqs(n_real), 0)
-        k1, m1 = minp_stats_batched(model, plain.input_ids, plain.attention_mask, plain.response_mask, min_p=0.3,
-                                    micro_batch=1, temperature=1.0, chunk_size=4)
+        k1, m1 = minp_stats_batched(model, plain, forwards(plain, 1), min_p=0.3, temperature=1.0, chunk_size=4)
         torch.testing.assert_close(kept[:n_real], k1)
         torch.testing.assert_close(pmax[:n_real], m1)
         assert (kept[:n_real] != 0).sum() == plain.response_mask.sum()
-    with pytest.raises(ValueError, match="pad_row"):
-        minp_stats_batched(model, batch.input_ids, batch.attention_mask, batch.response_mask, min_p=0.3,
-                           micro_batch=2, temperature=1.0, calls=9)
+    with pytest.raises(ValueError, match="pad_row"):  # more forwards than rows, and no padding row to run them on
+        forwards(batch, 2, calls=9)
 
 
 @pytest.mark.parametrize("n_real", [3, 0])
@@ -91,8 +89,9 @@ def test_prepare_with_padding_row_reference_on_real_rows_and_proxy_pass_padded(n
     assert pol_calls.n == 3 and ref_calls.n == -(-n_real // 2)
     assert st.ref_lp[n_real].abs().sum() == 0
     if n_real:  # the reference's log-probs of the real rows, by an unpadded call
-        want = reference.logprobs(batch.input_ids[:n_real], batch.attention_mask[:n_real],
-                                     batch.response_mask[:n_real], micro_batch=1, temperature=1.0)
+        plain = loop.Batch(batch.input_ids[:n_real], batch.attention_mask[:n_real], batch.response_mask[:n_real],
+                           batch.advantages[:n_real])
+        want = reference.logprobs(plain, forwards(plain, 1), temperature=1.0)
         torch.testing.assert_close(st.ref_lp[:n_real], want)
         assert m["actor/kl"] > 0
 

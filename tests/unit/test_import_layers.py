@@ -12,8 +12,9 @@ The layers, lowest first (docs/architecture.md draws them):
                                            sampler, rewards
     4 trainer  stapo.core.trainer          the policy (models), backends, data-parallel reductions
     5 rollout  stapo.core.rollout          engines, one step's sampling and grading, asynchronous rollouts
-    6 train    stapo.core.train            the update, the loop's hooks, reference, DEEP-GRPO, the loop,
-                                           checkpoints, the run dir, the memory plan, calibrate
+    6 train    stapo.core.train            the actor's passes and micro-batches, the loop's hooks, reference,
+                                           DEEP-GRPO, the loop, checkpoints, the run dir, the memory plan,
+                                           calibrate
 
 An import that points up (eager, inside a function, or for type checking) would make a lower layer
 depend on a higher one. Imports sit at module top: inside a function only where a layer keeps a

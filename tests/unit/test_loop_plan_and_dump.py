@@ -26,10 +26,11 @@ import pytest
 import torch
 
 from stapo.configs import preset_path
+from stapo.core.batch import Batch
 from stapo.core.config import load_config
 from stapo.core.tracking import read_jsonl
 from stapo.core.train import loop
-from stapo.core.train.update import MicroSpec, split_rows, with_padding
+from stapo.core.train.micro import MicroSpec, micro_batches
 from stapo.core.trainer.distributed import balanced_quota, even_shard, minibatch_rows
 from stapo.core.trainer.torch_backend import TorchBackend
 
@@ -65,19 +66,27 @@ def test_update_plan_same_micro_batches_on_every_rank_and_one_process_split(coun
     lengths = torch.tensor([3, 8, 5, 2, 6, 4, 7, 1, 9])[:n]  # uneven real-token counts, global row order
     one = minibatch_rows([n], 0, mbs, torch.Generator().manual_seed(1))
     plans = [minibatch_rows(counts, r, mbs, torch.Generator().manual_seed(1)) for r in range(len(counts))]
+    def rank_batch(r: int) -> Batch:  # rank r's rows (their real tokens, left-aligned) + its padding row
+        lens = [*lengths[sum(counts[:r]) : sum(counts[: r + 1])].tolist(), 1]
+        attn = torch.tensor([[1] * k + [0] * (9 - k) for k in lens])
+        return Batch(attn, attn, attn, attn.float())
+
     for m, global_rows in enumerate(one):  # the same sequences in each mini-batch as one process
         got = []
         for r, p in enumerate(plans):
             off = sum(counts[:r])
-            micros = split_rows(p[m], lengths[off : off + counts[r]], spec)
-            assert sorted(torch.cat(micros).tolist() if micros else []) == sorted(p[m].tolist())  # each row once
+            (micros,) = micro_batches(rank_batch(r), [p[m]], spec, min_forwards=0)
+            rows = [x.rows for x in micros]
+            assert sorted(torch.cat(rows).tolist() if rows else []) == sorted(p[m].tolist())  # each row once
             if spec.tokens:  # within budget, except a longer row alone
-                assert all(int(lengths[off + x].sum()) <= spec.tokens or len(x) == 1 for x in micros)
+                assert all(int(lengths[off + x].sum()) <= spec.tokens or len(x) == 1 for x in rows)
             got += (p[m] + off).tolist()
         assert sorted(got) == sorted(global_rows.tolist())
+    batch = rank_batch(0)
     with pytest.raises(ValueError, match="padding row"):  # a rank short of forwards needs its padding row
-        with_padding([], 2, None, "test")
-    assert [x.tolist() for x in with_padding([torch.tensor([0])], 3, 4, "test")] == [[0], [4], [4]]
+        micro_batches(batch, [torch.tensor([], dtype=torch.long)], spec, min_forwards=2)
+    (micros,) = micro_batches(batch, [torch.tensor([0])], spec, pad_row=counts[0], min_forwards=3)
+    assert [(x.rows.tolist(), x.padding) for x in micros] == [([0], False), ([counts[0]], True), ([counts[0]], True)]
 
 
 def test_even_shard_pads_every_rank_to_the_same_count():

@@ -259,13 +259,13 @@ def test_vcpo_baseline_per_minibatch_at_the_current_weights(one_thread) -> None:
     base = MinVarianceBaseline(rewards=rewards, groups=[s_.group for s_ in seqs], seq_weights=w, is_cap=1.5,
                                scale_by_std=True, group_adv=torch.full((8,), 0.25, dtype=torch.float64))
     step = OffPolicyStep(batch.response_mask.float(), w.float(), {}, baseline=base)
-    old_lp, _ = update.token_stats_batched(backend, batch, update.micro_spec(cfg), 1.0)
+    old_lp, _ = update.Actor(cfg, backend).old_stats(batch)
     snaps: list = []
     seen: list = []
     real_adv = base.advantages
-    base.advantages = lambda b, bt, rows, *a: seen.append(sorted(rows)) or real_adv(b, bt, rows, *a)
-    inputs = update.UpdateInputs(batch, old_lp, None, step=1, off_policy=step,
-                                 before_step=lambda i, fresh: snaps.append(copy.deepcopy(backend.model)))
+    base.advantages = lambda b, bt, rows, *a: (seen.append(sorted(rows)) or snaps.append(copy.deepcopy(backend.model))
+                                               or real_adv(b, bt, rows, *a))  # (the weights the mini-batch starts from)
+    inputs = update.UpdateInputs(batch, old_lp, None, step=1, off_policy=step)
     update.Actor(cfg, backend, Hooks()).update(inputs)  # (the off-policy step is the input; no layer acts inside)
     assert sorted(seen) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # each group whole, one per optimizer step
     second = seen[1]

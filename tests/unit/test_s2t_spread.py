@@ -350,8 +350,8 @@ def run_update(cfg, model, *, mirror: bool = False):
     if mirror:
         b.all_reduce_sum, b.all_gather_1d = MirrorRank.all_reduce_sum, MirrorRank.all_gather_1d
     batch = public("collate")(spread_sequences(model.config.vocab_size), 0)
-    old_lp, old_ent = public("token_stats_batched")(b, batch, 8, 1.0)
     actor = public("Actor")(cfg, b, run_hooks(cfg))
+    old_lp, old_ent = actor.old_stats(batch)
     metrics = actor.update(public("UpdateInputs")(batch, old_lp, old_ent, step=1))
     return metrics, grads, old_lp, old_ent, batch
 

@@ -98,7 +98,7 @@ def run_update(weighting, loss, agg, mini_batches, epochs, spec, model, batch):
         algorithm.update(eps_low=3e-4, eps_high=4e-4)
     cfg = make_cfg(weighting, algorithm=algorithm, share_prompt_prefix=False, **SPECS[spec])
     b = sgd_backend(cfg, model)
-    old_lp, old_ent = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)
+    old_lp, old_ent = update.Actor(cfg, b).old_stats(batch)
     m = update_once(cfg, b, batch, old_lp, old_ent)
     return m, {n: p.detach().clone() for n, p in b.model.named_parameters()}, old_lp, old_ent
 
@@ -143,8 +143,8 @@ def test_token_stats_packed_matches_padded_and_single_rows(tiny):
                                torch.ones_like(batch.input_ids[i : i + 1, batch.attention_mask[i].bool()]),
                                batch.response_mask[i : i + 1, batch.attention_mask[i].bool()], chunk_size=7)
            for i in range(batch.input_ids.shape[0])]  # each sequence alone, no padding at all
-    for spec in (update.MicroSpec(3), update.MicroSpec(3, tokens=20), update.MicroSpec(3, tokens=1)):
-        lp, ent = update.token_stats_batched(b, batch, spec, 1.0)
+    for tokens in (None, 20, 1):  # rows of 3; packed into 20-token forwards; one row per forward
+        lp, ent = update.Actor(make_cfg(micro_batch_tokens=tokens), b).old_stats(batch)
         for i, (lp_i, ent_i) in enumerate(ref):
             keep = batch.attention_mask[i].bool()
             torch.testing.assert_close(lp[i, keep], lp_i[0].detach(), atol=1e-5, rtol=0)
@@ -152,14 +152,19 @@ def test_token_stats_packed_matches_padded_and_single_rows(tiny):
 
 
 def test_pack_rows_first_fit_decreasing():
-    assert update.pack_rows([5, 9, 3, 7, 2], 10) == [[1], [3, 2], [0, 4]]
-    assert update.pack_rows([12, 1], 10) == [[0], [1]]  # a longer row alone
-    lengths = torch.tensor([5, 9, 3, 7, 2])
-    micros = update.split_rows(torch.arange(5), lengths, update.MicroSpec(2, tokens=10))
-    assert [m.tolist() for m in micros] == [[1], [3, 2], [0, 4]]
-    assert [m.tolist() for m in update.split_rows(torch.arange(5), lengths, update.MicroSpec(2))] == [[0, 1], [2, 3], [4]]
+    from stapo.core.train.micro import MicroSpec, micro_batches, pack_rows
+
+    assert pack_rows([5, 9, 3, 7, 2], 10) == [[1], [3, 2], [0, 4]]
+    assert pack_rows([12, 1], 10) == [[0], [1]]  # a longer row alone
+    lengths = [5, 9, 3, 7, 2]
+    attn = torch.tensor([[1] * n + [0] * (9 - n) for n in lengths])
+    batch = loop.Batch(attn, attn, attn, attn.float())
+    (micros,) = micro_batches(batch, [torch.arange(5)], MicroSpec(2, tokens=10))
+    assert [m.rows.tolist() for m in micros] == [[1], [3, 2], [0, 4]]
+    (micros,) = micro_batches(batch, [torch.arange(5)], MicroSpec(2))
+    assert [m.rows.tolist() for m in micros] == [[0, 1], [2, 3], [4]]
     with pytest.raises(ValueError, match="micro_batch_tokens"):
-        update.pack_rows([1], 0)
+        pack_rows([1], 0)
 
 
 @pytest.mark.parametrize(("weighting", "spec"), [("s2t", "padded"), ("none", "packed"), ("s2t", "packed"),
@@ -169,7 +174,7 @@ def test_onpolicy_update_without_the_nograd_pass(tiny, weighting, spec):
     model, batch = tiny
     cfg = make_cfg(weighting, share_prompt_prefix=True, **SPECS[spec])
     ref_b = sgd_backend(cfg, model)
-    old_lp, old_ent = update.token_stats_batched(ref_b, batch, update.micro_spec(cfg), 1.0)
+    old_lp, old_ent = update.Actor(cfg, ref_b).old_stats(batch)
     ref_m = update_once(cfg, ref_b, batch, old_lp, old_ent)
     b = sgd_backend(cfg, model)
     calls = count_nograd(b)
@@ -191,7 +196,7 @@ def test_no_nograd_forward_inside_the_update(tiny, weighting):
     model, batch = tiny
     cfg = make_cfg(weighting, algorithm={"mini_batches": 4}, fused_loss=False)
     b = sgd_backend(cfg, model)
-    old_lp, old_ent = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)
+    old_lp, old_ent = update.Actor(cfg, b).old_stats(batch)
     calls = count_nograd(b)
     update_once(cfg, b, batch, old_lp, old_ent)
     assert calls["nograd"] == 0
@@ -216,7 +221,7 @@ def test_bounded_update_matches_kept_graphs(tiny, weighting, spec, algorithm):
         cfg = make_cfg(weighting, algorithm=algorithm, share_prompt_prefix=False, update_memory=mode,
                        fused_loss=False, **SPECS[spec])
         b = sgd_backend(cfg, model)
-        old_lp, old_ent = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)
+        old_lp, old_ent = update.Actor(cfg, b).old_stats(batch)
         calls = count_nograd(b)
         m = update_once(cfg, b, batch, old_lp, old_ent)
         runs[mode] = (m, {n: p.detach().clone() for n, p in b.model.named_parameters()}, dict(calls))
@@ -263,8 +268,8 @@ def test_loop_runs_no_separate_statistics_pass_on_policy(tmp_path, monkeypatch):
     cfg = load_config(preset_path("tiny"), ["trainer.max_steps=1", "checkpoint.every=0", "data.val_size=0",
                                             "logging.dump_tokens_every=1", "logging.live=false"])
     passes, stats = [], []
-    real_batched, real_shared = loop.token_stats_batched, prefix.prefix_shared_token_stats
-    monkeypatch.setattr(loop, "token_stats_batched", lambda *a, **k: passes.append(1) or real_batched(*a, **k))
+    real_old, real_shared = update.Actor.old_stats, prefix.prefix_shared_token_stats
+    monkeypatch.setattr(update.Actor, "old_stats", lambda *a, **k: passes.append(1) or real_old(*a, **k))
 
     def shared(*a, **k):
         stats.append(torch.is_grad_enabled())
@@ -345,7 +350,7 @@ def test_unequal_minibatches_each_normalized_by_their_own_tokens(tiny):
     frame = {"prompts_per_step": 5, "n": 2}  # 10 rows asked for; 8 left (filters drop rows)
     cfg = make_cfg("s2t", algorithm={"mini_batches": 5, "s2t": s2t}, rollout=frame, share_prompt_prefix=False)
     b = sgd_backend(cfg, model)
-    old_lp, old_ent = update.token_stats_batched(b, batch, update.micro_spec(cfg), 1.0)
+    old_lp, old_ent = update.Actor(cfg, b).old_stats(batch)
     steps = []
     real_step = b.step
     b.step = lambda: steps.append(1) or real_step()
