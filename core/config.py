@@ -575,7 +575,7 @@ class AlgorithmConfig(_Section):
     @classmethod
     def _registered(cls, name: str, info: Any) -> str:
         """Names are checked against the registries themselves (imported here: the config loads without torch)."""
-        from stapo.core import algos
+        from stapo.core import algos  # here: the config loads without torch
 
         registry = {"advantage": algos.ADVANTAGES, "token_weighting": algos.TOKEN_WEIGHTS,
                     "policy_loss": algos.POLICY_LOSSES, "aggregation": algos.AGGREGATIONS}[info.field_name]
@@ -592,7 +592,7 @@ class AlgorithmConfig(_Section):
     def policy_loss_options(self) -> PolicyLossOptions | None:
         """The configured policy loss's options: the section whose model its registration states
         (``algorithm.maspo`` for ``maspo``); None when it takes none."""
-        from stapo.core.algos import policy_loss_spec
+        from stapo.core.algos import policy_loss_spec  # here: the config loads without torch
 
         model = policy_loss_spec(self.policy_loss).options
         if model is None:
@@ -606,7 +606,7 @@ class AlgorithmConfig(_Section):
     def token_weighting_options(self) -> WeightingOptions | None:
         """The configured weighting's options: the section whose model its registration states (the
         built-ins), else ``weighting_options`` validated by that model; None when it takes none."""
-        from stapo.core.algos import token_weighting_spec
+        from stapo.core.algos import token_weighting_spec  # here: the config loads without torch
 
         model = token_weighting_spec(self.token_weighting).options
         if model is None:
