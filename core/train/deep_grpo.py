@@ -89,7 +89,7 @@ from stapo.core.batch import Batch, Sequence_, collate_with_pad_row, derive_seed
 from stapo.core.rollout import SamplingParams
 from stapo.core.rollout.rollouts import shape_and_advantage
 from stapo.core.train.extras import LoopHook, StepState
-from stapo.core.train.micro import micro_batches, micro_spec
+from stapo.core.train.micro import Micro, micro_batches, micro_spec
 from stapo.core.train.update import Actor, ExtraRows
 from stapo.core.trainer.distributed import DataParallel, minibatch_rows
 
@@ -475,9 +475,9 @@ class LocalLoss:
         self.counts = br.counts or [br.batch.input_ids.shape[0]]
         # the forwards' rows: the local term's tokens (the continuation) are their response positions
         self.batch = Batch(br.batch.input_ids, br.batch.attention_mask, br.suffix, br.batch.advantages)
-        self.plan: list[list[Any]] = []  # this epoch's forwards, per branch mini-batch
+        self.plan: list[list[Micro]] = []  # this epoch's forwards, per branch mini-batch
 
-    def rows(self, update: int) -> Any:
+    def rows(self, update: int) -> ExtraRows | None:
         cfg = self.cfg
         epoch, mb = divmod(update, cfg.algorithm.mini_batches)
         if mb == 0:  # a new pass over the GLOBAL branch rows, split like the root rows
