@@ -31,9 +31,9 @@ from pathlib import Path
 def run_once(args: argparse.Namespace, async_on: bool, root: Path, tag: str) -> dict[str, float]:
     from stapo.configs import preset_path
     from stapo.core.config import load_config
-    from stapo.core.loop import train
-    from stapo.core.run import Run
     from stapo.core.tracking import read_jsonl
+    from stapo.core.train.loop import train
+    from stapo.core.train.run import Run
 
     tiny = {"hidden_size": args.hidden, "num_layers": args.layers, "num_heads": 4,
             "intermediate_size": 2 * args.hidden, "seed": 0}

@@ -30,9 +30,9 @@ def lengths(n: int, *, median: float, sigma: float, lo: int, hi: int, seed: int)
 
 
 def setup(args: argparse.Namespace, micro: dict) -> tuple:
-    from stapo.core import loop
     from stapo.core.config import config_from_dict
-    from stapo.core.models import load_policy
+    from stapo.core.train import loop
+    from stapo.core.trainer.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
     cfg = config_from_dict({
@@ -70,8 +70,8 @@ def counting(backend) -> dict[str, int]:
 
 
 def one(args: argparse.Namespace, micro: dict) -> dict[str, float]:
-    from stapo.core import deep_grpo
-    from stapo.core.update import Actor
+    from stapo.core.train import deep_grpo
+    from stapo.core.train.update import Actor
 
     cfg, run, kept = setup(args, micro)
     br = deep_grpo.collate_branches(run, kept, [len(kept)])

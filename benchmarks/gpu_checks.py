@@ -113,8 +113,8 @@ def _tiny_cfg(device: str, **trainer: Any) -> Any:
 
 
 def _rl_batch(vocab: int, seed: int = 0) -> Any:
-    from stapo.core import loop
     from stapo.core.batch import collate
+    from stapo.core.train import loop
 
     g = torch.Generator().manual_seed(seed)
     seqs = []
@@ -133,9 +133,9 @@ def _grads_after(cfg: Any, fused: bool, autocast: bool = True) -> dict[str, torc
     backend's bf16 autocast switched off, so CUDA computes in fp32 like the CPU)."""
     import contextlib
 
-    from stapo.core import update
-    from stapo.core.extras import Hooks
-    from stapo.core.models import load_policy
+    from stapo.core.train import update
+    from stapo.core.train.extras import Hooks
+    from stapo.core.trainer.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
     cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"fused_loss": fused})})
@@ -190,8 +190,8 @@ def check_deepspeed(dev: torch.device, tiny: bool) -> dict[str, Any]:
         import deepspeed  # noqa: F401
     except ImportError:
         return {"ok": False, "skipped": "deepspeed is not installed (carry its wheel)"}
-    from stapo.core.models import load_policy
     from stapo.core.trainer import build_trainer_backend
+    from stapo.core.trainer.models import load_policy
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -264,7 +264,7 @@ _START: dict[str, torch.Tensor] = {}
 def _start(name: str) -> torch.Tensor:
     """Initial value of a parameter of the tiny model (updates are compared, not raw weights)."""
     if not _START:
-        from stapo.core.models import load_policy
+        from stapo.core.trainer.models import load_policy
 
         model, _ = load_policy(_tiny_cfg("cpu").model, device="cpu")
         _START.update({n: p.detach().float().clone() for n, p in model.named_parameters()})
@@ -276,9 +276,9 @@ def _start(name: str) -> torch.Tensor:
 
 def check_generation(dev: torch.device, tiny: bool) -> dict[str, Any]:
     from stapo.core.config import TinyModel
-    from stapo.core.models import build_tiny_model, build_tiny_tokenizer
     from stapo.core.rollout import SamplingParams
     from stapo.core.rollout.hf import HFRolloutEngine
+    from stapo.core.trainer.models import build_tiny_model, build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     model = build_tiny_model(TinyModel(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128), tok)

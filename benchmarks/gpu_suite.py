@@ -165,8 +165,8 @@ def _long_tail_batch(vocab: int, lengths: list[int], prompt_len: int, group: int
     """Rows prompt + response with the given response lengths, ``group`` responses per prompt."""
     import torch
 
-    from stapo.core import loop
     from stapo.core.batch import collate
+    from stapo.core.train import loop
 
     g = torch.Generator().manual_seed(seed)
     seqs = []
@@ -373,8 +373,8 @@ def part_sync_stream(a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from stapo.core.config import config_from_dict
-    from stapo.core.models import load_policy
     from stapo.core.trainer import build_trainer_backend, load_context
+    from stapo.core.trainer.models import load_policy
 
     dev = _device(a.dry_run)
     dtype = torch.float32 if a.dry_run else torch.bfloat16
@@ -434,9 +434,9 @@ def _plan_peak(a: argparse.Namespace, over: list[str]) -> dict[str, Any]:
 
 
 def part_update_memory(a: argparse.Namespace) -> dict[str, Any]:
-    from stapo.core import update
-    from stapo.core.extras import Hooks
-    from stapo.core.models import load_policy
+    from stapo.core.train import update
+    from stapo.core.train.extras import Hooks
+    from stapo.core.trainer.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
     dev = _device(a.dry_run)
@@ -482,9 +482,9 @@ def part_update_memory(a: argparse.Namespace) -> dict[str, Any]:
 def part_attention(a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from stapo.core import update
-    from stapo.core.extras import Hooks
-    from stapo.core.models import load_policy
+    from stapo.core.train import update
+    from stapo.core.train.extras import Hooks
+    from stapo.core.trainer.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
     sys.path.insert(0, str(HERE))

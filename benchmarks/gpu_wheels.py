@@ -443,7 +443,7 @@ def main() -> None:
         if name == "imports":
             s.add_argument("--standin", default="", help="the stand-in folder on the path (its foreign binaries)")
             s.add_argument("--modules", default="stapo.verifier_service.app,stapo.verifier_service.pool,"
-                           "stapo.core.rewards,stapo.cli.main", help="stapo modules imported first")
+                           "stapo.core.task.rewards,stapo.cli.main", help="stapo modules imported first")
     args = p.parse_args()
     try:
         {"fetch": cmd_fetch, "standin": cmd_standin, "imports": cmd_imports, "check": cmd_check}[args.cmd](args)

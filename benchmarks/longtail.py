@@ -44,8 +44,8 @@ def lengths(n: int, *, median: float, sigma: float, lo: int, hi: int, seed: int)
 
 
 def make_batch(args: argparse.Namespace, vocab: int):
-    from stapo.core import loop
     from stapo.core.batch import collate
+    from stapo.core.train import loop
 
     g = torch.Generator().manual_seed(args.seed)
     resp_lens = lengths(args.prompts * args.n, median=args.median, sigma=args.sigma, lo=32, hi=2048, seed=args.seed)
@@ -105,8 +105,8 @@ def setup(args: argparse.Namespace, model: torch.nn.Module, micro: dict):
 
 def one_step(cfg, b, computed: dict, batch) -> tuple[float, float, int]:
     """(wall s, this process's CPU s, computed tokens) of one step's learner work."""
-    from stapo.core import update
-    from stapo.core.extras import Hooks
+    from stapo.core.train import update
+    from stapo.core.train.extras import Hooks
 
     computed["tokens"] = 0
     t0, c0 = time.perf_counter(), time.process_time()

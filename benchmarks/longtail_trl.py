@@ -98,7 +98,7 @@ def trl_trainer(args: argparse.Namespace, model: torch.nn.Module, cfg: Any, rows
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from stapo.core.models import build_tiny_tokenizer
+    from stapo.core.trainer.models import build_tiny_tokenizer
 
     n_rows = args.prompts * args.n
     per_mini = n_rows // args.mini_batches
@@ -203,7 +203,7 @@ def trl_step(trainer: Any, inputs: dict[str, torch.Tensor], rows: int, mini_batc
 def check_logprobs(stapo_side: tuple, trainer: Any, batch: Any, args: argparse.Namespace) -> float:
     """Max |stapo - TRL| per-token log-prob over every response token (stapo's packed old pass vs
     TRL's scoring forward), before any weight changes. Raises if above TOLERANCE."""
-    from stapo.core import update
+    from stapo.core.train import update
 
     cfg, b, _ = stapo_side
     lp, _ = update.Actor(cfg, b).old_stats(batch)  # [N, L]

@@ -38,7 +38,7 @@ def main() -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from stapo.core.models import build_tiny_tokenizer
+    from stapo.core.trainer.models import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     cfg = Qwen3Config(**ARCHS[args.arch], bos_token_id=None, eos_token_id=tok.eos_token_id,

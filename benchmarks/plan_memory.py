@@ -1,6 +1,6 @@
 """The memory plan against a measured CPU peak: one update of a small model, both update paths.
 
-``stapo.core.plan`` sizes a GPU run from the model's config. Its byte accounting of what an update
+``stapo.core.train.plan`` sizes a GPU run from the model's config. Its byte accounting of what an update
 holds (gradients, AdamW's moments, the checkpointed activations, the kept graphs) is checked here on
 CPU, where the peak resident size is measurable: each row runs in its own process
 
@@ -55,7 +55,7 @@ def batch():
     import torch
 
     from stapo.core.batch import collate
-    from stapo.core.rollouts import Sequence_
+    from stapo.core.rollout.rollouts import Sequence_
 
     g = torch.Generator().manual_seed(0)
     seqs = []
@@ -73,9 +73,9 @@ def child(mode: str, hidden: int, first_update: bool) -> dict:
     """One measurement in this process (the parent starts a fresh one per row)."""
     import torch
 
-    from stapo.core import plan, update
-    from stapo.core.extras import Hooks
-    from stapo.core.models import load_policy
+    from stapo.core.train import plan, update
+    from stapo.core.train.extras import Hooks
+    from stapo.core.trainer.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
     torch.set_num_threads(1)

@@ -45,9 +45,9 @@ def variants(prompts: int, n: int) -> dict[str, list[str]]:
 def run_once(preset: str, overrides: list[str], steps: int) -> list[dict]:
     from stapo.configs import preset_path
     from stapo.core.config import load_config
-    from stapo.core.loop import train
-    from stapo.core.run import Run
     from stapo.core.tracking import read_jsonl
+    from stapo.core.train.loop import train
+    from stapo.core.train.run import Run
 
     cfg = load_config(preset_path(preset), [*QUIET, f"trainer.max_steps={steps}", *overrides])
     with tempfile.TemporaryDirectory() as d:

@@ -106,8 +106,8 @@ def _stapo_cfg(args: argparse.Namespace, extra: list[str]) -> Any:
 
 def _step_prompts(cfg: Any, tokenizer: Any, steps: int) -> list[Any]:
     """The prompt records stapo's loop uses for steps 1..steps, in order."""
-    from stapo.core.data import load_prompts
-    from stapo.core.sampler import prompts_for_step
+    from stapo.core.task.data import load_prompts
+    from stapo.core.task.sampler import prompts_for_step
 
     train, _ = load_prompts(cfg.data, tokenizer)
     out = []
@@ -117,8 +117,8 @@ def _step_prompts(cfg: Any, tokenizer: Any, steps: int) -> list[Any]:
 
 
 def run_stapo(args: argparse.Namespace, baseline: bool) -> list[dict[str, float]]:
-    from stapo.core.loop import train
-    from stapo.core.run import Run
+    from stapo.core.train.loop import train
+    from stapo.core.train.run import Run
 
     cfg = _stapo_cfg(args, BASELINE_OVERRIDES if baseline else [])
     with tempfile.TemporaryDirectory(prefix="vs_trl_stapo_") as tmp:
@@ -173,8 +173,8 @@ def run_trl(args: argparse.Namespace) -> list[dict[str, float]]:
     from datasets import Dataset
     from transformers import TrainerCallback
 
-    from stapo.core.models import load_policy
-    from stapo.core.rewards import RewardFunction
+    from stapo.core.task.rewards import RewardFunction
+    from stapo.core.trainer.models import load_policy
 
     cfg = _stapo_cfg(args, [])
     torch.manual_seed(cfg.trainer.seed)

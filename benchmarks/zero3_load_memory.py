@@ -39,9 +39,9 @@ def rank_child(mode: str, ckpt: str, out: str) -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401  (imports are not the load's memory)
 
     from stapo.core.config import config_from_dict
-    from stapo.core.models import load_policy
     from stapo.core.trainer import build_trainer_backend, load_context
     from stapo.core.trainer.deepspeed_backend import init_distributed
+    from stapo.core.trainer.models import load_policy
 
     torch.set_num_threads(1)
     cfg = config_from_dict({
@@ -95,7 +95,7 @@ def main() -> None:
         return
 
     from stapo.core.config import TinyModel
-    from stapo.core.models import build_tiny_model, build_tiny_tokenizer
+    from stapo.core.trainer.models import build_tiny_model, build_tiny_tokenizer
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

@@ -7,7 +7,7 @@ Samples with the configured rollout engine, grades with the configured grader, t
 and sum pi^2 in the training dtype, applies the registered ``s2t`` weighting per optimizer
 mini-batch and prints the silenced rate per (tau_p, q), the paper's taxonomy of A > 0 tokens with
 their gradient norms, the silenced set's gradient share beside a random same-size set, and a reading.
-Writes ``calibration.json`` and ``calibration.png`` under ``--out``. See :mod:`stapo.core.calibrate`.
+Writes ``calibration.json`` and ``calibration.png`` under ``--out``. See :mod:`stapo.core.train.calibrate`.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def command(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from stapo.core.calibrate import DEFAULT_Q, DEFAULT_TAU_P, analyse, collect, write_outputs
+    from stapo.core.train.calibrate import DEFAULT_Q, DEFAULT_TAU_P, analyse, collect, write_outputs
 
     console = Console()
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),

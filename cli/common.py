@@ -121,7 +121,7 @@ def check_model_path(field: str, name: str, *, gguf_file: str | None = None, tok
 
 def check_inputs(cfg: Config) -> None:
     """The model, tokenizer and data source of ``cfg`` exist and are readable (nothing is loaded)."""
-    from stapo.core.data import DataError, check_source
+    from stapo.core.task.data import DataError, check_source
 
     try:
         check_model_path("model.name_or_path", cfg.model.name_or_path, gguf_file=cfg.model.gguf_file)
@@ -138,7 +138,7 @@ def check_launch(cfg: Config, environ: Mapping[str, str] = os.environ) -> None:
     run's asynchronous rollouts, the vLLM engine imports, every ``rollout.server.urls`` entry answers
     as a ``stapo rollout serve`` server and every ``reward.urls`` entry resolves and answers
     ``/readyz``. Each failure is one :class:`JobError` naming the key."""
-    from stapo.core.async_rollout import check_supported
+    from stapo.core.rollout.async_rollout import check_supported
 
     world = int(environ.get("WORLD_SIZE") or 1)
     if world > 1 and cfg.trainer.backend == "torch":

@@ -116,7 +116,7 @@ def command(
 
     check_engine_and_device(cfg)  # a missing engine or GPU: one line before anything loads
     quiet_known_noise(cfg.trainer.backend)
-    from stapo.core.rewards import RewardError
+    from stapo.core.task.rewards import RewardError
     from stapo.evals.runner import EvalStateError, evaluate, results_table
 
     console = make_console()

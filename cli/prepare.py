@@ -13,7 +13,7 @@ runs offline; ``data.data_dir`` / ``$STAPO_DATA_DIR`` point it at another copy.
 Thin: builds the config (``--config`` file, ``--set`` overrides, then SOURCE / ``--source`` /
 ``--template``),
 loads the tokenizer when one is named (for the length filter), and calls
-:func:`stapo.core.data.prepare_data`. Train on the result with ``--set data.source=prepared/gsm8k``.
+:func:`stapo.core.task.data.prepare_data`. Train on the result with ``--set data.source=prepared/gsm8k``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import typer
 
 from stapo.cli.common import CLIError, ConfigOpt, SetOpt, resolve_config_path
 
-DAPO_HUB_REPO = "BytedTsinghua-SIA/DAPO-Math-17k"  # = stapo.core.data.DAPO_HUB_REPO (not imported: --help stays fast)
+DAPO_HUB_REPO = "BytedTsinghua-SIA/DAPO-Math-17k"  # = stapo.core.task.data.DAPO_HUB_REPO (not imported: --help stays fast)
 
 
 def command(
@@ -97,7 +97,7 @@ def command(
     from rich.table import Table
 
     from stapo.core.config import ConfigError, config_from_dict, load_config
-    from stapo.core.data import DataError, prepare_data
+    from stapo.core.task.data import DataError, prepare_data
 
     if source_arg is not None and source is not None and source_arg != source:
         raise CLIError(f"SOURCE {source_arg!r} and --source {source!r} disagree; give one")
@@ -123,7 +123,7 @@ def command(
 
     tok = None
     if tokenizer is not None:
-        from stapo.core.models import ModelLoadError, load_tokenizer
+        from stapo.core.trainer.models import ModelLoadError, load_tokenizer
 
         try:
             tok = load_tokenizer(cfg.model)
@@ -178,7 +178,7 @@ def _rebuild(source: str | None, out: Path | None, from_file: Path | None, verif
     """``--rebuild``: the hub's DAPO-Math-17k -> dapo_math_17k.jsonl, checked against the shipped copy."""
     from rich.console import Console
 
-    from stapo.core.data import DataError, rebuild_dapo_math_17k
+    from stapo.core.task.data import DataError, rebuild_dapo_math_17k
 
     if source != "dapo_math_17k":
         raise CLIError(f"--rebuild works for dapo_math_17k only (got {source!r}); the benchmarks ship with stapo")

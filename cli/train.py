@@ -9,7 +9,7 @@
 The command builds and validates the config and checks its inputs (model path, data source) before
 it writes anything, so a mistake fails in a second with a one-line message and no run dir left
 behind; then it takes the run dir's lock and trains: ``train(Run.build(cfg, run_dir))``
-(:mod:`stapo.core.run`, :func:`stapo.core.loop.train`; the run dir's rules: :mod:`stapo.core.rundir`). Ctrl-C, or SIGTERM after a checkpoint of the step in flight,
+(:mod:`stapo.core.train.run`, :func:`stapo.core.train.loop.train`; the run dir's rules: :mod:`stapo.core.train.rundir`). Ctrl-C, or SIGTERM after a checkpoint of the step in flight,
 stops the run and prints the last checkpoint and the exact command that resumes it.
 """
 
@@ -37,9 +37,9 @@ from stapo.cli.train_plan import plan_at_start, print_plan
 
 if TYPE_CHECKING:
     from stapo.core.config import Config
-    from stapo.core.loop import TrainResult
-    from stapo.core.plan import Plan
-    from stapo.core.rundir import RunDirOwner
+    from stapo.core.train.loop import TrainResult
+    from stapo.core.train.plan import Plan
+    from stapo.core.train.rundir import RunDirOwner
 
 
 
@@ -147,9 +147,9 @@ def command(
     if plan:
         print_plan(cfg, world_size, card_gib, as_json)
         return
-    from stapo.core.rundir import RunDirBusy, default_run_dir, holds_run, owned
+    from stapo.core.train.rundir import RunDirBusy, default_run_dir, holds_run, owned
 
-    if run_dir is None:  # under a launcher each rank names one; rank 0's is used (stapo.core.rundir)
+    if run_dir is None:  # under a launcher each rank names one; rank 0's is used (stapo.core.train.rundir)
         run_dir = default_run_dir(cfg.algorithm.name)
     check_inputs(cfg)
     check_launch(cfg)
@@ -176,8 +176,8 @@ def run_training(cfg: Config, run_dir: Path, *, resume: bool, log: Callable[[str
     """The library call `stapo train` makes once its checks pass: build the run (with the memory plan
     printed at start, so the run is not planned twice) and train it. The one seam of this command:
     CLI tests stand a recorder in for it to see the config that reached the library."""
-    from stapo.core.loop import train
-    from stapo.core.run import Run
+    from stapo.core.train.loop import train
+    from stapo.core.train.run import Run
 
     return train(Run.build(cfg, run_dir, log=log, plan=plan), resume=resume)
 
@@ -185,13 +185,13 @@ def run_training(cfg: Config, run_dir: Path, *, resume: bool, log: Callable[[str
 def _train(cfg: Config, plan: Plan | None, path: Path, run_dir: Path, resume: bool, owner: RunDirOwner,
            say: Callable[..., None]) -> None:
     """Run the loop; on a failure before the first step, remove what this command wrote."""
-    from stapo.core.rewards import RewardError
-    from stapo.core.rundir import SharedDirError, stop_report
+    from stapo.core.task.rewards import RewardError
+    from stapo.core.train.rundir import SharedDirError, stop_report
 
     say(f"run dir: {run_dir}  (config: {path})")  # rank 0's: the other ranks take its name (agree_run_dir)
     try:
         result = run_training(cfg, run_dir, resume=resume, log=say, plan=plan)
-    except KeyboardInterrupt as err:  # Ctrl-C, and SIGTERM (stapo.core.rundir.Stopped)
+    except KeyboardInterrupt as err:  # Ctrl-C, and SIGTERM (stapo.core.train.rundir.Stopped)
         _quiet_grader_shutdown()
         owner.clean_up(keep_config=True)
         if owner.rank0:  # (another rank's run_dir may be its own default name, not the run's)
@@ -309,7 +309,7 @@ def _check_resumable(run_dir: Path, fresh: bool, max_steps: int, say: Callable[.
     """``--resume`` needs a checkpoint; ``--fresh`` starts a run dir without one over, and says so
     (``say``: rank 0 only under a launcher). True: the run has finished (its last checkpoint is
     ``trainer.max_steps``), said so, nothing to do."""
-    from stapo.core.checkpoint import checkpoint_step, latest_checkpoint
+    from stapo.core.train.checkpoint import checkpoint_step, latest_checkpoint
 
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
@@ -334,14 +334,14 @@ class _Resumed:
     check that a resume changes nothing the run learns unless ``--allow-changes`` says so."""
 
     def __init__(self, run_dir: Path, step: int) -> None:
-        from stapo.core.rundir import resume_config_data
+        from stapo.core.train.rundir import resume_config_data
 
         self.run_dir, self.step = run_dir, step
         self.data = resume_config_data(run_dir, step)  # config.yaml + the recorded changes
 
     @classmethod
     def of(cls, run_dir: Path) -> _Resumed | None:
-        from stapo.core.checkpoint import checkpoint_step, latest_checkpoint
+        from stapo.core.train.checkpoint import checkpoint_step, latest_checkpoint
 
         ckpt = latest_checkpoint(run_dir)
         if ckpt is None or not (run_dir / "config.yaml").is_file():
@@ -352,7 +352,7 @@ class _Resumed:
         """The resumed config: the run's own with ``overrides`` (or ``path``'s, when --config names one).
         Refused in one line naming every changed key that is not bookkeeping, without ``allow_changes``."""
         from stapo.core.config import apply_overrides, config_from_dict, load_config
-        from stapo.core.rundir import BOOKKEEPING_KEYS, config_changes
+        from stapo.core.train.rundir import BOOKKEEPING_KEYS, config_changes
 
         cfg = load_config(path, overrides) if path is not None else config_from_dict(apply_overrides(self.data, overrides))
         changed = [c for c in config_changes(self.data, cfg.model_dump(mode="json", by_alias=True)) if not c.bookkeeping]
@@ -369,7 +369,7 @@ class _Resumed:
 def _record_resume(run_dir: Path, resumed: _Resumed | None, cfg: Config, say: Callable[..., None]) -> None:
     """Rank 0, under the lock: write the resume's changes to the run's record and say them. A resume
     that starts over (no checkpoint, --fresh) drops the record with the old run."""
-    from stapo.core.rundir import CHANGES_NAME, record_config_changes
+    from stapo.core.train.rundir import CHANGES_NAME, record_config_changes
 
     if resumed is None:
         (run_dir / CHANGES_NAME).unlink(missing_ok=True)
@@ -381,7 +381,7 @@ def _record_resume(run_dir: Path, resumed: _Resumed | None, cfg: Config, say: Ca
 
 
 def _check_not_busy(run_dir: Path) -> None:
-    from stapo.core.rundir import RunDirBusy, check_not_busy
+    from stapo.core.train.rundir import RunDirBusy, check_not_busy
 
     try:
         check_not_busy(run_dir)

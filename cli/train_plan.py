@@ -1,4 +1,4 @@
-"""`stapo train --plan` and the memory check `stapo train` runs at start (stapo.core.plan; docs/gpu.md)."""
+"""`stapo train --plan` and the memory check `stapo train` runs at start (stapo.core.train.plan; docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from stapo.cli.common import CLIError, JobError
 
 if TYPE_CHECKING:
     from stapo.core.config import Config
-    from stapo.core.plan import Plan
+    from stapo.core.train.plan import Plan
 
 
 def print_plan(cfg: Config, world_size: int | None, card: float | None, as_json: bool) -> None:
@@ -20,7 +20,7 @@ def print_plan(cfg: Config, world_size: int | None, card: float | None, as_json:
     import json
     import os
 
-    from stapo.core.plan import PlanError, card_gib, plan_run
+    from stapo.core.train.plan import PlanError, card_gib, plan_run
 
     ranks = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -37,8 +37,8 @@ def plan_at_start(cfg: Config, card: float | None) -> tuple[Config, Plan | None]
     path. Returns the config and the plan (None on a CPU), which the run is built with."""
     import os
 
-    from stapo.core.plan import PlanError
-    from stapo.core.plan import plan_at_start as plan_launch
+    from stapo.core.train.plan import PlanError
+    from stapo.core.train.plan import plan_at_start as plan_launch
 
     try:
         cfg2, result = plan_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")), card)

@@ -49,7 +49,7 @@ class Sequence_:
     correct: bool = False
     valid: bool = True
     advantage: float = 0.0
-    # asynchronous rollouts (stapo.core.async_rollout): the policy version that sampled it (None: the
+    # asynchronous rollouts (stapo.core.rollout.async_rollout): the policy version that sampled it (None: the
     # weights this step starts from) and the log-probs its sampler recorded
     version: int | None = None
     behaviour_logprobs: list[float] | None = None

@@ -26,6 +26,7 @@ from typing import Any, Literal, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from stapo.configs import preset_path
 from stapo.core.loss_options import MaspoOptions, PolicyLossOptions
 from stapo.core.weighting_options import S2TOptions, StareOptions, TopEntropyOptions, WeightingOptions
 
@@ -574,7 +575,7 @@ class AlgorithmConfig(_Section):
     @classmethod
     def _registered(cls, name: str, info: Any) -> str:
         """Names are checked against the registries themselves (imported here: the config loads without torch)."""
-        from stapo.core import algos
+        from stapo.core import algos  # here: the config loads without torch
 
         registry = {"advantage": algos.ADVANTAGES, "token_weighting": algos.TOKEN_WEIGHTS,
                     "policy_loss": algos.POLICY_LOSSES, "aggregation": algos.AGGREGATIONS}[info.field_name]
@@ -591,7 +592,7 @@ class AlgorithmConfig(_Section):
     def policy_loss_options(self) -> PolicyLossOptions | None:
         """The configured policy loss's options: the section whose model its registration states
         (``algorithm.maspo`` for ``maspo``); None when it takes none."""
-        from stapo.core.algos import policy_loss_spec
+        from stapo.core.algos import policy_loss_spec  # here: the config loads without torch
 
         model = policy_loss_spec(self.policy_loss).options
         if model is None:
@@ -605,7 +606,7 @@ class AlgorithmConfig(_Section):
     def token_weighting_options(self) -> WeightingOptions | None:
         """The configured weighting's options: the section whose model its registration states (the
         built-ins), else ``weighting_options`` validated by that model; None when it takes none."""
-        from stapo.core.algos import token_weighting_spec
+        from stapo.core.algos import token_weighting_spec  # here: the config loads without torch
 
         model = token_weighting_spec(self.token_weighting).options
         if model is None:
@@ -876,7 +877,7 @@ class Config(_Section):
 
     def _async_checks(self) -> None:
         """Config-level limits of asynchronous rollouts (docs/async.md); what depends on the machine
-        (engine, backend, ranks) is checked when the run starts (stapo.core.async_rollout)."""
+        (engine, backend, ranks) is checked when the run starts (stapo.core.rollout.async_rollout)."""
         r, a, op = self.rollout, self.algorithm, self.algorithm.off_policy
         if (op.ess_lr_scaling or op.min_variance_baseline or op.behaviour_weight_cap is not None) and not r.async_.enabled:
             raise ValueError(
@@ -1002,8 +1003,6 @@ def read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str
     base_name = loaded.pop("extends", None)
     if base_name is None:
         return loaded
-    from stapo.configs import preset_path
-
     base = p.parent / f"{base_name}.yaml" if not str(base_name).endswith((".yaml", ".yml")) else p.parent / base_name
     if not base.is_file():
         base = preset_path(str(base_name)) or base

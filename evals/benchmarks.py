@@ -148,9 +148,9 @@ def resolve_data_dir(configured: str | os.PathLike[str] | None = None) -> Path:
     """The benchmark folder: ``configured`` (``--data-dir`` / ``data.data_dir``) when given, else
     ``$STAPO_DATA_DIR`` when set, else the copies shipped with stapo (``stapo/evals/data``).
 
-    One rule for training data and benchmarks: :func:`stapo.core.data.resolve_data_path`.
+    One rule for training data and benchmarks: :func:`stapo.core.task.data.resolve_data_path`.
     """
-    from stapo.core.data import resolve_data_path
+    from stapo.core.task.data import resolve_data_path
 
     return resolve_data_path(configured)
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from stapo.core.rundir import describe_config_changes
+from stapo.core.train.rundir import describe_config_changes
 from stapo.evals.report import esc, fmt_num, html_page, html_table, img_tag, section
 
 __all__ = [
@@ -356,7 +356,7 @@ def inspect_run(run: Path, *, step: int | None = None, out_dir: Path | None = No
             "mean_measured_all": float(np.nanmean(measured)) if measured.size else None,
         },
         "silenced_tokens": sil,
-        # resumes that changed the config, up to this step (stapo.core.rundir's record)
+        # resumes that changed the config, up to this step (stapo.core.train.rundir's record)
         "config_changes": describe_config_changes(_run_of(dump), up_to=int(dump["step"])),
     }
     if out_dir is not None:

@@ -225,7 +225,7 @@ def run_eval(
 
     ``engine.generate(prompt_token_ids, SamplingParams)`` -> ``[prompt][sample] Completion``;
     ``reward_fn(responses, golds)`` -> an object with ``correct``, ``valid``, ``extracted`` lists
-    (:class:`stapo.core.rewards.RewardFunction`); ``encode(problem_text)`` -> prompt token ids
+    (:class:`stapo.core.task.rewards.RewardFunction`); ``encode(problem_text)`` -> prompt token ids
     (template + chat template applied).
     """
     from stapo.core.rollout import SamplingParams  # light: dataclasses only
@@ -435,7 +435,7 @@ class ModelSource:
     """What ``--model`` resolved to.
 
     ``name_or_path`` is what ``load_policy`` (or vLLM) loads. A training checkpoint holds no HF
-    export, only the trainer's state (``trainer/trainer_state.pt``, see ``core/checkpoint.py``):
+    export, only the trainer's state (``trainer/trainer_state.pt``, see ``core/train/checkpoint.py``):
     then ``name_or_path`` is the run's base model, ``model_config`` the ``model`` section of the
     checkpoint's ``config.yaml``, and the weights in ``state_file`` replace the loaded ones.
     """
@@ -526,10 +526,10 @@ def evaluate(
 ) -> dict[str, Any]:
     """Build the policy, engine and grader from ``cfg`` and run :func:`run_eval` (what `stapo eval` calls)."""
     from stapo.core.config import config_from_dict
-    from stapo.core.data import TEMPLATES, encode_prompt
-    from stapo.core.models import SPECIAL_MODELS, load_policy, resolve_device
-    from stapo.core.rewards import RewardFunction
     from stapo.core.rollout import build_rollout_engine
+    from stapo.core.task.data import TEMPLATES, encode_prompt
+    from stapo.core.task.rewards import RewardFunction
+    from stapo.core.trainer.models import SPECIAL_MODELS, load_policy, resolve_device
     from stapo.verifier_service.grader import answers_equivalent
 
     source = resolve_model(model_path or cfg.model.name_or_path, step=step)

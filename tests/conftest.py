@@ -69,7 +69,7 @@ def stub_train(monkeypatch) -> list:
     records the config it was given and returns at once (the CLI's checks, plan and run-dir handling
     all run). The list fills with those configs."""
     from stapo.cli import train
-    from stapo.core.loop import TrainResult
+    from stapo.core.train.loop import TrainResult
 
     seen: list = []
 

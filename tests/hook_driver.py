@@ -10,7 +10,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class HookRun:
-    """What the hook factories read from a run (``stapo.core.run.Run``), for tests that drive the update's
+    """What the hook factories read from a run (``stapo.core.train.run.Run``), for tests that drive the update's
     phases themselves: the config, the trainer backend (None: layers that need no model) and the
     prompt sampler."""
 
@@ -21,7 +21,7 @@ class HookRun:
 
 def run_hooks(cfg: Any, backend: Any = None) -> Any:
     """The config's hooks, built by the registry the way ``Run.build`` builds them."""
-    from stapo.core.extras import build_hooks
+    from stapo.core.train.extras import build_hooks
 
     return build_hooks(HookRun(cfg, backend))
 
@@ -29,11 +29,11 @@ def run_hooks(cfg: Any, backend: Any = None) -> Any:
 def forwards(batch: Any, micro_batch: int, *, calls: int = 1, pad_row: int | None = None) -> list[Any]:
     """The forwards of a pass over ``batch``'s real rows (all, or those before ``pad_row``) in rows of
     ``micro_batch``, as the busiest of several ranks would have them: at least ``calls``, those past
-    the real rows on ``pad_row`` (``stapo.core.micro.micro_batches``)."""
+    the real rows on ``pad_row`` (``stapo.core.train.micro.micro_batches``)."""
     import torch
 
     from stapo.core.batch import Batch
-    from stapo.core.micro import MicroSpec, micro_batches
+    from stapo.core.train.micro import MicroSpec, micro_batches
 
     if not isinstance(batch, Batch):  # (input_ids, attention_mask, response_mask)
         batch = Batch(*batch, torch.zeros(batch[0].shape))
@@ -47,7 +47,7 @@ def before_update(hooks: Any, batch: Any, old_lp: Any, old_ent: Any, *, micro_ba
     """The loop's ``before_update`` phase after its old pass (``loop.update_step``) on a batch the
     test built, whose forwards are ``micros`` (else :func:`forwards` of ``micro_batch``, ``calls``,
     ``pad_row``): (the step's state, with what the hooks published there, and the phase's metrics)."""
-    from stapo.core.extras import StepState
+    from stapo.core.train.extras import StepState
 
     if micros is None and hasattr(batch, "attention_mask"):
         micros = forwards(batch, micro_batch, calls=calls, pad_row=pad_row)
@@ -59,8 +59,8 @@ def before_update(hooks: Any, batch: Any, old_lp: Any, old_ent: Any, *, micro_ba
 def train_keeping_run(cfg: Any, run_dir: Any, log: Any = lambda _m: None) -> tuple[Any, Any]:
     """``train(Run.build(cfg, run_dir))`` -> (its result, the run): for tests that look at the
     trained model or the rollout engine afterwards."""
-    from stapo.core.loop import train
-    from stapo.core.run import Run
+    from stapo.core.train.loop import train
+    from stapo.core.train.run import Run
 
     run = Run.build(cfg, run_dir, log=log)
     return train(run), run

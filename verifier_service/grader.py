@@ -96,7 +96,7 @@ computed outcome: wrong). ``undecided``: an answer was found but no rule could c
 gold (the gold is not readable as math): no verdict, ``correct`` is False and means nothing.
 ``timeout`` / ``error`` / ``too_large``: grading did not run to the end. Only ``ok`` and
 ``no_answer`` are verdicts; a reward function must not turn the others into a number silently
-(``core/rewards.py`` drops their groups and counts them)."""
+(``core/task/rewards.py`` drops their groups and counts them)."""
 MAX_CHARS = 20_000
 """Default per-field size limit (prediction and gold each), checked before any parsing."""
 logger = logging.getLogger(__name__)

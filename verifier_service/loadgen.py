@@ -46,7 +46,7 @@ _FALLBACK_GOLDS = (
 def default_data_dir() -> Path | None:
     """``$STAPO_DATA_DIR``, else the data shipped with stapo (``stapo/evals/data``), else None.
 
-    Found by path, not by importing ``stapo.core.data``: the service path stays free of heavy imports.
+    Found by path, not by importing ``stapo.core.task.data``: the service path stays free of heavy imports.
     """
     env = os.environ.get("STAPO_DATA_DIR")
     candidates = [Path(env)] if env else []

@@ -2,7 +2,7 @@
 aggregated scalar, plus metrics that add up across micro-batches.
 
 This is the one objective: the trainer's update calls it for every micro-batch (``MiniBatch.loss``
-in ``stapo.core.update``) and the public ``stapo_loss`` calls it for a whole batch.
+in ``stapo.core.train.update``) and the public ``stapo_loss`` calls it for a whole batch.
 
     tw = get_token_weighting(name)(ctx, **options)                          # whole mini-batch, sliced
     norm = global sum of get_aggregation(agg).normalizer(tw_k, mask_k)      # over micro-batches + ranks

@@ -6,7 +6,7 @@ per-mini-batch ESS-scaled LR (:class:`OffPolicyStep`), and VCPO's minimum-varian
 the current weights at the start of each optimizer mini-batch (:class:`MinVarianceBaseline`,
 :func:`loss_grad_sq_norms`). Nothing here knows where the rows came from: a row carries the
 ``version`` that sampled it and its ``behaviour_logprobs`` (asynchronous rollouts,
-``stapo.core.async_rollout``, set both); docs/async.md, "The update on stale rows".
+``stapo.core.rollout.async_rollout``, set both); docs/async.md, "The update on stale rows".
 
 Sources: VCPO, Huang et al. 2026, arXiv 2602.17616, and the authors' code
 (github.com/mit-han-lab/vcpo: ``compute_ess_info``, ``compute_opob_baseline``,
@@ -166,10 +166,10 @@ class MinVarianceBaseline:
     ``MegatronPPOActor.update_policy_per_traj`` with ``grad_baselining``, ``compute_grad_info``,
     ``compute_opob_baseline``): at the start of each optimizer mini-batch, at the current weights,
     W_i = w_i^2 ||g_i||^2 (:func:`loss_grad_sq_norms`; w_i unclipped), b = sum W R / sum W per group
-    (every group whole in one mini-batch: ``stapo.core.distributed.group_minibatches``), and
+    (every group whole in one mini-batch: ``stapo.core.trainer.distributed.group_minibatches``), and
     A_i = (R_i - b) / population std of the group's rewards (GRPO; unscaled where the std is
     <= 1e-8, and for Dr. GRPO). It applies to fresh batches too: with w = 1 it still weighs each
-    sequence by its gradient norm. ``stapo.core.update`` calls :meth:`advantages` per mini-batch."""
+    sequence by its gradient norm. ``stapo.core.train.update`` calls :meth:`advantages` per mini-batch."""
 
     rewards: torch.Tensor  # [n] shaped rewards of the real rows
     groups: list[int]  # [n] prompt group of each row
@@ -220,7 +220,7 @@ def off_policy_step(op: Any, seqs: list[Any], batch: Any, proximal: torch.Tensor
     by the group's std (``grpo``). Rows are ``seqs`` (this rank's real rows, in order). With ``min_variance_baseline`` the step
     carries VCPO's baseline (:class:`MinVarianceBaseline`): the update recomputes the rows'
     advantages (``batch.advantages``) at the start of each mini-batch, on fresh batches too. With data
-    parallelism (``dp``: stapo.core.distributed.DataParallel) the decisions are global: whether
+    parallelism (``dp``: stapo.core.trainer.distributed.DataParallel) the decisions are global: whether
     any row is stale, the ESS and so the LR multiplier (a rank stepping with another LR would
     update its ZeRO partition differently), and the logged statistics.
     """

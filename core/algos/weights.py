@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from stapo.core.batch import derive_seed
 from stapo.core.weighting_options import S2TOptions, StareOptions, TopEntropyOptions, WeightingOptions
 
 from .registry import Registry
@@ -301,8 +302,6 @@ def _random_share(ctx: TokenContext, cand: Tensor, k: int) -> Tensor:
     keys over all ranks are silenced: one gather, no rank offsets, reproducible for a seed."""
     if ctx.seed is None:
         raise ValueError("silence='random' needs TokenContext.seed (the update passes one per mini-batch)")
-    from stapo.core.batch import derive_seed
-
     gen = torch.Generator().manual_seed(derive_seed(ctx.seed, ctx.rank))
     n_local = int(cand.sum())
     keys = torch.rand(n_local, generator=gen, dtype=torch.float64)  # [n_local]

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from stapo.core.lazy import LazyRegistry
 from stapo.core.rollout.base import Completion, FinishReason, RolloutEngine, SamplingParams
+from stapo.core.trainer.models import SPECIAL_MODELS
 
 if TYPE_CHECKING:
     from stapo.core.config import Config
@@ -103,12 +104,10 @@ def build_rollout_engine(
 def _vllm_model_path(cfg: Config, model: Any, tokenizer: Any) -> str:
     """Where vLLM loads the policy from: ``cfg.model.name_or_path``, or an HF-format export of a special model.
 
-    vLLM reads HF-format folders (or hub ids) only. The special names of :mod:`stapo.core.models`
+    vLLM reads HF-format folders (or hub ids) only. The special names of :mod:`stapo.core.trainer.models`
     (``tiny-random``, ``demo:...``) exist only in code, so the learner's model is saved to a temp
     folder once and vLLM loads that; from then on weights travel through ``load_weights``.
     """
-    from stapo.core.models import SPECIAL_MODELS
-
     name = cfg.model.name_or_path
     if name not in SPECIAL_MODELS:
         return name

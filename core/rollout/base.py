@@ -134,7 +134,7 @@ def request_seeds(call_seed: int | None, n_prompts: int, n: int) -> list[int | N
     seeded children), and its sampling noise depends only on that seed and the position. Stepping
     the prompts ``n`` apart therefore gives every sample of a call its own stream: prompt ``p``'s G
     samples take ``call_seed + p*n + i``, none shared with another prompt of the call. The call seed
-    itself is ``derive_seed(seed, step, round, rank)`` (:func:`stapo.core.rollouts.rollout_and_grade`),
+    itself is ``derive_seed(seed, step, round, rank)`` (:func:`stapo.core.rollout.rollouts.rollout_and_grade`),
     so ranks and steps differ by a hash while a rerun draws the same seeds. ``None`` stays ``None``
     (an unseeded call: the engine's own random state).
     """

@@ -54,7 +54,7 @@ from stapo.core.rollout.base import (
     fill_greedy_group,
     prefixed_prompts,
 )
-from stapo.core.trainer.prefix import cache_kwargs
+from stapo.core.trainer.prefix import cache_kwargs, prompt_groups
 
 __all__ = ["HFRolloutEngine", "SampledLogprobRecorder"]
 
@@ -273,8 +273,6 @@ class HFRolloutEngine:
         Position ids follow ``generate``'s (count of real tokens), so the logits are the unshared ones.
         """
         from transformers import DynamicCache
-
-        from stapo.core.trainer.prefix import prompt_groups
 
         first, group = prompt_groups(input_ids, attention_mask, input_ids.shape[1])  # [U], [B]
         if first.numel() == input_ids.shape[0]:

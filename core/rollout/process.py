@@ -1,6 +1,6 @@
 """A rollout engine in a process of its own: the ``hf`` engine on a private copy of the policy, versioned.
 
-Asynchronous rollouts (``stapo.core.async_rollout``) drive every engine through the same versioned
+Asynchronous rollouts (``stapo.core.rollout.async_rollout``) drive every engine through the same versioned
 calls: :meth:`~ProcessRolloutEngine.load_weights` with a ``version``, :meth:`~ProcessRolloutEngine.reserve`
 and :meth:`~ProcessRolloutEngine.generate_at`, as they drive the rollout servers
 (``stapo.core.rollout.vllm_server.ServerRolloutEngine``). The ``hf`` engine shares the learner's model
@@ -42,10 +42,10 @@ import torch
 import torch.multiprocessing as mp
 
 from stapo.core.config import Config, config_from_dict
-from stapo.core.models import load_policy
 from stapo.core.placement import rank_placement
 from stapo.core.rollout import build_rollout_engine
 from stapo.core.rollout.base import Completion, SamplingParams
+from stapo.core.trainer.models import load_policy
 
 __all__ = ["FaultInjection", "ProcessRolloutEngine", "ProducerDied"]
 
@@ -99,7 +99,7 @@ class _Failure:
 class ProcessRolloutEngine:
     """The ``hf`` engine in a producer process (see the module docstring). One caller at a time.
 
-    Usage (what ``stapo.core.async_rollout.AsyncRollouts`` does)::
+    Usage (what ``stapo.core.rollout.async_rollout.AsyncRollouts`` does)::
 
         engine = ProcessRolloutEngine(cfg)
         engine.load_weights(backend.named_parameters_for_sync(), version=0)

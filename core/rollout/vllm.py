@@ -117,7 +117,7 @@ SLEEP_RELEASE_FLAGS = ("sleep_mode_offload_cudagraph", "enable_nccl_comm_suspend
 def sleep_release_flags() -> list[str]:
     """The flags of :data:`SLEEP_RELEASE_FLAGS` that the installed vLLM's ``EngineArgs`` accepts
     (none without vLLM): the engine sets them with sleep mode, and the memory plan charges the update
-    with what a sleep without them keeps (:mod:`stapo.core.plan`)."""
+    with what a sleep without them keeps (:mod:`stapo.core.train.plan`)."""
     import dataclasses
 
     try:

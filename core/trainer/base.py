@@ -2,7 +2,7 @@
 
 A trainer backend owns the learner side of RL: the forward pass that yields per-token log-probs and
 entropies, backward, the optimizer step (clipping, LR schedule, non-finite skip), weight export for
-the rollout engine, and checkpoint state. The RL loop (``stapo.core.loop``) codes against
+the rollout engine, and checkpoint state. The RL loop (``stapo.core.train.loop``) codes against
 :class:`TrainerBackend` only, so ``torch`` (one device) and ``deepspeed`` (ZeRO 0-3, many GPUs and
 nodes) are interchangeable.
 
@@ -43,6 +43,9 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from stapo.core import tokenstats as ts
+from stapo.core.trainer.attention import varlen_kwargs
 
 __all__ = [
     "TrainerBackend",
@@ -318,8 +321,6 @@ def model_inputs(attention_mask: torch.Tensor, position_ids: torch.Tensor | None
     if position_ids.shape != attention_mask.shape:
         raise ValueError(f"position_ids shape {tuple(position_ids.shape)} != attention_mask shape "
                          f"{tuple(attention_mask.shape)}")
-    from stapo.core.trainer.attention import varlen_kwargs
-
     pos = position_ids.to(attention_mask.device)
     return {"attention_mask": None, "position_ids": pos, **varlen_kwargs(pos)}
 
@@ -368,12 +369,6 @@ def forward_as(head: torch.nn.Module, fn: Callable[..., Any]) -> Iterator[None]:
             head.forward = saved  # type: ignore[method-assign]
         else:
             del head.forward
-
-
-def _tokenstats() -> Any:
-    from stapo.core import tokenstats  # imported late: keeps `stapo.core.trainer` import light
-
-    return tokenstats
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
@@ -460,7 +455,6 @@ def compute_token_stats(
     target = stat_targets(attention_mask, response_mask)  # [B, L]
     scale, needs_logits = head_logit_transform(model)
     eff_temperature = temperature / scale
-    ts = _tokenstats()
 
     logprobs = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # [B, L]
     entropy = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # [B, L]
@@ -560,7 +554,6 @@ def compute_token_loss(
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (get_output_embeddings() is None)")
-    ts = _tokenstats()
 
     def per_token(logp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return token_loss_fn(logp, flat[index])  # chunk positions in [0, N) -> flat [B, L] positions

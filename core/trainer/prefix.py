@@ -26,6 +26,9 @@ from typing import Any
 
 import torch
 
+from stapo.core import tokenstats as ts
+from stapo.core.trainer.base import forward_as, head_logit_transform, position_ids_from_mask, stat_targets
+
 __all__ = ["prompt_groups", "trim_columns", "can_share_prefix", "prefix_shared_token_stats", "cache_kwargs"]
 
 
@@ -69,8 +72,6 @@ def _prompt_len(response_mask: torch.Tensor) -> int | None:
 
 
 def can_share_prefix(model: Any, response_mask: torch.Tensor) -> bool:
-    from stapo.core.trainer.base import head_logit_transform
-
     base = getattr(model, "base_model", None)
     p_len = _prompt_len(response_mask)
     return (
@@ -96,9 +97,6 @@ def prefix_shared_token_stats(
     prompt's forward through the repeated KV cache.
     """
     from transformers import DynamicCache
-
-    from stapo.core import tokenstats as ts
-    from stapo.core.trainer.base import forward_as, head_logit_transform, position_ids_from_mask, stat_targets
 
     p_len = _prompt_len(response_mask)
     if p_len is None or p_len < 1:

@@ -15,9 +15,9 @@ import torch
 
 from stapo.configs import preset_path
 from stapo.core.config import load_config
-from stapo.core.loop import train
-from stapo.core.run import Run
 from stapo.core.tracking import read_jsonl
+from stapo.core.train.loop import train
+from stapo.core.train.run import Run
 
 SKIP = ("time/", "perf/", "async/", "offpolicy/", "reward/retried")  # the machine's load, not training
 

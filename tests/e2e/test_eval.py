@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from stapo.core.config import RewardConfig
-from stapo.core.rewards import RewardFunction
 from stapo.core.rollout import Completion, SamplingParams
+from stapo.core.task.rewards import RewardFunction
 from stapo.evals.runner import (
     EvalStateError,
     ModelSource,
@@ -168,7 +168,7 @@ def test_checkpoint_weights_are_the_ones_evaluated(tmp_path: Path) -> None:
     import torch
 
     from stapo.core.config import ModelConfig
-    from stapo.core.models import load_policy
+    from stapo.core.trainer.models import load_policy
 
     mcfg = ModelConfig(name_or_path="tiny-random")
     trained, _ = load_policy(mcfg, device="cpu")

@@ -26,16 +26,16 @@ import torch
 from hook_driver import run_hooks
 
 from stapo.configs import preset_path
-from stapo.core import loop, update
 from stapo.core.batch import collate
 from stapo.core.config import config_from_dict, load_config
-from stapo.core.loop import train
-from stapo.core.models import load_policy
-from stapo.core.run import Run
 from stapo.core.tracking import read_jsonl
+from stapo.core.train import loop, update
+from stapo.core.train.loop import train
+from stapo.core.train.run import Run
+from stapo.core.train.update import Actor, UpdateInputs
 from stapo.core.trainer import build_trainer_backend
+from stapo.core.trainer.models import load_policy
 from stapo.core.trainer.torch_backend import TorchBackend
-from stapo.core.update import Actor, UpdateInputs
 
 LR = 1e-2
 TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64, "seed": 0}

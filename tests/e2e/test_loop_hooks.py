@@ -12,10 +12,10 @@ import json
 
 from stapo.configs import preset_path
 from stapo.core.config import load_config
-from stapo.core.extras import HOOKS, LoopHook, StepState
-from stapo.core.loop import train
-from stapo.core.run import Run
 from stapo.core.tracking import read_jsonl
+from stapo.core.train.extras import HOOKS, LoopHook, StepState
+from stapo.core.train.loop import train
+from stapo.core.train.run import Run
 
 # 2 mini-batches: two optimizer steps per training step; a checkpoint after every step
 CFG = ["model.tiny.vocab=chars", "data.arithmetic.answer_range=null", "rollout.prompts_per_step=2", "rollout.n=4",

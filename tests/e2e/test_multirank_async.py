@@ -36,12 +36,12 @@ RUNS_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, torch
     from stapo.configs import preset_path
-    from stapo.core import async_rollout
+    from stapo.core.rollout import async_rollout
     from stapo.core.algos import vcpo
     from stapo.core.config import load_config
-    from stapo.core.loop import train
+    from stapo.core.train.loop import train
     from stapo.core.rollout import process
-    from stapo.core.run import Run
+    from stapo.core.train.run import Run
 
     if __name__ == "__main__":  # the producer (spawn) and the grader's workers import __main__ again
         out, runs = sys.argv[1], json.loads(sys.argv[2])

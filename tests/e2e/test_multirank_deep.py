@@ -45,12 +45,12 @@ def fixed_deep_update(backend_name: str, root_split: list[int], branch_split: li
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stapo.core import loop
     from stapo.core.config import config_from_dict
-    from stapo.core.deep_grpo import DeepGRPO, collate_branches
-    from stapo.core.extras import Hooks
+    from stapo.core.train import loop
+    from stapo.core.train.deep_grpo import DeepGRPO, collate_branches
+    from stapo.core.train.extras import Hooks
+    from stapo.core.train.update import Actor, UpdateInputs
     from stapo.core.trainer import build_trainer_backend
-    from stapo.core.update import Actor, UpdateInputs
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=32, num_hidden_layers=2,

@@ -113,7 +113,7 @@ def tiny_model() -> torch.nn.Module:
 
 def fixed_seqs() -> list:
     """The fixed 6-sequence batch (3 groups of 2)."""
-    from stapo.core import loop
+    from stapo.core.train import loop
 
     g = torch.Generator().manual_seed(3)
     seqs = []
@@ -174,12 +174,12 @@ def extras_update(backend_name: str, variant: str, split: list[int]) -> tuple[di
     """
     from hook_driver import before_update, run_hooks
 
-    from stapo.core import loop
     from stapo.core.config import config_from_dict
-    from stapo.core.distributed import DataParallel
-    from stapo.core.extras import StepState
+    from stapo.core.train import loop
+    from stapo.core.train.extras import StepState
+    from stapo.core.train.update import Actor, UpdateInputs
     from stapo.core.trainer import build_trainer_backend
-    from stapo.core.update import Actor, UpdateInputs
+    from stapo.core.trainer.distributed import DataParallel
 
     model = tiny_model()
     cfg_dict = _merge(BASE, VARIANTS[variant][0])

@@ -29,7 +29,7 @@ def test_two_ranks_train_asynchronously_through_two_servers(tmp_path: Path) -> N
     from stapo.configs import preset_path
     from stapo.core.batch import derive_seed
     from stapo.core.config import load_config
-    from stapo.core.models import load_policy
+    from stapo.core.trainer.models import load_policy
 
     model, tok = load_policy(load_config(preset_path("tiny")).model)
     with FakeVLLMServer(copy.deepcopy(model), tok) as s1, FakeVLLMServer(copy.deepcopy(model), tok) as s2:

@@ -49,9 +49,9 @@ LOOP_SCRIPT = textwrap.dedent(
     import json, os, sys, torch
     from stapo.configs import preset_path
     from stapo.core.config import load_config
-    from stapo.core.extras import LoopHook, register_hook
-    from stapo.core.loop import train
-    from stapo.core.run import Run
+    from stapo.core.train.extras import LoopHook, register_hook
+    from stapo.core.train.loop import train
+    from stapo.core.train.run import Run
 
 
     class StepSequences(LoopHook):
@@ -123,12 +123,12 @@ def same_prompt_samples(out: str) -> None:
 
     from stapo.configs import preset_path
     from stapo.core.config import load_config
-    from stapo.core.data import encode_prompt, load_prompts
-    from stapo.core.models import load_policy
-    from stapo.core.rewards import RewardFunction
     from stapo.core.rollout import build_rollout_engine
-    from stapo.core.rollouts import rollout_and_grade
-    from stapo.core.sampler import build_sampler
+    from stapo.core.rollout.rollouts import rollout_and_grade
+    from stapo.core.task.data import encode_prompt, load_prompts
+    from stapo.core.task.rewards import RewardFunction
+    from stapo.core.task.sampler import build_sampler
+    from stapo.core.trainer.models import load_policy
 
     cfg = load_config(preset_path("tiny"), TINY_SHAPE)
     model, tok = load_policy(cfg.model)
@@ -316,9 +316,9 @@ def fixed_update(backend_name: str, split: list[int], silence: str = "lowest_ent
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stapo.core import loop
     from stapo.core.config import config_from_dict
-    from stapo.core.extras import Hooks
+    from stapo.core.train import loop
+    from stapo.core.train.extras import Hooks
     from stapo.core.trainer import build_trainer_backend
 
     torch.manual_seed(0)
@@ -345,7 +345,7 @@ def fixed_update(backend_name: str, split: list[int], silence: str = "lowest_ent
     start = sum(split[:rank])
     mine = seqs[start : start + split[rank]]
     batch = loop.collate_with_pad_row(mine, 0, pad=world > 1)
-    from stapo.core import update
+    from stapo.core.train import update
 
     actor = update.Actor(cfg, backend, Hooks())  # (no layer of this config acts inside the update)
     old_lp, old_ent = actor.old_stats(batch, split)

@@ -26,7 +26,6 @@ import yaml
 from hook_driver import train_keeping_run
 
 from stapo.core.config import TinyModel
-from stapo.core.models import build_tiny_model, build_tiny_tokenizer
 from stapo.core.rollout import SamplingParams
 from stapo.core.rollout.vllm_server import (
     RolloutRequestError,
@@ -35,6 +34,7 @@ from stapo.core.rollout.vllm_server import (
     ServerRolloutEngine,
     write_safetensors_shards,
 )
+from stapo.core.trainer.models import build_tiny_model, build_tiny_tokenizer
 from tests.service.vllm_fake import FakeVLLMServer
 
 PROMPT = [5, 6, 7, 8]
@@ -302,7 +302,7 @@ def test_train_runs_through_the_servers(tmp_path):
     servers, a push after each step (versions 0, 1, 2), and the servers end with the learner's weights."""
     from stapo.configs import preset_path
     from stapo.core.config import load_config
-    from stapo.core.models import load_policy
+    from stapo.core.trainer.models import load_policy
 
     base = ["logging.live=false", "logging.tensorboard=false", "trainer.max_steps=2", "eval.every=0"]
     model, tok = load_policy(load_config(preset_path("tiny"), base).model)  # what the learner starts from
@@ -370,7 +370,7 @@ def test_documented_train_lines_run_through_two_servers(tmp_path):
     from stapo.cli.main import app
     from stapo.configs import preset_path
     from stapo.core.config import load_config
-    from stapo.core.models import load_policy
+    from stapo.core.trainer.models import load_policy
 
     lines = [ln for ln in _servers_section_lines() if ln.startswith("stapo train")]
     assert len(lines) == 2
@@ -440,7 +440,7 @@ def _deterministic(rows):
 def tiny_policy():
     from stapo.configs import preset_path
     from stapo.core.config import load_config
-    from stapo.core.models import load_policy
+    from stapo.core.trainer.models import load_policy
 
     return load_policy(load_config(preset_path("tiny")).model)
 

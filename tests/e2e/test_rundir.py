@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from stapo.core.rundir import LOCK_NAME, RunDirBusy, lock_run_dir
+from stapo.core.train.rundir import LOCK_NAME, RunDirBusy, lock_run_dir
 
 pytestmark = pytest.mark.long  # real training processes, a few seconds each
 
@@ -100,7 +100,7 @@ def test_second_run_into_a_busy_dir_refuses_and_the_first_stays_whole(tmp_path):
 def test_lock_of_a_killed_run_is_taken_over(tmp_path):
     run = tmp_path / "x"
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from stapo.core.rundir import lock_run_dir; lock_run_dir(sys.argv[1]); "
+        "import sys, time; from stapo.core.train.rundir import lock_run_dir; lock_run_dir(sys.argv[1]); "
         "print('held', flush=True); time.sleep(600)"), str(run)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(RunDirBusy, match=f"pid {holder.pid} on "):

@@ -13,9 +13,9 @@ import pytest
 from stapo.cli.train import method_overrides
 from stapo.configs import preset_path
 from stapo.core.config import load_config
-from stapo.core.loop import train
-from stapo.core.run import Run
 from stapo.core.tracking import read_jsonl
+from stapo.core.train.loop import train
+from stapo.core.train.run import Run
 
 pytestmark = pytest.mark.long  # three tiny runs (10 steps) in one fixture
 

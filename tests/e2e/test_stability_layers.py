@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from stapo.configs import preset_path
-from stapo.core import deep_grpo as deep_mod
 from stapo.core.config import load_config
-from stapo.core.loop import train
-from stapo.core.run import Run
 from stapo.core.tracking import read_jsonl
+from stapo.core.train import deep_grpo as deep_mod
+from stapo.core.train.loop import train
+from stapo.core.train.run import Run
 
 # The recipes are GPU recipes; these overrides shrink them to the tiny random model on CPU and keep
 # every layer switch as the recipe sets it. Overlong shaping over the whole budget gives rewards

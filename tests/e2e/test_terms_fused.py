@@ -9,7 +9,7 @@ import torch
 from hook_driver import before_update, run_hooks
 from test_fused_loss import make_backend, make_cfg, old_stats, rl_batch  # same folder: shared fixtures
 
-from stapo.core.update import Actor, UpdateInputs
+from stapo.core.train.update import Actor, UpdateInputs
 
 TERMS = {
     "kl-ref": {"token_weighting": "none", "kl_coef": 0.5, "kl": {"reference": "initial", "dtype": "float32"}},

@@ -16,9 +16,9 @@ import torch
 
 from stapo.configs import preset_path
 from stapo.core.config import load_config
-from stapo.core.loop import train
-from stapo.core.run import Run
 from stapo.core.tracking import read_jsonl
+from stapo.core.train.loop import train
+from stapo.core.train.run import Run
 
 REQUIRED = [
     "step", "reward/mean", "reward/std", "entropy/mean", "stapo/silenced_frac",
@@ -138,7 +138,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 
 def test_reward_outage_fails_loudly(tmp_path):
-    from stapo.core.rewards import RewardError
+    from stapo.core.task.rewards import RewardError
 
     cfg = tiny("reward.urls=['http://127.0.0.1:9']", "data.val_size=0", "trainer.max_steps=1")
     with pytest.raises(RewardError, match="127.0.0.1:9"):

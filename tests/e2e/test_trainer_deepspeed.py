@@ -252,9 +252,9 @@ def test_bounded_update_matches_kept_graphs_under_zero3():
     statistics pass sits between DeepSpeed's micro-steps): the same parameters as keeping the graphs."""
     from hook_driver import run_hooks
 
-    from stapo.core import loop, update
     from stapo.core.batch import collate
-    from stapo.core.models import load_policy
+    from stapo.core.train import loop, update
+    from stapo.core.trainer.models import load_policy
 
     g = torch.Generator().manual_seed(0)
     seqs = []

@@ -116,7 +116,7 @@ def _check_greedy_matches(urls: list[str], learner, tok, prompts: list[list[int]
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     from stapo.core.config import TinyModel
-    from stapo.core.models import build_tiny_model, build_tiny_tokenizer
+    from stapo.core.trainer.models import build_tiny_model, build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     model = build_tiny_model(TinyModel(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256), tok)

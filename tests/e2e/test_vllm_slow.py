@@ -63,8 +63,8 @@ def setup(tmp_path_factory):
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from stapo.core.config import TinyModel
-    from stapo.core.models import build_tiny_model, build_tiny_tokenizer
     from stapo.core.rollout.vllm import VLLMRolloutEngine
+    from stapo.core.trainer.models import build_tiny_model, build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     # head_dim 64: a size every vLLM attention backend supports
@@ -197,7 +197,7 @@ if __name__ == "__main__":
     sys.path.insert(0, {test_dir!r})
     from test_vllm_slow import _hf_greedy, MAX_NEW
     from transformers import AutoModelForCausalLM
-    from stapo.core.models import build_tiny_tokenizer
+    from stapo.core.trainer.models import build_tiny_tokenizer
     from stapo.core.rollout import SamplingParams
     from stapo.core.rollout.vllm import VLLMRolloutEngine
 
@@ -217,12 +217,12 @@ if __name__ == "__main__":
     from types import SimpleNamespace
     from stapo.core.config import load_config
     from stapo.configs import preset_path
-    from stapo.core.rollouts import rollout_and_grade
-    from stapo.core.sampler import build_sampler
+    from stapo.core.rollout.rollouts import rollout_and_grade
+    from stapo.core.task.sampler import build_sampler
     cfg = load_config(preset_path("tiny"), ["rollout.engine=vllm", "rollout.prompts_per_step=2", "rollout.n=4",
                                             f"rollout.max_new_tokens={{MAX_NEW}}"])
     rec = SimpleNamespace(id="p0", prompt="12+7=", answer="19")
-    from stapo.core.rewards import RewardFunction
+    from stapo.core.task.rewards import RewardFunction
     rewards = RewardFunction(cfg.reward)
     encode = lambda r: tok.encode(r.prompt)
     run = SimpleNamespace(cfg=cfg, engine=engine, rewards=rewards, train_prompts=[rec] * 2, encode=encode,

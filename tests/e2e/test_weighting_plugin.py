@@ -16,9 +16,9 @@ from pydantic import Field
 from stapo.configs import preset_path
 from stapo.core.algos import TOKEN_WEIGHTS, TokenContext, TokenWeights, register_token_weighting
 from stapo.core.config import ConfigError, load_config
-from stapo.core.loop import train
-from stapo.core.run import Run
 from stapo.core.tracking import read_jsonl
+from stapo.core.train.loop import train
+from stapo.core.train.run import Run
 from stapo.core.weighting_options import WeightingOptions
 
 NAME = "scaled_test"

@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent(
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     from stapo.core.config import config_from_dict
-    from stapo.core.models import count_params, is_partitioned, load_policy
+    from stapo.core.trainer.models import count_params, is_partitioned, load_policy
     from stapo.core.trainer import build_trainer_backend, load_context
     from test_trainer_deepspeed import params, rollout_batch
 
@@ -103,7 +103,7 @@ SCRIPT = textwrap.dedent(
 
 def test_zero3_loads_partitioned_and_updates_like_whole(tmp_path):
     from stapo.core.config import TinyModel
-    from stapo.core.models import build_tiny_model, build_tiny_tokenizer
+    from stapo.core.trainer.models import build_tiny_model, build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     model = build_tiny_model(TinyModel(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64), tok)
@@ -168,8 +168,8 @@ def test_only_zero3_loads_under_a_context(backend, stage):
 def test_a_device_deepspeed_does_not_drive_is_refused_before_the_load(tmp_path):
     """trainer.device=cuda while DeepSpeed's accelerator is the CPU: one line naming the key, before
     from_pretrained reads anything (the path does not even exist)."""
-    from stapo.core.models import load_policy
     from stapo.core.trainer import load_context
+    from stapo.core.trainer.models import load_policy
 
     cfg = _cfg("deepspeed", 3, device="cuda", name=str(tmp_path / "no-such-model"))
     with pytest.raises(ValueError, match=r"^trainer.device='cuda' but DeepSpeed's accelerator is 'cpu'"):

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from stapo.core.config import RewardConfig
-from stapo.core.rewards import RewardError, RewardFunction
+from stapo.core.task.rewards import RewardError, RewardFunction
 from tests.service.conftest import free_port, start_server
 
 TOKEN = "t0ken-for-the-security-tests"

@@ -16,20 +16,20 @@ import time
 import pytest
 import torch
 
-from stapo.core.async_rollout import (
+from stapo.core.config import load_config
+from stapo.core.rollout.async_rollout import (
     AsyncRollouts,
     FaultInjection,
     ProducerDied,
     generating_version,
     staleness,
 )
-from stapo.core.config import load_config
-from stapo.core.data import encode_prompt, load_prompts
-from stapo.core.models import load_policy
-from stapo.core.rewards import RewardFunction
 from stapo.core.rollout.process import ProcessRolloutEngine
-from stapo.core.rollouts import RolloutInputs
-from stapo.core.sampler import build_sampler
+from stapo.core.rollout.rollouts import RolloutInputs
+from stapo.core.task.data import encode_prompt, load_prompts
+from stapo.core.task.rewards import RewardFunction
+from stapo.core.task.sampler import build_sampler
+from stapo.core.trainer.models import load_policy
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "seed": 0}
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 from hook_driver import before_update, forwards, run_hooks
 
-from stapo.core import loop
 from stapo.core.algos import (
     TokenContext,
     dynamic_sampling_values,
@@ -33,11 +32,12 @@ from stapo.core.algos.lpreg import (
 from stapo.core.algos.regularizers import entropy_bonus, kl_token_term, lp_reg_token_term
 from stapo.core.algos.stare import StareSchedule, stare_schedule_step
 from stapo.core.config import TinyModel, config_from_dict
-from stapo.core.extras import StepState
-from stapo.core.models import build_tiny_model
-from stapo.core.reference import ReferencePolicy, minp_stats_batched
-from stapo.core.rollouts import mixed_groups
+from stapo.core.rollout.rollouts import mixed_groups
+from stapo.core.train import loop
+from stapo.core.train.extras import StepState
+from stapo.core.train.reference import ReferencePolicy, minp_stats_batched
 from stapo.core.trainer.base import compute_token_stats
+from stapo.core.trainer.models import build_tiny_model
 
 D = torch.float64
 
@@ -83,7 +83,7 @@ def test_plus_minus_one_rewards_with_overlong_penalty():
         "algorithm": {"overlong": {"enabled": True, "buffer": 4, "penalty": 1.0}},
         "reward": {"scale": {"correct": 1.0, "wrong": -1.0}},
     })
-    from stapo.core.rewards import scale_reward
+    from stapo.core.task.rewards import scale_reward
 
     correct, lengths = [True, True, False, False], [5, 8, 10, 6]
     seqs = [seq(0, c, scale_reward(c, 1.0, -1.0), n_tokens=n) for c, n in zip(correct, lengths, strict=True)]
@@ -97,7 +97,7 @@ def test_plus_minus_one_rewards_with_overlong_penalty():
 
 def test_reward_scale_through_the_real_grader():
     from stapo.core.config import RewardConfig
-    from stapo.core.rewards import RewardFunction
+    from stapo.core.task.rewards import RewardFunction
     from stapo.verifier_service.pool import GraderPool
 
     pool = GraderPool(workers=1, deadline_s=5.0)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from stapo.core.batch import Batch
-from stapo.core.calibrate import (
+from stapo.core.train.calibrate import (
     CalibrationSample,
     MiniBatchStats,
     analyse,
@@ -26,7 +26,7 @@ from stapo.core.calibrate import (
     taxonomy,
     token_grad_norms,
 )
-from stapo.core.micro import MicroSpec
+from stapo.core.train.micro import MicroSpec
 
 
 def _mb(p, h, a, q2=None, seed=7):
@@ -100,8 +100,8 @@ def test_analyse_marks_the_rule_and_reads_it():
 
 def _tiny(temperature: float = 1.0):
     from stapo.core.config import load_config
-    from stapo.core.models import load_policy
     from stapo.core.trainer import build_trainer_backend
+    from stapo.core.trainer.models import load_policy
 
     cfg = load_config(None, ["model.name_or_path=tiny-random", "trainer.device=cpu",
                              f"rollout.temperature={temperature}"])
@@ -125,7 +125,7 @@ def test_gradient_norm_column_equals_a_real_backward_on_the_logits(one_thread):
     cfg, backend = _tiny(temperature=0.7)
     model = backend.model
     batch = _batch(model.config.vocab_size)
-    from stapo.core.update import Actor
+    from stapo.core.train.update import Actor
 
     dist = Actor(cfg, backend).distribution(batch, range(3))  # at the sampling temperature, 0.7
     m = batch.response_mask

@@ -189,7 +189,7 @@ def test_ctrl_c_names_checkpoint_and_resume_command(monkeypatch, capsys, tmp_pat
 
 def test_ctrl_c_without_checkpoint_then_fresh(monkeypatch, capsys, tmp_path, stapo_main):
     from stapo.cli import train
-    from stapo.core.loop import TrainResult
+    from stapo.core.train.loop import TrainResult
 
     run = tmp_path / "run"
     calls = []
@@ -365,8 +365,8 @@ def test_tiny_task_answers_fit_one_digit_token():
     """The tiny preset's task and vocabulary: every answer is one digit, and one token of the tiny
     digits vocabulary (so a one-token response can be right); letters read as <unk>."""
     from stapo.core.config import load_config
-    from stapo.core.data import load_prompts
-    from stapo.core.models import load_tokenizer
+    from stapo.core.task.data import load_prompts
+    from stapo.core.trainer.models import load_tokenizer
 
     cfg = load_config(preset_path("tiny"))
     tok = load_tokenizer(cfg.model)

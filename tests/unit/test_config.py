@@ -138,7 +138,7 @@ def test_weighting_sections_match_function_keywords(name):
     import inspect
 
     from stapo.core import algos
-    from stapo.core.update import weighting_params
+    from stapo.core.train.update import weighting_params
 
     cfg = load_config(None, [f"algorithm.token_weighting={name}"])
     params = weighting_params(cfg)

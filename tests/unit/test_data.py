@@ -1,4 +1,4 @@
-"""Tests of stapo.core.data and `stapo prepare`: generator, templates, sources, filters, split, manifest.
+"""Tests of stapo.core.task.data and `stapo prepare`: generator, templates, sources, filters, split, manifest.
 
 Everything runs on small inputs: the arithmetic generator, JSONL files written by the tests, and a
 `data.limit`-ed slice of the GSM8K copy shipped with stapo (stapo/evals/data).
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from stapo.core.config import ArithmeticData, DataConfig
-from stapo.core.data import (
+from stapo.core.task.data import (
     TEMPLATES,
     DataError,
     PromptRecord,
@@ -28,7 +28,7 @@ from stapo.core.data import (
     register_template,
     shipped_data_dir,
 )
-from stapo.core.models import build_tiny_tokenizer
+from stapo.core.trainer.models import build_tiny_tokenizer
 
 SHIPPED = shipped_data_dir()
 
@@ -521,7 +521,7 @@ def _shipped_dapo() -> list[dict]:
 
 
 def test_dapo_hub_conversion_on_a_small_file(tmp_path):
-    from stapo.core.data import convert_dapo_hub_rows, rebuild_dapo_math_17k
+    from stapo.core.task.data import convert_dapo_hub_rows, rebuild_dapo_math_17k
 
     shipped = _shipped_dapo()
     picked = shipped[:5] + [shipped[5546], shipped[35], shipped[179]]  # a CN row; 35/179: near-duplicates
@@ -562,7 +562,7 @@ def test_dapo_rebuild_from_a_full_hub_file_matches_the_shipped_copy(tmp_path, mo
 def test_dapo_rebuild_offline_says_what_to_do(tmp_path, monkeypatch):
     import huggingface_hub
 
-    from stapo.core.data import rebuild_dapo_math_17k
+    from stapo.core.task.data import rebuild_dapo_math_17k
 
     def offline(*args, **kwargs):
         raise OSError("no network")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from stapo.core.deep_grpo import (
+from stapo.core.train.deep_grpo import (
     OnlineLogistic,
     local_advantages,
     pivot_outcomes,
@@ -109,9 +109,9 @@ def test_suffix_mask_hand_values() -> None:
 def test_hf_generate_from_prefix_continues_the_greedy_rollout() -> None:
     """Greedy from prompt + first k tokens of a greedy rollout must give that rollout's remaining tokens."""
     from stapo.core.config import ModelConfig
-    from stapo.core.models import load_policy
     from stapo.core.rollout import SamplingParams
     from stapo.core.rollout.hf import HFRolloutEngine
+    from stapo.core.trainer.models import load_policy
 
     model, tok = load_policy(ModelConfig(name_or_path="tiny-random"), device="cpu")
     eng = HFRolloutEngine(model, tok, batch_size=4)
@@ -165,7 +165,7 @@ def test_set_local_advantages_on_branch_sequences() -> None:
     from types import SimpleNamespace
 
     from stapo.core.config import config_from_dict
-    from stapo.core.deep_grpo import set_local_advantages
+    from stapo.core.train.deep_grpo import set_local_advantages
 
     seqs = [SimpleNamespace(group=g, reward=r, advantage=None) for g, r in
             [(0, 1.0), (1, -1.0), (0, -1.0), (1, -1.0), (0, -1.0), (1, 1.0)]]
@@ -187,12 +187,12 @@ def _local_loss_grads(micro: dict, algorithm: dict, roots: int | None = None) ->
     per forward of every forward (from the position ids; rows: minus the padded rows; no grad: 0)."""
     from types import SimpleNamespace
 
-    from stapo.core import loop
     from stapo.core.config import config_from_dict
-    from stapo.core.deep_grpo import DeepGRPO, collate_branches
-    from stapo.core.models import load_policy
+    from stapo.core.train import loop
+    from stapo.core.train.deep_grpo import DeepGRPO, collate_branches
+    from stapo.core.train.update import Actor
+    from stapo.core.trainer.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
-    from stapo.core.update import Actor
 
     alg = {"token_weighting": "none", "policy_loss": "ppo_clip", "aggregation": "token-mean",
            "deep_grpo": {"enabled": True, "lambda": 0.5}, **algorithm}
@@ -283,9 +283,9 @@ def test_local_loss_s2t_takes_each_mini_batchs_quantile():
 def test_truncated_branches_leave_the_local_loss_with_the_overlong_filter():
     """Local advantages over all K branches of a pivot (mean baseline: 1/0 rewards, mean 0.5), then
     the truncated branch (finish reason ``length``) leaves the loss when ``overlong.filter`` is on."""
-    from stapo.core import loop
     from stapo.core.config import config_from_dict
-    from stapo.core.deep_grpo import loss_branches
+    from stapo.core.train import loop
+    from stapo.core.train.deep_grpo import loss_branches
 
     def branches():
         out = []
@@ -304,7 +304,7 @@ def test_truncated_branches_leave_the_local_loss_with_the_overlong_filter():
 
 def test_branch_rows_fill_full_size_mini_batches_as_the_authors_code():
     """min(K, floor(N_branch / S)), S = root rows / K (dp_actor.update_policy's num_branch_mbs)."""
-    from stapo.core.deep_grpo import branch_minibatches
+    from stapo.core.train.deep_grpo import branch_minibatches
 
     assert branch_minibatches(10, 64, 4) == 0  # S = 16: not one full mini-batch of branches -> no local term
     assert branch_minibatches(16, 64, 4) == 1

@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling with verl's generation-batch semantics (stapo.core.sampler), by hand.
+"""DAPO dynamic sampling with verl's generation-batch semantics (stapo.core.task.sampler), by hand.
 
 verl's DAPO trainer samples ``gen_batch_size`` prompts per generation round, keeps the groups whose
 accuracies differ, and stops once ``train_batch_size`` groups are kept (training on the first ones)
@@ -13,7 +13,7 @@ import math
 import pytest
 
 from stapo.core.config import config_from_dict
-from stapo.core.sampler import DynamicSamplingExhausted, prompts_per_round, refill_until_full
+from stapo.core.task.sampler import DynamicSamplingExhausted, prompts_per_round, refill_until_full
 
 
 def groups(tag: str, k: int) -> list[str]:

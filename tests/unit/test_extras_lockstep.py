@@ -2,7 +2,7 @@
 
 Under ZeRO-3 every policy forward all-gathers parameters, so each rank must make the same number of
 them whatever it holds: ``minp_stats_batched`` (Lp-Reg's proxy pass) runs every forward of the
-old pass (``stapo.core.micro.micro_batches``: padded to the busiest rank's count with the batch's
+old pass (``stapo.core.train.micro.micro_batches``: padded to the busiest rank's count with the batch's
 zero-weight padding row, like ``Actor.old_stats``); so does the frozen reference when it is
 partitioned like the policy (ZeRO-3), while a plain reference copy (ZeRO 0-2) is a local module and
 runs on real rows only. The 2-rank equivalence of the whole update
@@ -19,10 +19,10 @@ import torch
 from hook_driver import before_update, forwards, run_hooks
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stapo.core import loop
 from stapo.core.batch import collate, collate_with_pad_row
 from stapo.core.config import config_from_dict
-from stapo.core.reference import minp_stats_batched
+from stapo.core.train import loop
+from stapo.core.train.reference import minp_stats_batched
 from stapo.core.trainer.base import compute_token_stats
 
 

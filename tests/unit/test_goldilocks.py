@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from stapo.core.sampler import (
+from stapo.core.task.sampler import (
     GoldilocksSampler,
     HashedNgramFeatures,
     UniformSampler,
@@ -121,9 +121,9 @@ def test_policy_embeddings_teacher_uses_a_frozen_copy_of_the_policy_table() -> N
     import torch
 
     from stapo.core.config import load_config
-    from stapo.core.data import PromptRecord, encode_prompt
-    from stapo.core.models import load_policy
-    from stapo.core.sampler import build_sampler
+    from stapo.core.task.data import PromptRecord, encode_prompt
+    from stapo.core.task.sampler import build_sampler
+    from stapo.core.trainer.models import load_policy
 
     cfg = load_config(None, ["model.name_or_path=tiny-random", "data.sampler=goldilocks",
                              "data.goldilocks.teacher=policy_embeddings", "data.goldilocks.epsilon=0"])
@@ -200,7 +200,7 @@ def test_candidate_pool_scales_with_the_round():
     for ~691 greedy slots rejected a third)."""
     from stapo.configs import preset_path
     from stapo.core.config import load_config
-    from stapo.core.sampler import build_sampler, prompts_per_round
+    from stapo.core.task.sampler import build_sampler, prompts_per_round
 
     cfg = load_config(preset_path("stapo-goldilocks"), ["data.goldilocks.num_features=64",
                                                         "algorithm.dynamic_sampling=true", "algorithm.gen_batch_multiplier=3"])

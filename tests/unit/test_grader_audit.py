@@ -255,7 +255,7 @@ def test_grade_result_is_serializable_and_picklable():
 
 
 def test_rule_shares_metric():
-    from stapo.core.rewards import RewardBatch, rule_shares
+    from stapo.core.task.rewards import RewardBatch, rule_shares
 
     def batch(rules):
         n = len(rules)
@@ -268,7 +268,7 @@ def test_rule_shares_metric():
 
 def test_reward_function_counts_rules():
     from stapo.core.config import RewardConfig
-    from stapo.core.rewards import RewardFunction
+    from stapo.core.task.rewards import RewardFunction
 
     class Local:
         def grade_many(self, items):
@@ -283,7 +283,7 @@ def test_reward_function_never_pays_an_undecided_grade(caplog):
     """An undecided grade is no reward: invalid (its group is dropped), not retried, logged, counted
     in the rule shares and toward ``reward.max_failure_frac``."""
     from stapo.core.config import RewardConfig
-    from stapo.core.rewards import RewardError, RewardFunction, rule_shares
+    from stapo.core.task.rewards import RewardError, RewardFunction, rule_shares
 
     calls = []
 
@@ -293,7 +293,7 @@ def test_reward_function_never_pays_an_undecided_grade(caplog):
             return [grade(i["prediction"], i["gold"]) for i in items]
 
     fn = RewardFunction(RewardConfig(retries=2, max_failure_frac=0.5), grader=Local())
-    with caplog.at_level("WARNING", logger="stapo.core.rewards"):
+    with caplog.at_level("WARNING", logger="stapo.core.task.rewards"):
         out = fn(["\\boxed{3}", "\\boxed{2}", "\\boxed{5}"], ["@#", "2", "4"])
     assert out.valid == [False, True, True] and out.correct == [False, True, False]
     assert out.status == ["undecided", "ok", "ok"] and out.retried == 0 and calls == [3]

@@ -16,10 +16,10 @@ import pytest
 import torch
 from hook_driver import HookRun
 
-import stapo.core.extras as extras
+import stapo.core.train.extras as extras
 from stapo.configs import preset_path
 from stapo.core.config import load_config
-from stapo.core.extras import HOOKS, StepState, build_hooks, legacy_hook_state
+from stapo.core.train.extras import HOOKS, StepState, build_hooks, legacy_hook_state
 
 DOCUMENTED = [
     "async", "sampler", "deep_grpo", "overlong_filter", "kl_reference", "lp_reg", "stare", "kl_in_reward", "s2t_watch",

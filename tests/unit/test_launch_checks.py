@@ -27,7 +27,7 @@ from stapo.cli import main as cli_main
 from stapo.cli.common import JobError, check_launch
 from stapo.configs import preset_path
 from stapo.core.config import ConfigError, load_config
-from stapo.core.rewards import grader_workers_per_rank
+from stapo.core.task.rewards import grader_workers_per_rank
 from stapo.verifier_service.settings import default_workers
 
 

@@ -28,11 +28,11 @@ import torch
 from stapo.configs import preset_path
 from stapo.core.batch import Batch
 from stapo.core.config import load_config
-from stapo.core.distributed import balanced_quota, even_shard, minibatch_rows
-from stapo.core.loop import train
-from stapo.core.micro import MicroSpec, micro_batches
-from stapo.core.run import Run
 from stapo.core.tracking import read_jsonl
+from stapo.core.train.loop import train
+from stapo.core.train.micro import MicroSpec, micro_batches
+from stapo.core.train.run import Run
+from stapo.core.trainer.distributed import balanced_quota, even_shard, minibatch_rows
 from stapo.core.trainer.torch_backend import TorchBackend
 
 # The shape these tests are calibrated on: a character vocabulary, 2 prompts x 4 responses (the

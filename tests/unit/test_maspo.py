@@ -149,7 +149,7 @@ def test_options_come_from_the_section_the_registration_states() -> None:
     from stapo.core.algos import POLICY_LOSSES, policy_loss_spec, register_policy_loss
     from stapo.core.config import config_from_dict
     from stapo.core.loss_options import MaspoOptions, PolicyLossOptions
-    from stapo.core.update import update_parts
+    from stapo.core.train.update import update_parts
 
     class Unplaced(PolicyLossOptions):
         width: float = 1.0

@@ -86,7 +86,7 @@ MISTAKES = [
 def test_a_mistake_is_one_line_naming_the_fix_before_anything_heavy(name, argv, fragment, tmp_path, stapo_main,
                                                                     monkeypatch):
     import stapo.cli.train as cli_train
-    import stapo.core.models as models
+    import stapo.core.trainer.models as models
 
     def heavy(*_a, **_k):
         raise AssertionError(f"{name}: a model loaded before the mistake was caught")

@@ -1,4 +1,4 @@
-"""Tests of stapo.core.models: the tiny random policy, its in-code tokenizer, dtype rules, the demo cache.
+"""Tests of stapo.core.trainer.models: the tiny random policy, its in-code tokenizer, dtype rules, the demo cache.
 
 The tiny model is built from a config in code (no download). The demo model test runs only when its
 HF-format cache already exists (``make demo-model`` + one ``stapo train``), never converting in CI.
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stapo.core.config import ModelConfig
-from stapo.core.models import (
+from stapo.core.trainer.models import (
     CHATML_TEMPLATE,
     DEMO_MODEL,
     ModelLoadError,
@@ -171,7 +171,7 @@ def _fake_gguf_loaders(monkeypatch, pkg_dir, *, fail_on_save: bool = False) -> l
     """Stand-ins for the package's GGUF and transformers' GGUF loading: the tiny model, marked quantized."""
     import transformers
 
-    import stapo.core.models as models
+    import stapo.core.trainer.models as models
 
     pkg_dir.mkdir()
     gguf = pkg_dir / "fake.gguf"
@@ -197,7 +197,7 @@ def _fake_gguf_loaders(monkeypatch, pkg_dir, *, fail_on_save: bool = False) -> l
 
 
 def test_demo_conversion_is_atomic_and_cached(monkeypatch, tmp_path):
-    import stapo.core.models as models
+    import stapo.core.trainer.models as models
 
     cfg = ModelConfig(name_or_path=DEMO_MODEL, cache_dir=str(tmp_path / "cache"))
     target = demo_cache_path(cfg)

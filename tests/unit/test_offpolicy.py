@@ -203,9 +203,9 @@ def test_lr_multiplier_is_each_mini_batchs_ess_summed_over_ranks() -> None:
 def test_behaviour_logprobs_go_to_the_response_positions_of_stale_rows_only() -> None:
 
 
-    from stapo.core import loop
     from stapo.core.algos.vcpo import behaviour_logprobs
     from stapo.core.batch import collate
+    from stapo.core.train import loop
 
     seqs = [loop.Sequence_([5, 6], [7, 8, 9], "stop", "", "0", group=0, version=0, behaviour_logprobs=[-1.0, -2.0, -3.0]),
             loop.Sequence_([5], [7], "stop", "", "0", group=0, version=2, behaviour_logprobs=[-9.0]),
@@ -227,12 +227,12 @@ def test_vcpo_baseline_per_minibatch_at_the_current_weights(one_thread) -> None:
     Checked against the model's own logits on each unpadded row."""
     import copy
 
-    from stapo.core import loop, update
     from stapo.core.algos.vcpo import MinVarianceBaseline, OffPolicyStep
     from stapo.core.batch import collate
     from stapo.core.config import config_from_dict
-    from stapo.core.extras import Hooks
-    from stapo.core.models import load_policy
+    from stapo.core.train import loop, update
+    from stapo.core.train.extras import Hooks
+    from stapo.core.trainer.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
     tiny = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64, "seed": 0}

@@ -118,9 +118,9 @@ class _Stop(Exception):
 def test_set_device_comes_before_the_policy_loads(monkeypatch, tmp_path):
     """Fake ``torch.cuda`` (no GPU on this machine): 2 devices; this process is local rank 1 of 2."""
     from stapo.configs import preset_path
-    from stapo.core import models
     from stapo.core.config import load_config
-    from stapo.core.run import Run
+    from stapo.core.train.run import Run
+    from stapo.core.trainer import models
 
     events: list[str] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,4 +1,4 @@
-"""The memory plan (stapo.core.plan) against hand computations, DeepSpeed's estimators and a measured peak.
+"""The memory plan (stapo.core.train.plan) against hand computations, DeepSpeed's estimators and a measured peak.
 
 * Parameter counts of the shipped Qwen3 configs (built on the meta device) against the closed form
   of a Qwen3 decoder written out here, and against the model cards' published sizes.
@@ -29,8 +29,8 @@ import pytest
 from typer.testing import CliRunner
 
 from stapo.cli.main import app
-from stapo.core import plan
 from stapo.core.config import load_config
+from stapo.core.train import plan
 
 REPO = Path(__file__).resolve().parents[2]
 STAPO = REPO / "configs" / "stapo.yaml"

@@ -105,7 +105,7 @@ def test_ranks_that_do_not_divide_the_prompts_name_the_nearest_counts() -> None:
 
 def test_a_dead_rollout_server_is_reported_in_seconds_before_the_policy_loads(stapo_main, monkeypatch,
                                                                               tmp_path) -> None:
-    from stapo.core import models
+    from stapo.core.trainer import models
 
     loads: list[str] = []
     monkeypatch.setattr(models, "load_policy", lambda *a, **k: loads.append("policy") or pytest.fail("loaded"))

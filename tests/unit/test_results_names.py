@@ -6,7 +6,7 @@ everything else (commands' flags, numbers, LaTeX, other projects' names) is left
 - a path whose first part is a top-level entry of this repository (``benchmarks/verifier.py``,
   ``evals/data/*.jsonl``, also inside a command): the file exists (a glob matches one);
 - a dotted name whose first part is ``stapo``, a stapo module or package (``loadgen.build_stream``,
-  ``stapo.core.plan``) or a stapo class (``Actor.update``): the module imports and each attribute
+  ``stapo.core.train.plan``) or a stapo class (``Actor.update``): the module imports and each attribute
   exists; a dotted name that starts with a config section (``trainer.micro_batch_tokens``) may
   instead be a key of the run config;
 - a bare snake_case or CamelCase identifier (``split_rows``, ``VerifierClient``): stapo's code

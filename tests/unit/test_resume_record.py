@@ -15,7 +15,7 @@ import yaml
 
 from stapo.configs import preset_path
 from stapo.core.config import load_config, save_config
-from stapo.core.rundir import (
+from stapo.core.train.rundir import (
     CHANGES_NAME,
     config_changes,
     describe_config_changes,

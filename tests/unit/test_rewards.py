@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stapo.core.config import RewardConfig
-from stapo.core.rewards import RewardError, RewardFunction
+from stapo.core.task.rewards import RewardError, RewardFunction
 from stapo.verifier_service.pool import GraderPool
 
 TOWER = r"\boxed{5^{5^{5^{5^{5^{5^{5}}}}}}}"  # str() of its parse never returns: a guaranteed timeout

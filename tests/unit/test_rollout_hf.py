@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from stapo.core.config import ModelConfig, TinyModel, config_from_dict
-from stapo.core.models import build_tiny_model, build_tiny_tokenizer
 from stapo.core.rollout import (
     ENGINES,
     Completion,
@@ -29,6 +28,7 @@ from stapo.core.rollout import (
     register_engine,
 )
 from stapo.core.rollout.hf import HFRolloutEngine, SampledLogprobRecorder
+from stapo.core.trainer.models import build_tiny_model, build_tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -347,7 +347,7 @@ def test_recorder_gathers_the_token_chosen_one_step_later():
 
 
 def test_load_policy_tiny_random_end_to_end():
-    from stapo.core.models import load_policy
+    from stapo.core.trainer.models import load_policy
 
     model, tok = load_policy(ModelConfig(name_or_path="tiny-random"))
     engine = HFRolloutEngine(model, tok)

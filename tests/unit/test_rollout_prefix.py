@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from stapo.core.config import TinyModel
-from stapo.core.models import build_tiny_model, build_tiny_tokenizer
 from stapo.core.rollout import SamplingParams
 from stapo.core.rollout.hf import HFRolloutEngine
+from stapo.core.trainer.models import build_tiny_model, build_tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(120)
 

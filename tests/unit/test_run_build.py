@@ -19,18 +19,18 @@ import pytest
 
 from stapo.configs import preset_path
 from stapo.core.config import load_config
-from stapo.core.loop import train
-from stapo.core.models import load_policy
 from stapo.core.placement import rank_placement
-from stapo.core.rewards import RewardFunction
-from stapo.core.run import PARTS, Run
+from stapo.core.task.rewards import RewardFunction
 from stapo.core.tracking import read_jsonl
+from stapo.core.train.loop import train
+from stapo.core.train.run import PARTS, Run
 from stapo.core.trainer import build_trainer_backend
+from stapo.core.trainer.models import load_policy
 
 FAST = ["trainer.max_steps=1", "data.val_size=0", "logging.dump_tokens_every=0", "logging.tensorboard=false",
         "logging.live=false"]
 # A GPU config the plan can size without a GPU (the card is the config's): the tiny model's kept graphs
-# peak above a 1.2 GiB card and its bounded path fits it (stapo.core.plan), so `auto` becomes `bounded`.
+# peak above a 1.2 GiB card and its bounded path fits it (stapo.core.train.plan), so `auto` becomes `bounded`.
 GPU = ["trainer.device=cuda", "trainer.gpu_memory_gib=1.2"]
 
 
@@ -115,18 +115,18 @@ def test_no_test_patches_the_loop_module():
     hits = [f"{p.relative_to(TESTS)}:{text[: m.start()].count(chr(10)) + 1}"
             for p in sorted(TESTS.rglob("*.py")) if p.name != Path(__file__).name
             for text in [p.read_text()] for m in _PATCHING.finditer(text)]
-    assert not hits, f"build a Run and give or read its parts instead (stapo.core.run): {hits}"
+    assert not hits, f"build a Run and give or read its parts instead (stapo.core.train.run): {hits}"
     for bad in ("loop.{R}.__init__ = spy", 'monkeypatch.setattr{p}loop, "train", f)',
                 'mock.patch("stapo.core{d}loop.train")', "    loop.rollout_and_grade = spy"):
         bad = bad.format(R="_" + "Run", p="(", d=".")
         assert _PATCHING.search(bad), bad
-    assert not _PATCHING.search("from stapo.core.loop import train\nassert loop.Sequence_ == x")
+    assert not _PATCHING.search("from stapo.core.train.loop import train\nassert loop.Sequence_ == x")
 
 
 def _embedding_example() -> str:
     """The runnable block of docs/architecture.md's section on training from Python (its first)."""
     text = (TESTS.parent / "docs" / "architecture.md").read_text()
-    section = text[text.index("## A run (`stapo.core.run`)"):]
+    section = text[text.index("## A run (`stapo.core.train.run`)"):]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from stapo.core.rundir import LOCK_NAME, RunDirBusy, check_not_busy, lock_run_dir
+from stapo.core.train.rundir import LOCK_NAME, RunDirBusy, check_not_busy, lock_run_dir
 
 
 def test_lock_names_its_holder_refuses_a_second_and_is_removed_on_release(tmp_path):

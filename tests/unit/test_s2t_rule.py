@@ -21,8 +21,8 @@ from stapo.core.algos import (
     token_counts,
 )
 from stapo.core.config import ConfigError, load_config
-from stapo.core.s2t_watch import RateWatch
-from stapo.core.update import needs_old_pass, weighting_params
+from stapo.core.train.s2t_watch import RateWatch
+from stapo.core.train.update import needs_old_pass, weighting_params
 
 ROOT = Path(__file__).resolve().parents[2]
 S2T = get_token_weighting("s2t")

@@ -45,14 +45,14 @@ PAD_ENTROPY = -5.0  # far outside the valid range: a threshold that counts paddi
 
 def public(name: str):
     """A public name of the update path: the update's module or the step's data shapes."""
-    for mod in ("stapo.core.update", "stapo.core.batch"):
+    for mod in ("stapo.core.train.update", "stapo.core.batch"):
         try:
             m = importlib.import_module(mod)
         except ImportError:
             continue
         if hasattr(m, name):
             return getattr(m, name)
-    raise AssertionError(f"no public {name} in stapo.core.update or stapo.core.batch")
+    raise AssertionError(f"no public {name} in stapo.core.train.update or stapo.core.batch")
 
 
 @dataclass
@@ -298,7 +298,7 @@ def update_cfg(micro: int, **s2t):
 
 @pytest.fixture(scope="module")
 def spread_model():
-    from stapo.core.models import load_policy
+    from stapo.core.trainer.models import load_policy
 
     model, _ = load_policy(update_cfg(2).model, device="cpu")
     with torch.no_grad():

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stapo.core.data import OFFLINE_SOURCES, shipped_data_dir
+from stapo.core.task.data import OFFLINE_SOURCES, shipped_data_dir
 from stapo.evals.benchmarks import BENCHMARKS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,7 +117,7 @@ import json, sys
 from pathlib import Path
 import stapo
 from stapo.core.config import DataConfig
-from stapo.core.data import load_prompts, shipped_data_dir
+from stapo.core.task.data import load_prompts, shipped_data_dir
 from stapo.evals.benchmarks import BENCHMARKS, load_benchmark
 counts = {name: len(load_benchmark(name)) for name in BENCHMARKS}
 train, val = load_prompts(DataConfig(source="dapo_math_17k", template="dapo", val_size=10))

@@ -1,4 +1,4 @@
-"""The one update path (stapo.core.update) against independent computations.
+"""The one update path (stapo.core.train.update) against independent computations.
 
 * Packed vs padded vs one-row-at-a-time micro-batches: the same per-token log-probs / entropies
   (1e-5) and the same parameter update (1e-5, with SGD so that an update is lr x the accumulated
@@ -21,15 +21,15 @@ import pytest
 import torch
 from hook_driver import run_hooks
 
-from stapo.core import loop, update
 from stapo.core.algos import AGGREGATIONS, POLICY_LOSSES, TOKEN_WEIGHTS
 from stapo.core.batch import collate
 from stapo.core.config import config_from_dict
-from stapo.core.loop import train
-from stapo.core.models import load_policy
-from stapo.core.run import Run
+from stapo.core.train import loop, update
+from stapo.core.train.loop import train
+from stapo.core.train.run import Run
 from stapo.core.trainer import prefix
 from stapo.core.trainer.base import compute_token_stats
+from stapo.core.trainer.models import load_policy
 from stapo.core.trainer.torch_backend import TorchBackend
 
 TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64, "seed": 0}
@@ -154,7 +154,7 @@ def test_token_stats_packed_matches_padded_and_single_rows(tiny):
 
 
 def test_pack_rows_first_fit_decreasing():
-    from stapo.core.micro import MicroSpec, micro_batches, pack_rows
+    from stapo.core.train.micro import MicroSpec, micro_batches, pack_rows
 
     assert pack_rows([5, 9, 3, 7, 2], 10) == [[1], [3, 2], [0, 4]]
     assert pack_rows([12, 1], 10) == [[0], [1]]  # a longer row alone
@@ -299,8 +299,8 @@ def test_waves_are_graded_while_the_next_wave_generates(tmp_path, monkeypatch):
 
     from stapo.configs import preset_path
     from stapo.core.config import load_config
-    from stapo.core.rewards import RewardFunction
     from stapo.core.rollout.hf import HFRolloutEngine
+    from stapo.core.task.rewards import RewardFunction
 
     cfg = load_config(preset_path("tiny"), ["trainer.max_steps=1", "checkpoint.every=0", "data.val_size=0",
                                             "logging.dump_tokens_every=0", "logging.live=false",
@@ -338,7 +338,7 @@ def test_minibatch_split_gives_exactly_k_optimizer_steps():
     """randperm(N).chunk(K) makes ceil(N/K)-row chunks, so fewer than K of them when N < K^2
     (100 rows, K = 16: 14 chunks of 7 and one of 2). The split is K parts whose sizes differ by at
     most one."""
-    from stapo.core.distributed import global_minibatches
+    from stapo.core.trainer.distributed import global_minibatches
 
     for n, k in ((100, 16), (8, 5), (8, 8), (9, 2)):
         parts = global_minibatches([n], k, torch.Generator().manual_seed(0))
@@ -353,7 +353,7 @@ def test_unequal_minibatches_each_normalized_by_their_own_tokens(tiny):
     updates, each on its own rows alone, run one after the other: each optimizer step's STAPO
     denominator is its own mini-batch's unsilenced tokens. Fewer rows than mini-batches is refused
     naming the key."""
-    from stapo.core.distributed import global_minibatches
+    from stapo.core.trainer.distributed import global_minibatches
 
     model, batch = tiny
     s2t = {"tau_p": 0.5, "silence": "all"}  # the silenced set does not depend on the mini-batch split

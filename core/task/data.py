@@ -49,6 +49,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import stapo.evals
+from stapo import __version__
 from stapo.core.config import ArithmeticData, DataConfig
 
 __all__ = [
@@ -383,8 +385,6 @@ def shipped_data_dir() -> Path:
     benchmark files), so a clone or a wheel needs nothing beside it; the folder is found from the
     installed ``stapo.evals`` package, so it works from any working directory, editable or not.
     """
-    import stapo.evals
-
     return Path(stapo.evals.__file__).resolve().parent / "data"
 
 
@@ -915,8 +915,6 @@ def prepare_data(
     earlier prepared dir (has a manifest) or empty; any other folder is left alone with an error.
     ``tokenizer_name`` is what the manifest records (default: the tokenizer's ``name_or_path``).
     """
-    from stapo import __version__
-
     out = Path(out_dir).expanduser()
     if out.exists() and not (out.is_dir() and (_is_prepared(out) or not any(out.iterdir()))):
         raise DataError(f"--out {out}: exists and is not a prepared data dir; pick a new or empty folder")

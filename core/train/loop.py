@@ -7,9 +7,9 @@ One step of :func:`train`::
              -> advantages      (grpo / dr_grpo / rloo over each group; DAPO overlong shaping)
              -> dynamic sampling(DAPO: keep groups with mixed rewards, resample to refill)
              -> dump forward    (when dumping: p, H, sum q^2, top-k of the sampled policy, one forward)
-             -> old log-probs   (no-grad pass, only where stapo.core.update.needs_old_pass says: off-policy
+             -> old log-probs   (no-grad pass, only where stapo.core.train.update.needs_old_pass says: off-policy
                                  mini-batches, extras that read the sampling policy)
-             -> K updates       (stapo.core.update: per mini-batch, p and H from the gradient forward ->
+             -> K updates       (stapo.core.train.update: per mini-batch, p and H from the gradient forward ->
                                  token weights -> per-token loss -> aggregation with the GLOBAL
                                  normalizer, so micro-batching and packing never change the update; the
                                  weights' own counts are the logged diagnostics)
@@ -17,13 +17,13 @@ One step of :func:`train`::
              -> metrics, token dump (rank 0 writes), validation, checkpoint
 
 Each phase lives in the module that owns it and none of them imports this one (a test checks):
-``stapo.core.batch`` (sequences, the padded batch, seeds), ``stapo.core.rollouts`` (sample, grade,
-shape, advantages, dynamic sampling), ``stapo.core.update`` (the update and its diagnostics); this
+``stapo.core.batch`` (sequences, the padded batch, seeds), ``stapo.core.rollout.rollouts`` (sample, grade,
+shape, advantages, dynamic sampling), ``stapo.core.train.update`` (the update and its diagnostics); this
 module strings them together.
 
 Everything a recipe may add (asynchronous rollouts, the prompt sampler's step, DEEP-GRPO, the KL
 reference, Lp-Reg, STARE's controller, DAPO's overlong filter) is a hook with one interface, registered
-by name (``stapo.core.extras``: ``LoopHook`` phases sample / on_batch / needs_old_stats /
+by name (``stapo.core.train.extras``: ``LoopHook`` phases sample / on_batch / needs_old_stats /
 before_update / after_update / after_sync / state_dict); :func:`train` calls the phases and never
 branches on a particular extra.
 
@@ -34,7 +34,7 @@ top-entropy mask (arXiv 2506.01939). No KL by default (kl_coef=0), as in DAPO an
 
 Data parallelism (DeepSpeed on N ranks): each rank samples its share of the prompts; every decision
 about the batch is global and every rank issues the same collectives whatever its rewards
-(``stapo.core.distributed``: global refill decision and trim, one global mini-batch plan, zero-weight
+(``stapo.core.trainer.distributed``: global refill decision and trim, one global mini-batch plan, zero-weight
 padding rows); logged metrics are global sums; rank 0 writes files. The token diagnostics
 (``stapo/*``, ``phase/*``, the dump's weights) are the update's own weightings, counted per mini-batch.
 
@@ -65,23 +65,36 @@ from stapo.core.batch import (
     seed_everything,
 )
 from stapo.core.config import Config
-from stapo.core.rollouts import (
+from stapo.core.rollout import SamplingParams
+from stapo.core.rollout.rollouts import (
     dynamic_sampling_refill,
     rollout_and_grade,
     rollout_metrics,
     shape_and_advantage,
 )
-from stapo.core.run import Run
-from stapo.core.trainer.base import begin_rollout_step
-from stapo.core.update import (
+from stapo.core.tracking import LiveView, Tracker, truncate_jsonl
+from stapo.core.train.checkpoint import load_checkpoint, save_checkpoint
+from stapo.core.train.extras import StepState, legacy_hook_state
+from stapo.core.train.run import Run
+from stapo.core.train.rundir import (
+    Stopped,
+    agree_run_dir,
+    open_run_dir,
+    stop_at_once,
+    stop_at_step_boundary,
+    stop_requested,
+)
+from stapo.core.train.update import (
     UpdateInputs,
     UpdateRecord,
     needs_old_pass,
     stats_temperature,
 )
+from stapo.core.trainer.base import begin_rollout_step
+from stapo.core.trainer.distributed import DataParallel, even_shard
 
 if TYPE_CHECKING:
-    from stapo.core.extras import StepState
+    from stapo.core.train.extras import StepState
 
 __all__ = ["train", "TrainResult"]
 
@@ -109,9 +122,6 @@ def validate(run: Run) -> dict[str, float]:
     the same generate calls; the HF engine runs them with ``synced_gpus`` under data parallelism),
     and the correct counts and lengths are summed over ranks.
     """
-    from stapo.core.distributed import DataParallel, even_shard
-    from stapo.core.rollout import SamplingParams
-
     cfg = run.cfg
     if not run.val_prompts:
         return {}
@@ -215,29 +225,16 @@ def dump_tokens(run: Run, step: int, seqs: list[Sequence_], batch: Batch, rows: 
 
 
 def train(run: Run, *, resume: bool = False) -> TrainResult:
-    """Train (or resume) the built ``run`` (:meth:`stapo.core.run.Run.build`) and close it; returns
+    """Train (or resume) the built ``run`` (:meth:`stapo.core.train.run.Run.build`) and close it; returns
     where it went and validation before/after.
 
     Each step, top to bottom: sample -> grade -> advantages (+ dynamic sampling) -> old pass (where
     needed) -> update -> weight sync -> metrics / validation / checkpoint. The extras are hooks
-    (``stapo.core.extras``: ``run.hooks``), called at their named phases with the step's
-    :class:`~stapo.core.extras.StepState`; nothing below branches on a particular extra.
+    (``stapo.core.train.extras``: ``run.hooks``), called at their named phases with the step's
+    :class:`~stapo.core.train.extras.StepState`; nothing below branches on a particular extra.
     Nothing is written before the run is built and the ranks agree on rank 0's ``run_dir``; a
-    SIGTERM stops the run at a step boundary, after a checkpoint (``stapo.core.rundir``).
+    SIGTERM stops the run at a step boundary, after a checkpoint (``stapo.core.train.rundir``).
     """
-    from stapo.core.checkpoint import load_checkpoint, save_checkpoint
-    from stapo.core.distributed import DataParallel
-    from stapo.core.extras import StepState, legacy_hook_state
-    from stapo.core.rundir import (
-        Stopped,
-        agree_run_dir,
-        open_run_dir,
-        stop_at_once,
-        stop_at_step_boundary,
-        stop_requested,
-    )
-    from stapo.core.tracking import LiveView, Tracker, truncate_jsonl
-
     cfg, run_dir, log = run.cfg, run.run_dir, run.log
     t_start = run.started  # (the build's time counts: the run started there)
     hooks = run.hooks
@@ -278,14 +275,14 @@ def train(run: Run, *, resume: bool = False) -> TrainResult:
     view = LiveView(cfg.trainer.max_steps, start, enabled=main and cfg.logging.live and sys.stderr.isatty(), log=log)
     last_val: float | None = val_before
     try:
-        stop_at_step_boundary(cfg.checkpoint.on_signal)  # SIGTERM: checkpoint at the step's end (stapo.core.rundir)
+        stop_at_step_boundary(cfg.checkpoint.on_signal)  # SIGTERM: checkpoint at the step's end (stapo.core.train.rundir)
         for step in range(start + 1, cfg.trainer.max_steps + 1):
             t_step = time.time()
             seed_everything(derive_seed(cfg.trainer.seed, step))
             begin_rollout_step(run.backend, step)  # LR of this step when the schedule counts rollout steps (verl)
 
             # --- sample + grade (a hook may supply round 0: async rollouts), advantages, DAPO's
-            #     dynamic sampling (resample until the GLOBAL batch is full: stapo.core.sampler)
+            #     dynamic sampling (resample until the GLOBAL batch is full: stapo.core.task.sampler)
             seqs, metrics = hooks.sample(step) or rollout_and_grade(run, step, 0)
             all_seqs = list(seqs)
             kept = shape_and_advantage(cfg, seqs)

@@ -52,9 +52,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stapo.core.checkpoint import checkpoint_step, latest_checkpoint, list_checkpoints
 from stapo.core.config import save_config
+from stapo.core.fairness import config_differences, owned_by
 from stapo.core.tracking import read_jsonl
+from stapo.core.train.checkpoint import checkpoint_step, latest_checkpoint, list_checkpoints
 
 __all__ = [
     "LOCK_NAME", "RunDirBusy", "RunLock", "check_not_busy", "lock_run_dir", "RunDirOwner", "owned", "holds_run",
@@ -244,7 +245,7 @@ def default_run_dir(algorithm: str) -> Path:
 def agree_run_dir(run_dir: Path, dp: Any) -> Path:
     """Rank 0's ``run_dir`` on every rank, checked to be the same folder everywhere.
 
-    ``dp`` is a :class:`stapo.core.distributed.DataParallel`; with one rank this returns
+    ``dp`` is a :class:`stapo.core.trainer.distributed.DataParallel`; with one rank this returns
     ``run_dir`` and touches nothing. Every rank calls it (two object gathers). Rank 0 writes a
     random token into the dir first and removes it after; a rank that cannot read it back is named
     in the :class:`SharedDirError` every rank raises.
@@ -404,8 +405,6 @@ class ConfigChange:
 
     @property
     def bookkeeping(self) -> bool:
-        from stapo.core.fairness import owned_by
-
         return owned_by(self.key, BOOKKEEPING_KEYS)
 
     def __str__(self) -> str:
@@ -418,8 +417,6 @@ def _show(value: Any) -> str:
 
 def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[ConfigChange]:
     """Every key whose value differs between two config dumps (nested, as ``config.yaml``), by key."""
-    from stapo.core.fairness import config_differences
-
     return [ConfigChange(d.key, d.base, d.other) for d in config_differences(before, after)]
 
 

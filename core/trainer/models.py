@@ -42,6 +42,8 @@ from typing import Any
 import torch
 
 from stapo.core.config import ModelConfig, TinyModel
+from stapo.core.placement import resolve_device
+from stapo.core.trainer.base import make_readable
 
 __all__ = [
     "DEMO_MODEL",
@@ -79,8 +81,7 @@ class ModelLoadError(RuntimeError):
 # ----------------------------------------------------------------------------- device and dtype
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# `auto` -> this rank's device (cuda:LOCAL_RANK under a launcher): one decision, stapo.core.placement
-from stapo.core.placement import resolve_device  # noqa: E402
+# `auto` -> this rank's device (cuda:LOCAL_RANK under a launcher): one decision, placement.resolve_device
 
 
 def resolve_dtype(model_cfg: ModelConfig, device: str | torch.device) -> torch.dtype:
@@ -251,8 +252,6 @@ def _convert_demo(model_cfg: ModelConfig) -> Path:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         (tmp / _CACHE_MARKER).write_text(json.dumps(marker, indent=2))
-        from stapo.core.trainer.base import make_readable
-
         make_readable(tmp)  # safetensors writes 0600 files: the cache is readable like any file
         try:
             os.rename(tmp, target)

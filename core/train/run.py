@@ -2,21 +2,21 @@
 
     from stapo.configs import preset_path
     from stapo.core.config import load_config
-    from stapo.core.loop import train
-    from stapo.core.run import Run
+    from stapo.core.train.loop import train
+    from stapo.core.train.run import Run
 
     cfg = load_config(preset_path("tiny"), ["trainer.max_steps=2"])
     result = train(Run.build(cfg, "runs/tiny"))          # what `stapo train --config tiny` runs
 
 :meth:`Run.build` makes the parts in this order, each from the config: the memory plan (on a GPU:
 ``trainer.update_memory: auto`` becomes the path the plan chooses, and a config that cannot fit is
-refused, as ``stapo train`` does at start; ``stapo.core.plan``), this rank's placement (its device
+refused, as ``stapo train`` does at start; ``stapo.core.train.plan``), this rank's placement (its device
 set before anything touches a GPU), the policy and its tokenizer (on the CPU; the backend places
 it), the trainer backend, the rollout engine, the reward function, the train / val prompts, the
-prompt sampler, the hooks (``stapo.core.extras``) and the actor (``stapo.core.update``). A part
+prompt sampler, the hooks (``stapo.core.train.extras``) and the actor (``stapo.core.train.update``). A part
 given as a keyword replaces the one ``build`` would make, and the parts after it are made from
 it: an engine or a reward function that stands in, prompts of one's own, a backend over a model
-already loaded. :data:`PARTS` lists the names. ``train(run)`` (``stapo.core.loop``) trains it and
+already loaded. :data:`PARTS` lists the names. ``train(run)`` (``stapo.core.train.loop``) trains it and
 closes it; nothing is written into ``run_dir`` before ``train`` starts.
 """
 
@@ -28,23 +28,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stapo.core import models
 from stapo.core.batch import seed_everything
 from stapo.core.config import Config
-from stapo.core.data import encode_prompt, load_prompts
-from stapo.core.extras import Hooks, build_hooks
 from stapo.core.placement import Placement, rank_placement
-from stapo.core.plan import plan_at_start, resolve_update_memory
-from stapo.core.rewards import RewardFunction
 from stapo.core.rollout import build_rollout_engine
-from stapo.core.sampler import build_sampler
-from stapo.core.trainer import build_trainer_backend, load_context
-from stapo.core.update import Actor
+from stapo.core.task.data import encode_prompt, load_prompts
+from stapo.core.task.rewards import RewardFunction
+from stapo.core.task.sampler import build_sampler
+from stapo.core.train.extras import Hooks, build_hooks
+from stapo.core.train.plan import plan_at_start, resolve_update_memory
+from stapo.core.train.update import Actor
+from stapo.core.trainer import build_trainer_backend, load_context, models
 
 __all__ = ["PARTS", "Run", "vllm_tp_size"]
 
 #: What :meth:`Run.build` takes as keywords instead of making it (in the order it makes them).
-#: ``plan``: the memory plan of this launch (``stapo.core.plan.Plan``; None: none, as on a CPU),
+#: ``plan``: the memory plan of this launch (``stapo.core.train.plan.Plan``; None: none, as on a CPU),
 #: which resolves ``trainer.update_memory: auto``; ``stapo train`` passes the one it printed.
 PARTS = ("plan", "placement", "model", "tokenizer", "backend", "engine", "rewards", "train_prompts",
          "val_prompts", "sampler", "hooks", "actor")
@@ -58,15 +57,15 @@ def vllm_tp_size(cfg: Config) -> int:
 class Run:
     """Everything a run holds: model, trainer backend, rollout engine, rewards, data, hooks, actor.
 
-    Made by :meth:`build`; the loop's phases read these attributes (``stapo.core.rollouts``, the
-    hooks' factories, ``stapo.core.loop``).
+    Made by :meth:`build`; the loop's phases read these attributes (``stapo.core.rollout.rollouts``, the
+    hooks' factories, ``stapo.core.train.loop``).
     """
 
     cfg: Config  # the config as it runs (``update_memory: auto`` resolved on a GPU)
     run_dir: Path  # the run's folder (under a launcher ``train`` sets rank 0's on every rank)
     log: Callable[[str], None]
     started: float  # time.time() when the build began (the run's wall time counts from it)
-    plan: Any  # stapo.core.plan.Plan of this launch, or None (CPU)
+    plan: Any  # stapo.core.train.plan.Plan of this launch, or None (CPU)
     placement: Placement
     model: Any
     tokenizer: Any
@@ -75,12 +74,12 @@ class Run:
     rank: int
     world_size: int
     engine: Any  # stapo.core.rollout.base.RolloutEngine
-    rewards: Any  # (texts, golds) -> graded; stapo.core.rewards.RewardFunction
+    rewards: Any  # (texts, golds) -> graded; stapo.core.task.rewards.RewardFunction
     train_prompts: list[Any]
     val_prompts: list[Any]
-    sampler: Any  # stapo.core.sampler
+    sampler: Any  # stapo.core.task.sampler
     hooks: Hooks
-    actor: Any  # stapo.core.update.Actor
+    actor: Any  # stapo.core.train.update.Actor
 
     def __init__(self, cfg: Config, run_dir: Path | str, log: Callable[[str], None] = print) -> None:
         """An empty run; :meth:`build` makes one with its parts."""
@@ -156,7 +155,7 @@ class Run:
         self.sampler = _part(parts, "sampler", lambda: build_sampler(cfg, self.train_prompts, encode=self.encode,
                                                                      model=self.backend.model))
         # every extra (async rollouts, the sampler's step, DEEP-GRPO, KL / Lp-Reg / STARE / overlong
-        # filter) is a named hook with one interface: stapo.core.extras
+        # filter) is a named hook with one interface: stapo.core.train.extras
         self.hooks = _part(parts, "hooks", lambda: build_hooks(self))
         # the update; it asks the hooks for its in-update phases
         self.actor = _part(parts, "actor", lambda: Actor(cfg, self.backend, self.hooks))

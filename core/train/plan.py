@@ -25,7 +25,7 @@ longest forward, h hidden size, n layers)::
                    chunked LM head (logits_chunk_size x vocab, fp32). On CPU a small model's
                    update measures within 3% of this (benchmarks/plan_memory.py).
     kept graphs    a weighting that reads p / H (s2t, top_entropy, stare; Lp-Reg's term) needs the
-                   whole mini-batch's statistics before any backward: stapo.core.update keeps every
+                   whole mini-batch's statistics before any backward: stapo.core.train.update keeps every
                    micro-batch's graph (its checkpointed inputs) until then. When those graphs do
                    not fit the card, the update takes its bounded path instead: a no-grad
                    statistics pass over the mini-batch, then forward + backward per micro-batch.
@@ -69,6 +69,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from stapo.core.algos import token_weighting_spec
+from stapo.core.config import apply_overrides, config_from_dict
+from stapo.core.rollout.vllm import sleep_release_flags
+from stapo.core.trainer.deepspeed_backend import build_ds_config, engine_options
+from stapo.core.trainer.models import build_tiny_model, demo_cache_path
 
 if TYPE_CHECKING:
     from stapo.core.config import Config, ModelConfig
@@ -138,13 +144,9 @@ def model_config(model_cfg: ModelConfig) -> tuple[Any, str]:
     if name == "tiny-random":
         import torch
 
-        from stapo.core.models import build_tiny_model
-
         with torch.device("meta"):
             return build_tiny_model(model_cfg.tiny).config, "tiny-random (model.tiny)"
     if name.startswith("demo:"):
-        from stapo.core.models import demo_cache_path
-
         path = demo_cache_path(model_cfg) / "config.json"
     else:
         path = Path(name).expanduser() / "config.json"
@@ -247,8 +249,6 @@ def zero_settings(cfg: Config) -> Any:
     _quiet_deepspeed()
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    from stapo.core.trainer.deepspeed_backend import build_ds_config, engine_options
-
     ds = build_ds_config(cfg.trainer, **engine_options(cfg.trainer, cpu=False))
     return DeepSpeedZeroConfig(**ds["zero_optimization"])
 
@@ -278,7 +278,7 @@ class Micro:
 
 
 def micro_batches(cfg: Config, world_size: int) -> Micro:
-    """Worst case of :func:`stapo.core.micro.micro_batches`: every row prompt + response long."""
+    """Worst case of :func:`stapo.core.train.micro.micro_batches`: every row prompt + response long."""
     r, t = cfg.rollout, cfg.trainer
     seq = cfg.data.max_prompt_tokens + r.max_new_tokens
     rows = max(1, math.ceil(r.prompts_per_step * r.n / cfg.algorithm.mini_batches / world_size))
@@ -431,8 +431,6 @@ def plan_memory(cfg: Config, world_size: int, card_gib: float, shape: ModelShape
         ref = shape.params * ref_b // (world_size if t.backend == "deepspeed" and t.zero_stage == 3 else 1)
     micro = micro_batches(cfg, world_size)
     mem = update_memory(cfg, shape, micro, nbytes)
-    from stapo.core.algos import token_weighting_spec
-
     reads = token_weighting_spec(a.token_weighting).reads_stats or a.lp_reg.enabled
     kept = micro.count * mem["graph"]  # every micro-batch's graph alive until the mini-batch's weights are known
     runtime = int(RUNTIME_GIB * GIB) if cuda else 0
@@ -527,8 +525,6 @@ def plan_memory(cfg: Config, world_size: int, card_gib: float, shape: ModelShape
 
 
 def _installed_sleep_flags() -> list[str]:
-    from stapo.core.rollout.vllm import sleep_release_flags
-
     return sleep_release_flags()
 
 
@@ -561,8 +557,6 @@ def _knobs(cfg: Config, plan: Plan, card_gib: float) -> list[str]:
 
 
 def _with(cfg: Config, overrides: list[str]) -> Config:
-    from stapo.core.config import apply_overrides, config_from_dict
-
     return config_from_dict(apply_overrides(cfg.model_dump(mode="json", by_alias=True), overrides))
 
 
@@ -634,7 +628,7 @@ def plan_at_start(cfg: Config, world_size: int, card: float | None = None) -> tu
 def resolve_update_memory(cfg: Config, plan: Plan | None) -> Config:
     """``trainer.update_memory: auto`` as ``plan`` decides: ``bounded`` when the kept graphs do not fit
     the card; any other value, or no plan (a CPU run), leaves ``cfg`` as it is. ``stapo train`` and
-    ``stapo.core.run.Run.build`` both resolve it here."""
+    ``stapo.core.train.run.Run.build`` both resolve it here."""
     if plan is not None and cfg.trainer.update_memory == "auto" and plan.update_path == "bounded":
         return _with(cfg, ["trainer.update_memory=bounded"])
     return cfg

@@ -20,7 +20,7 @@ the update's metrics. One step's update, for every weighting x policy loss x agg
                         p and H come from that forward itself: no separate no-grad pass.
         bounded?        the same weighting when the kept graphs would not fit the GPU
                         (``trainer.update_memory: bounded``, or ``auto`` where the memory plan of
-                        stapo.core.plan says so): a no-grad statistics pass over the mini-batch's
+                        stapo.core.train.plan says so): a no-grad statistics pass over the mini-batch's
                         micro-batches gives the weights, then each micro-batch runs forward +
                         backward at once, one graph alive (one extra forward per micro-batch).
         optimizer step  (after the contributions' rows: DEEP-GRPO's local loss)
@@ -53,13 +53,26 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from stapo.core.algos import (
+    TokenContext,
+    compute_policy_objective,
+    fractions_from_counts,
+    get_aggregation,
+    phase_cells,
+    policy_loss_spec,
+    quantile,
+    s2t_tau_h,
+    token_counts,
+    token_weighting_spec,
+)
+from stapo.core.algos.objective import per_token_objective
 from stapo.core.batch import Batch, derive_seed, mean_or_nan
 from stapo.core.config import Config
-from stapo.core.distributed import DataParallel, check_minibatches, group_minibatches, minibatch_rows
-from stapo.core.micro import Micro, MicroSpec, micro_batches, micro_spec, row_slices
+from stapo.core.train.micro import Micro, MicroSpec, micro_batches, micro_spec, row_slices
+from stapo.core.trainer.distributed import DataParallel, check_minibatches, group_minibatches, minibatch_rows
 
 if TYPE_CHECKING:
-    from stapo.core.extras import Hooks
+    from stapo.core.train.extras import Hooks
     from stapo.core.trainer.base import TrainerBackend
 
 __all__ = [
@@ -116,8 +129,6 @@ class UpdateParts:
 
 
 def update_parts(cfg: Config, extra_params: dict[str, Any] | None = None) -> UpdateParts:
-    from stapo.core.algos import get_aggregation, policy_loss_spec, token_weighting_spec
-
     a = cfg.algorithm
     spec, loss = token_weighting_spec(a.token_weighting), policy_loss_spec(a.policy_loss)
     return UpdateParts(
@@ -150,7 +161,7 @@ class ExtraRows:
     scaled by ``scale``, and join the step's gradient before the optimizer step."""
 
     batch: Batch  # its rows; ``response_mask`` marks the tokens the term trains, ``advantages`` their A
-    micros: list[Micro]  # this rank's forwards over its rows of this step (``stapo.core.micro``, lockstep)
+    micros: list[Micro]  # this rank's forwards over its rows of this step (``stapo.core.train.micro``, lockstep)
     old_lp: torch.Tensor  # [N, L] the sampling policy's log-probs of ``batch``
     scale: float  # the term's weight in the objective
     seed: int  # the weighting's own randomness for these rows
@@ -207,10 +218,10 @@ class _NoHooks:
 class Actor:
     """Every pass over the policy, end to end (verl's ``DataParallelPPOActor`` as the model, which owns
     ``compute_log_prob`` and ``update_policy``): built once per run from the config, the trainer backend
-    and the run's hooks (``stapo.core.extras.build_hooks``; the update asks them for the in-update
+    and the run's hooks (``stapo.core.train.extras.build_hooks``; the update asks them for the in-update
     phases: the weighting's live keywords, the additive per-token terms and whether those read p).
     :meth:`old_stats` is the no-grad pass, :meth:`distribution` the token dump's and calibrate's,
-    :meth:`update` the step's update; all micro-batch through ``stapo.core.micro``."""
+    :meth:`update` the step's update; all micro-batch through ``stapo.core.train.micro``."""
 
     def __init__(self, cfg: Config, backend: TrainerBackend, hooks: Hooks | None = None) -> None:
         self.cfg, self.backend = cfg, backend
@@ -458,8 +469,6 @@ class MiniBatch:
     rank: int = 0
 
     def context(self, lp: torch.Tensor, ent: torch.Tensor) -> Any:
-        from stapo.core.algos import TokenContext
-
         return TokenContext(logprobs=lp, entropy=ent, advantages=self.adv, mask=self.mask, gather=self.gather,
                             all_reduce_sum=self.reduce, seed=self.seed, rank=self.rank)
 
@@ -472,8 +481,6 @@ class MiniBatch:
     def loss(self, sl: slice, lp: torch.Tensor, ent: torch.Tensor, tw: Any, norm: Any,
              terms: list[Any]) -> tuple[torch.Tensor, dict[str, Any]]:
         """Micro-batch ``sl``'s share of the mini-batch loss from its log-probs with graph [b, L]."""
-        from stapo.core.algos import compute_policy_objective
-
         p = self.parts
         old = self.old[sl] if self.old is not None else lp.detach()
         # the entropy bonus needs trainer.entropy_grad (checked by the config)
@@ -488,8 +495,6 @@ class MiniBatch:
         coef_i = d(aggregate)/d(l_i) is taken once by autograd on a ones tensor (every aggregation
         is linear in the per-token losses), so the LM head's gradient is formed inside the chunked
         forward. Returns (loss, logprobs [b, L], entropy [b, L]), the last two detached."""
-        from stapo.core.algos.objective import per_token_objective
-
         p = self.parts
         x = torch.ones(self.mask[sl].shape, dtype=torch.float32, device=self.mask.device, requires_grad=True)
         with torch.enable_grad():
@@ -532,8 +537,6 @@ def step_p05(ent: torch.Tensor, mask: torch.Tensor,
              gather: Callable[[torch.Tensor], torch.Tensor] | None) -> float:
     """The 5th percentile of every valid response token's entropy in the step's GLOBAL batch
     (``entropy/p05``, a diagnostic of how peaked the policy is). One all_gather, on every rank."""
-    from stapo.core.algos import quantile
-
     return quantile(step_entropies(ent, mask, gather), 0.05)
 
 
@@ -541,8 +544,6 @@ def update_diagnostics(cfg: Config, ctx: Any, tw: Any, diag: dict[str, float]) -
     """Add one mini-batch's global token counts (from the weighting's own output) to ``diag``;
     returns the tau_h of the phase cells: the S2T weighting's own, else the paper's tau_h^(q) of this
     mini-batch at ``algorithm.s2t`` (what S2T would use here), so every weighting logs the same cells."""
-    from stapo.core.algos import s2t_tau_h, token_counts
-
     s2t = cfg.algorithm.s2t
     tau = tw.info.get("tau_h")
     if tau is None:
@@ -581,8 +582,6 @@ class UpdateRecord:
             tau_p: float) -> None:
         """Store what one mini-batch's weighting gave its first ``len(rows)`` rows (the real ones;
         padding rows come after them): applied weights, tau_h, and each token's phase cell."""
-        from stapo.core.algos import phase_cells
-
         k = len(rows)
         rows = rows.cpu()
         self.weights[epoch, rows] = tw.weights[:k].detach().float().cpu()
@@ -612,8 +611,6 @@ def update_metrics(diag: dict[str, float], taus: Sequence[float], p05: float, su
     """The update's logged metrics: token diagnostics counted from its own weightings (``diag``,
     summed over mini-batches and epochs), the thresholds it used, and the loss / clip sums and
     optimizer outputs (``step_out``: one per optimizer step), as :meth:`Actor.update` logs them."""
-    from stapo.core.algos import fractions_from_counts
-
     tokens = max(sums["tokens"], 1.0)
     token_diag = fractions_from_counts(diag)
     token_diag["tokens/valid"] = diag["tokens"] / epochs  # every epoch sees each row once

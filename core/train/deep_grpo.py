@@ -21,7 +21,7 @@ per failed chain (``n_branch_points``) and lambda (``branch_chain_loss_lambda``)
 authors' logistic model is scikit-learn's default (L2, C = 1, intercept not penalized); ours fits
 the same objective by Newton's method, so scikit-learn is not a dependency.
 
-A loop hook (``deep_grpo``, ``stapo.core.extras.LoopHook``; nothing in ``stapo.core.loop`` knows
+A loop hook (``deep_grpo``, ``stapo.core.train.extras.LoopHook``; nothing in ``stapo.core.train.loop`` knows
 about DEEP-GRPO): ``on_batch`` runs :meth:`DeepGRPO.rollout_branches` on the step's rollouts,
 ``before_update`` adds :meth:`DeepGRPO.local_loss` to the update's contributions (:class:`LocalLoss`),
 ``after_update`` logs the local term, ``state_dict`` carries the recoverability model across a resume.
@@ -52,7 +52,7 @@ the policy loss. S2T's tau_h^(q) is each local mini-batch's own: the quantile ov
 tokens' candidates under the current policy (global over ranks), as the root rows' update takes it.
 
 Micro-batching: the branch rows' no-grad pass and the local loss's forwards/backwards are split as
-the policy update's (``stapo.core.micro.micro_batches``): with
+the policy update's (``stapo.core.train.micro.micro_batches``): with
 ``trainer.micro_batch_tokens`` rows are packed without padding into token-budget forwards (position
 ids restart at each sequence), else ``trainer.micro_batch_size`` rows per forward. The local loss
 runs through the actor's own mini-batch pass: p and H come from its gradient forwards (no
@@ -83,11 +83,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from stapo.core.batch import Batch, derive_seed
-from stapo.core.distributed import DataParallel, minibatch_rows
-from stapo.core.extras import LoopHook, StepState
-from stapo.core.micro import Micro, micro_batches, micro_spec
-from stapo.core.update import Actor, ExtraRows
+from stapo.core.algos import overlong_filter_keep
+from stapo.core.algos.advantages import get_advantage
+from stapo.core.batch import Batch, Sequence_, collate_with_pad_row, derive_seed, group_sequences
+from stapo.core.rollout import SamplingParams
+from stapo.core.rollout.rollouts import shape_and_advantage
+from stapo.core.train.extras import LoopHook, StepState
+from stapo.core.train.micro import Micro, micro_batches, micro_spec
+from stapo.core.train.update import Actor, ExtraRows
+from stapo.core.trainer.distributed import DataParallel, minibatch_rows
 
 __all__ = ["DeepGRPO", "BranchRollouts", "branch_minibatches", "loss_branches", "set_local_advantages",
            "OnlineLogistic", "pivot_utility", "sample_pivot", "suffix_mask", "branch_ratio", "pivot_outcomes", "local_advantages", "LOCAL_ADVANTAGES"]
@@ -248,8 +252,6 @@ LOCAL_ADVANTAGES: dict[str, str | None] = {"mean_baseline": "dr_grpo", "grpo": N
 
 def local_advantages(rewards: Tensor, mode: str, run_advantage: str, eps: float = 1e-6) -> Tensor:
     """Branch advantages [P, K] from the branch rewards [P, K] (one row per pivot) for ``mode``."""
-    from stapo.core.algos.advantages import get_advantage
-
     if mode not in LOCAL_ADVANTAGES:
         raise ValueError(f"deep_grpo.local_advantage: unknown {mode!r}; valid: {', '.join(LOCAL_ADVANTAGES)}")
     return get_advantage(LOCAL_ADVANTAGES[mode] or run_advantage)(rewards, eps=eps)
@@ -263,8 +265,6 @@ def loss_branches(cfg: Any, branches: list[Any]) -> list[Any]:
     pivot's K branches (:func:`set_local_advantages`, truncated ones included, as DAPO computes group
     statistics before its mask), then, with ``algorithm.overlong.filter``, truncated branches
     (finish reason ``length``) leave the loss, as the root rows do (``OverlongFilter``)."""
-    from stapo.core.algos import overlong_filter_keep
-
     kept = set_local_advantages(cfg, branches)
     if not cfg.algorithm.overlong.filter or not kept:
         return kept
@@ -277,8 +277,6 @@ def set_local_advantages(cfg: Any, kept: list[Any]) -> list[Any]:
     (``algorithm.deep_grpo.local_advantage``; the shaped rewards, as the global advantages use)."""
     if not kept:
         return kept
-    from stapo.core.batch import group_sequences
-
     groups = list(group_sequences(kept).values())
     rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [P, K]
     adv = local_advantages(rewards, cfg.algorithm.deep_grpo.local_advantage, cfg.algorithm.advantage,
@@ -307,8 +305,6 @@ def collate_branches(run: Any, kept: list[Any], counts: list[int]) -> BranchRoll
     under data parallelism), their continuation mask and the sampling policy's statistics from a
     no-grad pass micro-batched as the update's (``trainer.micro_batch_tokens``: packed), with the
     busiest rank's number of forwards on every rank. ``counts``: kept branch rows of every rank."""
-    from stapo.core.batch import collate_with_pad_row
-
     cfg, dp = run.cfg, DataParallel(run.backend)
     batch = collate_with_pad_row(kept, run.pad_id, pad=dp.multi).to(run.backend.device)
     pad_row = len(kept) if dp.multi else None
@@ -353,11 +349,6 @@ class DeepGRPO(LoopHook):
     # ----------------------------------------------------------------------------- rollouts
 
     def rollout_branches(self, run: Any, step: int, seqs: list[Any]) -> tuple[BranchRollouts | None, dict[str, float]]:
-        from stapo.core.batch import Sequence_, derive_seed
-        from stapo.core.distributed import DataParallel
-        from stapo.core.rollout import SamplingParams
-        from stapo.core.rollouts import shape_and_advantage
-
         cfg, o = self.cfg, self.opts
         dp = DataParallel(run.backend)
         t0 = time.time()
@@ -451,8 +442,6 @@ class DeepGRPO(LoopHook):
         """The local term's loss and tokens, summed over ranks (every rank calls this, with the same keys)."""
         if backend is None or not self._local:
             return dict(self._local)
-        from stapo.core.distributed import DataParallel
-
         keys = sorted(self._local)
         return dict(zip(keys, DataParallel(backend).sum([self._local[k] for k in keys]), strict=True))
 
@@ -467,10 +456,10 @@ class DeepGRPO(LoopHook):
 
 
 class LocalLoss:
-    """DEEP-GRPO's local loss as a :class:`~stapo.core.update.Contribution` to the policy update.
+    """DEEP-GRPO's local loss as a :class:`~stapo.core.train.update.Contribution` to the policy update.
 
     Before each optimizer step the actor asks for that step's branch rows and runs them through its
-    own mini-batch pass, the way it runs the root rows (``stapo.core.micro``: packed into token-budget
+    own mini-batch pass, the way it runs the root rows (``stapo.core.train.micro``: packed into token-budget
     forwards without padding with ``trainer.micro_batch_tokens``, every rank making the busiest rank's
     number of forwards; the configured weighting and loss with p and H from the gradient forwards,
     no no-grad forward; the weighting and the global normalizer see the whole mini-batch, so the

@@ -10,7 +10,7 @@ issued by every rank the same number of times, or the run hangs or silently mixe
   whether another dynamic-sampling round runs; :func:`balanced_quota` trims the global surplus);
 * the optimizer mini-batches are drawn from ONE global permutation of the global batch
   (:func:`minibatch_rows`), and each rank runs, per mini-batch, as many micro-batches as the busiest
-  rank needs (``stapo.core.update``); a rank short of rows pads with zero-weight rows (no response token: no loss, no
+  rank needs (``stapo.core.train.update``); a rank short of rows pads with zero-weight rows (no response token: no loss, no
   gradient), so a rank with nothing kept still joins every collective;
 * logged metrics are global sums / maxima (:meth:`DataParallel.gather_rows`).
 
@@ -159,6 +159,6 @@ def minibatch_rows(counts: Sequence[int], rank: int, mini_batches: int,
                    generator: torch.Generator) -> list[torch.Tensor]:
     """This rank's real local rows of each global optimizer mini-batch (:func:`global_minibatches`);
     with one rank exactly the single-process split. How many forwards each rank then runs per
-    mini-batch (the busiest rank's count, padding-row forwards elsewhere) is ``stapo.core.update``'s
+    mini-batch (the busiest rank's count, padding-row forwards elsewhere) is ``stapo.core.train.update``'s
     business."""
     return [local_rows(c, counts, rank) for c in global_minibatches(counts, mini_batches, generator)]

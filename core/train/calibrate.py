@@ -11,7 +11,7 @@ own parts:
    prompts, ``rollout.n`` responses each, in batches of ``rollout.prompts_per_step``: one batch =
    one training step);
 2. grade with the configured grader and take advantages as the loop does
-   (:func:`stapo.core.rollouts.shape_and_advantage`, and DAPO's dynamic sampling filter when on);
+   (:func:`stapo.core.rollout.rollouts.shape_and_advantage`, and DAPO's dynamic sampling filter when on);
 3. teacher-force every sampled token through the configured trainer backend
    (``token_distribution``: the training dtype and chunking; p, H and sum_n pi_n^2 of one forward)
    and split each step's rows into its ``algorithm.mini_batches`` optimizer mini-batches exactly as
@@ -47,8 +47,22 @@ from typing import Any
 
 import torch
 
+from stapo.core.algos import TokenContext, below_thresholds, get_token_weighting, s2t_candidates, s2t_tau_h
+from stapo.core.batch import Sequence_, collate, derive_seed, seed_everything
 from stapo.core.config import Config
-from stapo.core.micro import MicroSpec, micro_batches
+from stapo.core.placement import resolve_device
+from stapo.core.rollout import SamplingParams, build_rollout_engine
+from stapo.core.rollout.rollouts import mixed_groups, shape_and_advantage
+from stapo.core.task.data import encode_prompt, load_prompts
+from stapo.core.task.rewards import RewardFunction
+from stapo.core.task.sampler import prompts_for_step
+from stapo.core.train.micro import MicroSpec, micro_batches
+from stapo.core.train.update import Actor, stats_temperature
+from stapo.core.trainer import build_trainer_backend
+from stapo.core.trainer.base import compute_token_stats
+from stapo.core.trainer.distributed import minibatch_rows
+from stapo.core.trainer.models import load_policy
+from stapo.evals.inspect import grad_norms
 
 __all__ = [
     "DEFAULT_Q",
@@ -114,8 +128,6 @@ def _silenced(mb: MiniBatchStats, *, tau_p: float, q: float, silence: str = "low
     """([n] bool silenced, the weighting's info) from the registered ``s2t`` weighting on this
     mini-batch; ``positive_only=False`` treats every token as A > 0 (the rule before the advantage
     condition)."""
-    from stapo.core.algos import TokenContext, get_token_weighting
-
     adv = mb.advantages if positive_only else torch.ones_like(mb.advantages)
     ctx = TokenContext(mb.logprobs.unsqueeze(0), mb.entropy.unsqueeze(0), adv.unsqueeze(0),
                        torch.ones(1, mb.tokens, dtype=torch.bool), seed=mb.seed)  # [1, n] each
@@ -127,8 +139,6 @@ def reference_sets(mb: MiniBatchStats, *, tau_p: float, q: float) -> dict[str, t
     """{"silenced", "random", "candidates"}: [n] bool each. ``silenced`` is what the paper's rule
     silences; ``random`` as many candidates drawn at random by the weighting's ``random`` ablation
     (seeded with the mini-batch's seed, as in training)."""
-    from stapo.core.algos import s2t_candidates
-
     silenced, _ = _silenced(mb, tau_p=tau_p, q=q)
     rand, _ = _silenced(mb, tau_p=tau_p, q=q, silence="random")
     cand = s2t_candidates(mb.logprobs.unsqueeze(0), mb.advantages.unsqueeze(0),
@@ -166,8 +176,6 @@ def grid(sample: CalibrationSample, tau_ps: Sequence[float], qs: Sequence[float]
 def token_grad_norms(mb: MiniBatchStats) -> torch.Tensor:
     """[n] float64: each token's gradient norm w.r.t. its logits for the baseline objective at ratio 1
     (w = A), exact: |A| sqrt(1 - 2p + sum pi^2) (:func:`stapo.evals.inspect.grad_norms`)."""
-    from stapo.evals.inspect import grad_norms
-
     prob = mb.logprobs.double().exp().numpy()
     measured, _ = grad_norms(prob, mb.entropy.double().numpy(), mb.advantages.double().numpy(),
                              mb.sum_q2.double().numpy())
@@ -185,8 +193,6 @@ def taxonomy(sample: CalibrationSample, *, tau_p: float, q: float) -> dict[str, 
     (``share``) and of its squares (``share_sq``: the share of the squared norm of the batches' whole
     gradient w.r.t. the logits, since different positions' logits are different variables).
     """
-    from stapo.core.algos import below_thresholds, s2t_tau_h
-
     cells = {c: {"count": 0, "grad_norm_sum": 0.0} for c in CELLS}
     sets = {k: {"count": 0, "grad_norm_sum": 0.0, "grad_norm_sq_sum": 0.0} for k in ("silenced", "random")}
     total = total_sq = 0.0
@@ -245,8 +251,6 @@ def entropy_rates(model: torch.nn.Module, batch: Any, rows: torch.Tensor, sets: 
     one backward per objective per micro-batch (``spec``: the update's layout), parameter-sized
     vectors held.
     """
-    from stapo.core.trainer.base import compute_token_stats
-
     params = [p for p in model.parameters() if p.requires_grad]
     resp_all = batch.response_mask[rows].bool()  # [b, L]
     n = int(resp_all.sum())
@@ -298,18 +302,6 @@ def collect(cfg: Config, *, limit: int, entropy_step: bool = False,
     (``algorithm.s2t``'s tau_p and q): the silenced set and a random same-size set of candidates.
     ``progress(phase, done, total)`` is called after each batch. One process (no launcher).
     """
-    from stapo.core.batch import Sequence_, collate, derive_seed, seed_everything
-    from stapo.core.data import encode_prompt, load_prompts
-    from stapo.core.distributed import minibatch_rows
-    from stapo.core.models import load_policy
-    from stapo.core.placement import resolve_device
-    from stapo.core.rewards import RewardFunction
-    from stapo.core.rollout import SamplingParams, build_rollout_engine
-    from stapo.core.rollouts import mixed_groups, shape_and_advantage
-    from stapo.core.sampler import prompts_for_step
-    from stapo.core.trainer import build_trainer_backend
-    from stapo.core.update import Actor, stats_temperature
-
     if limit < 1:
         raise ValueError(f"--limit must be >= 1 prompt, got {limit}")
     t0 = time.time()

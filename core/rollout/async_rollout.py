@@ -50,10 +50,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from stapo.core.rewards import RewardFunction
 from stapo.core.rollout.process import FaultInjection, ProcessRolloutEngine, ProducerDied
-from stapo.core.rollouts import RolloutInputs, record_groups, rollout_and_grade
-from stapo.core.sampler import prompts_per_round
+from stapo.core.rollout.rollouts import RolloutInputs, record_groups, rollout_and_grade
+from stapo.core.task.rewards import RewardFunction
+from stapo.core.task.sampler import prompts_per_round
 
 __all__ = [
     "AsyncRollouts",

@@ -16,7 +16,7 @@ number of reference forwards.
 min-p filter (p >= min_p * max p) and log of the max probability, from the hidden states and the
 LM head in row chunks, never a [B, L, V] tensor; each micro-batch runs as the model's forward and
 the head as the head module's forward (``forward_as``), so ZeRO-3's hooks gather the partitioned
-weights. Data parallel: it runs the forwards it is given (``stapo.core.micro``: the same number on
+weights. Data parallel: it runs the forwards it is given (``stapo.core.train.micro``: the same number on
 every rank, padded with the batch's zero-weight row), so Lp-Reg runs under ZeRO-3 on several ranks.
 """
 
@@ -30,7 +30,15 @@ import torch
 
 from stapo.core.algos.lpreg import minp_stats_from_logits
 from stapo.core.batch import Batch
-from stapo.core.micro import Micro
+from stapo.core.train.micro import Micro
+from stapo.core.trainer.base import (
+    _final_hidden,
+    compute_token_stats,
+    forward_as,
+    head_logit_transform,
+    model_inputs,
+    stat_targets,
+)
 
 __all__ = ["ReferencePolicy", "minp_stats_batched"]
 
@@ -73,14 +81,12 @@ class ReferencePolicy:
     def logprobs(self, batch: Batch, micros: list[Micro], *, temperature: float) -> torch.Tensor:
         """log ref(o_t | context) at every response position of ``batch``, 0 elsewhere: [B, L].
 
-        ``micros``: the pass's forwards over ``batch`` (``stapo.core.micro.micro_batches``, the old
+        ``micros``: the pass's forwards over ``batch`` (``stapo.core.train.micro.micro_batches``, the old
         pass's: packed by tokens or rows, lockstep over ranks). A partitioned copy gathers its
         parameters in every forward, so it runs every one of them (the padding row's included, the
         same count on every rank); a plain copy issues no collective and skips the padding forwards.
         Each micro-batch runs as the copy's own forward (``forward_as``), so ZeRO-3's hooks fire.
         """
-        from stapo.core.trainer.base import compute_token_stats, forward_as
-
         if self.offload:
             self.model.to(self.device)
         try:
@@ -117,21 +123,13 @@ def minp_stats_batched(model: torch.nn.Module, batch: Batch, micros: list[Micro]
                        temperature: float, chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """(log kept mass [B, L], log max prob [B, L]) at the response positions of ``batch`` (0 elsewhere).
 
-    ``micros``: the pass's forwards (``stapo.core.micro.micro_batches``, the old pass's: packed by
+    ``micros``: the pass's forwards (``stapo.core.train.micro.micro_batches``, the old pass's: packed by
     tokens or rows, the same count on every rank, past a rank's rows on its zero-weight padding row,
     which has no response position: nothing is written). Each micro-batch runs as the model's own
     forward (``forward_as``), so the root module's hooks fire as in any forward (ZeRO-3: the
     start-of-forward step reset, then each submodule's parameter gather): under ZeRO-3 every rank
     must make the same number of calls, which the lockstep forwards guarantee.
     """
-    from stapo.core.trainer.base import (
-        _final_hidden,
-        forward_as,
-        head_logit_transform,
-        model_inputs,
-        stat_targets,
-    )
-
     B, L = batch.input_ids.shape
     device = batch.input_ids.device
     kept = torch.zeros(B, L, dtype=torch.float32, device=device)

@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stapo.core.config import RewardConfig
+from stapo.verifier_service.client import VerifierClient
+from stapo.verifier_service.pool import GraderPool
+from stapo.verifier_service.settings import default_workers
 
 __all__ = ["RewardError", "RewardBatch", "RewardFunction", "rule_shares", "scale_reward"]
 
@@ -61,8 +64,6 @@ def grader_workers_per_rank(environ: Mapping[str, str] = os.environ) -> int:
     """The default size of a rank's grading pool: the cores this process may use divided by the ranks
     on its node (``LOCAL_WORLD_SIZE`` from torchrun, ``LOCAL_SIZE`` from the deepspeed launcher; 1
     without a launcher), at least 1. Without the division 8 ranks each start a pool of every core."""
-    from stapo.verifier_service.settings import default_workers
-
     local = environ.get("LOCAL_WORLD_SIZE") or environ.get("LOCAL_SIZE") or "1"
     return max(1, default_workers() // max(1, int(local)))
 
@@ -75,14 +76,10 @@ class RewardFunction:
         if grader is not None:
             self._grader = grader  # anything with grade_many(list[dict]) -> list[result]
         elif cfg.urls:
-            from stapo.verifier_service.client import VerifierClient
-
             # No token in the config: the environment's (compose hands STAPO_VERIFIER_TOKEN to the trainer).
             token = cfg.token or os.environ.get("STAPO_VERIFIER_TOKEN") or None
             self._grader = _ClientGrader(VerifierClient(cfg.urls, token=token))
         else:
-            from stapo.verifier_service.pool import GraderPool
-
             self._grader = GraderPool(workers=cfg.workers or grader_workers_per_rank(), deadline_s=cfg.deadline_s)
 
     def _grade(self, items: list[dict[str, str]]) -> list[Any]:

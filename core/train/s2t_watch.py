@@ -5,7 +5,7 @@ The paper's rule (tau_p 0.002, q 75% of each mini-batch's candidates) silences "
 the tokens on Qwen3 base models (arXiv 2602.15620v1); on another model the same rule can silence
 orders of magnitude more (a small model samples many low-probability tokens) or nothing (no correct
 response, or no token below tau_p). The rate is an outcome of the model, not a setting: the loop's
-``s2t_watch`` hook (``stapo.core.extras``) feeds each step's GLOBAL counts (the update's own:
+``s2t_watch`` hook (``stapo.core.train.extras``) feeds each step's GLOBAL counts (the update's own:
 ``stapo/silenced_count``, ``stapo/candidates`` and the valid tokens x PPO epochs) into
 :class:`RateWatch`, which judges windows of ``algorithm.s2t.watch_steps`` steps, never a step alone:
 

@@ -1,6 +1,6 @@
 """The loop's extras: one typed hook interface, a registry by name, and the stability layers' hooks.
 
-``stapo.core.loop.train`` is a straight line (sample -> grade -> advantages -> old pass -> update ->
+``stapo.core.train.loop.train`` is a straight line (sample -> grade -> advantages -> old pass -> update ->
 sync -> log/checkpoint). Everything some recipes need and others do not is a :class:`LoopHook`,
 registered by name in :data:`HOOKS` and built once per run (a factory returns None when its config
 switch is off, so a plain recipe runs no hook code at all). The loop calls every built hook at named
@@ -57,7 +57,7 @@ sampled advantages). ``tests/unit/test_hooks.py`` checks this table against the 
 
 A new extra is a subclass of :class:`LoopHook` plus ``@register_hook("name")`` on its factory;
 ``train()`` does not change. A factory reads what it needs from the run (``cfg``, ``backend``,
-``sampler``, ...); the run's :class:`Hooks` go to the update (``stapo.core.update.Actor``), which
+``sampler``, ...); the run's :class:`Hooks` go to the update (``stapo.core.train.update.Actor``), which
 asks them for the in-update phases.
 """
 
@@ -69,6 +69,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from stapo.core.algos import get_advantage
 from stapo.core.algos.dapo import overlong_filter_keep
 from stapo.core.algos.losses import get_kl_estimator
 from stapo.core.algos.lpreg import lp_reg_select, minp_proxy_logprobs
@@ -79,9 +80,14 @@ from stapo.core.algos.regularizers import (
     lp_reg_token_term,
 )
 from stapo.core.algos.stare import StareSchedule
+from stapo.core.algos.vcpo import off_policy_step
 from stapo.core.config import Config
-from stapo.core.micro import Micro
-from stapo.core.update import Contribution
+from stapo.core.rollout.async_rollout import async_rollouts, check_supported
+from stapo.core.train.micro import Micro
+from stapo.core.train.reference import ReferencePolicy, minp_stats_batched
+from stapo.core.train.s2t_watch import RateWatch, describe_thresholds
+from stapo.core.train.update import Contribution
+from stapo.core.trainer.distributed import DataParallel
 
 __all__ = [
     "HOOKS", "Hooks", "KLInReward", "KLReference", "LoopHook", "LpReg", "OverlongFilter", "StareController",
@@ -138,7 +144,7 @@ class LoopHook:
         only); its metrics."""
         return {}
 
-    # inside the update (stapo.core.update.Actor.update), per mini-batch
+    # inside the update (stapo.core.train.update.Actor.update), per mini-batch
     terms_read_stats: bool = False  # the additive terms read the current policy's p
 
     def weighting_params(self) -> dict[str, float]:
@@ -343,8 +349,6 @@ class KLReference(LoopHook):
         a = cfg.algorithm
         self.cfg, self.backend, self.reference = cfg, backend, None
         if backend is not None and a.kl.reference == "initial":
-            from stapo.core.reference import ReferencePolicy
-
             zero3 = getattr(backend, "zero_stage", 0) == 3  # partitioned like the policy (its own engine)
             self.reference = ReferencePolicy(
                 backend.model, dtype=a.kl.dtype, offload=a.kl.offload, device=backend.device,
@@ -407,8 +411,6 @@ class LpReg(LoopHook):
     def before_update(self, st: StepState) -> dict[str, float]:
         if st.old_lp is None or st.old_ent is None:
             return {}
-        from stapo.core.reference import minp_stats_batched
-
         o, batch, old_lp = self.cfg.algorithm.lp_reg, st.batch, st.old_lp
         mask = batch.response_mask
         kept, pmax = minp_stats_batched(self.backend.model, batch, st.micros, min_p=o.min_p,
@@ -499,8 +501,6 @@ class KLInReward(LoopHook):
 
     def apply(self, seqs: Sequence[Any], batch: Any, old_lp: torch.Tensor, ref_lp: torch.Tensor) -> dict[str, float]:
         """Rewrite the rewards, advantages and ``batch.advantages`` of ``seqs``; return the metric."""
-        from stapo.core.algos import get_advantage
-
         a = self.cfg.algorithm
         n = len(seqs)  # data parallel: the batch may end with a zero-weight padding row (not a sequence)
         pen = kl_reward_penalty(old_lp[:n], ref_lp[:n], batch.response_mask[:n], coef=a.kl_coef,
@@ -530,7 +530,7 @@ class KLInReward(LoopHook):
 
 class AsyncHook(LoopHook):
     """Asynchronous rollouts (``rollout.async.enabled``, docs/async.md): round 0 of the coming steps is
-    sampled and graded while the learner updates (``sample``: ``stapo.core.async_rollout``, through
+    sampled and graded while the learner updates (``sample``: ``stapo.core.rollout.async_rollout``, through
     the rollout servers or a producer process); stale rows, or VCPO's baseline, need the proximal
     policy's log-probs (``needs_old_stats``) and get their off-policy corrections (``before_update``:
     ``stapo.core.algos.vcpo``); each step's weights become the next version (``after_sync``). The
@@ -540,9 +540,6 @@ class AsyncHook(LoopHook):
     name: ClassVar[str] = "async"
 
     def __init__(self, run: Any) -> None:
-        from stapo.core.async_rollout import check_supported
-        from stapo.core.distributed import DataParallel
-
         check_supported(run.cfg)
         self.run = run
         self.dp = DataParallel(run.backend)  # the off-policy decisions are global over ranks
@@ -550,8 +547,6 @@ class AsyncHook(LoopHook):
 
     def sample(self, step: int) -> tuple[list[Any], dict[str, float]]:
         if self.rollouts is None:
-            from stapo.core.async_rollout import async_rollouts
-
             self.rollouts = async_rollouts(self.run, step - 1)
         return self.rollouts.rollouts(step)
 
@@ -561,8 +556,6 @@ class AsyncHook(LoopHook):
 
     def before_update(self, st: StepState) -> dict[str, float]:
         if st.old_lp is not None:
-            from stapo.core.algos.vcpo import off_policy_step
-
             cfg = self.run.cfg
             st.off_policy = off_policy_step(cfg.algorithm.off_policy, st.kept, st.batch, st.old_lp, st.step,
                                             scale_by_std=cfg.algorithm.advantage == "grpo", dp=self.dp)
@@ -612,7 +605,7 @@ def _sampler_hook(run: Any) -> LoopHook | None:
 
 @register_hook("deep_grpo")
 def _deep_grpo_hook(run: Any) -> LoopHook | None:
-    from stapo.core.deep_grpo import DeepGRPO
+    from stapo.core.train.deep_grpo import DeepGRPO  # here: deep_grpo.py imports LoopHook from this module
 
     return DeepGRPO(run.cfg, run) if run.cfg.algorithm.deep_grpo.enabled else None
 
@@ -644,14 +637,12 @@ def _kl_in_reward_hook(run: Any) -> LoopHook | None:
 
 
 class S2TWatch(LoopHook):
-    """Feeds each step's global silenced count into :class:`stapo.core.s2t_watch.RateWatch`; rank 0
+    """Feeds each step's global silenced count into :class:`stapo.core.train.s2t_watch.RateWatch`; rank 0
     logs its warnings (every rank holds the same global counts, so every rank's state agrees)."""
 
     name: ClassVar[str] = "s2t_watch"
 
     def __init__(self, run: Any) -> None:
-        from stapo.core.s2t_watch import RateWatch, describe_thresholds
-
         s2t = run.cfg.algorithm.s2t
         self.watch = RateWatch(s2t.watch_steps, describe_thresholds(s2t))
         self.epochs = run.cfg.algorithm.ppo_epochs

@@ -1,8 +1,8 @@
 """The rollout phase of a step: sample G responses per prompt, grade them, shape rewards and take
 group advantages; DAPO's dynamic sampling (more rounds until enough groups have mixed outcomes).
 
-The one implementation of "sample and grade a step": the synchronous loop (``stapo.core.loop``) and
-asynchronous rollouts (``stapo.core.async_rollout``) call :func:`rollout_and_grade`. What it reads
+The one implementation of "sample and grade a step": the synchronous loop (``stapo.core.train.loop``) and
+asynchronous rollouts (``stapo.core.rollout.async_rollout``) call :func:`rollout_and_grade`. What it reads
 is :class:`RolloutInputs`: the loop passes its run (which has every field), asynchronous rollouts an
 explicit :class:`RolloutInputs` with the engine at a version and a reward function of their own.
 """
@@ -17,10 +17,13 @@ from typing import Any
 
 import torch
 
+from stapo.core.algos import dynamic_sampling_filter, dynamic_sampling_values, get_advantage, overlong_penalty
 from stapo.core.batch import Sequence_, derive_seed, group_sequences, mean_or_nan
 from stapo.core.config import Config
-from stapo.core.rewards import rule_shares
-from stapo.core.sampler import prompts_per_round, refill_until_full
+from stapo.core.rollout import SamplingParams
+from stapo.core.task.rewards import rule_shares
+from stapo.core.task.sampler import prompts_per_round, refill_until_full
+from stapo.core.trainer.distributed import balanced_quota
 
 __all__ = ["RolloutInputs", "dynamic_sampling_refill", "mixed_groups", "record_groups", "rollout_and_grade", "rollout_metrics",
            "shape_and_advantage", "trim_kept"]
@@ -33,7 +36,7 @@ class RolloutInputs:
 
     cfg: Config
     engine: Any  # generate(prompt_ids, SamplingParams) -> [prompt][sample] Completion
-    rewards: Any  # (texts, golds) -> graded rewards (stapo.core.rewards.RewardFunction)
+    rewards: Any  # (texts, golds) -> graded rewards (stapo.core.task.rewards.RewardFunction)
     sampler: Any  # select(step, round, k) -> prompt indices; record(...) learns from the groups
     train_prompts: Sequence[Any]
     encode: Callable[[Any], list[int]]
@@ -53,8 +56,6 @@ def rollout_and_grade(run: RolloutInputs | Any, step: int, round_: int, *,
     """Sample G responses for this step's prompts and grade them (``run``: a :class:`RolloutInputs`
     or the loop's run). ``record``: the prompt sampler learns from the groups (asynchronous rollouts
     record when the learner takes the batch, not when it is generated)."""
-    from stapo.core.rollout import SamplingParams
-
     cfg = run.cfg
     idx = run.sampler.select(step, round_, prompts_per_round(cfg))  # uniform: prompts_for_step
     recs = [run.train_prompts[i] for i in idx[run.rank :: run.world_size]]  # this rank's share
@@ -128,8 +129,6 @@ def record_groups(run: Any, idx: Sequence[int], seqs: list[Sequence_]) -> None:
 
 def shape_and_advantage(cfg: Config, seqs: list[Sequence_]) -> list[Sequence_]:
     """Overlong shaping, drop groups with a failed reward, group advantages; returns kept sequences."""
-    from stapo.core.algos import get_advantage, overlong_penalty
-
     if cfg.algorithm.overlong.enabled:
         lengths = torch.tensor([len(s.response_ids) for s in seqs], dtype=torch.float32)
         pen = overlong_penalty(
@@ -154,8 +153,6 @@ def shape_and_advantage(cfg: Config, seqs: list[Sequence_]) -> list[Sequence_]:
 def mixed_groups(seqs: list[Sequence_], metric: str = "acc") -> list[Sequence_]:
     """DAPO dynamic sampling: keep only groups whose accuracies (``metric="acc"``, DAPO) or shaped
     rewards (``"reward"``) are not all equal."""
-    from stapo.core.algos import dynamic_sampling_filter, dynamic_sampling_values
-
     groups = list(group_sequences(seqs).values())
     if not groups:
         return []
@@ -169,11 +166,9 @@ def trim_kept(kept: list[Sequence_], want: int, n: int, dp: Any) -> list[Sequenc
     """Cut the GLOBAL kept batch to ``want`` sequences (whole groups of ``n``).
 
     One process: the first ``want``, as DAPO fills its batch. Data parallel: the ranks' kept group
-    counts are all-gathered and :func:`stapo.core.distributed.balanced_quota` says how many groups
+    counts are all-gathered and :func:`stapo.core.trainer.distributed.balanced_quota` says how many groups
     each keeps, so the global batch has ``min(want, total)`` sequences spread as evenly as possible.
     """
-    from stapo.core.distributed import balanced_quota
-
     if not dp.multi:
         return kept[:want]
     quota = balanced_quota(dp.counts(len(kept) // n), want // n)

@@ -116,7 +116,7 @@ def micro_batches(batch: Batch, groups: Sequence[torch.Tensor], spec: MicroSpec,
     """Each group of this rank's real rows (batch indices [n_g]) as its forwards, in order.
 
     Every group gets at least ``min_forwards`` forwards and, with ``dp``
-    (``stapo.core.distributed.DataParallel``) over more than one rank, the busiest rank's number (one
+    (``stapo.core.trainer.distributed.DataParallel``) over more than one rank, the busiest rank's number (one
     all_gather for all groups); forwards past this rank's rows run on ``pad_row`` (``Micro.padding``).
     ``dp`` None: no collective (a pass only this rank makes). A group's rows come back in forward
     order: ``torch.cat([m.rows for m in ms])``.
