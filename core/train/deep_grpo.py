@@ -436,7 +436,7 @@ class DeepGRPO(LoopHook):
         k_branch = branch_minibatches(sum(counts), roots, self.cfg.algorithm.mini_batches)
         if k_branch == 0:
             return None
-        return LocalLoss(self.cfg, backend, br, step, k_branch, lam, self._local)
+        return LocalLoss(self.cfg, backend, br, counts, step, k_branch, lam, self._local)
 
     def local_metrics(self, backend: Any = None) -> dict[str, float]:
         """The local term's loss and tokens, summed over ranks (every rank calls this, with the same keys)."""
@@ -468,11 +468,11 @@ class LocalLoss:
     first step the GLOBAL branch rows are split into ``k_branch`` mini-batches as the root rows are
     (``minibatch_rows``, its own seed); later optimizer steps of the epoch get none."""
 
-    def __init__(self, cfg: Any, backend: Any, br: BranchRollouts, step: int, k_branch: int, lam: float,
-                 sums: dict[str, float]) -> None:
-        self.cfg, self.br, self.step, self.k_branch, self.lam, self.sums = cfg, br, step, k_branch, lam, sums
+    def __init__(self, cfg: Any, backend: Any, br: BranchRollouts, counts: list[int], step: int, k_branch: int,
+                 lam: float, sums: dict[str, float]) -> None:
+        self.cfg, self.br, self.counts, self.step, self.k_branch = cfg, br, counts, step, k_branch
+        self.lam, self.sums = lam, sums
         self.dp = DataParallel(backend)
-        self.counts = br.counts or [br.batch.input_ids.shape[0]]
         # the forwards' rows: the local term's tokens (the continuation) are their response positions
         self.batch = Batch(br.batch.input_ids, br.batch.attention_mask, br.suffix, br.batch.advantages)
         self.plan: list[list[Micro]] = []  # this epoch's forwards, per branch mini-batch

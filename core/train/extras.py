@@ -65,7 +65,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -86,8 +86,10 @@ from stapo.core.rollout.async_rollout import async_rollouts, check_supported
 from stapo.core.train.micro import Micro
 from stapo.core.train.reference import ReferencePolicy, minp_stats_batched
 from stapo.core.train.s2t_watch import RateWatch, describe_thresholds
-from stapo.core.train.update import Contribution
 from stapo.core.trainer.distributed import DataParallel
+
+if TYPE_CHECKING:
+    from stapo.core.train.update import Contribution  # (the update imports this module's Hooks)
 
 __all__ = [
     "HOOKS", "Hooks", "KLInReward", "KLReference", "LoopHook", "LpReg", "OverlongFilter", "StareController",

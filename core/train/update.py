@@ -68,11 +68,11 @@ from stapo.core.algos import (
 from stapo.core.algos.objective import per_token_objective
 from stapo.core.batch import Batch, derive_seed, mean_or_nan
 from stapo.core.config import Config
+from stapo.core.train.extras import Hooks
 from stapo.core.train.micro import Micro, MicroSpec, micro_batches, micro_spec, row_slices
 from stapo.core.trainer.distributed import DataParallel, check_minibatches, group_minibatches, minibatch_rows
 
 if TYPE_CHECKING:
-    from stapo.core.train.extras import Hooks
     from stapo.core.trainer.base import TrainerBackend
 
 __all__ = [
@@ -203,18 +203,6 @@ class UpdateInputs:
     off_policy: Any = None
 
 
-class _NoHooks:
-    """What the update asks of the run's hooks, for an actor built without any (calibrate, benchmarks)."""
-
-    terms_read_stats = False
-
-    def weighting_params(self) -> dict[str, Any]:
-        return {}
-
-    def terms(self, ctx: Any, rows: torch.Tensor, old_lp: torch.Tensor | None) -> list[Any]:
-        return []
-
-
 class Actor:
     """Every pass over the policy, end to end (verl's ``DataParallelPPOActor`` as the model, which owns
     ``compute_log_prob`` and ``update_policy``): built once per run from the config, the trainer backend
@@ -225,7 +213,7 @@ class Actor:
 
     def __init__(self, cfg: Config, backend: TrainerBackend, hooks: Hooks | None = None) -> None:
         self.cfg, self.backend = cfg, backend
-        self.hooks: Any = hooks if hooks is not None else _NoHooks()
+        self.hooks = hooks if hooks is not None else Hooks()  # none: calibrate, benchmarks
         self.spec = micro_spec(cfg)
         self.temperature = stats_temperature(cfg)
 
