@@ -69,7 +69,9 @@ def command(
             "--allow-changes",
             help="With --resume: go on with --set / --config values that change how the run trains (lr, method, "
             "batch, lengths...). Without it such a resume is refused; config.yaml keeps the run's first config "
-            "and config_changes.jsonl records each change from the step it takes effect.",
+            "and config_changes.jsonl records each change from the step it takes effect; the resumed run uses the "
+            "new values from that step (the LR rebased on the restored schedule). A change a checkpoint fixes (the "
+            "model, the backend, the ZeRO stage) is refused, naming why.",
         ),
     ] = False,
     fresh: Annotated[
@@ -350,12 +352,16 @@ class _Resumed:
 
     def config(self, path: Path | None, overrides: list[str], allow_changes: bool) -> Config:
         """The resumed config: the run's own with ``overrides`` (or ``path``'s, when --config names one).
-        Refused in one line naming every changed key that is not bookkeeping, without ``allow_changes``."""
+        Refused in one line naming every changed key that is not bookkeeping, without ``allow_changes``;
+        a change the resumed run could not use (``FIXED_AT_START``) is refused with why, with it too."""
         from stapo.core.config import apply_overrides, config_from_dict, load_config
-        from stapo.core.train.rundir import BOOKKEEPING_KEYS, config_changes
+        from stapo.core.train.rundir import BOOKKEEPING_KEYS, config_changes, unappliable_changes
 
         cfg = load_config(path, overrides) if path is not None else config_from_dict(apply_overrides(self.data, overrides))
-        changed = [c for c in config_changes(self.data, cfg.model_dump(mode="json", by_alias=True)) if not c.bookkeeping]
+        new = cfg.model_dump(mode="json", by_alias=True)
+        changed = [c for c in config_changes(self.data, new) if not c.bookkeeping]
+        if fixed := unappliable_changes(changed, new):
+            raise CLIError(f"--resume cannot change {self.run_dir} from step {self.step + 1}: {'; '.join(fixed)}")
         if changed and not allow_changes:
             free = ", ".join(k.rstrip(".") for k in BOOKKEEPING_KEYS[:4])
             raise CLIError(

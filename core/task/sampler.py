@@ -223,6 +223,7 @@ class GoldilocksSampler(_Recorder):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(seed, 0x601D))
             self.head = _Head(dim, hidden_size)
+        self.lr = lr
         self.opt = torch.optim.Adam(self.head.parameters(), lr=lr)
         self.buffer: deque[tuple[int, float]] = deque(maxlen=buffer_size)
         self._cache: dict[int, torch.Tensor] = {}
@@ -339,6 +340,8 @@ class GoldilocksSampler(_Recorder):
         blob = torch.load(io.BytesIO(base64.b64decode(state["teacher"])), weights_only=True)
         self.head.load_state_dict(blob["head"])
         self.opt.load_state_dict(blob["opt"])
+        for group in self.opt.param_groups:  # the configured rate, not the checkpoint's (a resume may change it)
+            group["lr"] = self.lr
         self.buffer.clear()
         self.buffer.extend((int(i), float(y)) for i, y in state["buffer"])
 

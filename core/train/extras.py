@@ -468,8 +468,10 @@ class StareController(LoopHook):
         return {"w": self.stare.w, "m": self.stare.m, "current_entropy": self.stare.current_entropy}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """(W, M) come back only while they adapt; fixed weights are the config's (a resume may change them)."""
         if state:
-            self.stare.w, self.stare.m = float(state["w"]), float(state["m"])
+            if self.stare.adaptive:
+                self.stare.w, self.stare.m = float(state["w"]), float(state["m"])
             self.stare.current_entropy = float(state.get("current_entropy", float("nan")))
 
 

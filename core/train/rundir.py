@@ -31,7 +31,8 @@
   value. The config a resume continues from is ``config.yaml`` with those rows replayed in order.
   Keys in :data:`BOOKKEEPING_KEYS` (how long the run goes, logging, checkpoint cadence, where the
   verifier lives) change nothing the run learns: ``stapo train`` resumes with them at once; any
-  other change needs ``--allow-changes``.
+  other change needs ``--allow-changes``, and a change the resumed run would not use is refused
+  (:func:`unappliable_changes`: a checkpoint that fixes the value, with why).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ __all__ = [
     "LOCK_NAME", "RunDirBusy", "RunLock", "check_not_busy", "lock_run_dir", "RunDirOwner", "owned", "holds_run",
     "default_run_dir", "agree_run_dir", "open_run_dir", "SharedDirError", "Stopped", "stop_report",
     "install_signal_handlers", "stop_at_step_boundary", "stop_at_once", "stop_requested",
-    "CHANGES_NAME", "BOOKKEEPING_KEYS", "ConfigChange", "config_changes", "resume_config_data",
+    "CHANGES_NAME", "BOOKKEEPING_KEYS", "FIXED_AT_START", "unappliable_changes", "ConfigChange", "config_changes", "resume_config_data",
     "record_config_changes", "read_config_changes", "describe_config_changes",
 ]
 
@@ -393,6 +394,45 @@ BOOKKEEPING_KEYS: tuple[str, ...] = (
     "trainer.gpu_memory_gib", "model.cache_dir", "rollout.server.urls", "rollout.server.timeout_s",
     "rollout.server.retries",
 )
+
+
+_SAME_MODEL = ("the checkpoint holds the weights of the model the run started from; train the other model "
+               "in a new run (its model.name_or_path can be this run's final/ export)")
+
+#: Keys a resume cannot change (a trailing "." = the whole section), each with why: the checkpoint
+#: fixes what they decide. Every other key is read from the config when the run is built, or put
+#: back after the checkpoint loads (the optimizer's settings and LR schedule:
+#: ``stapo.core.trainer.base.apply_optimizer_settings``; the Goldilocks teacher's learning rate), so
+#: the resumed run uses the new value from the step the record names.
+FIXED_AT_START: dict[str, str] = {
+    "model.name_or_path": _SAME_MODEL,
+    "model.gguf_file": _SAME_MODEL,
+    "model.tiny.": _SAME_MODEL,
+    "trainer.backend": "a checkpoint loads into the backend that wrote it (torch: one state file; deepspeed: "
+                       "ZeRO shards)",
+    "trainer.zero_stage": "DeepSpeed loads ZeRO shards at the stage that wrote them",
+    "trainer.offload_optimizer": "loading the optimizer state onto the other side of the offload is not "
+                                 "checked by any test here",
+    "data.goldilocks.teacher": "the checkpoint holds the Goldilocks teacher the run started with",
+    "data.goldilocks.hidden_size": "the checkpoint holds the Goldilocks teacher at its first shape",
+    "data.goldilocks.num_features": "the checkpoint holds the Goldilocks teacher at its first shape",
+}
+
+#: Fixed only while STARE's schedule adapts: (W, M) then continue from the checkpoint's values.
+_STARE_SCHEDULE = ("algorithm.stare.w", "algorithm.stare.m")
+
+
+def unappliable_changes(changes: list[ConfigChange], new: dict[str, Any]) -> list[str]:
+    """One line per change in ``changes`` that a resume cannot apply, naming the key and why.
+
+    ``new``: the resumed config's nested dump (whether STARE's schedule adapts decides two keys)."""
+    lines = [f"{c} ({FIXED_AT_START[k]})" for c in changes
+             for k in FIXED_AT_START if owned_by(c.key, (k,))]
+    adaptive = bool(new.get("algorithm", {}).get("stare", {}).get("adaptive"))
+    if adaptive:
+        lines += [f"{c} (STARE's adaptive schedule continues W and M from the checkpoint; its initial values "
+                  "apply at step 0 only)" for c in changes if c.key in _STARE_SCHEDULE]
+    return lines
 
 
 @dataclass(frozen=True)

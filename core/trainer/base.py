@@ -17,8 +17,9 @@ What lives here, and why it is shared:
   model body, but the LM head runs :func:`stapo.core.tokenstats.fused_token_loss_from_hidden`, which
   forms the head and hidden-state gradients of an elementwise per-token loss inside the chunked
   forward (no logits recompute in backward).
-* :func:`lr_multiplier` / :func:`make_lr_scheduler` - one LR schedule (linear warmup, then
-  constant / cosine / linear decay) so both backends produce the same learning rates.
+* :func:`lr_multiplier` / :func:`make_lr_scheduler` / :func:`apply_optimizer_settings` - one LR schedule (linear warmup, then
+  constant / cosine / linear decay) so both backends produce the same learning rates, and a resume
+  that changes the optimizer's settings uses the new ones.
 * :func:`adamw_param_groups` - the same AdamW parameter groups (no weight decay on 1-D tensors).
 
 Usage (what the loop does)::
@@ -52,6 +53,7 @@ __all__ = [
     "SCHEDULES",
     "lr_multiplier",
     "make_lr_scheduler",
+    "apply_optimizer_settings",
     "RolloutStepLR",
     "begin_rollout_step",
     "planned_optimizer_steps",
@@ -219,6 +221,18 @@ class RolloutStepLR:
                              schedule=self.schedule)
 
 
+def _lr_lambda(trainer_cfg: Any, total_optimizer_steps: int) -> Callable[[int], float]:
+    """The multiplier :func:`make_lr_scheduler` follows, built from ``trainer_cfg``."""
+    warmup, schedule = trainer_cfg.warmup_steps, trainer_cfg.lr_schedule
+    if getattr(trainer_cfg, "lr_schedule_unit", "optimizer_step") == "rollout_step":
+        return RolloutStepLR(warmup, max(1, trainer_cfg.max_steps), schedule)
+
+    def fn(step: int) -> float:
+        return lr_multiplier(step, warmup_steps=warmup, total_steps=total_optimizer_steps, schedule=schedule)
+
+    return fn
+
+
 def make_lr_scheduler(
     optimizer: torch.optim.Optimizer, trainer_cfg: Any, total_optimizer_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
@@ -226,15 +240,38 @@ def make_lr_scheduler(
 
     With ``lr_schedule_unit: rollout_step`` the multiplier is :class:`RolloutStepLR` over
     ``trainer.max_steps`` rollout steps instead of the optimizer-update count."""
-    warmup, schedule = trainer_cfg.warmup_steps, trainer_cfg.lr_schedule
-    if getattr(trainer_cfg, "lr_schedule_unit", "optimizer_step") == "rollout_step":
-        return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, RolloutStepLR(warmup, max(1, trainer_cfg.max_steps), schedule))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(trainer_cfg, total_optimizer_steps))
 
-    def fn(step: int) -> float:
-        return lr_multiplier(step, warmup_steps=warmup, total_steps=total_optimizer_steps, schedule=schedule)
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+def apply_optimizer_settings(
+    scheduler: torch.optim.lr_scheduler.LambdaLR, trainer_cfg: Any, total_optimizer_steps: int
+) -> None:
+    """Put the config's optimizer settings back after a checkpoint load, keeping the checkpoint's position.
+
+    torch's ``Optimizer.load_state_dict`` restores every group's hyper-parameters as they were saved
+    (lr, betas, eps, weight decay) and ``LambdaLR.load_state_dict`` restores the base LRs and a
+    callable multiplier's attributes (:class:`RolloutStepLR`'s warmup and length). A resume that
+    changes ``trainer.lr``, ``betas``, ``adam_eps``, ``weight_decay``, ``warmup_steps``,
+    ``lr_schedule``, ``lr_schedule_unit`` or ``max_steps`` would otherwise go on with the old values
+    while its record says otherwise. What the checkpoint keeps: the moments, the update count
+    (``last_epoch``) and so the place on the schedule; the LR of the next update is the new base LR
+    times the new multiplier at that place. Decay groups are those :func:`adamw_param_groups` marks.
+    Both backends call this at the end of ``load``; without a change it rewrites the same values.
+    """
+    optimizer = scheduler.optimizer
+    lam = _lr_lambda(trainer_cfg, total_optimizer_steps)
+    scheduler.base_lrs = [float(trainer_cfg.lr)] * len(optimizer.param_groups)
+    old = list(scheduler.lr_lambdas)
+    scheduler.lr_lambdas = [lam] * len(optimizer.param_groups)
+    if isinstance(lam, RolloutStepLR) and old and isinstance(old[0], RolloutStepLR):
+        lam.rollout_index = old[0].rollout_index
+    for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+        group["betas"] = tuple(trainer_cfg.betas)
+        group["eps"] = float(trainer_cfg.adam_eps)
+        if group.get("decay", group.get("weight_decay", 0.0) > 0):
+            group["weight_decay"] = float(trainer_cfg.weight_decay)
+        group["initial_lr"] = base
+        group["lr"] = base * lam(scheduler.last_epoch)
 
 
 def begin_rollout_step(backend: Any, step: int) -> None:
@@ -263,9 +300,9 @@ def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict
 
     decay = [p for p in model.parameters() if p.requires_grad and ndim(p) >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and ndim(p) < 2]
-    groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+    groups = [  # "decay" marks the group trainer.weight_decay governs (apply_optimizer_settings)
+        {"params": decay, "weight_decay": weight_decay, "decay": True},
+        {"params": no_decay, "weight_decay": 0.0, "decay": False},
     ]
     groups = [g for g in groups if g["params"]]
     if not groups:

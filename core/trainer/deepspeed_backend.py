@@ -74,6 +74,7 @@ import torch.distributed as dist
 from stapo.core.trainer.attention import use_attention
 from stapo.core.trainer.base import (
     adamw_param_groups,
+    apply_optimizer_settings,
     compute_token_distribution,
     compute_token_loss,
     compute_token_stats,
@@ -634,6 +635,7 @@ class DeepSpeedBackend:
         )
         if load_path is None:
             raise RuntimeError(f"deepspeed could not load the checkpoint at {path}")
+        apply_optimizer_settings(self.scheduler, self.tcfg, self.total_optimizer_steps)
         self.updates_applied = int((client or {}).get("updates_applied", 0))
         self.updates_skipped = int((client or {}).get("updates_skipped", 0))
         self.zero_grad()

@@ -33,6 +33,7 @@ from stapo.core.placement import resolve_device
 from stapo.core.trainer.attention import use_attention
 from stapo.core.trainer.base import (
     adamw_param_groups,
+    apply_optimizer_settings,
     check_token_batch,
     compute_token_distribution,
     compute_token_loss,
@@ -285,6 +286,7 @@ class TorchBackend:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        apply_optimizer_settings(self.scheduler, self.tcfg, self.total_optimizer_steps)
         self.updates_applied = int(state.get("updates_applied", 0))
         self.updates_skipped = int(state.get("updates_skipped", 0))
         self.zero_grad()

@@ -10,7 +10,7 @@
   resume command; that command reproduces the uninterrupted run's later steps exactly;
 * the exported model is readable like every other file of the run (0644 under umask 022);
 * a resume that changes trainer.lr is refused without --allow-changes; with it the run goes on at the
-  new lr, config.yaml keeps the first config and config_changes.jsonl says from which step; a later
+  new lr (the metrics' actor/lr, not only the record), config.yaml keeps the first config and config_changes.jsonl says from which step; a later
   plain resume that extends trainer.max_steps keeps the changed lr.
 """
 
@@ -189,6 +189,8 @@ def test_resume_with_a_changed_lr_is_refused_then_recorded(tmp_path):
     longer = _run("--run-dir", str(run), "--resume", "--set", "trainer.max_steps=4")  # bookkeeping: no flag
     assert longer.returncode == 0, longer.stderr[-2000:]
     assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    # what the run did, not only its record: the optimizer ran at the new rate from step 3 on
+    assert [r["actor/lr"] for r in _rows(run / "metrics.jsonl")] == [0.001, 0.001, 0.5, 0.5]
     assert (run / "config.yaml").read_text() == config  # the first config
     rows = _rows(run / "config_changes.jsonl")
     assert [(r["step"], [(c["key"], c["old"], c["new"]) for c in r["changes"]]) for r in rows] == [

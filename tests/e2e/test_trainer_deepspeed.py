@@ -156,12 +156,16 @@ def test_save_load_round_trip(stage, tmp_path):
     one_update(a, 1)
     a.save(tmp_path / "trainer")
     m_a = one_update(a, 2)
-    b = backend("deepspeed", stage, lr=0.5)  # different LR in the optimizer: load must restore it
+    b = backend("deepspeed", stage)
     b.load(tmp_path / "trainer")
     assert b.updates_applied == 1
     m_b = one_update(b, 2)
     assert m_b["lr"] == m_a["lr"] and m_b["grad_norm"] == pytest.approx(m_a["grad_norm"], rel=1e-6)
     assert_same_params(params(b), params(a), atol=0)
+    # a resume with another LR goes on with it, at the restored place on the schedule
+    c = backend("deepspeed", stage, lr=0.5)
+    c.load(tmp_path / "trainer")
+    assert one_update(c, 2)["lr"] == pytest.approx(m_a["lr"] * 0.5 / 1e-2)
 
 
 def test_zero3_export_and_sync_gather_full_tensors(tmp_path, torch_reference):

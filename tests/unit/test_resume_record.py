@@ -94,6 +94,19 @@ def test_resume_that_changes_training_is_refused_in_one_line_naming_each_key(tmp
     assert not (run / CHANGES_NAME).exists()
 
 
+def test_a_change_a_checkpoint_fixes_is_refused_even_with_allow_changes(tmp_path: Path, stapo_main) -> None:
+    run = _run_with_checkpoint(tmp_path)
+    code, out, err = stapo_main("train", "--run-dir", str(run), "--resume", "--allow-changes", "--set",
+                                "model.name_or_path=gpt2", "--set", "trainer.backend=deepspeed", "--set", "trainer.lr=0.5")
+    assert code == 2 and out == ""
+    [line] = err.strip().splitlines()
+    assert line.startswith(f'error: --resume cannot change {run} from step 3: model.name_or_path "tiny-random" -> '
+                           '"gpt2" (the checkpoint holds the weights of the model the run started from;')
+    assert "; trainer.backend \"torch\" -> \"deepspeed\" (a checkpoint loads into the backend that wrote it" in line
+    assert "trainer.lr" not in line  # that one applies
+    assert not (run / CHANGES_NAME).exists()
+
+
 def test_a_resume_that_fails_before_its_first_step_leaves_the_record_as_it_was(tmp_path, stapo_main, monkeypatch):
     """A failed start: its changes never ran, the record is put back. An interrupted one (Ctrl-C)
     keeps its row, so the printed `--resume` goes on with the changes the user allowed."""
