@@ -44,9 +44,9 @@ def command(
     """Will S2T do anything on the configured model and prompts? Its silenced tokens per mini-batch,
     step and run at the configured batch size, and what those tokens carry.
 
-    The counts run over trainer.max_steps steps (--set trainer.max_steps=N for another run length). The counts, taxonomy, gradient shares and figure use the config's own rule
-    (algorithm.s2t.tau_p and .q; the paper's 0.002 and 0.75 in the STAPO recipes), which is always
-    in the grid, marked c.
+    The counts, taxonomy, gradient shares and figure use the config's own rule (algorithm.s2t.tau_p
+    and .q; the paper's 0.002 and 0.75 in the STAPO recipes), which is always in the grid, marked c.
+    A run is trainer.max_steps steps (--set trainer.max_steps=N for another length).
 
     Examples:
 

@@ -523,8 +523,9 @@ def reading(result: dict[str, Any]) -> tuple[str, str]:
                  f"times a factor within [1 - tau_p, sqrt 2], here {fac[0]:.2f} to {fac[1]:.2f}) and "
                  f"{100 * rp['share_sq']:.2f}% for as many random A > 0 tokens "
                  f"({tax['silenced_vs_random_positive']:.2f}x, Theorem 3.1's contrast).")
-    rest += (" Whether silencing them moves the update toward the answer or lowers the entropy is a directional "
-             "question that norms cannot settle: `stapo probe` measures it (first-order steps on paired batches).")
+    rest += (" Whether silencing the rule's tokens moves an update toward the answer or lowers the entropy is a "
+             "directional question that norms cannot settle: `stapo probe` measures it (first-order steps on paired "
+             "batches).")
     return lead, rest
 
 
