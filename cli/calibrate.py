@@ -1,12 +1,14 @@
-"""`stapo calibrate`: what the paper's S2T rule silences on your model and prompts, and the mechanism.
+"""`stapo calibrate`: will S2T do anything on your model and prompts, and what its tokens carry.
 
     stapo calibrate --config tiny --limit 8 --out runs/calib-tiny
-    stapo calibrate --config demo --limit 8 --entropy-step --out runs/calib-demo
+    stapo calibrate --config demo --limit 8 --out runs/calib-demo
 
 Samples with the configured rollout engine, grades with the configured grader, teacher-forces p, H
-and sum pi^2 in the training dtype, applies the registered ``s2t`` weighting per optimizer
-mini-batch and prints the silenced rate per (tau_p, q), the paper's taxonomy of A > 0 tokens with
-their gradient norms, the silenced set's gradient share beside a random same-size set, and a reading.
+and sum pi^2 in the training dtype (one forward), applies the registered ``s2t`` weighting per
+optimizer mini-batch and prints first the answer (silenced tokens per mini-batch, per step and per
+run at the configured batch size), then the silenced rate per (tau_p, q), the paper's taxonomy of
+A > 0 tokens with their gradient norms, the silenced set against two random controls taken as exact
+expectations (as many candidates, as many A > 0 tokens), and the rest of the reading.
 Writes ``calibration.json`` and ``calibration.png`` under ``--out``. See :mod:`stapo.core.train.calibrate`.
 """
 
@@ -38,24 +40,19 @@ def command(
         typer.Option("--q", metavar="Q", help="q values of the grid (tau_h^(q) is the q-th quantile of each mini-batch's "
                      "candidates' entropies), repeatable (default: 0.5 0.75 0.9; the paper's is 0.75)."),
     ] = None,
-    entropy_step: Annotated[
-        bool,
-        typer.Option("--entropy-step", help="Also measure, per mini-batch, the entropy change of one SGD step on the "
-                     "baseline objective restricted to the silenced tokens vs a random same-size set of candidates "
-                     "(first order; one backward per set per micro-batch)."),
-    ] = False,
 ) -> None:
-    """Measure what the paper's S2T rule silences on the configured model and prompts, and why.
+    """Will S2T do anything on the configured model and prompts? Its silenced tokens per mini-batch,
+    step and run at the configured batch size, and what those tokens carry.
 
-    The taxonomy, gradient shares, entropy step and figure use the config's own rule
-    (algorithm.s2t.tau_p and .q; the paper's 0.002 and 0.75 in the STAPO recipes), which is always
-    in the grid, marked c.
+    The counts, taxonomy, gradient shares and figure use the config's own rule (algorithm.s2t.tau_p
+    and .q; the paper's 0.002 and 0.75 in the STAPO recipes), which is always in the grid, marked c.
+    A run is trainer.max_steps steps (--set trainer.max_steps=N for another length).
 
     Examples:
 
     \b
       stapo calibrate --config tiny --limit 8 --out runs/calib-tiny
-      stapo calibrate --config tiny --limit 8 --tau-p 0.05 --tau-p 0.1 --q 0.5 --entropy-step --out runs/calib-tiny
+      stapo calibrate --config tiny --limit 8 --tau-p 0.05 --tau-p 0.1 --q 0.5 --out runs/calib-tiny
       stapo calibrate --config demo --limit 8 --out runs/calib-demo   # the demo model
     """
     from stapo.core.config import ConfigError, load_config
@@ -88,7 +85,7 @@ def command(
         def progress(_phase: str, done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        sample = collect(cfg, limit=limit, entropy_step=entropy_step, progress=progress, log=console.print)
+        sample = collect(cfg, limit=limit, progress=progress, log=console.print)
     s2t = cfg.algorithm.s2t
     result = analyse(sample, tau_ps=tau_p or DEFAULT_TAU_P, qs=q or DEFAULT_Q, tau_p=s2t.tau_p, q=s2t.q)
     paths = write_outputs(result, sample, out)
@@ -98,21 +95,24 @@ def command(
 
 
 def terminal_tables(result: dict) -> list:
-    """The grids (rows tau_p, columns q), the taxonomy, the gradient shares and the reading as rich renderables."""
+    """The answer (silenced tokens per mini-batch, step and run), the grids (rows tau_p, columns q),
+    the taxonomy, the sets against the exact random controls and the rest of the reading, as rich
+    renderables that fit 80 columns."""
     from rich import box
     from rich.table import Table
     from rich.text import Text
 
-    s, tax = result["sample"], result["taxonomy"]
+    s, tax, rule = result["sample"], result["taxonomy"], result["rule"]
     head = Text(
         f"{s['responses']} responses ({s['kept']} in the update's population, {s['correct']} correct), "
         f"{s['tokens']} response tokens from {s['model']} ({s['dtype']}), {s['minibatches']} optimizer mini-batch(es): "
-        f"the rule's population. Smallest measurable rate: {result['resolution'] or float('nan'):.1e}."
+        f"the rule's population. Smallest measurable rate: {result['resolution'] or float('nan'):.1e}. "
+        f"The rule: {rule['name']}."
     )
+    out: list = [head, Text(result["answer"], style="bold")]
     rows = result["grid"]
     tps = sorted({r["tau_p"] for r in rows})
     qs = sorted({r["q"] for r in rows})
-    out: list = [head]
     for key, what in (("rate", "with A > 0: what the update silences"),
                       ("rate_before_adv", "before the A > 0 condition (every token taken as A > 0)")):
         t = Table(title=f"silenced fraction of response tokens, {what}", box=box.SIMPLE_HEAD, padding=(0, 1),
@@ -128,35 +128,36 @@ def terminal_tables(result: dict) -> list:
                 cells.append(_rate(r[key]) + ("c" if r["configured"] else ""))
             t.add_row(f"{tp:g}", *cells)
         out.append(t)
-    t = Table(title=f"A > 0 tokens by probability (tau_p {tax['tau_p']:g}) x entropy (each mini-batch's tau_h^({tax['q']:g}))",
+    t = Table(title=f"A > 0 tokens by probability (tau_p {tax['tau_p']:g}) x entropy (below the q {tax['q']:g} quantile "
+                    "of each mini-batch's A > 0 entropies)",
               box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
-              caption="gradient norm w.r.t. the logits, exact: |A| sqrt(1 - 2p + sum pi^2); low/low is the paper's "
-                      "spurious quadrant")
-    for col in ("probability", "entropy", "tokens", "share", "mean grad norm"):
-        t.add_column(col, justify="right" if col in ("tokens", "share", "mean grad norm") else "left", no_wrap=True)
+              caption="gradient norm w.r.t. the logits, exact: |A| sqrt(1 - 2p + sum pi^2); x A>0: over the A > 0 "
+                      "tokens' mean; low/low is the paper's spurious quadrant")
+    for col in ("p", "H", "tokens", "share", "mean norm", "x A>0"):
+        t.add_column(col, justify="left" if col in ("p", "H") else "right", no_wrap=True)
     for c in tax["cells"]:
-        t.add_row(c["probability"], c["entropy"], str(c["count"]), _pct(c["share_of_positive"]), _num(c["mean_grad_norm"]))
+        t.add_row(c["probability"], c["entropy"], str(c["count"]), _pct(c["share_of_positive"]),
+                  _num(c["mean_grad_norm"]), _num(c["vs_positive_mean"]))
     out.append(t)
-    t = Table(title="share of the batches' gradient norm (sum over every response token)", box=box.SIMPLE_HEAD,
-              padding=(0, 1), pad_edge=False)
-    for col in ("set", "tokens", "mean grad norm", "share of sum of norms", "share of squared norm"):
+    t = Table(title="the silenced set against random sets of the same size (exact expectations, no draw)",
+              box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
+              caption="E\\[.]: per mini-batch, k/N times the population's sum (k silenced, N the population); "
+                      "share: of the sum of every token's norm; norm^2: of the squared norm of the whole gradient")
+    for col in ("set", "tokens", "mean norm", "x A>0", "share", "norm^2"):
         t.add_column(col, justify="left" if col == "set" else "right", no_wrap=True)
-    for name, label in (("silenced", "silenced (the rule)"), ("random", "random same-size candidates")):
+    for name, label in (("silenced", "silenced (the rule)"), ("random_candidates", "E[random candidates]"),
+                        ("random_positive", "E[random A > 0 tokens]"), ("candidates", "all candidates"),
+                        ("positive", "all A > 0 tokens")):
         v = tax["sets"][name]
-        t.add_row(label, str(v["count"]), _num(v["mean_grad_norm"]), _pct(v["share"]), _pct(v["share_sq"]))
+        t.add_row(Text(label), _count(v["count"]), _num(v["mean_grad_norm"]), _num(v["vs_positive_mean"]), _pct(v["share"]),
+                  _pct(v["share_sq"]))
     out.append(t)
-    es = result.get("entropy_step")
-    if es:
-        t = Table(title=f"entropy change of one SGD step per set, first order, summed over {es['minibatches']} mini-batch(es)",
-                  box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
-                  caption=f"dH/d(eta) = -<grad H, grad L_S>; at lr {es['lr']:g}: the change in nats")
-        for col in ("set", "dH/d(eta)", "at lr"):
-            t.add_column(col, justify="left" if col == "set" else "right", no_wrap=True)
-        for name in ("silenced", "random", "all"):
-            t.add_row(name, f"{es['rate_sum'][name]:+.4g}", f"{es['delta_at_lr'][name]:+.3g}")
-        out.append(t)
-    out.append(Text(result["reading"], style="bold"))
+    out.append(Text(result["reading"].removeprefix(result["answer"]).strip()))
     return out
+
+
+def _count(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:.3g}"
 
 
 def _rate(x: float) -> str:

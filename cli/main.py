@@ -6,7 +6,7 @@
     stapo compare   runs side by side: tables, curves, HTML report
     stapo verifier  serve | bench: the math-verification service
     stapo inspect   the tokens a mask silenced, in context
-    stapo calibrate what S2T silences on your model and prompts, and those tokens' gradient share
+    stapo calibrate will S2T silence anything on your model: tokens per mini-batch, step and run; their norms
     stapo recipes   the shipped recipes and their sources; `recipes diff A B`
     stapo rollout   serve: a vLLM server for rollout.engine=vllm_server
 

@@ -28,25 +28,27 @@ def _run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
                           timeout=timeout, env={**__import__("os").environ, "COLUMNS": "200"})
 
 
-def test_calibrate_on_tiny_prints_the_grid_taxonomy_and_reading(tmp_path):
+def test_calibrate_on_tiny_leads_with_the_counts_and_names_its_rule(tmp_path):
     out = tmp_path / "calib"
-    res = _run(["calibrate", "--config", "tiny", "--limit", "8", "--entropy-step", "--out", str(out)])
+    res = _run(["calibrate", "--config", "tiny", "--limit", "8", "--out", str(out)])
     assert res.returncode == 0, res.stderr[-3000:]
     text = " ".join(res.stdout.split())
-    assert "silenced fraction of response tokens, with A > 0" in text and "rows tau_p, columns q" in text
-    assert "A > 0 tokens by probability (tau_p 0.1) x entropy" in text
-    assert "random same-size candidates" in text and "entropy change of one SGD step" in text
-    assert "On tiny-random (64 response tokens" in text and "the paper's rule (tau_p 0.1, q 0.75) silences" in text
     result = json.loads((out / "calibration.json").read_text())
-    s, tax = result["sample"], result["taxonomy"]
+    s, tax, c = result["sample"], result["taxonomy"], result["counts"]
+    # the answer comes before the tables, and names tiny's tau_p as its own, not the paper's
+    assert text.index(" ".join(result["answer"].split())) < text.index("silenced fraction of response tokens")
+    assert "S2T at tau_p 0.1, q 0.75 (the paper uses tau_p 0.002) silences" in text and "the paper's rule" not in text
+    assert "silenced tokens per mini-batch" in result["answer"] and "a 3-step run silences" in result["answer"]
+    assert "rows tau_p, columns q" in text and "E[random candidates]" in text and "E[random A > 0 tokens]" in text
     assert s["responses"] == 64 and s["tokens"] == 64 and s["minibatches"] == 1
     assert len(result["grid"]) == 6 * 3  # the default 5 x 3 grid plus the config's tau_p 0.1 row
     (ref,) = [r for r in result["grid"] if r["configured"]]
     assert (ref["tau_p"], ref["q"]) == (0.1, 0.75)
-    assert sum(c["count"] for c in tax["cells"]) == tax["positive_tokens"] > 0
-    assert tax["sets"]["silenced"]["count"] == tax["sets"]["random"]["count"] == ref["silenced"] > 0
-    assert set(result["entropy_step"]["rate_sum"]) == {"silenced", "random", "all"}
-    assert result["reading"] in text.replace("\n", " ") or result["reading"][:60] in text
+    # tiny: 8 prompts x 8 responses of 1 token, one mini-batch a step, 3 steps
+    assert c["per_step"] == pytest.approx(ref["silenced"]) and c["per_run"] == pytest.approx(3 * ref["silenced"])
+    assert sum(x["count"] for x in tax["cells"]) == tax["positive_tokens"] > 0
+    sets = tax["sets"]
+    assert sets["silenced"]["count"] == sets["random_candidates"]["count"] == sets["random_positive"]["count"] > 0
     assert (out / "calibration.png").stat().st_size > 1000
     bad = _run(["calibrate", "--config", "tiny", "--limit", "0"], timeout=120)
     assert bad.returncode == 2 and "--limit must be >= 1" in bad.stderr
