@@ -47,7 +47,7 @@ def test_direction_smoke_runs_pilot_arms_and_prints_the_verdict(tmp_path: Path) 
     expected = ("holds" if all(s == "for" for s in deciding) else
                 "refuted" if all(s == "against" for s in deciding) else "inconclusive")
     assert rec["verdict"] == expected and f"verdict: {expected.upper()}" in text
-    rows = [line.split() for line in text.split("per seed")[1].splitlines() if line.strip()[:1] in ("A", "B", "C")]
+    rows = [line.split() for line in text.split("\nper seed")[1].splitlines() if line.strip()[:1] in ("A", "B", "C")]
     assert [r[:2] for r in rows[:6]] == [["A", "0"], ["A", "1"], ["B", "0"], ["B", "1"], ["C", "0"], ["C", "1"]]
     cmp = json.loads((out / "compare" / "compare.json").read_text())
     assert list(cmp["seeded"]["groups"]) == ["A", "B", "C"] and cmp["seeded"]["pairing"]["training"] == "seed"
