@@ -78,6 +78,36 @@ def test_the_ablations_pick_among_the_same_candidates():
         S2T(_ctx(*zip(*TOKENS, strict=True)), tau_p=0.01, q=0.75, silence="random")
 
 
+def test_complement_silences_what_the_rule_keeps_on_a_2x6_batch():
+    """[2, 6] by hand, tau_p 0.01, q 0.75. Row 0 is a correct response (A = 1), row 1 a wrong one (A = -1).
+    Row 0's candidates (p < 0.01): columns 0, 1, 2, 4, 5 with H .4, .1, .4, .2, .3 (column 3 has p .5);
+    sorted .1 .2 .3 .4 .4, position .75 x 4 = 3 -> tau_h^(q) = .4 exactly. The rule silences H < .4:
+    columns 1, 4, 5; the complement silences H >= .4: columns 0 and 2 (the tie at .4 is the complement's).
+    Row 1 has p < 0.01 everywhere but A < 0: no candidate, never silenced."""
+    lp = torch.tensor([[0.001, 0.002, 0.005, 0.5, 0.003, 0.004],
+                       [0.001, 0.001, 0.001, 0.001, 0.001, 0.001]], dtype=torch.float64).log()  # [2, 6]
+    ent = torch.tensor([[0.4, 0.1, 0.4, 0.05, 0.2, 0.3], [0.01] * 6], dtype=torch.float64)  # [2, 6]
+    ctx = TokenContext(lp, ent, torch.tensor([1.0, -1.0]), torch.ones(2, 6, dtype=torch.bool))
+    rule = S2T(ctx, tau_p=0.01, q=0.75)
+    comp = S2T(ctx, tau_p=0.01, q=0.75, silence="complement")
+    assert rule.info["tau_h"] == pytest.approx(0.4) == comp.info["tau_h"]
+    assert rule.weights.tolist() == [[1, 0, 1, 1, 0, 0], [1] * 6]
+    assert comp.weights.tolist() == [[0, 1, 0, 1, 1, 1], [1] * 6]
+    assert comp.denom_mask.sum() == 10 and comp.info["silenced_count"] == 2  # out of the denominator too
+    cand = (rule.weights == 0) | (comp.weights == 0)  # the two partition row 0's five candidates
+    assert cand.sum() == 5 and not ((rule.weights == 0) & (comp.weights == 0)).any()
+
+
+@pytest.mark.parametrize(("n", "silenced"), [(1, 0), (2, 1), (3, 2), (4, 3), (5, 3), (8, 6)])
+def test_few_distinct_candidates_silence_the_values_below_the_quantile_position(n, silenced):
+    """q 0.75 over n distinct entropies: tau_h^(q) sits at position 0.75 (n - 1); the strict H < tau_h
+    silences the values below it: 1, 2, 3, 3 for n = 2..5 (at n = 5 the position 3 lands on a value,
+    which stays), 6 of 8 (position 5.25). docs/algorithms.md states these counts."""
+    h = [0.1 * (i + 1) for i in range(n)]
+    tw = S2T(_ctx([0.001] * n, h, [1.0] * n), tau_p=0.01, q=0.75)
+    assert int((tw.weights == 0).sum()) == silenced
+
+
 def test_ties_and_no_candidate():
     # every candidate at H .3: tau_h^(q) = .3 and the strict H < tau_h silences none (Algorithm 1)
     tw = S2T(_ctx([0.001] * 4, [0.3] * 4, [1.0] * 4), tau_p=0.01, q=0.75)
