@@ -376,8 +376,9 @@ def mechanism_check(run_dir: Path, *, tau_p: float, q: float, seed: int = 0) -> 
         total = 0.0
         for seq in dump.get("sequences", []):
             a = float(seq["advantage"])
-            for p, h, s2 in zip(seq["prob"], seq["entropy"], seq["sum_q2"], strict=True):
-                g = abs(a) * math.sqrt(max(0.0, 1 - 2 * p + s2))
+            dist_p = seq.get("dist_prob", seq["prob"])  # p of the forward that gave sum_q2 (older dumps: the mask's)
+            for p, h, s2, dp in zip(seq["prob"], seq["entropy"], seq["sum_q2"], dist_p, strict=True):
+                g = abs(a) * math.sqrt(max(0.0, 1 - 2 * dp + s2))
                 total += g
                 tokens += 1
                 if a > 0 and p < tau_p:
