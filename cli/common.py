@@ -73,8 +73,13 @@ def not_built(name: str) -> None:
     raise CLIError(f"`stapo {name}` is not built yet in this version of stapo.")
 
 
-def resolve_config_path(config: Path | None, default: str = "demo") -> Path:
-    """A file path, or the name of a preset shipped in `configs/` (demo, tiny, stapo, grpo, ...)."""
+def resolve_config_path(config: Path | None, default: str = "demo", *, what: str = "config") -> Path:
+    """A file path, or the name of a preset shipped in `configs/` (demo, tiny, stapo, grpo, ...).
+
+    ``what`` names the option in the error (``recipe`` for ``--recipe``), which offers the closest
+    preset names (``did you mean stapo?``) before the full list."""
+    import difflib
+
     from stapo.configs import preset_names, preset_path
 
     if config is not None and config.is_file():
@@ -82,7 +87,9 @@ def resolve_config_path(config: Path | None, default: str = "demo") -> Path:
     name = str(config) if config is not None else default
     preset = preset_path(name[:-5] if name.endswith(".yaml") else name)
     if preset is None:
-        raise CLIError(f"config {name!r} is neither a file nor a preset; presets: {', '.join(preset_names())}")
+        close = difflib.get_close_matches(name.removesuffix(".yaml"), preset_names(), n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise CLIError(f"{what} {name!r} is neither a file nor a preset; {hint}presets: {', '.join(preset_names())}")
     return preset
 
 
@@ -117,6 +124,44 @@ def check_model_path(field: str, name: str, *, gguf_file: str | None = None, tok
         )
     if not _HUB_ID.match(name):  # an absolute/relative path, ~, or a/b/c: not a hub id, so a missing path
         raise CLIError(f"{field}: {path} does not exist; {_MODEL_FIX}")
+    check_hub_id(field, name, tokenizer=tokenizer)
+
+
+HUB_PROBE_S = 5.0
+"""Seconds the hub gets to answer before a hub id that is not cached is refused (the loader itself
+retries for about 30 s, printing each retry)."""
+
+
+def hub_answers(endpoint: str, timeout_s: float = HUB_PROBE_S) -> str | None:
+    """None when ``endpoint`` (the Hugging Face hub) answers an HTTP request within ``timeout_s``, else
+    why not (the error's type). Proxies from the environment are used, as the hub client uses them."""
+    import httpx
+
+    try:
+        httpx.head(endpoint, timeout=timeout_s)
+    except httpx.HTTPError as err:
+        return type(err).__name__
+    return None
+
+
+def check_hub_id(field: str, name: str, *, tokenizer: bool = False) -> None:
+    """A Hugging Face id that is not in the local cache needs the hub: with ``HF_HUB_OFFLINE`` set, or
+    a hub that does not answer in :data:`HUB_PROBE_S` seconds, it is refused now in one line instead
+    of after the loader's retries. A cached id (its config.json, or tokenizer_config.json for a
+    tokenizer) loads offline and is not probed."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    wanted = "tokenizer_config.json" if tokenizer else "config.json"
+    if isinstance(try_to_load_from_cache(name, wanted), str):
+        return
+    where = f"{name} is not a local folder and not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    fix = f"download it where the hub is reachable (`hf download {name}`), give a model folder, or use tiny-random"
+    if constants.HF_HUB_OFFLINE:
+        raise CLIError(f"{field}: {where}, and HF_HUB_OFFLINE is set; {fix}")
+    why = hub_answers(constants.ENDPOINT)
+    if why is not None:
+        raise CLIError(f"{field}: {where}, and the hub ({constants.ENDPOINT}) cannot be reached ({why}, "
+                       f"{HUB_PROBE_S:g} s limit); {fix}")
 
 
 def check_inputs(cfg: Config) -> None:
