@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from stapo.core.lazy import KNOWN_NOISE, quiet_known_noise
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -66,6 +68,9 @@ def console() -> Console:
     from rich.console import Console
 
     return Console(width=None if sys.stdout.isatty() else WIDE)
+
+
+__all__ = ["KNOWN_NOISE", "quiet_known_noise"]  # (with the rest: re-exported for the commands)
 
 
 def not_built(name: str) -> None:
@@ -296,25 +301,6 @@ def _check_verifier(url: str) -> None:
         raise JobError(f"reward.urls: {url}/readyz answered {status}: the verifier is not ready to grade")
 
 
-class _DropMessages:
-    """A ``logging`` filter that drops records whose message starts with one of ``prefixes``."""
-
-    def __init__(self, prefixes: tuple[str, ...]) -> None:
-        self.prefixes = prefixes
-
-    def filter(self, record: object) -> bool:
-        return not record.getMessage().startswith(self.prefixes)  # type: ignore[attr-defined]
-
-
-# Library messages that say nothing to a stapo user, by logger name (not ours to fix, so filtered):
-# on the torch backend DeepSpeed is imported only for its helpers (checkpoint/export code paths ask
-# whether ZeRO-3 is on), and its accelerator probe warns that it "falls back" to the CPU it was
-# never asked to use.
-KNOWN_NOISE: dict[str, dict[str, tuple[str, ...]]] = {
-    "torch": {"DeepSpeed": ("Setting accelerator to CPU",)},
-}
-
-
 class _BelowError:
     """A ``logging`` filter that keeps errors only (ranks other than 0: rank 0 shows the warnings)."""
 
@@ -363,13 +349,3 @@ def quiet_job_noise(environ: MutableMapping[str, str], *, terminal: bool) -> Ite
             logger.removeFilter(f)  # type: ignore[arg-type]
         for key in added:
             environ.pop(key, None)
-
-
-def quiet_known_noise(backend: str) -> None:
-    """Install the filters of :data:`KNOWN_NOISE` for this trainer backend (idempotent)."""
-    import logging
-
-    for name, prefixes in KNOWN_NOISE.get(backend, {}).items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessages) for f in logger.filters):
-            logger.addFilter(_DropMessages(prefixes))  # type: ignore[arg-type]

@@ -30,6 +30,7 @@ from typing import Any
 
 from stapo.core.batch import seed_everything
 from stapo.core.config import Config
+from stapo.core.lazy import quiet_known_noise
 from stapo.core.placement import Placement, rank_placement
 from stapo.core.rollout import build_rollout_engine
 from stapo.core.task.data import encode_prompt, load_prompts
@@ -112,6 +113,7 @@ class Run:
             raise TypeError(f"Run.build() got unknown parts: {', '.join(unknown)}; parts are: {', '.join(PARTS)}")
         run = cls(cfg, run_dir, log)
         log(describe_method(cfg))
+        quiet_known_noise(cfg.trainer.backend)  # as `stapo train` does: a Python-built run prints the same
         # the memory plan first: a config that cannot fit is refused before anything loads, and
         # update_memory: auto becomes the plan's path on every rank alike (WORLD_SIZE: the launch's)
         run.plan = _part(parts, "plan", lambda: plan_at_start(cfg, int(os.environ.get("WORLD_SIZE", "1")))[1])
