@@ -129,7 +129,8 @@ def _list(ctx: typer.Context) -> None:
         typer.echo(_wrapped(f"{name:<{width}}  {h['recipe']}", indent=0, then=width + 2))
         if h["source"]:
             typer.echo(_wrapped(f"source: {h['source']}", indent=width + 4, then=width + 12))
-    typer.echo("\n`stapo recipes diff A B` shows what differs; `stapo train --config NAME` runs one.")
+    typer.echo("\n" + _wrapped("`stapo recipes diff A B` shows what differs; `stapo train --config NAME` runs one.",
+                               indent=0, then=0))
 
 
 @app.command("diff")
