@@ -658,7 +658,7 @@ class S2TWatch(LoopHook):
         self.checked = False  # the first batch with correct responses was counted
 
     def before_update(self, st: StepState) -> dict[str, float]:
-        if self.checked:
+        if self.checked or getattr(self.run, "actor", None) is None:  # (hooks driven without a run's actor)
             return {}
         batch = st.batch
         lp = st.old_lp if st.old_lp is not None else self.run.actor.old_stats(batch, st.counts)[0]  # [N, L]
