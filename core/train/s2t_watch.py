@@ -144,7 +144,8 @@ class RateWatch:
         if self.run_tokens and self.run_silenced == 0:
             why = ("no token was a candidate (A > 0 and p < tau_p)" if self.run_candidates == 0 else
                    f"{self.run_candidates:,.0f} candidates, none silenced")
-            note = (f"S2T silenced no token in this run's {self.run_steps} steps ({self.run_tokens:,.0f} response "
+            steps = f"{self.run_steps} step{'s' if self.run_steps != 1 else ''}"
+            note = (f"S2T silenced no token in this run's {steps} ({self.run_tokens:,.0f} response "
                     f"tokens; {self.thresholds}): {why}, so the run trained like its baseline.")
         return {"s2t_silenced": self.run_silenced, "s2t_candidates": self.run_candidates,
                 "s2t_tokens": self.run_tokens, "s2t_silenced_rate": rate, "s2t_paper_rate": PAPER_RATE,

@@ -93,7 +93,7 @@ def test_a_python_built_paper_recipe_on_tiny_says_it_cannot_act_and_prints_no_li
     assert "Setting accelerator" not in done.stdout + done.stderr
     assert "Writing model shards" not in done.stderr and (tmp_path / "run" / "final" / "config.json").is_file()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["s2t_note"].startswith("S2T silenced no token in this run's 1 steps")
+    assert summary["s2t_note"].startswith("S2T silenced no token in this run's 1 step (")
 
 
 def test_the_readme_line_that_puts_tiny_tau_p_back_makes_the_ablation_act(tmp_path, stapo_main, monkeypatch):
