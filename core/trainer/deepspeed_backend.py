@@ -71,6 +71,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stapo.core.lazy import no_progress_bars
 from stapo.core.trainer.attention import use_attention
 from stapo.core.trainer.base import (
     adamw_param_groups,
@@ -579,7 +580,8 @@ class DeepSpeedBackend:
         sd = self.full_state_dict(rank0_only=True) if self.zero_stage == 3 else None
         if self.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(path, state_dict=sd, safe_serialization=True)
+            with no_progress_bars():
+                self.model.save_pretrained(path, state_dict=sd, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)
             make_readable(path)
