@@ -53,6 +53,15 @@ def test_the_documented_install_line_is_adapter_deps():
     assert tuple(words[1:]) == ADAPTER_DEPS
     openrlhf = _documented_line("antlr4_13_2")  # the OpenRLHF line: the same packages, its ANTLR runtime
     assert openrlhf == [MATH_VERIFY.replace("antlr4_9_3", "antlr4_13_2"), *ADAPTER_DEPS]
+    text = (REPO / "docs" / "integrations.md").read_text()
+    assert _openrlhf_block(text) == [["--no-deps", "-e", "/path/to/stapo"], openrlhf]  # nothing else in it
+
+
+def _openrlhf_block(text: str) -> list[list[str]]:
+    """The arguments of each ``pip install`` of the page's OpenRLHF install block."""
+    lines = _block_after(text, "**Installing stapo next to OpenRLHF.**", "bash").strip().splitlines()
+    assert all(ln.startswith("pip install ") for ln in lines), lines
+    return [shlex.split(ln)[2:] for ln in lines]
     assert any(Requirement(d).name == "pebble" for d in ADAPTER_DEPS)  # the in-process pool's workers
 
 
@@ -149,9 +158,7 @@ def test_the_openrlhf_install_keeps_its_pins_and_grades(tmp_path):
     pip(*OPENRLHF_PINS)
     before = _freeze(py)
     text = (REPO / "docs" / "integrations.md").read_text()
-    lines = _block_after(text, "**Installing stapo next to OpenRLHF.**", "bash").strip().splitlines()
-    assert lines == ["pip install --no-deps -e /path/to/stapo", 'pip install ' + shlex.join(_documented_line(
-        "antlr4_13_2"))], lines  # the block the test installs is the page's, word for word
+    assert _openrlhf_block(text) == [["--no-deps", "-e", "/path/to/stapo"], _documented_line("antlr4_13_2")]
     pip("--no-deps", "-e", str(REPO))
     pip(*_documented_line("antlr4_13_2"))
     after = _freeze(py)
