@@ -52,15 +52,18 @@ def command(
     """
     from rich.console import Console
 
-    from stapo.evals.compare import compare_runs, terminal_tables
+    from stapo.evals.compare import compare_runs, conclusion_text, terminal_tables
 
     console = Console()
     try:
         report = compare_runs(runs, out_dir=out, labels=label or None, groups=group or None)
     except (FileNotFoundError, ValueError) as err:
         raise CLIError(str(err)) from None
-    for table in terminal_tables(report):
+    for table in terminal_tables(report, width=console.width):
         console.print(table)
     console.print(f"report: {out / 'report.html'}  ({len(report['curves'])} curve plots)")
-    if report["config_check"]["warning"]:  # last, so it is the line a reader sees
+    if report["config_check"]["warning"]:  # after the tables, where a reader looks last
         console.print(report["config_check"]["warning"], style="bold red", markup=False, soft_wrap=True)
+    text = conclusion_text(report, width=console.width)
+    if text:
+        console.print(text, style="bold", markup=False, soft_wrap=True)
