@@ -1091,9 +1091,9 @@ def conclusion_text(report: dict[str, Any], width: int = 80) -> str:
     confounded = " (CONFOUNDED: see the warning above)" if report["config_check"]["warning"] else ""
     head = (f"conclusion: each group against {seeded['baseline']}, paired by seed, mean difference and its 95% t "
             f"interval{confounded}" if seeded else f"conclusion{confounded}")
-    lines = textwrap.wrap(head, width)
+    lines = textwrap.wrap(head, width, break_on_hyphens=False)  # names such as stapo-random stay whole
     for text in ([f"warning: {warning}"] if warning else []) + [it["text"] for it in items]:
-        lines += textwrap.wrap(text, width, initial_indent="- ", subsequent_indent="  ")
+        lines += textwrap.wrap(text, width, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False)
     return "\n".join(lines)
 
 
@@ -1119,7 +1119,7 @@ def seeded_lines(seeded: dict[str, Any], width: int = 80) -> list[str]:
         head.append("groups: " + ", ".join(f"{k} = {g}" for g, k in names.items()))
     if same:
         head.append(f"{', '.join(same)}: identical to {base} run by run (timings aside), shown once as {base}.")
-    lines = [w for h in head for w in textwrap.wrap(h, width)]
+    lines = [w for h in head for w in textwrap.wrap(h, width, break_on_hyphens=False)]
     col = max(len(n) for n in names.values())
     for label, key, m, _ in _seeded_sources(seeded):
         rows = []
@@ -1141,7 +1141,8 @@ def seeded_lines(seeded: dict[str, Any], width: int = 80) -> list[str]:
 def fitted_tables(title: str, columns: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]],
                   width: int = 80) -> list[Any]:
     """Rich tables of one label column and the value ``columns``, split into as many tables as it
-    takes to keep each within ``width``: each column is as wide as its widest value (at least 6),
+    takes to keep each within ``width`` (a long row label puts its unit on a second line when the
+    columns do not all fit): each column is as wide as its widest value (at least 6),
     its header wrapped at ``-``, ``_``, ``/`` onto up to 3 lines of that width; a header that needs
     more is shown as a number, with a legend line under the table. Cells may hold rich markup."""
     from rich.table import Table
@@ -1150,8 +1151,6 @@ def fitted_tables(title: str, columns: Sequence[str], rows: Sequence[tuple[str, 
     def plain(cell: str) -> int:
         return max((Text.from_markup(x).cell_len for x in cell.split("\n")), default=0)
 
-    labels = [lab if len(lab) <= 24 or " (" not in lab else lab.replace(" (", "\n(", 1) for lab, _ in rows]
-    label_w = min(max((plain(x) for x in labels), default=1), max(10, width // 3))
     widths, heads, legend = [], [], []
     for j, c in enumerate(columns):
         w = max([6] + [plain(cells[j]) for _, cells in rows])
@@ -1161,6 +1160,10 @@ def fitted_tables(title: str, columns: Sequence[str], rows: Sequence[tuple[str, 
             legend.append(f"[{len(legend) + 1}] {c}")
         widths.append(w)
         heads.append("\n".join(wrapped))
+    labels = [lab for lab, _ in rows]
+    if max(map(plain, labels), default=1) + 4 + sum(w + 3 for w in widths) > width:  # the unit onto a line of its own
+        labels = [lab if len(lab) <= 24 or " (" not in lab else lab.replace(" (", "\n(", 1) for lab in labels]
+    label_w = min(max(map(plain, labels), default=1), max(10, width // 3))
     chunks: list[list[int]] = [[]]
     used = label_w + 4  # "│ label │": 2 borders, 2 padding
     for j, w in enumerate(widths):
