@@ -7,8 +7,10 @@ one method (``--group``, or runs of one recipe that differ only in the seed) are
 mean with a 95% t interval, and each method's paired per-seed difference against the first. Runs whose
 ``config.yaml`` differ in more than the method (batch, length, grader, reward scale, sampler,
 schedule, seed, ...) get a warning in the tables and the report. Writes
-``compare.json``, ``curves/*.png`` and a self-contained ``report.html`` under ``--out`` and
-prints the accuracy and training tables. See :mod:`stapo.evals.compare`.
+``compare.json``, ``curves/*.png`` and a self-contained ``report.html`` under ``--out``, prints
+the accuracy and training tables at the console's width, and ends with the conclusion: per metric,
+which method is ahead, by how much, its paired 95% interval and whether it excludes 0. See
+:mod:`stapo.evals.compare`.
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ objective) and confounds (batch, length, grader, reward scale, sampler, schedule
 data, eval). When runs differ in any confound, a warning heads the terminal output and the HTML
 report, naming each key and both values (``report["config_check"]``).
 
+After the numbers, :func:`conclusion` states the verdict of every group against the baseline
+group, metric by metric (direction, size, the paired 95% t interval, whether it excludes 0), and
+:func:`val_resolution` warns when the validation set is too small to move in steps under 5 points.
+
 Usage::
 
     report = compare_runs([Path("runs/grpo"), Path("runs/stapo")], out_dir=Path("cmp"))
@@ -42,7 +46,7 @@ from stapo.evals.metrics import metric_value
 from stapo.evals.report import esc, html_page, html_table, img_tag, section
 
 __all__ = ["RunData", "CURVES", "load_run", "compare_runs", "terminal_tables", "group_runs", "seeded_summary",
-           "unit_of"]
+           "unit_of", "conclusion", "conclusion_text", "val_resolution"]
 
 CURVES: tuple[tuple[str, str], ...] = (
     ("reward/mean", "mean reward"),

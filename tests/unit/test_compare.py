@@ -485,6 +485,8 @@ def test_conclusion_states_an_interval_that_excludes_zero(tmp_path: Path) -> Non
     flat = re.sub(r"\s+", " ", output.split("conclusion:", 1)[1])
     assert ("stapo vs grpo, val_accuracy_after (%): stapo ahead by 5.0 points, 95% CI [+2.5, +7.5] excludes 0 "
             "over 3 paired seeds: stapo ahead.") in flat
+    documented = DOC.read_text().split("### The conclusion", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    assert re.sub(r"\s+", " ", documented).strip() in flat  # docs/evaluation.md shows this very line
     # the other way round, STAPO as the baseline: GRPO behind by the same amount
     rev = compare_runs(runs[3:] + runs[:3], out_dir=tmp_path / "rev")
     (after,) = [it for it in rev["conclusion"] if it["metric"] == "val_accuracy_after (%)"]
