@@ -893,7 +893,7 @@ def _verdict(g: str, base: str, label: str, key: str, p: dict[str, Any], pairing
     unit = {"%": " points", "": ""}.get(unit_of(key), f" {unit_of(key)}")
     n = p["n"]
     pairs = f"{n} paired seed{'s' if n != 1 else ''}" if pairing == "seed" else f"{n} pairs (by order)"
-    head = f"{g} vs {base}, {label}: " + (f"{g} {word} by {fmt_value(key, abs(d))}{unit}" if d else "level on average")
+    head = f"{g} vs {base}, {label}: " + (f"{g} {word} by {fmt_signed(key, abs(d)).lstrip('+')}{unit}" if d else "level on average")
     out = {"group": g, "baseline": base, "metric": label, "mean": d, "low": p.get("low"), "high": p.get("high"),
            "n": n, "excludes_zero": None}
     if p.get("low") is None:
