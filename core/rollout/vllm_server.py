@@ -74,7 +74,6 @@ Usage::
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import logging
 import random
@@ -630,15 +629,17 @@ def _detail(resp: httpx.Response) -> str:
 def weight_source_class(base: type) -> type:
     """Our ``WeightSource`` for the ``nccl`` push, written against the installed vLLM's base class.
 
-    vLLM 0.33's ``weight_transfer/base.py`` declares ``metadata`` as a ``functools.cached_property``
-    and streams the parameters through ``iter_full()``, and refuses at class definition (``TypeError``)
-    a subclass that does otherwise; 0.32's declares a ``metadata()`` method and ``__iter__``. The
-    class follows whichever ``base`` declares (read off the class, nothing instantiated) and offers
-    both iteration names. An instance streams ``stream`` (set before each push: the learner's
-    gathered parameters, read once) and describes them with the ``ParamMeta`` list it was built with
-    (full shapes, known without a gather).
+    The contract is told apart by what vLLM 0.33's ``weight_transfer/base.py`` adds to the base:
+    ``iter_full()`` and ``implements_iter_full()``. There ``metadata`` is an abstract plain
+    ``property`` whose subclasses must define it as a ``functools.cached_property`` (its
+    ``__init_subclass__`` reads the subclass's own ``__dict__`` and raises ``TypeError`` otherwise),
+    the nccl engine reads ``source.metadata`` as an attribute and streams ``iter_full()``. vLLM 0.32's
+    base declares an abstract ``metadata()`` method and ``__iter__``. An instance streams ``stream``
+    (set before each push: the learner's gathered parameters, read once) and describes them with the
+    ``ParamMeta`` list it was built with (full shapes, known without a gather; every rank owns every
+    parameter, rank 0 sends).
     """
-    cached = isinstance(inspect.getattr_static(base, "metadata", None), functools.cached_property)
+    v033 = callable(getattr(base, "implements_iter_full", None))
 
     class ParamStream(base):  # type: ignore[misc, valid-type]
         stream: Iterable[tuple[str, torch.Tensor]] = ()
@@ -646,18 +647,19 @@ def weight_source_class(base: type) -> type:
         def __init__(self, meta: list[Any]) -> None:
             self._meta = list(meta)
 
-        if cached:
+        def _stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+            return iter(self.stream)
+
+        if v033:
             @functools.cached_property
             def metadata(self) -> list[Any]:
                 return list(self._meta)
+
+            iter_full = _stream
         else:
             def metadata(self) -> list[Any]:  # type: ignore[no-redef]
                 return list(self._meta)
 
-        def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
-            return iter(self.stream)
-
-        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            return self.iter_full()
+            __iter__ = _stream
 
     return ParamStream
