@@ -1,9 +1,9 @@
 """The ``nccl`` push's ``WeightSource`` against vLLM's contract (stapo.core.rollout.vllm_server).
 
 vLLM cannot be imported in stapo's test environment (its pins clash; docs/rollout.md), so its base
-classes are restated here as each released version declares them (read from the released wheels'
-``vllm/distributed/weight_transfer/base.py``), and our class is built on them the way the push builds
-it on the installed one (:func:`weight_source_class`):
+classes are restated as each released version declares them (read from the released wheels'
+``vllm/distributed/weight_transfer/base.py``; 0.33's in tests/service/vllm_weight_transfer.py), and our
+class is built on them the way the push builds it on the installed one (:func:`weight_source_class`):
 
 - vLLM 0.33: ``metadata`` is an abstract plain ``property``; ``__init_subclass__`` reads the
   subclass's own ``__dict__`` and raises ``TypeError`` when it defines ``metadata`` as anything but a
@@ -18,47 +18,14 @@ drives it through 0.33's real nccl trainer engine.
 
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
 import torch
 
 from stapo.core.rollout.vllm_server import weight_source_class
-
-
-@dataclass(frozen=True)
-class ParamMeta:  # vLLM's (name, wire dtype, full shape); 0.33 adds owners (None: every rank)
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    owners: tuple[int, ...] | None = None
-
-
-class Source033(ABC):
-    """vLLM 0.33's base as released: abstract plain property, the ``cls.__dict__`` check, ``iter_full``."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        own = cls.__dict__.get("metadata")
-        if own is not None and not isinstance(own, functools.cached_property):
-            raise TypeError(f"{cls.__name__}.metadata must be a functools.cached_property")
-
-    @property
-    @abstractmethod
-    def metadata(self) -> list[ParamMeta]: ...
-
-    def owned_names(self, rank: int) -> list[str]:
-        return [m.name for m in self.metadata if m.owners is None or rank in m.owners]
-
-    def implements_iter_full(self) -> bool:
-        return type(self).iter_full is not Source033.iter_full
-
-    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
-        raise NotImplementedError(f"{type(self).__name__} does not implement iter_full")
+from tests.service.vllm_weight_transfer import ParamMeta
+from tests.service.vllm_weight_transfer import WeightSource as Source033
 
 
 class Source032(ABC):
