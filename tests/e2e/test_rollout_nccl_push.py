@@ -8,7 +8,7 @@ not the learner's (its log-probs differ from the learner's own), the packed buff
 init info is not ``bucket_mb``, the version is announced before ``/reset_prefix_cache`` answered
 ``success: true`` (the server would serve KV of the old weights under the new version), a
 ``success: false`` is taken as done or is not retried, or a server that never frees its blocks is
-not named. The checkpoint push makes the same check. tests/e2e/test_vllm033_weight_source_slow.py
+not named. The checkpoint push makes the same check. tests/e2e/test_vllm_weight_source_slow.py
 (opt-in) runs vLLM 0.33.0's real modules in place of the stand-ins.
 """
 

@@ -16,7 +16,7 @@ from the released 0.33.0 wheel's ``vllm/distributed/weight_transfer/`` (``base.p
   the server (0.33's unpacked mode; its packed mode sends the same bytes in fewer calls).
 
 ``install(monkeypatch, server)`` puts them in ``sys.modules`` under vLLM's names.
-tests/e2e/test_vllm033_weight_source_slow.py (opt-in) runs 0.33's real modules instead.
+tests/e2e/test_vllm_weight_source_slow.py (opt-in) runs 0.33's real modules instead.
 """
 
 from __future__ import annotations

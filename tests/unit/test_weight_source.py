@@ -12,7 +12,7 @@ class is built on them the way the push builds it on the installed one (:func:`w
   ``metadata()`` method) fails it at class definition: the check bites.
 - vLLM 0.32: ``metadata()`` and ``__iter__`` are abstract methods.
 
-tests/e2e/test_vllm033_weight_source_slow.py (opt-in) builds the same class on 0.33's real module and
+tests/e2e/test_vllm_weight_source_slow.py (opt-in) builds the same class on 0.33's real module and
 drives it through 0.33's real nccl trainer engine.
 """
 
