@@ -100,6 +100,7 @@ import torch
 from stapo.core.rollout.base import Completion, SamplingParams, check_prompts, prefixed_prompts, request_seeds
 
 __all__ = [
+    "NCCL_PACKED_BUFFERS",
     "RolloutRequestError",
     "RolloutServersUnavailable",
     "ServedCompletion",
@@ -114,6 +115,9 @@ __all__ = [
 log = logging.getLogger("stapo.rollout.server")
 
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+# nccl push: packed chunks vLLM's broadcast holds at once on learner rank 0 (packed_tensor.py's default,
+# 0.32 and 0.33), passed explicitly so the memory plan (stapo.core.train.plan) charges what is sent
+NCCL_PACKED_BUFFERS = 2
 
 
 class RolloutServersUnavailable(RuntimeError):
@@ -554,7 +558,8 @@ class ServerRolloutEngine:
             world = 1 + int(self._http.get(f"{url}/get_world_size").json()["world_size"]) if rank == 0 else 1
             # packed broadcast buffers of bucket_mb each (vLLM's default is 1 GiB; the plan charges these)
             info = NCCLTrainerInitInfo(master_address=host, master_port=int(port), world_size=world, rank=rank,
-                                       packed_buffer_size_bytes=self.bucket_bytes)
+                                       packed_buffer_size_bytes=self.bucket_bytes,
+                                       packed_num_buffers=NCCL_PACKED_BUFFERS)
             client = HTTPVLLMWeightSyncClient(url, timeout=self.push_timeout_s)
             source = weight_source_class(WeightSource)(meta)
             self._nccl = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
