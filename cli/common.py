@@ -234,6 +234,17 @@ def check_engine_and_device(cfg: Config, environ: Mapping[str, str] = os.environ
         if wanted and importlib.util.find_spec(module) is None:
             what = f"trainer.backend={cfg.trainer.backend}" if module == "deepspeed" else "logging.wandb=true"
             raise JobError(f"{what} needs {module}, which is not installed: {fix}")
+    if cfg.trainer.backend == "deepspeed" and cfg.trainer.offload_optimizer:
+        from stapo.core.trainer.deepspeed_backend import cpu_adam_build_missing
+
+        if missing := cpu_adam_build_missing(environ):
+            raise JobError(
+                f"trainer.offload_optimizer=true: DeepSpeed compiles its CPU Adam at the first step (its PyPI "
+                f"release ships no compiled op), which needs a C++ compiler ($CXX, default c++) and ninja on PATH; "
+                f"missing: {', '.join(missing)}. Install them (apt-get install g++ ninja-build), or DeepSpeed "
+                "with the op prebuilt (DS_BUILD_CPU_ADAM=1 pip install deepspeed), or --set "
+                "trainer.offload_optimizer=false"
+            )
     if cfg.rollout.engine == "vllm":
         try:
             import vllm  # noqa: F401

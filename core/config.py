@@ -262,7 +262,10 @@ class ServerOptions(_Section):
         ),
     )
     bucket_mb: int = Field(
-        512, gt=0, description="`checkpoint` sync: most MiB of gathered parameters held before a shard is written."
+        512,
+        gt=0,
+        description="`checkpoint` sync: most MiB of gathered parameters held before a shard is written. `nccl` "
+        "sync: the size of each of vLLM's two packed broadcast buffers on learner rank 0 (vLLM's default: 1024).",
     )
     nccl_master: str | None = Field(
         None,
