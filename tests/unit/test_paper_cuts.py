@@ -155,3 +155,15 @@ def test_ctrl_c_in_eval_says_what_is_kept_and_the_command_that_resumes(tmp_path:
         "with all their samples are not sampled again.",
         f"resume with the same command: stapo eval --model tiny-random --benchmarks gsm8k --k 2 --out {out}"]
 
+
+
+def test_readme_gpu_torch_line_reaches_pip() -> None:
+    """README's GPU line (`make TORCH=... test`) installs that torch build: a dry run of the install step
+    with every target remade (-B) shows pip given exactly the README's TORCH value. The install itself
+    needs the GPU machine's index; docs/gpu.md says so."""
+    line = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("make TORCH="))
+    torch_spec = re.match(r'make TORCH="([^"]+)" test', line).group(1)
+    dry = subprocess.run(["make", "-n", "-B", f"TORCH={torch_spec}", "setup"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    assert f"pip install -q {torch_spec}\n" in dry.stdout
