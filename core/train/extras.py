@@ -644,10 +644,11 @@ class S2TWatch(LoopHook):
     """Feeds each step's global silenced count into :class:`stapo.core.train.s2t_watch.RateWatch`; rank 0
     logs its warnings (every rank holds the same global counts, so every rank's state agrees).
 
-    Before the first update that has correct responses it counts that batch's candidates under the
-    sampling policy (the old pass's log-probs when the step ran one, else one no-grad pass over the
-    batch, once per run) and warns when there are none (:func:`stapo.core.train.s2t_watch.cannot_act`);
-    that warning stands for the window's "silenced no token" one."""
+    Before the first update it counts that batch's candidates under the sampling policy (the old pass's
+    log-probs when the step ran one, else one no-grad pass over the batch: once per run, never again)
+    and warns when correct responses hold none (:func:`stapo.core.train.s2t_watch.cannot_act`); that
+    warning stands for the window's "silenced no token" one. A first batch without a correct response
+    says nothing here: the window's count (the update's own metrics) speaks for later steps."""
 
     name: ClassVar[str] = "s2t_watch"
 
@@ -657,7 +658,7 @@ class S2TWatch(LoopHook):
         self.watch = RateWatch(s2t.watch_steps, describe_thresholds(s2t))
         self.epochs = run.cfg.algorithm.ppo_epochs
         self.log = getattr(run, "log", print) if getattr(run, "rank", 0) == 0 else None
-        self.checked = False  # the first batch with correct responses was counted
+        self.checked = False  # the first batch was counted
 
     def before_update(self, st: StepState) -> dict[str, float]:
         if self.checked or getattr(self.run, "actor", None) is None:  # (hooks driven without a run's actor)
@@ -666,7 +667,7 @@ class S2TWatch(LoopHook):
         lp = st.old_lp if st.old_lp is not None else self.run.actor.old_stats(batch, st.counts)[0]  # [N, L]
         counts = DataParallel(self.run.backend).sum(candidate_counts(lp, batch.advantages, batch.response_mask,
                                                                      self.tau_p))
-        self.checked = counts[0] > 0  # no correct response yet: ask again at the next update
+        self.checked = True  # once per run: an extra forward every step would cost a GPU run real time
         warning = cannot_act(counts, st.step, self.watch.thresholds)
         if warning is not None:
             self.watch.warned_zero = True  # one "silences nothing" warning per run
