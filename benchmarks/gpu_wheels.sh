@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fill a folder (default .whl/, ignored by git: it travels only when named in the device tool's carry)
 # with the wheels the GPU machine lacks for stapo and benchmarks/gpu_suite.sh, and print their sizes and
-# total (at most 60 MiB). What to carry is decided from pyproject.toml's requirements (stapo, the
+# total (at most 64 MiB less the working tree, which the device tool copies too). What to carry is decided from pyproject.toml's requirements (stapo, the
 # `train` extra, and `bench` for the TRL side-by-side) against the machine's package list, following
 # each carried wheel's own requirements: benchmarks/gpu_wheels.py says how. Downloads and the DeepSpeed
 # build (DS_BUILD_OPS=0: pure Python, no op compiled) land once in a cache outside git

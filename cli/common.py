@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from stapo.core.lazy import KNOWN_NOISE, quiet_known_noise
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -68,13 +70,21 @@ def console() -> Console:
     return Console(width=None if sys.stdout.isatty() else WIDE)
 
 
+__all__ = ["KNOWN_NOISE", "quiet_known_noise"]  # (with the rest: re-exported for the commands)
+
+
 def not_built(name: str) -> None:
     """Commands not built yet say so and exit non-zero."""
     raise CLIError(f"`stapo {name}` is not built yet in this version of stapo.")
 
 
-def resolve_config_path(config: Path | None, default: str = "demo") -> Path:
-    """A file path, or the name of a preset shipped in `configs/` (demo, tiny, stapo, grpo, ...)."""
+def resolve_config_path(config: Path | None, default: str = "demo", *, what: str = "config") -> Path:
+    """A file path, or the name of a preset shipped in `configs/` (demo, tiny, stapo, grpo, ...).
+
+    ``what`` names the option in the error (``recipe`` for ``--recipe``), which offers the closest
+    preset names (``did you mean stapo?``) before the full list."""
+    import difflib
+
     from stapo.configs import preset_names, preset_path
 
     if config is not None and config.is_file():
@@ -82,7 +92,9 @@ def resolve_config_path(config: Path | None, default: str = "demo") -> Path:
     name = str(config) if config is not None else default
     preset = preset_path(name[:-5] if name.endswith(".yaml") else name)
     if preset is None:
-        raise CLIError(f"config {name!r} is neither a file nor a preset; presets: {', '.join(preset_names())}")
+        close = difflib.get_close_matches(name.removesuffix(".yaml"), preset_names(), n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise CLIError(f"{what} {name!r} is neither a file nor a preset; {hint}presets: {', '.join(preset_names())}")
     return preset
 
 
@@ -117,6 +129,44 @@ def check_model_path(field: str, name: str, *, gguf_file: str | None = None, tok
         )
     if not _HUB_ID.match(name):  # an absolute/relative path, ~, or a/b/c: not a hub id, so a missing path
         raise CLIError(f"{field}: {path} does not exist; {_MODEL_FIX}")
+    check_hub_id(field, name, tokenizer=tokenizer)
+
+
+HUB_PROBE_S = 5.0
+"""Seconds the hub gets to answer before a hub id that is not cached is refused (the loader itself
+retries for about 30 s, printing each retry)."""
+
+
+def hub_answers(endpoint: str, timeout_s: float = HUB_PROBE_S) -> str | None:
+    """None when ``endpoint`` (the Hugging Face hub) answers an HTTP request within ``timeout_s``, else
+    why not (the error's type). Proxies from the environment are used, as the hub client uses them."""
+    import httpx
+
+    try:
+        httpx.head(endpoint, timeout=timeout_s)
+    except httpx.HTTPError as err:
+        return type(err).__name__
+    return None
+
+
+def check_hub_id(field: str, name: str, *, tokenizer: bool = False) -> None:
+    """A Hugging Face id that is not in the local cache needs the hub: with ``HF_HUB_OFFLINE`` set, or
+    a hub that does not answer in :data:`HUB_PROBE_S` seconds, it is refused now in one line instead
+    of after the loader's retries. A cached id (its config.json, or tokenizer_config.json for a
+    tokenizer) loads offline and is not probed."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    wanted = "tokenizer_config.json" if tokenizer else "config.json"
+    if isinstance(try_to_load_from_cache(name, wanted), str):
+        return
+    where = f"{name} is not a local folder and not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    fix = f"download it where the hub is reachable (`hf download {name}`), give a model folder, or use tiny-random"
+    if constants.HF_HUB_OFFLINE:
+        raise CLIError(f"{field}: {where}, and HF_HUB_OFFLINE is set; {fix}")
+    why = hub_answers(constants.ENDPOINT)
+    if why is not None:
+        raise CLIError(f"{field}: {where}, and the hub ({constants.ENDPOINT}) cannot be reached ({why}, "
+                       f"{HUB_PROBE_S:g} s limit); {fix}")
 
 
 def check_inputs(cfg: Config) -> None:
@@ -184,6 +234,17 @@ def check_engine_and_device(cfg: Config, environ: Mapping[str, str] = os.environ
         if wanted and importlib.util.find_spec(module) is None:
             what = f"trainer.backend={cfg.trainer.backend}" if module == "deepspeed" else "logging.wandb=true"
             raise JobError(f"{what} needs {module}, which is not installed: {fix}")
+    if cfg.trainer.backend == "deepspeed" and cfg.trainer.offload_optimizer:
+        from stapo.core.trainer.deepspeed_backend import cpu_adam_build_missing
+
+        if missing := cpu_adam_build_missing(environ):
+            raise JobError(
+                f"trainer.offload_optimizer=true: DeepSpeed compiles its CPU Adam at the first step (its PyPI "
+                f"release ships no compiled op), which needs a C++ compiler ($CXX, default c++) and ninja on PATH; "
+                f"missing: {', '.join(missing)}. Install them (apt-get install g++ ninja-build), or DeepSpeed "
+                "with the op prebuilt (DS_BUILD_CPU_ADAM=1 pip install deepspeed), or --set "
+                "trainer.offload_optimizer=false"
+            )
     if cfg.rollout.engine == "vllm":
         try:
             import vllm  # noqa: F401
@@ -251,25 +312,6 @@ def _check_verifier(url: str) -> None:
         raise JobError(f"reward.urls: {url}/readyz answered {status}: the verifier is not ready to grade")
 
 
-class _DropMessages:
-    """A ``logging`` filter that drops records whose message starts with one of ``prefixes``."""
-
-    def __init__(self, prefixes: tuple[str, ...]) -> None:
-        self.prefixes = prefixes
-
-    def filter(self, record: object) -> bool:
-        return not record.getMessage().startswith(self.prefixes)  # type: ignore[attr-defined]
-
-
-# Library messages that say nothing to a stapo user, by logger name (not ours to fix, so filtered):
-# on the torch backend DeepSpeed is imported only for its helpers (checkpoint/export code paths ask
-# whether ZeRO-3 is on), and its accelerator probe warns that it "falls back" to the CPU it was
-# never asked to use.
-KNOWN_NOISE: dict[str, dict[str, tuple[str, ...]]] = {
-    "torch": {"DeepSpeed": ("Setting accelerator to CPU",)},
-}
-
-
 class _BelowError:
     """A ``logging`` filter that keeps errors only (ranks other than 0: rank 0 shows the warnings)."""
 
@@ -318,13 +360,3 @@ def quiet_job_noise(environ: MutableMapping[str, str], *, terminal: bool) -> Ite
             logger.removeFilter(f)  # type: ignore[arg-type]
         for key in added:
             environ.pop(key, None)
-
-
-def quiet_known_noise(backend: str) -> None:
-    """Install the filters of :data:`KNOWN_NOISE` for this trainer backend (idempotent)."""
-    import logging
-
-    for name, prefixes in KNOWN_NOISE.get(backend, {}).items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessages) for f in logger.filters):
-            logger.addFilter(_DropMessages(prefixes))  # type: ignore[arg-type]

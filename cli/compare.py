@@ -7,8 +7,10 @@ one method (``--group``, or runs of one recipe that differ only in the seed) are
 mean with a 95% t interval, and each method's paired per-seed difference against the first. Runs whose
 ``config.yaml`` differ in more than the method (batch, length, grader, reward scale, sampler,
 schedule, seed, ...) get a warning in the tables and the report. Writes
-``compare.json``, ``curves/*.png`` and a self-contained ``report.html`` under ``--out`` and
-prints the accuracy and training tables. See :mod:`stapo.evals.compare`.
+``compare.json``, ``curves/*.png`` and a self-contained ``report.html`` under ``--out``, prints
+the accuracy and training tables at the console's width, and ends with the conclusion: per metric,
+which method is ahead, by how much, its paired 95% interval and whether it excludes 0. See
+:mod:`stapo.evals.compare`.
 """
 
 from __future__ import annotations
@@ -52,15 +54,18 @@ def command(
     """
     from rich.console import Console
 
-    from stapo.evals.compare import compare_runs, terminal_tables
+    from stapo.evals.compare import compare_runs, conclusion_text, terminal_tables
 
     console = Console()
     try:
         report = compare_runs(runs, out_dir=out, labels=label or None, groups=group or None)
     except (FileNotFoundError, ValueError) as err:
         raise CLIError(str(err)) from None
-    for table in terminal_tables(report):
+    for table in terminal_tables(report, width=console.width):
         console.print(table)
     console.print(f"report: {out / 'report.html'}  ({len(report['curves'])} curve plots)")
-    if report["config_check"]["warning"]:  # last, so it is the line a reader sees
+    if report["config_check"]["warning"]:  # after the tables, where a reader looks last
         console.print(report["config_check"]["warning"], style="bold red", markup=False, soft_wrap=True)
+    text = conclusion_text(report, width=console.width)
+    if text:
+        console.print(text, style="bold", markup=False, soft_wrap=True)

@@ -133,7 +133,32 @@ def command(
         raise CLIError(str(msg)) from None
     except RewardError as err:
         raise CLIError(f"eval stopped (finished problems are kept; rerun to resume): {err}") from None
+    except KeyboardInterrupt:  # Ctrl-C: what is kept, and the command that goes on from it
+        for line in interrupted_report(out):
+            typer.echo(line, err=True)
+        raise typer.Exit(130) from None
     console.print(results_table(results))
     for warning in results.get("warnings", []):
         typer.echo(f"warning: {warning}", err=True)
     console.print(f"results: {out / 'results.json'}  samples: {out / 'samples.jsonl'}")
+
+
+def interrupted_report(out: Path, argv: list[str] | None = None) -> list[str]:
+    """The lines an interrupted `stapo eval` prints: the samples ``out`` keeps (every graded sample is
+    written as it is done; a problem with all its k samples is not sampled again) and the command,
+    ``argv`` (default: this process's), that resumes from them."""
+    import shlex
+    import sys
+
+    from stapo.evals.runner import SAMPLES_FILE, read_samples
+
+    rows = read_samples(out / SAMPLES_FILE) if (out / SAMPLES_FILE).is_file() else []
+    per: dict[str, set[str]] = {}
+    for r in rows:
+        per.setdefault(str(r["benchmark"]), set()).add(str(r["problem_id"]))
+    touched = ", ".join(f"{b} {len(ids)}" for b, ids in sorted(per.items())) or "none"
+    command = shlex.join(["stapo", *(sys.argv[1:] if argv is None else argv)])
+    return ["", f"eval interrupted: {len(rows)} graded samples kept in {out / SAMPLES_FILE} (problems sampled: "
+                f"{touched}); problems with all their samples are not sampled again.",
+            f"resume with the same command: {command}"]
+

@@ -16,6 +16,7 @@ method runs the matched pair instead.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -72,12 +73,34 @@ def recipe_header(path: Path) -> dict[str, str]:
     return out
 
 
+_LABELLED = re.compile(r"^[A-Z][\w -]*: ")
+"""A comment line that opens a labelled note of its own (``Source: ...``, ``Run: ...``, ``Provenance of each value: ...``)."""
+
+
 def _continues(text: str, line: str) -> bool:
-    """Whether comment ``line`` goes on with the field read so far: an open parenthesis, or a
-    sentence cut mid-way whose next line starts in lower case (a new sentence starts a new note)."""
+    """Whether comment ``line`` goes on with the field read so far: an open parenthesis, a sentence
+    cut mid-way whose next line starts in lower case, or one cut after a word or a comma (whatever
+    its next line starts with: a name such as JustRL). A finished sentence, or a closing parenthesis,
+    ends the field; the next note is not part of it."""
     if text.count("(") > text.count(")"):
         return True
-    return bool(line) and not text.endswith((".", "!", "?", ":")) and not line[0].isupper()
+    if not line or text.endswith((".", "!", "?", ":")) or _LABELLED.match(line):
+        return False
+    return not line[0].isupper() or text[-1].isalnum() or text.endswith(",")  # "runs it on" / "JustRL's ..."
+
+
+def _wrapped(text: str, indent: int, then: int) -> str:
+    """``text`` indented by ``indent`` (its later lines by ``then``) and wrapped at word boundaries to
+    the terminal's width (:data:`stapo.cli.common.WIDE` off a terminal), never cut: a long source
+    reads whole on an 80-column terminal."""
+    import shutil
+    import textwrap
+
+    from stapo.cli.common import WIDE
+
+    columns = max(shutil.get_terminal_size((WIDE, 24)).columns, then + 40)
+    return textwrap.fill(text, width=columns, initial_indent=" " * indent, subsequent_indent=" " * then,
+                         break_long_words=False, break_on_hyphens=False)
 
 
 def resolved_diff(a: Path, b: Path, overrides_b: list[str] | None = None) -> list[tuple[str, Any, Any]]:
@@ -103,10 +126,11 @@ def _list(ctx: typer.Context) -> None:
         rows.append((name, recipe_header(path)))
     width = max(len(n) for n, _ in rows)
     for name, h in rows:
-        typer.echo(f"{name:<{width}}  {h['recipe']}")
+        typer.echo(_wrapped(f"{name:<{width}}  {h['recipe']}", indent=0, then=width + 2))
         if h["source"]:
-            typer.echo(f"{'':<{width}}    source: {h['source']}")
-    typer.echo("\n`stapo recipes diff A B` shows what differs; `stapo train --config NAME` runs one.")
+            typer.echo(_wrapped(f"source: {h['source']}", indent=width + 4, then=width + 12))
+    typer.echo("\n" + _wrapped("`stapo recipes diff A B` shows what differs; `stapo train --config NAME` runs one.",
+                               indent=0, then=0))
 
 
 @app.command("diff")

@@ -135,7 +135,7 @@ def command(
             path = resolve_config_path(config)
         if recipe is not None:
             base = load_config(path).rollout.max_new_tokens
-            overrides = method_overrides(resolve_config_path(Path(recipe)), base) + overrides
+            overrides = method_overrides(resolve_config_path(Path(recipe), what="recipe"), base) + overrides
         if resume and (resumed := _Resumed.of(run_dir)) is not None:
             cfg = resumed.config(None if config is None else path, overrides, allow_changes)
         else:

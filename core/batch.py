@@ -20,10 +20,11 @@ __all__ = ["Batch", "Sequence_", "collate", "collate_with_pad_row", "derive_seed
            "mean_or_nan", "seed_everything"]
 
 
-def derive_seed(*parts: int) -> int:
-    """A stable 31-bit seed from integers (Python's hash() is salted per process)."""
+def derive_seed(*parts: int, bits: int = 31) -> int:
+    """A stable ``bits``-bit seed from integers (Python's hash() is salted per process); at most 64 bits,
+    31 by default (what every seeded library here takes; a rollout engine's call seed takes 63)."""
     digest = hashlib.sha256(",".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    return int.from_bytes(digest[:8], "little") & ((1 << bits) - 1)
 
 
 

@@ -262,7 +262,10 @@ class ServerOptions(_Section):
         ),
     )
     bucket_mb: int = Field(
-        512, gt=0, description="`checkpoint` sync: most MiB of gathered parameters held before a shard is written."
+        512,
+        gt=0,
+        description="`checkpoint` sync: most MiB of gathered parameters held before a shard is written. `nccl` "
+        "sync: the size of each of vLLM's two packed broadcast buffers on learner rank 0 (vLLM's default: 1024).",
     )
     nccl_master: str | None = Field(
         None,
@@ -907,9 +910,12 @@ def _format_validation_error(err: ValidationError) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
+        if e["type"] == "value_error":  # our validators' own sentences: without pydantic's "Value error, "
+            msg = msg.removeprefix("Value error, ")
         shown = e["type"] != "extra_forbidden" and not isinstance(e.get("input"), dict)
         hint = f"; a list on the command line: --set {loc}=[a,b]" if e["type"] in ("list_type", "tuple_type") else ""
-        lines.append(f"  {loc}: {msg}" + (f" (got {e['input']!r})" if shown else "") + hint)
+        where = "" if msg.startswith(f"{loc}.") else f"{loc}: "  # a message that names its own key
+        lines.append(f"  {where}{msg}" + (f" (got {e['input']!r})" if shown else "") + hint)
     return "invalid config:\n" + "\n".join(lines)
 
 

@@ -37,7 +37,8 @@ FRAME_KEYS: tuple[str, ...] = (
 #: without S2T, the ablations change which candidates are silenced, and each layer recipe is ``stapo``
 #: + its layer, so all of them share ``stapo``'s frame (tested). The other baselines keep their own
 #: sources' frames; ``stapo recipes matched stapo NAME`` aligns one.
-SHARED_FRAME: tuple[str, ...] = ("stapo", "stapo-base", "stapo-random", "stapo-high-entropy", "justrl-fullmask",
+SHARED_FRAME: tuple[str, ...] = ("stapo", "stapo-base", "stapo-random", "stapo-high-entropy", "stapo-complement",
+                                 "justrl-fullmask",
                                  "stapo-goldilocks", "stapo-maspo", "stapo-deep", "stapo-stack", "stapo-async")
 
 #: The config keys each stability layer owns (a trailing "." = the whole section). A layer recipe
@@ -63,6 +64,7 @@ LAYER_RECIPES: dict[str, tuple[str, ...]] = {
     "stapo-base": ("no-s2t",),
     "stapo-random": ("s2t-ablation",),
     "stapo-high-entropy": ("s2t-ablation",),
+    "stapo-complement": ("s2t-ablation",),
     "justrl-fullmask": ("s2t-ablation",),
 }
 

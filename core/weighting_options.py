@@ -41,6 +41,11 @@ REMOVED_S2T_KEYS = {
 """Keys of earlier S2T sections, each with the one line that replaces it (a config naming one is refused)."""
 
 
+S2T_SILENCE = ("lowest_entropy", "highest_entropy", "random", "all", "complement")
+"""Which candidates S2T silences: the paper's rule, its masking-strategy ablations (Sec. 4) and the
+complement of the rule (what it keeps); ``stapo.core.algos.weights.s2t_weighting`` implements each."""
+
+
 class S2TOptions(WeightingOptions):
     """STAPO's S2T rule (arXiv 2602.15620v1, Sec. 3, Algorithm 1; docs/algorithms.md, "S2T").
 
@@ -62,10 +67,11 @@ class S2TOptions(WeightingOptions):
         description="tau_h^(q) is the q-th quantile of the candidates' entropies in each mini-batch; candidates "
                     "below it are silenced (about a q share of them). [paper v1: 75%]",
     )
-    silence: Literal["lowest_entropy", "highest_entropy", "random", "all"] = Field(
+    silence: Literal[S2T_SILENCE] = Field(  # type: ignore[valid-type]
         "lowest_entropy",
-        description="Which candidates are silenced: `lowest_entropy` (STAPO: H < tau_h^(q)); the paper's ablations "
-                    "`highest_entropy` (the top-entropy q share), `random` (as many as STAPO would, drawn at random, "
+        description="Which candidates are silenced: `lowest_entropy` (STAPO: H < tau_h^(q)); the paper's ablations, "
+                    "their thresholds ours [ours]: `highest_entropy` (the top-entropy q share), `complement` (H >= "
+                    "tau_h^(q): the candidates STAPO keeps), `random` (as many as STAPO would, drawn at random, "
                     "seeded by trainer.seed), `all` (every candidate: JustRL-FullMask).",
     )
     watch_steps: int = Field(

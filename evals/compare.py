@@ -22,6 +22,10 @@ objective) and confounds (batch, length, grader, reward scale, sampler, schedule
 data, eval). When runs differ in any confound, a warning heads the terminal output and the HTML
 report, naming each key and both values (``report["config_check"]``).
 
+After the numbers, :func:`conclusion` states the verdict of every group against the baseline
+group, metric by metric (direction, size, the paired 95% t interval, whether it excludes 0), and
+:func:`val_resolution` warns when the validation set is too small to move in steps under 5 points.
+
 Usage::
 
     report = compare_runs([Path("runs/grpo"), Path("runs/stapo")], out_dir=Path("cmp"))
@@ -42,7 +46,7 @@ from stapo.evals.metrics import metric_value
 from stapo.evals.report import esc, html_page, html_table, img_tag, section
 
 __all__ = ["RunData", "CURVES", "load_run", "compare_runs", "terminal_tables", "group_runs", "seeded_summary",
-           "unit_of"]
+           "unit_of", "conclusion", "conclusion_text", "val_resolution"]
 
 CURVES: tuple[tuple[str, str], ...] = (
     ("reward/mean", "mean reward"),
@@ -299,29 +303,97 @@ def identical_metrics(a: RunData, b: RunData, *, rel: float = 1e-4, abs_: float 
             x, y = ra[k], rb[k]
             if x == y:
                 continue
-            if not (isinstance(x, (int, float)) and isinstance(y, (int, float))
-                    and math.isclose(x, y, rel_tol=rel, abs_tol=abs_)):
+            if not (isinstance(x, (int, float)) and isinstance(y, (int, float)) and same_value(x, y, rel=rel, abs_=abs_)):
                 return False
     return True
 
 
-def s2t_notes(runs: Sequence[RunData]) -> list[str]:
-    """Plain sentences for the fairness box: runs whose S2T mask never fired, and pairs of runs whose
-    metrics are identical (the method changed nothing the run measured)."""
+def same_value(x: float, y: float, *, rel: float = 1e-4, abs_: float = 1e-6) -> bool:
+    """Two numbers equal to 4 significant digits (``abs_`` near 0): the tolerance of "identical"
+    everywhere in compare (runs, per-seed differences), wide enough for float rounding (one update
+    summed in another order) and far below any difference a method makes."""
+    return x == y or math.isclose(x, y, rel_tol=rel, abs_tol=abs_)
+
+
+def s2t_notes(runs: Sequence[RunData], groups: dict[str, list[RunData]] | None = None) -> list[str]:
+    """Plain sentences for the fairness box: runs whose S2T mask never fired, and runs whose metrics
+    are identical (the method changed nothing the run measured), each said once per group: a group
+    whose every run never fired is one note, and groups identical seed by seed are one note."""
+    groups = groups or {r.label: [r] for r in runs}
+    ids = {id(r) for r in runs}
+    members = {g: [r for r in m if id(r) in ids] for g, m in groups.items()}
+    members = {g: m for g, m in members.items() if m}
     notes = []
-    for r in runs:
-        alg = (r.config or {}).get("algorithm") or {}
-        if alg.get("token_weighting") == "s2t" and r.metrics and silenced_rate(r) == 0:
+    for g, rs in members.items():
+        idle = [r for r in rs if (((r.config or {}).get("algorithm") or {}).get("token_weighting") == "s2t"
+                                  and r.metrics and silenced_rate(r) == 0)]
+        if len(rs) > 1 and len(idle) == len(rs):
+            steps = sorted({len(r.metrics) for r in rs})
+            notes.append(f"S2T never fired in {g} ({len(rs)} runs: {', '.join(r.label for r in rs)}): 0 tokens "
+                         f"silenced over {'/'.join(map(str, steps))} steps in each, so its update is the same "
+                         "objective without the mask; `stapo calibrate` measures the rate its thresholds give on "
+                         "this model.")
+            continue
+        for r in idle:
             tokens = sum(_finite(m.get("tokens/valid")) or 0.0 for m in r.metrics)
             notes.append(f"S2T never fired in {r.label}: 0 tokens silenced over {len(r.metrics)} steps "
                          f"({tokens:,.0f} response tokens), so its update is the same objective without the mask; "
                          "`stapo calibrate` measures the rate its thresholds give on this model.")
-    for i, a in enumerate(runs):
-        for b in runs[i + 1:]:
-            if identical_metrics(a, b):
+    mode, keys = _pairing_keys(members)
+    same = identical_group_pairs(members, keys)
+    covered: set[tuple[str, str]] = set()
+    for cls in _classes(list(members), same):
+        if len(cls) < 2:
+            continue
+        covered |= {(a.label, b.label) for g in cls for h in cls for a in members[g] for b in members[h]}
+        n = len(members[cls[0]])
+        if n == 1:
+            notes.append(f"{' and '.join(members[g][0].label for g in cls)} logged identical metrics at every step "
+                         "(to 4 significant digits, timings aside): here the methods did not differ in effect.")
+            continue
+        names = ", ".join(cls[:-1]) + f" and {cls[-1]}"
+        notes.append(f"{names} logged identical metrics at every step, run by run ({n} runs each, paired by "
+                     f"{'seed' if mode == 'seed' else 'position'}; to 4 significant digits, "
+                     "timings aside): here the methods did not differ in effect.")
+    flat = [r for m in members.values() for r in m]
+    for i, a in enumerate(flat):
+        for b in flat[i + 1:]:
+            if (a.label, b.label) not in covered and identical_metrics(a, b):
                 notes.append(f"{a.label} and {b.label} logged identical metrics at every step (to 4 significant "
                              "digits, timings aside): here the methods did not differ in effect.")
     return notes
+
+
+def identical_group_pairs(groups: dict[str, list[RunData]], keys: dict[str, Any]) -> list[tuple[str, str]]:
+    """(a, b) for every two groups whose runs logged identical metrics pair by pair: both hold the
+    same pairing keys (``keys``: run label -> seed or position) and each pair is identical."""
+    out = []
+    names = list(groups)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            ra = {keys[r.label]: r for r in groups[a]}
+            rb = {keys[r.label]: r for r in groups[b]}
+            if set(ra) == set(rb) and len(ra) == len(groups[a]) == len(groups[b]) and all(
+                    identical_metrics(ra[k], rb[k]) for k in ra):
+                out.append((a, b))
+    return out
+
+
+def _classes(names: list[str], pairs: list[tuple[str, str]]) -> list[list[str]]:
+    """The names joined by ``pairs`` into classes (transitively), each in the order of ``names``."""
+    root = {n: n for n in names}
+
+    def find(n: str) -> str:
+        while root[n] != n:
+            n = root[n]
+        return n
+
+    for a, b in pairs:
+        root[find(b)] = find(a)
+    out: dict[str, list[str]] = {}
+    for n in names:
+        out.setdefault(find(n), []).append(n)
+    return list(out.values())
 
 
 # ----------------------------------------------------------------------------- seeds
@@ -390,9 +462,11 @@ def _pairing_keys(groups: dict[str, list[RunData]]) -> tuple[str, dict[str, Any]
     return "order", {r.label: i for g in groups.values() for i, r in enumerate(g)}
 
 
-def _seeded_metric(groups: dict[str, list[RunData]], value: Any, keys: dict[str, Any]) -> dict[str, Any]:
+def _seeded_metric(key: str, groups: dict[str, list[RunData]], value: Any, keys: dict[str, Any]) -> dict[str, Any]:
     """{"groups": {g: mean_interval + values}, "paired": {g: paired_difference vs the first group}}
-    of one metric; ``value(run)`` gives a run's value (None: not counted)."""
+    of one metric; ``value(run)`` gives a run's value (None: not counted). Group intervals are
+    clipped to the metric's range (:func:`bounds_of`); a paired difference is marked ``identical``
+    when every pair agrees to 4 significant digits (:func:`same_value`)."""
     from stapo.evals.compare_stats import mean_interval, paired_difference
 
     per: dict[str, dict[Any, float]] = {}
@@ -402,12 +476,40 @@ def _seeded_metric(groups: dict[str, list[RunData]], value: Any, keys: dict[str,
     out: dict[str, Any] = {"groups": {}, "paired": {}}
     names = [g for g in groups if per[g]]
     for g in names:
-        out["groups"][g] = mean_interval(list(per[g].values())) | {"values": {str(k): v for k, v in per[g].items()}}
+        st = clip_interval(mean_interval(list(per[g].values())), bounds_of(key))
+        out["groups"][g] = st | {"values": {str(k): v for k, v in per[g].items()}}
     base = next(iter(groups))
     for g in names:
         if g != base and per.get(base):
-            out["paired"][g] = paired_difference(per[base], per[g])
+            p = paired_difference(per[base], per[g])
+            shared = [s for s in per[g] if s in per[base]]
+            out["paired"][g] = p | {"identical": bool(shared) and all(same_value(per[base][s], per[g][s]) for s in shared)}
     return out
+
+
+def bounds_of(key: str) -> tuple[float, float | None] | None:
+    """The range a metric's values can take, in its unit: % values [0, 100]; lengths, steps, seconds,
+    entropies and norms [0, inf); None for signed quantities (reward, loss)."""
+    if unit_of(key) == "%":
+        return (0.0, 100.0)
+    if unit_of(key) in ("tokens", "steps", "s", "nats") or "norm" in key:
+        return (0.0, None)
+    return None
+
+
+def clip_interval(st: dict[str, Any], bounds: tuple[float, float | None] | None) -> dict[str, Any]:
+    """A mean's t interval cut to the metric's range, ``clipped`` saying whether an end moved.
+
+    The t interval is symmetric by construction, so the mean of a few non-negative values near 0
+    (a wall time, a rate) gets a negative low end. No mean of such values lies below 0: cutting the
+    interval there drops only impossible values, so it covers the true mean exactly as often as
+    before, in the same unit as the mean. A log-ratio interval would avoid the cut but estimate a
+    geometric mean instead, and it fails on values of 0 (a silenced rate or an accuracy of 0)."""
+    if bounds is None or st.get("low") is None:
+        return st
+    lo, hi = bounds
+    low, high = max(st["low"], lo), st["high"] if hi is None else min(st["high"], hi)
+    return st | {"low": low, "high": high, "clipped": (low, high) != (st["low"], st["high"])}
 
 
 def seeded_summary(groups: dict[str, list[RunData]], training: dict[str, dict[str, float | None]],
@@ -418,7 +520,8 @@ def seeded_summary(groups: dict[str, list[RunData]], training: dict[str, dict[st
 
     if all(len(g) < 2 for g in groups.values()):
         return None
-    out: dict[str, Any] = {"interval": INTERVAL_NOTE, "baseline": next(iter(groups)), "groups": {}}
+    out: dict[str, Any] = {"interval": INTERVAL_NOTE, "baseline": next(iter(groups)), "groups": {},
+                           "identical_to_baseline": []}
     train_groups = {g: [r for r in m if r.label in training] for g, m in groups.items()}
     train_groups = {g: m for g, m in train_groups.items() if m}
     eval_groups = {g: [r for r in m if r.results is not None] for g, m in groups.items()}
@@ -427,16 +530,18 @@ def seeded_summary(groups: dict[str, list[RunData]], training: dict[str, dict[st
     if train_groups:
         mode, keys = _pairing_keys(train_groups)
         out["pairing"]["training"] = mode
+        out["identical_to_baseline"] = [g for b, g in identical_group_pairs(train_groups, keys) if b == out["baseline"]]
         metric_keys = list(next(iter(training.values())))
         out["training"] = {
-            k: {"unit": unit_of(k)} | _seeded_metric(train_groups, lambda r, k=k: training[r.label].get(k), keys)
+            k: {"unit": unit_of(k)} | _seeded_metric(k, train_groups, lambda r, k=k: training[r.label].get(k), keys)
             for k in metric_keys
         }
     if eval_groups:
         mode, keys = _pairing_keys(eval_groups)
         out["pairing"]["eval"] = mode
         out["tables"] = {
-            kind: {b: {"unit": "%"} | _seeded_metric(eval_groups, lambda r, kind=kind, b=b: tables[kind]["rows"][b].get(r.label), keys)
+            kind: {b: {"unit": "%"} | _seeded_metric("accuracy", eval_groups,
+                                                    lambda r, kind=kind, b=b: tables[kind]["rows"][b].get(r.label), keys)
                    for b in tables[kind]["rows"]}
             for kind in KINDS
         }
@@ -463,7 +568,7 @@ def config_check(runs: Sequence[RunData], groups: dict[str, list[RunData]] | Non
     with_cfg = [r for r in train if r.config is not None]
     out: dict[str, Any] = {"baseline": with_cfg[0].label if with_cfg else None, "runs": {},
                            "unchecked": [r.label for r in train if r.config is None], "warning": None,
-                           "notes": s2t_notes(train)}
+                           "notes": s2t_notes(train, groups)}
     if not with_cfg:
         return out
     base = with_cfg[0]
@@ -537,9 +642,11 @@ def _ema(ys: Sequence[float], alpha: float) -> list[float]:
     return out
 
 
-def band(series: Sequence[tuple[list[float], list[float]]]) -> tuple[list[float], list[float], list[float], list[float]]:
+def band(series: Sequence[tuple[list[float], list[float]]], bounds: tuple[float, float | None] | None = None,
+         ) -> tuple[list[float], list[float], list[float], list[float]]:
     """(steps, mean, low, high) over seeds at every step that two or more runs logged (one run: its
-    value, no band); low / high are the 95% t interval of the mean at that step."""
+    value, no band); low / high are the 95% t interval of the mean at that step, cut to ``bounds``
+    (:func:`clip_interval`)."""
     from stapo.evals.compare_stats import mean_interval
 
     at: dict[float, list[float]] = {}
@@ -547,7 +654,7 @@ def band(series: Sequence[tuple[list[float], list[float]]]) -> tuple[list[float]
         for x, y in zip(xs, ys, strict=True):
             at.setdefault(x, []).append(y)
     steps = sorted(at)
-    stats = [mean_interval(at[x]) for x in steps]
+    stats = [clip_interval(mean_interval(at[x]), bounds) for x in steps]
     mean = [st["mean"] for st in stats]
     low = [st["low"] if st["low"] is not None else st["mean"] for st in stats]
     high = [st["high"] if st["high"] is not None else st["mean"] for st in stats]
@@ -563,6 +670,7 @@ def plot_curves(runs: Sequence[RunData], out_dir: Path, groups: dict[str, list[R
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out_dir.mkdir(parents=True, exist_ok=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -581,7 +689,7 @@ def plot_curves(runs: Sequence[RunData], out_dir: Path, groups: dict[str, list[R
             c = colors[i % len(colors)]
             smooth = max(len(xs) for xs, _ in ss) > 20 and key != "val/accuracy"
             if len(ss) > 1:
-                steps, mean, low, high = band([(xs, _ema(ys, 0.15) if smooth else ys) for xs, ys in ss])
+                steps, mean, low, high = band([(xs, _ema(ys, 0.15) if smooth else ys) for xs, ys in ss], bounds_of(key))
                 ax.fill_between(steps, low, high, color=c, alpha=0.2, linewidth=0)
                 ax.plot(steps, mean, color=c, linewidth=1.8, marker="o" if len(steps) <= 20 else None, markersize=3,
                         label=f"{name} (mean of {len(ss)}, 95% band)")
@@ -595,6 +703,7 @@ def plot_curves(runs: Sequence[RunData], out_dir: Path, groups: dict[str, list[R
                         label=name)
         ax.set_title(title, fontsize=11)
         ax.set_xlabel("RL step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no tick at 1.5
         ax.set_ylabel(labelled(key))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, frameon=False)
@@ -645,7 +754,9 @@ def compare_runs(paths: Sequence[Path], *, out_dir: Path, labels: Sequence[str] 
         "seeded": seeded_summary(grouped, training, tables),
         "curves": {k: str(p.relative_to(out_dir)) for k, p in pngs.items()},
         "config_check": config_check(runs, grouped),
+        "val_resolution": val_resolution(train_runs),
     }
+    report["conclusion"] = conclusion(report["seeded"], len(grouped))
     (out_dir / "compare.json").write_text(json.dumps(report, indent=2))
     (out_dir / "report.html").write_text(render_html(report, runs, pngs), encoding="utf-8")
     return report
@@ -696,22 +807,30 @@ def _better_up(key: str) -> bool:
 
 
 def _paired_txt(key: str, p: dict[str, Any]) -> str:
-    """``Δ +2.5 [0.4, 4.6], wins 4/4`` (accuracy, reward) or ``higher in 1/4`` (other metrics)."""
+    """``Δ +2.5 [0.4, 4.6], wins 4/4`` (accuracy, reward) or ``higher in 1/4`` (other metrics);
+    ``identical in 3/3 pairs`` when every pair agrees to 4 significant digits."""
     if p.get("mean") is None:
         return "Δ – (no shared seed)"
+    if p.get("identical"):
+        return f"identical in {p['n']}/{p['n']} pairs"
     ci = f" [{fmt_signed(key, p['low'])}, {fmt_signed(key, p['high'])}]" if p.get("low") is not None else ""
     count = f"wins {p['n_higher']}/{p['n']}" if _better_up(key) else f"higher in {p['n_higher']}/{p['n']}"
     return f"Δ {fmt_signed(key, p['mean'])}{ci}, {count}"
 
 
+def _seeded_sources(seeded: dict[str, Any]) -> list[tuple[str, str, dict[str, Any], str]]:
+    """(row label, metric key, seeded metric, "eval" | "training") of the seeded summary's rows:
+    accuracy tables' avg@k first, then training."""
+    sources = [(f"avg@k {b} (%)", "accuracy", m, "eval") for b, m in (seeded.get("tables") or {}).get("avg", {}).items()]
+    return sources + [(labelled(k), k, m, "training") for k, m in (seeded.get("training") or {}).items()]
+
+
 def seeded_rows(seeded: dict[str, Any]) -> tuple[list[str], list[tuple[str, list[tuple[str, str]]]]]:
     """(group names, [(row label, [(value text, paired text) per group])]) of the seeded summary, the
-    rows the terminal and the HTML report both print: accuracy tables' avg@k first, then training."""
+    rows the HTML report prints."""
     names = list(seeded["groups"])
     rows: list[tuple[str, list[tuple[str, str]]]] = []
-    sources = [(f"avg@k {b} (%)", "accuracy", m) for b, m in (seeded.get("tables") or {}).get("avg", {}).items()]
-    sources += [(labelled(k), k, m) for k, m in (seeded.get("training") or {}).items()]
-    for label, key, m in sources:
+    for label, key, m, _ in _seeded_sources(seeded):
         if not m["groups"]:
             continue  # no run of any group logged it
         cells = []
@@ -721,6 +840,92 @@ def seeded_rows(seeded: dict[str, Any]) -> tuple[list[str], list[tuple[str, list
             cells.append((_interval_txt(key, st) if st else "–", _paired_txt(key, p) if p else ""))
         rows.append((label, cells))
     return names, rows
+
+
+# ----------------------------------------------------------------------------- conclusion
+
+
+def conclusion(seeded: dict[str, Any] | None, n_train_groups: int = 0) -> list[dict[str, Any]]:
+    """The verdict of every group against the baseline group, metric by metric, as items with a
+    ``text``: which group is ahead (accuracy, reward) or higher (other metrics), by how much, the
+    95% t interval of the paired difference and whether it excludes 0. A group identical to the
+    baseline seed by seed is one item; metrics identical in every pair are one item per group.
+    Without seeds (no group of two runs) one item says that no interval can be given."""
+    if seeded is None:
+        if n_train_groups < 2:
+            return []
+        return [{"verdict": "no seeds", "text": "one run per method, so no interval and no conclusion: a single pair "
+                 "of RL runs cannot separate the method from the seed; train 3 or more seeds of each and compare "
+                 "them grouped (docs/evaluation.md, \"Comparing methods over seeds\")."}]
+    base = seeded["baseline"]
+    same = seeded.get("identical_to_baseline") or []
+    sources = _seeded_sources(seeded)
+    items: list[dict[str, Any]] = []
+    for g in seeded["groups"]:
+        if g == base:
+            continue
+        if g in same:
+            n = len(seeded["groups"][g]["runs"])
+            items.append({"group": g, "baseline": base, "metric": None, "verdict": "identical",
+                          "text": f"{g} vs {base}: identical runs in all {n} pairs (every logged metric equal to 4 "
+                                  "significant digits, timings aside): the method changed nothing here, so there "
+                                  "is nothing to conclude."})
+            continue
+        level = []
+        for label, key, m, part in sources:
+            p = m["paired"].get(g)
+            if not p or p.get("mean") is None:
+                continue
+            if p.get("identical"):
+                level.append(label)
+                continue
+            items.append(_verdict(g, base, label, key, p, (seeded.get("pairing") or {}).get(part, "seed")))
+        if level:
+            items.append({"group": g, "baseline": base, "metric": level, "verdict": "identical",
+                          "text": f"{g} vs {base}, identical in every pair: {', '.join(level)}."})
+    return items
+
+
+def _verdict(g: str, base: str, label: str, key: str, p: dict[str, Any], pairing: str) -> dict[str, Any]:
+    """One metric's verdict from its paired difference ``p`` (group ``g`` minus ``base``)."""
+    up, d = _better_up(key), p["mean"]
+    word = ("ahead" if up else "higher") if d > 0 else ("behind" if up else "lower") if d < 0 else "level"
+    unit = {"%": " points", "": ""}.get(unit_of(key), f" {unit_of(key)}")
+    n = p["n"]
+    pairs = f"{n} paired seed{'s' if n != 1 else ''}" if pairing == "seed" else f"{n} pairs (by order)"
+    head = f"{g} vs {base}, {label}: " + (f"{g} {word} by {fmt_signed(key, abs(d)).lstrip('+')}{unit}" if d else "level on average")
+    out = {"group": g, "baseline": base, "metric": label, "mean": d, "low": p.get("low"), "high": p.get("high"),
+           "n": n, "excludes_zero": None}
+    if p.get("low") is None:
+        return out | {"verdict": "no interval", "text": f"{head}, over {pairs}: one pair gives no interval, "
+                                                         "no difference shown."}
+    excludes = p["low"] > 0 or p["high"] < 0
+    ci = f"95% CI [{fmt_signed(key, p['low'])}, {fmt_signed(key, p['high'])}]"
+    verdict = f"{g} {word}" if excludes else "no difference shown"
+    return out | {"excludes_zero": excludes, "verdict": verdict,
+                  "text": f"{head}, {ci} {'excludes' if excludes else 'includes'} 0 over {pairs}: {verdict}."}
+
+
+SMALL_VAL_STEP = 5.0
+"""Points of validation accuracy one prompt is worth, from which compare warns (20 prompts or fewer)."""
+
+
+def val_resolution(runs: Sequence[RunData]) -> dict[str, Any] | None:
+    """The validation set's size (prompts, one greedy sample each: the last ``n`` of ``val.jsonl``,
+    the smallest over runs) and the step in points its accuracy moves by, with a warning when one
+    prompt is worth :data:`SMALL_VAL_STEP` points or more; None without validation rows."""
+    sizes = [int(r.val[-1]["n"]) for r in runs if r.val and isinstance(r.val[-1].get("n"), (int, float))
+             and r.val[-1]["n"] > 0]
+    if not sizes:
+        return None
+    n = min(sizes)
+    step = 100.0 / n
+    warning = None
+    if step >= SMALL_VAL_STEP:
+        warning = (f"validation set of {n} prompt{'s' if n != 1 else ''}: validation accuracy moves in steps of "
+                   f"{step:.3g} points, so one prompt flips a run by {step:.3g} points and a smaller effect cannot "
+                   "show; `--set data.val_size=200` gives steps of 0.5 points.")
+    return {"prompts": n, "step_points": step, "warning": warning}
 
 
 def _delta_cell(key: str, d: float | None, *, colored: bool = True) -> str:
@@ -745,6 +950,12 @@ def render_html(report: dict[str, Any], runs: Sequence[RunData], pngs: dict[str,
     parts.append(section("Runs", html_table(["run", "group", "seed", "kind", "algorithm", "model", "path"], run_rows,
                                             raw=True, left_cols=7)))
     parts.insert(0, _config_check_html(report["config_check"]))
+    res = report.get("val_resolution") or {}
+    if report.get("conclusion") or res.get("warning"):
+        lines = "".join(f"<li>{esc(it['text'])}</li>" for it in report.get("conclusion") or [])
+        warn = (f'<p class="val-warning" style="background:#fff4d6;border:1px solid #b58a00;padding:6px">'
+                f'{esc(res["warning"])}</p>' if res.get("warning") else "")
+        parts.append(section("Conclusion", warn + (f'<ul id="conclusion">{lines}</ul>' if lines else "")))
     seeded = report.get("seeded")
     if seeded:
         names, rows = seeded_rows(seeded)
@@ -826,15 +1037,18 @@ def _config_check_html(check: dict[str, Any]) -> str:
     return section("Is the comparison fair?", head + table)
 
 
-def terminal_tables(report: dict[str, Any]) -> list[Any]:
-    """Rich tables for the terminal: the seeded summary, avg@k with deltas, and the training summary."""
+def terminal_tables(report: dict[str, Any], width: int = 80) -> list[Any]:
+    """What the terminal prints before the conclusion, each part at most ``width`` columns: the
+    confound table, the notes, the seeded summary (one row per metric and group), avg@k with deltas
+    and the per-run training table, both split into as many tables as their columns need."""
     from rich.table import Table
     from rich.text import Text
 
     out: list[Any] = []
     check = report["config_check"]
     if check["warning"]:
-        table = Table(title="[bold red]WARNING: the runs differ in more than the method[/]", title_justify="left")
+        table = Table(title="[bold red]WARNING: the runs differ in more than the method[/]", title_justify="left",
+                      width=min(width, 120))
         for col in ("run", "group", "key", "baseline", "run"):
             table.add_column(col, overflow="fold")
         for lab, v in check["runs"].items():
@@ -844,41 +1058,155 @@ def terminal_tables(report: dict[str, Any]) -> list[Any]:
     for note in check.get("notes", []):
         out.append(Text("note: " + note, style="bold yellow"))
     base = report["baseline"]
-    seeded = report.get("seeded")
-    if seeded:
-        names, rows = seeded_rows(seeded)
-        table = Table(title=f"over seeds: mean [95% t interval] n=runs; Δ = paired difference vs {seeded['baseline']}",
-                      title_justify="left")
-        table.add_column("")
-        for g in names:
-            table.add_column(g, justify="right")
-        for label, cells in rows:
-            table.add_row(label, *[Text(v + (f"\n{p}" if p else "")) for v, p in cells])
-        out.append(table)
+    if report.get("seeded"):
+        out.append(Text("\n".join(seeded_lines(report["seeded"], width))))
     t = report["tables"]["avg"]
     if t["columns"]:
         deltas = f"deltas vs {base} in points" if base in t["columns"] else f"no deltas: the baseline {base} has no eval results"
-        table = Table(title=f"avg@k (%) — {deltas}")
-        table.add_column("benchmark")
-        for lab in t["columns"]:
-            table.add_column(lab, justify="right")
+        rows = []
         for bench, vals in t["rows"].items():
-            cells = [bench]
+            cells = []
             for lab in t["columns"]:
                 d = t["delta"].get(bench, {}).get(lab)
                 color = "green" if (d or 0) > 0 else "red" if (d or 0) < 0 else "dim"
                 cells.append(fmt_value("accuracy", vals.get(lab))
                              + (f" [{color}]({fmt_signed('accuracy', d)})[/]" if d is not None else ""))
-            table.add_row(*cells)
-        out.append(table)
+            rows.append((bench, cells))
+        out += fitted_tables(f"avg@k (%) — {deltas}", t["columns"], rows, width)
     if report["training"]:
         labels = list(report["training"])
         confounded = " [bold red](CONFOUNDED: see the warning above)[/]" if check["warning"] else ""
-        table = Table(title=f"training runs (each row in the unit it names){confounded}")
-        table.add_column("")
-        for lab in labels:
-            table.add_column(lab, justify="right")
-        for key in next(iter(report["training"].values())):
-            table.add_row(labelled(key), *[fmt_value(key, report["training"][lab].get(key)) for lab in labels])
-        out.append(table)
+        rows = [(labelled(key), [fmt_value(key, report["training"][lab].get(key)) for lab in labels])
+                for key in next(iter(report["training"].values()))]
+        out += fitted_tables(f"training runs (each row in the unit it names){confounded}", labels, rows, width)
     return out
+
+
+def conclusion_text(report: dict[str, Any], width: int = 80) -> str:
+    """The block compare ends with: the validation-size warning, then one verdict per line, wrapped
+    to ``width`` with an indent under its first line."""
+    import textwrap
+
+    items = report.get("conclusion") or []
+    warning = (report.get("val_resolution") or {}).get("warning")
+    if not items and not warning:
+        return ""
+    seeded = report.get("seeded") or {}
+    confounded = " (CONFOUNDED: see the warning above)" if report["config_check"]["warning"] else ""
+    head = (f"conclusion: each group against {seeded['baseline']}, paired by seed, mean difference and its 95% t "
+            f"interval{confounded}" if seeded else f"conclusion{confounded}")
+    lines = textwrap.wrap(head, width, break_on_hyphens=False)  # names such as stapo-random stay whole
+    for text in ([f"warning: {warning}"] if warning else []) + [it["text"] for it in items]:
+        lines += textwrap.wrap(text, width, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+LEGEND_AFTER = 16
+"""Group names longer than this are shown as a letter key, with a legend, in the seeded summary."""
+
+
+def seeded_lines(seeded: dict[str, Any], width: int = 80) -> list[str]:
+    """The seeded summary as text at most ``width`` wide: per metric a heading line, then one line
+    per group (mean [interval] n, and the paired difference against the baseline, moved to its own
+    line when both do not fit). Groups identical to the baseline seed by seed are named once and
+    shown as the baseline; names longer than :data:`LEGEND_AFTER` get a letter key and a legend."""
+    import textwrap
+
+    base = seeded["baseline"]
+    same = seeded.get("identical_to_baseline") or []
+    shown = [g for g in seeded["groups"] if g not in same]
+    keyed = any(len(g) > LEGEND_AFTER for g in shown)
+    names = {g: (chr(ord("A") + i) if keyed else g) for i, g in enumerate(shown)}
+    head = [f"over seeds: mean [95% t interval, cut to the metric's range] n=runs; Δ = paired difference vs "
+            f"{names[base]} by seed"]
+    if keyed:
+        head.append("groups: " + ", ".join(f"{k} = {g}" for g, k in names.items()))
+    if same:
+        head.append(f"{', '.join(same)}: identical to {base} run by run (timings aside), shown once as {base}.")
+    lines = [w for h in head for w in textwrap.wrap(h, width, break_on_hyphens=False)]
+    col = max(len(n) for n in names.values())
+    for label, key, m, _ in _seeded_sources(seeded):
+        rows = []
+        for g in shown:
+            st, p = m["groups"].get(g), m["paired"].get(g)
+            if st is None:
+                continue
+            line = f"  {names[g]:<{col}}  {_interval_txt(key, st)}"
+            d = _paired_txt(key, p) if p else ""
+            if d and len(line) + 2 + len(d) > width:
+                rows.append(line)
+                line = " " * (4 + col)
+            rows.append(f"{line}  {d}".rstrip() if d else line)
+        if rows:
+            lines += [label, *rows]
+    return lines
+
+
+def fitted_tables(title: str, columns: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]],
+                  width: int = 80) -> list[Any]:
+    """Rich tables of one label column and the value ``columns``, split into as many tables as it
+    takes to keep each within ``width`` (a long row label puts its unit on a second line when the
+    columns do not all fit): each column is as wide as its widest value (at least 6),
+    its header wrapped at ``-``, ``_``, ``/`` onto up to 3 lines of that width; a header that needs
+    more is shown as a number, with a legend line under the table. Cells may hold rich markup."""
+    from rich.table import Table
+    from rich.text import Text
+
+    def plain(cell: str) -> int:
+        return max((Text.from_markup(x).cell_len for x in cell.split("\n")), default=0)
+
+    widths, heads, legend = [], [], []
+    for j, c in enumerate(columns):
+        w = max([6] + [plain(cells[j]) for _, cells in rows])
+        wrapped = wrap_name(c, w)
+        if len(wrapped) > 3:
+            wrapped = [f"[{len(legend) + 1}]"]
+            legend.append(f"[{len(legend) + 1}] {c}")
+        widths.append(w)
+        heads.append("\n".join(wrapped))
+    labels = [lab for lab, _ in rows]
+    if max(map(plain, labels), default=1) + 4 + sum(w + 3 for w in widths) > width:  # the unit onto a line of its own
+        labels = [lab if len(lab) <= 24 or " (" not in lab else lab.replace(" (", "\n(", 1) for lab in labels]
+    label_w = min(max(map(plain, labels), default=1), max(10, width // 3))
+    chunks: list[list[int]] = [[]]
+    used = label_w + 4  # "│ label │": 2 borders, 2 padding
+    for j, w in enumerate(widths):
+        if chunks[-1] and used + w + 3 > width:
+            chunks.append([])
+            used = label_w + 4
+        chunks[-1].append(j)
+        used += w + 3
+    out: list[Any] = []
+    for i, js in enumerate(chunks):
+        part = f", part {i + 1} of {len(chunks)}" if len(chunks) > 1 else ""
+        out.append(Text.from_markup(title + part))  # a line of its own: a table's title wraps at its width
+        table = Table()
+        table.add_column("", min_width=label_w, max_width=label_w, overflow="fold")
+        for j in js:
+            table.add_column(heads[j], justify="right", min_width=widths[j], max_width=widths[j], no_wrap=True)
+        for lab, (_, cells) in zip(labels, rows, strict=True):
+            table.add_row(lab, *[cells[j] for j in js])
+        out.append(table)
+    if legend:
+        out.append(Text("columns: " + ", ".join(legend)))
+    return out
+
+
+def wrap_name(name: str, w: int) -> list[str]:
+    """``name`` in lines of at most ``w`` characters, broken after ``-``, ``_``, ``/``, ``.`` or a
+    space where it can, else cut."""
+    import re
+
+    lines = [""]
+    for part in re.findall(r"[^-_/. ]*[-_/. ]?", name):
+        while part:
+            room = w - len(lines[-1])
+            if len(part) <= room:
+                lines[-1] += part
+                part = ""
+            elif lines[-1]:
+                lines.append("")
+            else:
+                lines[-1], part = part[:w], part[w:]
+                lines.append("")
+    return [x for x in lines if x]

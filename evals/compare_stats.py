@@ -33,7 +33,8 @@ T975: dict[int, float] = {
 }
 """Two-sided 95% quantiles of Student's t, t(0.975, df), from the standard table."""
 
-INTERVAL_NOTE = ("95% t interval over seeds: mean +- t(0.975, n-1) x sd / sqrt(n); paired differences pair "
+INTERVAL_NOTE = ("95% t interval over seeds: mean +- t(0.975, n-1) x sd / sqrt(n), cut to the metric's range "
+                 "(0 and up for times, lengths, entropies and norms; 0-100 for %); paired differences pair "
                  "runs by seed (same data order and initial sampling)")
 
 

@@ -105,7 +105,7 @@ def load_dump(run_dir: Path, step: int | None = None) -> dict[str, Any]:
             if key not in seq:
                 raise ValueError(f"{path}: sequences[{i}] lacks field {key!r}")
         n = len(seq["tokens"])
-        for key in ("prob", "entropy", "weight", "sum_q2"):
+        for key in ("prob", "entropy", "weight", "sum_q2", "dist_prob", "dist_entropy"):
             if key in seq and len(seq[key]) != n:
                 raise ValueError(f"{path}: sequences[{i}].{key} has {len(seq[key])} entries for {n} tokens")
     dump["_path"] = str(path)
@@ -124,11 +124,23 @@ class TokenTable:
     sum_q2: np.ndarray  # [N] float (nan when the dump has none)
     weight: np.ndarray  # [N] float
     cell: np.ndarray | None = None  # [N] int, the update's own phase cell (-1 = not in the dump)
+    dist_prob: np.ndarray | None = None  # [N] float, p of the forward that gave sum_q2
+    dist_entropy: np.ndarray | None = None  # [N] float, H of that forward
+
+    def norm_terms(self) -> tuple[np.ndarray, np.ndarray]:
+        """(p, H) to pair with ``sum_q2`` in a gradient norm: the same forward's, when the dump has them
+        (with several mini-batches the mask's p and H are the updated policy's, sum_q2 the sampled one's);
+        a dump without them gives the mask's."""
+        if self.dist_prob is None or self.dist_entropy is None:
+            return self.prob, self.entropy
+        return self.dist_prob, self.dist_entropy
 
 
 def token_table(dump: dict[str, Any]) -> TokenTable:
     """Flatten the dump's sequences into per-token arrays."""
     seq, pos, prob, ent, adv, q2, w, cell = [], [], [], [], [], [], [], []
+    dprob, dent = [], []
+    paired = all("dist_prob" in s and "dist_entropy" in s for s in dump["sequences"])
     for i, s in enumerate(dump["sequences"]):
         n = len(s["tokens"])
         seq += [i] * n
@@ -139,11 +151,15 @@ def token_table(dump: dict[str, Any]) -> TokenTable:
         q2 += s.get("sum_q2") or [math.nan] * n
         w += s["weight"]
         cell += s.get("cell") or [-1] * n
+        if paired:
+            dprob += s["dist_prob"]
+            dent += s["dist_entropy"]
     f = np.float64
     return TokenTable(
         np.asarray(seq, dtype=np.int64), np.asarray(pos, dtype=np.int64), np.asarray(prob, dtype=f),
         np.asarray(ent, dtype=f), np.asarray(adv, dtype=f), np.asarray(q2, dtype=f), np.asarray(w, dtype=f),
         np.asarray(cell, dtype=np.int64),
+        np.asarray(dprob, dtype=f) if paired else None, np.asarray(dent, dtype=f) if paired else None,
     )
 
 
@@ -183,7 +199,7 @@ def phase_table(table: TokenTable, tau_p: float, tau_h: float) -> dict[str, dict
     Shares of gradient norm are sum of per-token norms in the cell over the sum over all tokens
     (the L1 split of where the update's magnitude comes from, before any mask).
     """
-    measured, theorem = grad_norms(table.prob, table.entropy, table.advantage, table.sum_q2)
+    measured, theorem = grad_norms(*table.norm_terms(), table.advantage, table.sum_q2)
     idx = cell_index(table, tau_p, tau_h)
     n = max(len(idx), 1)
     tot_m = float(np.nansum(measured)) or 1.0
@@ -216,7 +232,8 @@ def silenced_tokens(dump: dict[str, Any], *, context_chars: int = 60, right_char
             left = "".join(toks[:t])[-context_chars:]
             right = "".join(toks[t + 1 :])[:right_chars]
             p, h, a = float(s["prob"][t]), float(s["entropy"][t]), float(s["advantage"])
-            m, th = grad_norms(np.array([p]), np.array([h]), np.array([a]),
+            dp, dh = (s["dist_prob"][t], s["dist_entropy"][t]) if "dist_prob" in s and "dist_entropy" in s else (p, h)
+            m, th = grad_norms(np.array([dp]), np.array([dh]), np.array([a]),
                                np.array([q2[t] if q2 else math.nan]))
             out.append({
                 "seq": i, "pos": t, "token": toks[t], "left": left, "right": right,
@@ -238,10 +255,10 @@ def _plots(table: TokenTable, tau_p: float, tau_h: float, out_dir: Path) -> dict
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
-    measured, _ = grad_norms(table.prob, table.entropy, table.advantage, table.sum_q2)
+    measured, _ = grad_norms(*table.norm_terms(), table.advantage, table.sum_q2)
     # Per unit |A|: the token-level factor sqrt(1 - 2p + .) that the theorem is about (|A| is shared
     # by a whole sequence and would only stretch the cloud along y = x).
-    fac_m, fac_t = grad_norms(table.prob, table.entropy, np.ones_like(table.prob), table.sum_q2)
+    fac_m, fac_t = grad_norms(*table.norm_terms(), np.ones_like(table.prob), table.sum_q2)
     idx = cell_index(table, tau_p, tau_h)
     ok = np.isfinite(fac_m) & (fac_m > 0) & (fac_t > 0)
 
@@ -312,7 +329,7 @@ def inspect_run(run: Path, *, step: int | None = None, out_dir: Path | None = No
     table = token_table(dump)
     tau_p = float(dump["tau_p"])
     tau_h, tau_h_src = resolve_tau_h(dump, table)
-    measured, theorem = grad_norms(table.prob, table.entropy, table.advantage, table.sum_q2)
+    measured, theorem = grad_norms(*table.norm_terms(), table.advantage, table.sum_q2)
     ok = np.isfinite(measured) & (measured > 0)
     ratio = theorem[ok] / measured[ok]
     sil = silenced_tokens(dump)

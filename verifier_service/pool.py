@@ -15,10 +15,10 @@ while no task ran) or a worker's memory grew, backing off after start-up failure
 A script that builds a pool needs ``if __name__ == "__main__":``: each worker (``forkserver`` or
 ``spawn``) imports the caller's script again, as multiprocessing does, under the name ``__mp_main__``.
 A pool started from a script's body outside that guard is refused in the caller, in one line, before
-any worker starts (:func:`unguarded_start`: whatever the start method, nothing re-runs the script's
-training or model loading). As a second line of defence, a pool built while a script is re-run that
-way raises :data:`GUARD_MESSAGE` at once, so the worker dies and the parent's pool reports it
-(:class:`PoolBroken`) instead of waiting for workers that never start::
+any worker starts (:func:`unguarded_start`: whatever the start method, and whichever thread grades
+first, nothing re-runs the script's training or model loading). As a second line of defence, a pool
+built while a script is re-run that way raises :data:`GUARD_MESSAGE` at once, so the worker dies and
+the parent's pool reports it (:class:`PoolBroken`) instead of waiting for workers that never start::
 
     from stapo.verifier_service.pool import GraderPool
     with GraderPool(workers=2, deadline_s=5.0) as pool:
@@ -202,18 +202,20 @@ def unguarded_start() -> str | None:
     The frame running the script's top level (``<module>`` with ``__main__``'s globals) is on the
     stack at the line that led here; the script's syntax tree says whether that line is inside a
     main guard. Workers of either start method import that script again: an unguarded line would
-    run again in each of them (a model load, a training loop).
+    run again in each of them (a model load, a training loop). A framework may grade on a worker
+    thread (OpenRLHF's ``asyncio.to_thread``, a ``ThreadPoolExecutor``), whose own stack never holds
+    that frame: the script's top level then runs on the main thread, waiting at the line that
+    started the threads, so the main thread's stack is read too.
     """
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if main is None or not isinstance(path, str) or not os.path.isfile(path):
         return None
-    frame = inspect.currentframe()
-    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
-        frame = frame.f_back
-    if frame is None:
+    line = _script_line(inspect.currentframe(), vars(main))
+    if line is None and threading.current_thread() is not threading.main_thread():
+        line = _script_line(sys._current_frames().get(threading.main_thread().ident), vars(main))
+    if line is None:
         return None
-    line = frame.f_lineno
     try:
         with open(path, encoding="utf-8") as fh:
             tree = ast.parse(fh.read())
@@ -222,6 +224,13 @@ def unguarded_start() -> str | None:
     guarded = any(isinstance(node, ast.If) and _is_main_test(node.test) and node.body
                   and node.body[0].lineno <= line <= (node.body[-1].end_lineno or line) for node in ast.walk(tree))
     return None if guarded else f"{path}:{line}"
+
+
+def _script_line(frame: Any, main_globals: dict) -> int | None:
+    """The line the script's top level is at on the stack that ends in ``frame`` (None: not on it)."""
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is main_globals):
+        frame = frame.f_back
+    return None if frame is None else frame.f_lineno
 
 
 def _is_main_test(test: ast.expr) -> bool:

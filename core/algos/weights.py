@@ -34,7 +34,13 @@ import torch
 from torch import Tensor
 
 from stapo.core.batch import derive_seed
-from stapo.core.weighting_options import S2TOptions, StareOptions, TopEntropyOptions, WeightingOptions
+from stapo.core.weighting_options import (
+    S2T_SILENCE,
+    S2TOptions,
+    StareOptions,
+    TopEntropyOptions,
+    WeightingOptions,
+)
 
 from .registry import Registry
 
@@ -314,10 +320,6 @@ def _random_share(ctx: TokenContext, cand: Tensor, k: int) -> Tensor:
     return out
 
 
-S2T_SILENCE = ("lowest_entropy", "highest_entropy", "random", "all")
-"""Which candidates S2T silences: the paper's rule and its masking-strategy ablations (Sec. 4)."""
-
-
 @register_token_weighting("s2t", options=S2TOptions, reads_stats=True)
 def s2t_weighting(
     ctx: TokenContext, *, tau_p: float = 0.002, q: float = 0.75, silence: str = "lowest_entropy"
@@ -329,7 +331,9 @@ def s2t_weighting(
     ``silence`` picks the paper's ablations over the same candidates: ``highest_entropy`` silences
     those with H > the (1 - q)-th quantile (the top-entropy q share); ``random`` silences as many
     candidates as ``lowest_entropy`` would, drawn at random (seeded); ``all`` silences every candidate
-    (JustRL-FullMask). ``info``: ``tau_h`` (the paper's tau_h^(q), whatever ``silence``),
+    (JustRL-FullMask). ``complement`` silences those with H >= tau_h^(q), exactly the candidates
+    ``lowest_entropy`` keeps (the two partition the candidates; our reading of "high-entropy
+    masking", beside the top-q mirror, since the paper does not define its threshold). ``info``: ``tau_h`` (the paper's tau_h^(q), whatever ``silence``),
     ``candidates`` and ``silenced_count`` (this rank's)."""
     if silence not in S2T_SILENCE:
         raise ValueError(f"silence must be one of {', '.join(S2T_SILENCE)}; got {silence!r}")
@@ -345,6 +349,8 @@ def s2t_weighting(
             silenced = lowest
         elif silence == "all":
             silenced = cand
+        elif silence == "complement":
+            silenced = cand & ~lowh  # H >= tau_h^(q): what the paper's rule keeps, ties included
         elif silence == "highest_entropy":
             hi = quantile(ents, 1.0 - q)
             silenced = cand & (ctx.entropy.detach().double() > hi)  # the mirror of H < tau_h^(q)

@@ -24,10 +24,13 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
+from stapo.core.batch import derive_seed
+
 __all__ = ["Completion", "FinishReason", "RolloutEngine", "SamplingParams", "check_prompts", "fill_greedy_group",
-           "request_seeds"]
+           "request_seeds", "call_seed", "SEED_BITS"]
 
 FinishReason = Literal["stop", "length"]
+SEED_BITS = 63  # a generate call's seed and its requests' (see call_seed)
 
 
 @dataclass(frozen=True)
@@ -127,20 +130,30 @@ def check_prompts(prompt_token_ids: list[list[int]], *, vocab_size: int | None =
                 raise ValueError(f"prompt_token_ids[{i}] holds {t!r}; token ids must be ints >= 0{bound}")
 
 
+def call_seed(*parts: int) -> int:
+    """The seed of one generate call, from the run's seed and the call's coordinates (step, round,
+    rank, ...): 63 bits. vLLM takes int64 request seeds (0.33's ``CompletionRequest`` bounds ``seed``
+    to int64; its V2 sampler hashes both 32-bit halves with the position), torch's generators 64 bits,
+    so 63 bits cost nothing and make two calls' request ranges (:func:`request_seeds`: ``prompts x n``
+    seeds from the call seed) overlap with probability about ``prompts x n / 2^62`` instead of ``/ 2^30``."""
+    return derive_seed(*parts, bits=SEED_BITS)
+
+
 def request_seeds(call_seed: int | None, n_prompts: int, n: int) -> list[int | None]:
-    """The seed of each prompt's request in a call seeded ``call_seed``: ``call_seed + p * n`` (mod 2^31).
+    """The seed of each prompt's request in a call seeded ``call_seed``: ``call_seed + p * n``, wrapped
+    so that ``seed + n - 1`` stays below 2^63 (an int64).
 
     vLLM seeds sample ``i`` of a request with ``seed + i`` (its ``n > 1`` requests fan out into n
     seeded children), and its sampling noise depends only on that seed and the position. Stepping
     the prompts ``n`` apart therefore gives every sample of a call its own stream: prompt ``p``'s G
     samples take ``call_seed + p*n + i``, none shared with another prompt of the call. The call seed
-    itself is ``derive_seed(seed, step, round, rank)`` (:func:`stapo.core.rollout.rollouts.rollout_and_grade`),
+    itself is ``call_seed(seed, step, round, rank)`` (:func:`stapo.core.rollout.rollouts.rollout_and_grade`),
     so ranks and steps differ by a hash while a rerun draws the same seeds. ``None`` stays ``None``
     (an unseeded call: the engine's own random state).
     """
     if call_seed is None:
         return [None] * n_prompts
-    return [(call_seed + p * n) % 2**31 for p in range(n_prompts)]
+    return [(call_seed + p * n) % ((1 << SEED_BITS) - n + 1) for p in range(n_prompts)]
 
 
 def fill_greedy_group(group: list[Completion], n: int, copies: int) -> list[Completion]:

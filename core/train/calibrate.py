@@ -60,6 +60,7 @@ from stapo.core.batch import Sequence_, collate, derive_seed, seed_everything
 from stapo.core.config import Config
 from stapo.core.placement import resolve_device
 from stapo.core.rollout import SamplingParams, build_rollout_engine
+from stapo.core.rollout.base import call_seed
 from stapo.core.rollout.rollouts import mixed_groups, shape_and_advantage
 from stapo.core.task.data import encode_prompt, load_prompts
 from stapo.core.task.rewards import RewardFunction
@@ -389,7 +390,7 @@ def collect(cfg: Config, *, limit: int,
             prompt_ids = [encode_prompt(tokenizer, r.prompt, chat_template=cfg.data.chat_template) for r in recs]
             sampling = SamplingParams(
                 n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                max_new_tokens=cfg.rollout.max_new_tokens, seed=derive_seed(cfg.trainer.seed, step, 0, 0),
+                max_new_tokens=cfg.rollout.max_new_tokens, seed=call_seed(cfg.trainer.seed, step, 0, 0),
                 ignore_eos=cfg.rollout.ignore_eos,
             )
             engine.wake()

@@ -87,6 +87,7 @@ from stapo.core.algos import overlong_filter_keep
 from stapo.core.algos.advantages import get_advantage
 from stapo.core.batch import Batch, Sequence_, collate_with_pad_row, derive_seed, group_sequences
 from stapo.core.rollout import SamplingParams
+from stapo.core.rollout.base import call_seed
 from stapo.core.rollout.rollouts import shape_and_advantage
 from stapo.core.train.extras import LoopHook, StepState
 from stapo.core.train.micro import Micro, micro_batches, micro_spec
@@ -372,7 +373,7 @@ class DeepGRPO(LoopHook):
             sampling = SamplingParams(
                 n=o.k_branches if real else 1, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                 max_new_tokens=cfg.rollout.max_new_tokens - t if real else 1,
-                seed=derive_seed(cfg.trainer.seed, step, 0xB4A, p, run.rank),
+                seed=call_seed(cfg.trainer.seed, step, 0xB4A, p, run.rank),
             )
             prefix = list(s.response_ids[:t])
             (comps,) = gen([s.prompt_ids], [prefix], sampling)

@@ -85,7 +85,7 @@ from stapo.core.rollout.async_rollout import async_rollouts, check_supported
 from stapo.core.train.micro import Micro
 from stapo.core.train.off_policy import off_policy_step
 from stapo.core.train.reference import ReferencePolicy, minp_stats_batched
-from stapo.core.train.s2t_watch import RateWatch, describe_thresholds
+from stapo.core.train.s2t_watch import RateWatch, candidate_counts, cannot_act, describe_thresholds
 from stapo.core.trainer.distributed import DataParallel
 
 if TYPE_CHECKING:
@@ -642,15 +642,37 @@ def _kl_in_reward_hook(run: Any) -> LoopHook | None:
 
 class S2TWatch(LoopHook):
     """Feeds each step's global silenced count into :class:`stapo.core.train.s2t_watch.RateWatch`; rank 0
-    logs its warnings (every rank holds the same global counts, so every rank's state agrees)."""
+    logs its warnings (every rank holds the same global counts, so every rank's state agrees).
+
+    Before the first update that has correct responses it counts that batch's candidates under the
+    sampling policy (the old pass's log-probs when the step ran one, else one no-grad pass over the
+    batch, once per run) and warns when there are none (:func:`stapo.core.train.s2t_watch.cannot_act`);
+    that warning stands for the window's "silenced no token" one."""
 
     name: ClassVar[str] = "s2t_watch"
 
     def __init__(self, run: Any) -> None:
         s2t = run.cfg.algorithm.s2t
+        self.run, self.tau_p = run, s2t.tau_p
         self.watch = RateWatch(s2t.watch_steps, describe_thresholds(s2t))
         self.epochs = run.cfg.algorithm.ppo_epochs
         self.log = getattr(run, "log", print) if getattr(run, "rank", 0) == 0 else None
+        self.checked = False  # the first batch with correct responses was counted
+
+    def before_update(self, st: StepState) -> dict[str, float]:
+        if self.checked or getattr(self.run, "actor", None) is None:  # (hooks driven without a run's actor)
+            return {}
+        batch = st.batch
+        lp = st.old_lp if st.old_lp is not None else self.run.actor.old_stats(batch, st.counts)[0]  # [N, L]
+        counts = DataParallel(self.run.backend).sum(candidate_counts(lp, batch.advantages, batch.response_mask,
+                                                                     self.tau_p))
+        self.checked = counts[0] > 0  # no correct response yet: ask again at the next update
+        warning = cannot_act(counts, st.step, self.watch.thresholds)
+        if warning is not None:
+            self.watch.warned_zero = True  # one "silences nothing" warning per run
+            if self.log is not None:
+                self.log(warning)
+        return {}
 
     def after_update(self, st: StepState) -> dict[str, float]:
         m = st.metrics  # the update's metrics (the loop merged them before this phase)
@@ -661,9 +683,10 @@ class S2TWatch(LoopHook):
         return {}
 
     def summary(self) -> dict[str, Any]:
-        """The whole run's rate for summary.json; the note, once, when no window closed on it yet."""
+        """The whole run's rate for summary.json; its note, once, when no warning or note said it yet."""
         out = self.watch.summary()
-        if out["s2t_note"] and not self.watch.noted_high:
+        said = self.watch.warned_zero if out["s2t_silenced"] == 0 else self.watch.noted_high
+        if out["s2t_note"] and not said:
             self.watch.noted_high = True
             if self.log is not None:
                 self.log(f"note: {out['s2t_note']}")

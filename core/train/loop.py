@@ -171,8 +171,8 @@ def dump_tokens(run: Run, step: int, seqs: list[Sequence_], batch: Batch, rows: 
     and ``entropy`` the p and H its weighting compared with the thresholds (the same float64
     comparison, so a shown p >= tau_p is never a silenced token) and ``tau_h`` the threshold of the
     row's mini-batch (S2T's tau_h^(q), NaN when it had no candidate), ``minibatch`` that mini-batch's
-    index in PPO epoch 0 (rows sharing it shared the quantile); ``sum_q2`` and ``top`` come from :func:`dump_forward` (the sampled policy;
-    later mini-batches see the updated policy). Records from every rank are gathered; sequences holding
+    index in PPO epoch 0 (rows sharing it shared the quantile); ``sum_q2``, ``top``, ``dist_prob`` and ``dist_entropy`` come from :func:`dump_forward` (the sampled
+    policy; later mini-batches see the updated policy), so gradient norms pair terms of one distribution. Records from every rank are gathered; sequences holding
     silenced tokens come first, then ones with a learning signal (A != 0), up to the bound.
     """
     cfg = run.cfg
@@ -193,6 +193,9 @@ def dump_tokens(run: Run, step: int, seqs: list[Sequence_], batch: Batch, rows: 
             "prob": record.logprobs[0, i][resp].double().exp().tolist(),
             "entropy": record.entropy[0, i][resp].double().tolist(),
             "sum_q2": dist["sum_q2"][j][resp].tolist(),
+            # p and H of the forward that gave sum_q2: the gradient norm's terms from one distribution
+            "dist_prob": dist["logprobs"][j][resp].double().exp().tolist(),
+            "dist_entropy": dist["entropy"][j][resp].double().tolist(),
             "weight": w[0].tolist(),
             "cell": record.cells[0, i][resp].tolist(),
             "tau_h": float(record.tau_h[0, i]),

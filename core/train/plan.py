@@ -48,8 +48,19 @@ longest forward, h hidden size, n layers)::
                    (``trainer.sync_bucket_mb``, at least the largest parameter) and one layer of
                    vLLM's in-place reload (it reloads layer by layer), bf16.
     fleet          ``rollout.engine: vllm_server``: the servers generate, so a learner holds no KV
-                   cache and no vLLM; rank 0's push gathers ``rollout.server.bucket_mb`` (at least
-                   the largest parameter) beyond the model states (the "weight push" phase).
+                   cache and no vLLM; rank 0's push beyond the model states is the "weight push"
+                   phase. ``checkpoint``: one shard bucket, ``rollout.server.bucket_mb`` (at least the
+                   largest parameter). ``nccl``: vLLM's packed broadcast (packed_tensor.py in 0.32 and
+                   0.33) keeps ``NCCL_PACKED_BUFFERS`` (2) packed chunks on the GPU at once (one in
+                   flight, one being packed), each the buffer size the push passes
+                   (``bucket_mb``; vLLM's default is 1 GiB) plus at most one parameter (a chunk closes
+                   once it exceeds the buffer); under ZeRO-3 also the gathered parameters a chunk
+                   collects before copying them (one more chunk) and the rest of the gather they came
+                   from (``trainer.sync_bucket_mb``). Without ZeRO-3 the stream yields the resident
+                   parameters themselves (no gather, no copy). Wire dtype: the learner's weights (bf16
+                   under DeepSpeed, fp32 with the torch backend). An upper bound: two chunks in
+                   flight both closed by the largest parameter (on Qwen3-8B the embedding and
+                   lm_head close chunks that are not adjacent, so the true peak is lower).
     runtime        the CUDA context, 1 GiB, and, with several ranks, the learners' NCCL
                    communicators, ``NCCL_GIB`` (our allowances; not measured here).
     margin         ``FRAGMENTATION`` of the card: the caching allocator's rounding and split
@@ -73,6 +84,7 @@ from typing import TYPE_CHECKING, Any
 from stapo.core.algos import token_weighting_spec
 from stapo.core.config import apply_overrides, config_from_dict
 from stapo.core.rollout.vllm import sleep_release_flags
+from stapo.core.rollout.vllm_server import NCCL_PACKED_BUFFERS
 from stapo.core.trainer.deepspeed_backend import build_ds_config, engine_options
 from stapo.core.trainer.models import build_tiny_model, demo_cache_path
 
@@ -361,6 +373,7 @@ class Plan:
     fix: list[str] = field(default_factory=list)  # `--set` overrides that fit it ([] when it fits or none does)
     fix_peak_gib: float | None = None
     notes: list[str] = field(default_factory=list)
+    weight_push: str = ""  # rollout fleet: what rank 0's push holds
 
     def line(self) -> str:
         if self.fits:
@@ -400,7 +413,7 @@ class Plan:
                          f"sleep flags set: {freed}")
         elif self.engine == "vllm_server":
             lines.append(f"  rollout fleet: no KV cache on the learners; rank 0's weight push peak "
-                         f"{self.weight_sync_gib:.2f} GiB")
+                         f"{self.weight_sync_gib:.2f} GiB ({self.weight_push})")
         else:
             lines.append(f"  hf generation: KV cache {self.kv_cache_gib:.2f} GiB")
         lines.append("  phases: " + ", ".join(f"{k} {v:.1f}" for k, v in self.phases_gib.items()) +
@@ -459,6 +472,7 @@ def plan_memory(cfg: Config, world_size: int, card_gib: float, shape: ModelShape
     else:
         path, train = "keep_graphs", kept + mem["work"]  # then one backward's working set on top
     notes: list[str] = []
+    push_words = ""
     if r.engine == "vllm":
         vllm_total = int(r.vllm.gpu_memory_utilization * card)
         vllm_w = shape.params * 2 // tp
@@ -476,8 +490,9 @@ def plan_memory(cfg: Config, world_size: int, card_gib: float, shape: ModelShape
         phases = {"generate": base + vllm_total, "update": base + train + zero_buf + asleep, "weight sync": sync}
     elif r.engine == "vllm_server":
         vllm_total = vllm_w = kv = kv_tokens = 0
-        # the servers generate; rank 0 gathers the push's bucket (checkpoint shards, or nccl's packed buckets)
-        sync = base + max(r.server.bucket_mb * 2**20, shape.largest_param * 2)
+        # the servers generate; rank 0 holds the push's buffers (see the module docstring)
+        push, push_words = fleet_push(cfg, shape, cuda=cuda)
+        sync = base + push
         phases = {"update": base + train + zero_buf, "weight push": sync}
     else:
         vllm_total = vllm_w = 0
@@ -523,7 +538,24 @@ def plan_memory(cfg: Config, world_size: int, card_gib: float, shape: ModelShape
         card_gib=round(card_gib, 3),
         fits=peak + margin <= card and not notes,
         notes=notes,
+        weight_push=push_words,
     )
+
+
+def fleet_push(cfg: Config, shape: ModelShape, *, cuda: bool = True) -> tuple[int, str]:
+    """What learner rank 0 holds beyond the model states while it pushes weights to the fleet, and
+    what it is (bytes, words)."""
+    r, t = cfg.rollout.server, cfg.trainer
+    if r.weight_sync == "checkpoint":
+        return max(r.bucket_mb * 2**20, shape.largest_param * 2), f"checkpoint: one {r.bucket_mb} MiB shard bucket"
+    wire = 2 if t.backend == "deepspeed" or not cuda else 4  # bf16 under DeepSpeed; the torch backend's fp32
+    chunk = r.bucket_mb * 2**20 + shape.largest_param * wire  # a chunk closes past the buffer: + one parameter
+    held = NCCL_PACKED_BUFFERS * chunk
+    words = f"nccl: {NCCL_PACKED_BUFFERS} packed buffers of {r.bucket_mb} MiB + one parameter each"
+    if t.backend == "deepspeed" and t.zero_stage == 3:  # the chunk's gathered sources, the rest of their gather
+        held += chunk + int(t.sync_bucket_mb * 2**20)
+        words += f", its gathered sources and a {t.sync_bucket_mb:g} MiB sync bucket (ZeRO-3)"
+    return held, words
 
 
 def _installed_sleep_flags() -> list[str]:
@@ -535,12 +567,15 @@ def _installed_sleep_flags() -> list[str]:
 
 def _knobs(cfg: Config, plan: Plan, card_gib: float) -> list[str]:
     """``--set`` overrides to try, each on top of the ones before, cheapest in step time first (our
-    order): ZeRO-3 (partitioned states, more communication), a smaller vLLM share (a smaller KV cache:
+    order): ZeRO-3 (partitioned states, more communication), a smaller fleet push bucket (more, smaller
+    broadcasts or shards), a smaller vLLM share (a smaller KV cache:
     fewer sequences in flight), smaller micro-batches (more forwards), optimizer offload (CPU Adam)."""
     t, r = cfg.trainer, cfg.rollout
     out: list[str] = []
     if t.backend == "deepspeed" and t.zero_stage < 3:
         out.append("trainer.zero_stage=3")
+    if r.engine == "vllm_server" and plan.peak_phase == "weight push" and r.server.bucket_mb > 64:
+        out.append(f"rollout.server.bucket_mb={max(64, r.server.bucket_mb // 4)}")
     if r.engine == "vllm":
         spare = (card_gib - plan.model_states_gib - plan.reference_gib - plan.runtime_gib - plan.nccl_gib
                  - plan.fragmentation_gib)

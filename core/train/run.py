@@ -30,6 +30,7 @@ from typing import Any
 
 from stapo.core.batch import seed_everything
 from stapo.core.config import Config
+from stapo.core.lazy import quiet_known_noise
 from stapo.core.placement import Placement, rank_placement
 from stapo.core.rollout import build_rollout_engine
 from stapo.core.task.data import encode_prompt, load_prompts
@@ -40,7 +41,7 @@ from stapo.core.train.plan import plan_at_start, resolve_update_memory
 from stapo.core.train.update import Actor
 from stapo.core.trainer import build_trainer_backend, load_context, models
 
-__all__ = ["PARTS", "Run", "vllm_tp_size"]
+__all__ = ["PARTS", "Run", "describe_method", "vllm_tp_size"]
 
 #: What :meth:`Run.build` takes as keywords instead of making it (in the order it makes them).
 #: ``plan``: the memory plan of this launch (``stapo.core.train.plan.Plan``; None: none, as on a CPU),
@@ -52,6 +53,21 @@ PARTS = ("plan", "placement", "model", "tokenizer", "backend", "engine", "reward
 def vllm_tp_size(cfg: Config) -> int:
     """vLLM's tensor-parallel size (1 unless the colocated vllm engine is used)."""
     return cfg.rollout.vllm.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
+
+
+def describe_method(cfg: Config) -> str:
+    """The run's first line: the recipe it follows (``algorithm.name``) and its token weighting with the
+    weighting's options, e.g. ``method: stapo (token weighting s2t, tau_p 0.002, q 0.75)``. S2T's
+    ``silence`` shows when it is an ablation's (not the paper's ``lowest_entropy``); a weighting
+    registered outside stapo shows ``algorithm.weighting_options``."""
+    a = cfg.algorithm
+    section = getattr(a, a.token_weighting, None)  # s2t, top_entropy, stare; None: `none` or a plug-in
+    options = section.arguments() if section is not None else dict(a.weighting_options)
+    if a.token_weighting == "s2t" and options.get("silence") == "lowest_entropy":
+        options.pop("silence")
+    shown = [f"token weighting {a.token_weighting}", *(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                                                     for k, v in options.items())]
+    return f"method: {a.name} ({', '.join(shown)})"
 
 
 class Run:
@@ -96,6 +112,8 @@ class Run:
         if unknown:
             raise TypeError(f"Run.build() got unknown parts: {', '.join(unknown)}; parts are: {', '.join(PARTS)}")
         run = cls(cfg, run_dir, log)
+        log(describe_method(cfg))
+        quiet_known_noise(cfg.trainer.backend)  # as `stapo train` does: a Python-built run prints the same
         # the memory plan first: a config that cannot fit is refused before anything loads, and
         # update_memory: auto becomes the plan's path on every rank alike (WORLD_SIZE: the launch's)
         run.plan = _part(parts, "plan", lambda: plan_at_start(cfg, int(os.environ.get("WORLD_SIZE", "1")))[1])

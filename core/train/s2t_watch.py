@@ -14,7 +14,15 @@ response, or no token below tau_p). The rate is an outcome of the model, not a s
   next to none: it trains like its baseline);
 - far above: the run's rate so far exceeds :data:`FAR_ABOVE` times the paper's: one note.
 
-:meth:`RateWatch.summary` is the whole run's rate and the note, for summary.json.
+:meth:`RateWatch.summary` is the whole run's rate and the note, for summary.json: a run that
+silenced nothing at all gets a note too, so a run shorter than one window (3 tiny steps) still says
+it trained like its baseline.
+
+Before the first update the hook also asks whether the rule can act at all at this scale
+(:func:`candidate_counts`, :func:`cannot_act`): a weak-enough policy gives every token of a correct
+response a probability above tau_p (the tiny random model: p ~0.07 against the paper's 0.002), so
+there is no candidate and S2T and its ablations silence nothing. That is said at once, with the
+tau_p at which this batch would have candidates.
 """
 
 from __future__ import annotations
@@ -22,7 +30,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["FAR_ABOVE", "PAPER_RATE", "RateWatch", "describe_thresholds", "rate_note"]
+import torch
+
+from stapo.core.algos.weights import s2t_candidates
+
+__all__ = ["FAR_ABOVE", "PAPER_RATE", "TAU_P_STEPS", "RateWatch", "candidate_counts", "cannot_act",
+           "describe_thresholds", "rate_note"]
 
 PAPER_RATE = 1e-4
 """The paper's observed silenced share ("mostly < 0.01%" of tokens, Qwen3 1.7B / 8B / 14B base)."""
@@ -37,6 +50,39 @@ def rate_note(rate: float) -> str | None:
     return (f"S2T silenced {rate:.2e} of the response tokens, far above the paper's ~1e-4 (Qwen3 base models): "
             "your model samples many low-probability tokens. The rule is the paper's; the rate is this model's "
             "(`stapo calibrate` shows which tokens and their share of the gradient).")
+
+
+TAU_P_STEPS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+"""The tau_p values :func:`cannot_act` may suggest, smallest first. [ours: round values]"""
+ENOUGH_CANDIDATES = 0.01
+"""The suggested tau_p is the smallest of :data:`TAU_P_STEPS` that makes at least this share of the
+correct responses' tokens candidates. [ours: with q 75%, >= 0.75% of them silenced, which a short run
+on a small batch still sees]"""
+
+
+def candidate_counts(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                     tau_p: float) -> list[float]:
+    """``[tokens of correct responses (A > 0), candidates at tau_p, candidates at each of TAU_P_STEPS]``
+    of one batch (``logprobs``, ``advantages`` and ``mask`` [N, L]), counted as the mask counts them
+    (:func:`stapo.core.algos.weights.s2t_candidates`); a list of floats, so data-parallel ranks sum it."""
+    correct = mask.bool() & (advantages > 0)  # [N, L]
+    return [float(correct.sum()),
+            *(float(s2t_candidates(logprobs, advantages, mask, tau_p=t).sum()) for t in (tau_p, *TAU_P_STEPS))]
+
+
+def cannot_act(counts: list[float], step: int, thresholds: str) -> str | None:
+    """The warning when a batch's :func:`candidate_counts` leave S2T nothing to act on: correct
+    responses, but none of their tokens below tau_p. None when there are candidates, or no correct
+    response to judge by (the watch's windows judge those steps)."""
+    correct, found, *by_step = counts
+    if found > 0 or correct == 0:
+        return None
+    fits = [(t, n) for t, n in zip(TAU_P_STEPS, by_step, strict=True) if n >= ENOUGH_CANDIDATES * correct]
+    fix = (f"--set algorithm.s2t.tau_p={fits[0][0]:g} makes {fits[0][1] / correct:.0%} of them candidates on this "
+           "model" if fits else f"even tau_p {TAU_P_STEPS[-1]:g} leaves too few of them candidates on this model")
+    return (f"warning: S2T cannot act at this scale: at step {step} no token was a candidate (A > 0 and p < tau_p) "
+            f"among the {correct:,.0f} tokens of correct responses ({thresholds}), so nothing is silenced and the "
+            f"run trains like its baseline; {fix} (`stapo calibrate` measures the rule on your model and prompts).")
 
 
 @dataclass
@@ -55,6 +101,7 @@ class RateWatch:
     run_silenced: float = 0.0
     run_tokens: float = 0.0
     run_candidates: float = 0.0
+    run_steps: int = 0
     warned_zero: bool = False
     noted_high: bool = False
 
@@ -67,6 +114,7 @@ class RateWatch:
         self.run_silenced += silenced
         self.run_tokens += tokens
         self.run_candidates += candidates
+        self.run_steps += 1
         if tau_h == tau_h:  # not NaN (a step without candidates has no tau_h)
             self.tau_sum += tau_h
             self.tau_n += 1
@@ -89,11 +137,19 @@ class RateWatch:
         return out
 
     def summary(self) -> dict[str, Any]:
-        """The whole run's counts and rate (silenced / valid tokens x epochs) and the note, if any."""
+        """The whole run's counts and rate (silenced / valid tokens x epochs) and the note, if any: far
+        above the paper's rate, or nothing silenced in the whole run (however short)."""
         rate = self.run_silenced / self.run_tokens if self.run_tokens else float("nan")
+        note = rate_note(rate) if self.run_tokens else None
+        if self.run_tokens and self.run_silenced == 0:
+            why = ("no token was a candidate (A > 0 and p < tau_p)" if self.run_candidates == 0 else
+                   f"{self.run_candidates:,.0f} candidates, none silenced")
+            steps = f"{self.run_steps} step{'s' if self.run_steps != 1 else ''}"
+            note = (f"S2T silenced no token in this run's {steps} ({self.run_tokens:,.0f} response "
+                    f"tokens; {self.thresholds}): {why}, so the run trained like its baseline.")
         return {"s2t_silenced": self.run_silenced, "s2t_candidates": self.run_candidates,
                 "s2t_tokens": self.run_tokens, "s2t_silenced_rate": rate, "s2t_paper_rate": PAPER_RATE,
-                "s2t_note": rate_note(rate) if self.run_tokens else None}
+                "s2t_note": note}
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)

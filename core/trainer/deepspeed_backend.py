@@ -61,8 +61,9 @@ import copy
 import logging
 import math
 import os
+import shutil
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -71,6 +72,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stapo.core.lazy import no_progress_bars
 from stapo.core.trainer.attention import use_attention
 from stapo.core.trainer.base import (
     adamw_param_groups,
@@ -85,7 +87,8 @@ from stapo.core.trainer.base import (
     scaled_lr,
 )
 
-__all__ = ["DeepSpeedBackend", "build_ds_config", "engine_options", "init_distributed", "sync_buckets"]
+__all__ = ["DeepSpeedBackend", "build_ds_config", "cpu_adam_build_missing", "engine_options", "init_distributed",
+           "sync_buckets"]
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +192,25 @@ def engine_options(trainer_cfg: Any, *, cpu: bool) -> dict[str, bool]:
         "offload": bool(trainer_cfg.offload_optimizer),
         "own_clip": int(trainer_cfg.zero_stage) == 0 and cpu,
     }
+
+
+def cpu_adam_build_missing(environ: Mapping[str, str]) -> list[str]:
+    """The tools ``trainer.offload_optimizer`` needs and ``environ``'s PATH lacks ([]: none missing).
+
+    DeepSpeed's CPU Adam is a C++ op that its PyPI release does not ship compiled (built with
+    ``DS_BUILD_OPS=0``): at its first use DeepSpeed (0.19's ``OpBuilder.jit_load``) compiles it through
+    ``torch.utils.cpp_extension``, which runs ``ninja`` and the C++ compiler ``$CXX`` (default
+    ``c++``) found on PATH. A DeepSpeed installed with the op prebuilt (``DS_BUILD_CPU_ADAM=1``)
+    needs neither; that is read from DeepSpeed only when a tool is missing (importing it is slow).
+    """
+    path = environ.get("PATH", "")
+    missing = [tool for tool in (environ.get("CXX", "c++"), "ninja") if shutil.which(tool, path=path) is None]
+    if missing:
+        from deepspeed.git_version_info import installed_ops
+
+        if installed_ops.get("cpu_adam"):
+            return []
+    return missing
 
 
 def _import_deepspeed() -> Any:
@@ -585,7 +607,8 @@ class DeepSpeedBackend:
         sd = self.full_state_dict(rank0_only=True) if self.zero_stage == 3 else None
         if self.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(path, state_dict=sd, safe_serialization=True)
+            with no_progress_bars():
+                self.model.save_pretrained(path, state_dict=sd, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)
             make_readable(path)

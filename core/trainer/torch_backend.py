@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from stapo.core.lazy import no_progress_bars
 from stapo.core.placement import resolve_device
 from stapo.core.trainer.attention import use_attention
 from stapo.core.trainer.base import (
@@ -249,7 +250,8 @@ class TorchBackend:
         """Write the current policy (and tokenizer, when given) in ``save_pretrained`` format."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path, safe_serialization=True)
+        with no_progress_bars():
+            self.model.save_pretrained(path, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
         make_readable(path)

@@ -27,8 +27,8 @@ def test_two_ranks_train_asynchronously_through_two_servers(tmp_path: Path) -> N
     from safetensors.torch import load_file
 
     from stapo.configs import preset_path
-    from stapo.core.batch import derive_seed
     from stapo.core.config import load_config
+    from stapo.core.rollout.base import call_seed
     from stapo.core.trainer.models import load_policy
 
     model, tok = load_policy(load_config(preset_path("tiny")).model)
@@ -46,7 +46,7 @@ def test_two_ranks_train_asynchronously_through_two_servers(tmp_path: Path) -> N
         seeds = {r["seed"] for s in (s1, s2) for r in s.requests}
         for step in (1, 2):
             for rank in (0, 1):
-                assert derive_seed(0, step, 0, rank) in seeds, (step, rank)
+                assert call_seed(0, step, 0, rank) in seeds, (step, rank)
         final: dict[str, torch.Tensor] = {}
         for f in sorted((run_dir / "final").glob("*.safetensors")):
             final.update(load_file(str(f)))

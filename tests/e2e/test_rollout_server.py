@@ -465,7 +465,7 @@ def test_async_staleness_0_on_the_fleet_equals_the_synchronous_loop(tmp_path, ti
 def test_async_staleness_1_overlaps_generation_with_the_update(tmp_path, tiny_policy):
     """k = 1: step t+1's requests reach the servers before the weights of step t do (they were in
     flight during step t's update), the versions are the fixed schedule, VCPO reads the servers' log-probs."""
-    from stapo.core.batch import derive_seed
+    from stapo.core.rollout.base import call_seed
 
     model, tok = tiny_policy
     rows, _, (s1, s2) = _fleet_run(
@@ -476,7 +476,7 @@ def test_async_staleness_1_overlaps_generation_with_the_update(tmp_path, tiny_po
     for r in rows[1:]:  # stale rows: the ESS of the servers' log-probs against the proximal pass
         assert 0 < r["offpolicy/ess_ratio"] <= 1 and 0 < r["offpolicy/lr_scale"] <= 1
     assert s1.weight_version == s2.weight_version == "3"
-    seed2 = derive_seed(0, 2, 0, 0)
+    seed2 = call_seed(0, 2, 0, 0)
     checked = 0
     for ev in (s1.events, s2.events):
         if ("completion", seed2) in ev:

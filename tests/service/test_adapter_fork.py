@@ -190,3 +190,79 @@ def test_unguarded_start_reads_the_scripts_line_through_calls(tmp_path):
     inline = subprocess.run([sys.executable, "-c", script.read_text()], capture_output=True, text=True, timeout=60,
                             check=True).stdout
     assert inline.splitlines() == ["body None", "guarded None"]  # no script file: workers import nothing of it
+
+
+# A framework that grades on a worker thread: OpenRLHF calls ``reward_func`` through
+# ``asyncio.to_thread``; others grade from a ``ThreadPoolExecutor``. The script's first line counts
+# the runs of its body (one pid per line in runs.txt), in this process and in any grading worker.
+COUNT = "open('runs.txt', 'a').write(f'{__import__(\"os\").getpid()}\\n')\n"
+SCORE = ("compute_score(data_source='x', solution_str='so \\\\boxed{\\\\frac{3\\\\sqrt{2}}{4}}', "
+         "ground_truth='\\\\frac{\\\\sqrt{18}}{4}')")
+THREAD_CALLERS = {
+    "asyncio.to_thread": (
+        "import asyncio\n"
+        "from stapo.verifier_service.adapters import compute_score\n"
+        "async def grade():\n"
+        f"    return await asyncio.to_thread(lambda: {SCORE})\n"
+        "print(asyncio.run(grade()))\n"
+    ),
+    "ThreadPoolExecutor": (
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "from stapo.verifier_service.adapters import compute_score\n"
+        "with ThreadPoolExecutor(max_workers=2) as ex:\n"
+        f"    print([f.result() for f in [ex.submit(lambda: {SCORE}) for _ in range(2)]])\n"
+    ),
+}
+
+
+def _indented(body: str) -> str:
+    return "if __name__ == '__main__':\n" + "".join("    " + ln + "\n" for ln in body.splitlines())
+
+
+@pytest.mark.parametrize("caller", list(THREAD_CALLERS))
+def test_an_unguarded_script_grading_on_a_worker_thread_runs_its_body_once(tmp_path, caller):
+    """The caller's own stack holds no frame of the script's top level: the script waits on the main
+    thread at the line that started the threads. The pool reads that line and refuses it, naming it,
+    before any worker starts (the body ran once); the same script under the guard grades, once."""
+    from stapo.verifier_service.pool import UNGUARDED_MESSAGE
+
+    body = COUNT + THREAD_CALLERS[caller]
+    bad = _run_script(tmp_path, body)
+    runs = (tmp_path / "runs.txt").read_text().split()
+    assert len(runs) == 1, f"the script's body ran {len(runs)} times: {bad.stdout[-1000:]}{bad.stderr[-2000:]}"
+    assert bad.returncode != 0
+    waiting = len(body.splitlines())  # the script's last line: asyncio.run(...) / the executor's results
+    where = f"{tmp_path / 'reward_script.py'}:{waiting}"
+    assert UNGUARDED_MESSAGE.format(where=where) in bad.stderr, bad.stderr[-2000:]
+
+    (tmp_path / "runs.txt").unlink()
+    good = _run_script(tmp_path, _indented(body))
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert len((tmp_path / "runs.txt").read_text().split()) == 1
+    assert good.stdout.count("'score': 1.0") == (1 if caller == "asyncio.to_thread" else 2), good.stdout
+
+
+def test_unguarded_start_reads_the_main_threads_line_from_a_worker_thread(tmp_path):
+    """From a thread, the line is the main thread's: the join in the body, or None under the guard;
+    from a thread of a ``python -c`` program (no script file), None."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "t.py"
+    script.write_text(
+        "import threading\n"
+        "from stapo.verifier_service.pool import unguarded_start\n"
+        "def in_thread():\n"
+        "    out = []\n"
+        "    t = threading.Thread(target=lambda: out.append(unguarded_start()))\n"
+        "    t.start(); t.join()\n"
+        "    return out[0]\n"
+        "print('body', in_thread())\n"
+        "if __name__ == '__main__':\n"
+        "    print('guarded', in_thread())\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.splitlines() == [f"body {script}:8", "guarded None"]
+    inline = subprocess.run([sys.executable, "-c", script.read_text()], capture_output=True, text=True, timeout=60,
+                            check=True).stdout
+    assert inline.splitlines() == ["body None", "guarded None"]

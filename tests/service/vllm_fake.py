@@ -10,16 +10,25 @@ real one, opt-in). This stand-in is a real HTTP server (stdlib ``ThreadingHTTPSe
   request with ``seed + i`` as vLLM does; log-probs are ``log_softmax(logits / T)`` of the sampled
   tokens, as vLLM's ``processed_logprobs`` with ``top_p == 1`` (the only ``top_p`` it takes);
 - dev-mode ``POST /collective_rpc`` (``reload_weights`` with ``weights_path``: reads the safetensors
-  shards into the model, strict on names), ``POST /reset_prefix_cache``,
-  ``POST /update_weight_version``, ``GET /weight_info``; ``GET /health``.
+  shards into the model, strict on names), ``POST /reset_prefix_cache`` (``{"success": bool}``, as
+  vLLM 0.32 and 0.33 answer), ``POST /update_weight_version``, ``GET /weight_info``; ``GET /health``;
+- the RL routes of vLLM's nccl weight transfer as its ``HTTPVLLMWeightSyncClient`` calls them
+  (``GET /get_world_size``, ``POST /init_weight_transfer_engine``, ``/start_weight_update``,
+  ``/update_weights``, ``/finish_weight_update``). The bytes travel through :class:`FakeNCCLGroup`
+  (what the trainer's NCCL broadcast would deliver to the workers); ``/finish_weight_update`` loads
+  them into the model by the names, dtypes and shapes of the last ``/update_weights``, strict on names.
 
 Knobs for failure tests: ``fail_next`` (answer that many requests with 503), ``delay_s`` (sleep
-before each completion), ``refuse_reload`` (503 on ``/collective_rpc``).
+before each completion), ``refuse_reload`` (503 on ``/collective_rpc``), ``prefix_busy`` (answer
+that many ``/reset_prefix_cache`` calls with ``success: false``, as vLLM does while KV blocks are held).
+``events`` records the order: ``("completion", seed)``, ``("reload", path)``, ``("reset", ok)``,
+``("finish", names)``, ``("version", v)``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -41,6 +50,10 @@ class FakeVLLMServer:
         self.fail_next = 0
         self.delay_s = 0.0
         self.refuse_reload = False
+        self.prefix_busy = 0
+        self.transfer_init: dict[str, Any] | None = None  # the init_info of /init_weight_transfer_engine
+        self.update_info: dict[str, Any] = {}  # the last non-empty /update_weights
+        self.received: list[torch.Tensor] = []  # broadcast chunks since /start_weight_update
         self._lock = threading.Lock()  # one generate at a time (the model is shared)
         self._http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._http.daemon_threads = True
@@ -118,6 +131,26 @@ class FakeVLLMServer:
         self.reloads.append(path)
         self.events.append(("reload", path))
 
+    def finish_weight_update(self) -> list[str]:
+        """Load the broadcast bytes into the model as vLLM's receiving workers do (names, dtypes and
+        shapes from ``/update_weights``; packed or one tensor per broadcast, both are bytes in order)."""
+        info = self.update_info
+        data = torch.cat([c.reshape(-1).view(torch.uint8) for c in self.received]) if self.received else torch.empty(0, dtype=torch.uint8)
+        names = dict(self.model.named_parameters())
+        if missing := sorted(set(names) - set(info["names"])):
+            raise ValueError(f"missing {missing[:3]}")
+        offset = 0
+        with torch.no_grad(), self._lock:
+            for name, dtype_name, shape in zip(info["names"], info["dtype_names"], info["shapes"], strict=True):
+                dtype = getattr(torch, dtype_name)
+                size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+                names[name].copy_(data[offset:offset + size].view(dtype).view(shape))  # KeyError: unknown name
+                offset += size
+        if offset != data.numel():
+            raise ValueError(f"{data.numel() - offset} bytes broadcast beyond the declared parameters")
+        self.received = []
+        return list(info["names"])
+
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         srv = self
 
@@ -138,6 +171,8 @@ class FakeVLLMServer:
                     self._send(200, {})
                 elif self.path == "/weight_info":
                     self._send(200, {"weight_version": srv.weight_version})
+                elif self.path.startswith("/get_world_size"):
+                    self._send(200, {"world_size": 1})
                 else:
                     self._send(404, {"detail": "Not Found"})
 
@@ -163,12 +198,50 @@ class FakeVLLMServer:
                         self._send(500, {"error": str(err)})
                         return
                     self._send(200, {"results": [None]})
-                elif self.path == "/reset_prefix_cache":
-                    self._send(200, {})
+                elif self.path.startswith("/reset_prefix_cache"):
+                    ok = srv.prefix_busy <= 0
+                    srv.prefix_busy -= 1
+                    srv.events.append(("reset", ok))
+                    self._send(200, {"success": ok})
                 elif self.path == "/update_weight_version":
                     srv.weight_version = body["new_version"]
+                    srv.events.append(("version", srv.weight_version))
                     self._send(200, {"success": True, "new_version": srv.weight_version})
+                elif self.path == "/init_weight_transfer_engine":
+                    srv.transfer_init = body["init_info"]
+                    self._send(200, {"message": "Weight transfer initialized"})
+                elif self.path == "/start_weight_update":
+                    srv.received = []
+                    self._send(200, {"message": "Weight update started"})
+                elif self.path == "/update_weights":
+                    if body["update_info"].get("names"):  # empty: the previous round's metadata again
+                        srv.update_info = body["update_info"]
+                    self._send(200, {"message": "Weights updated"})
+                elif self.path == "/finish_weight_update":
+                    try:
+                        srv.events.append(("finish", srv.finish_weight_update()))
+                    except (KeyError, ValueError, RuntimeError) as err:
+                        self._send(500, {"error": f"{type(err).__name__}: {err}"})
+                        return
+                    self._send(200, {"message": "Weight update finished"})
                 else:
                     self._send(404, {"detail": "Not Found"})
 
         return Handler
+
+
+class FakeNCCLGroup:
+    """The trainer's end of vLLM's weight-transfer NCCL group, delivering to a :class:`FakeVLLMServer`:
+    ``broadcast(tensor, src=0)`` hands a copy of the bytes to the server's workers."""
+
+    def __init__(self, server: FakeVLLMServer) -> None:
+        self.server = server
+        self.broadcasts = 0
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None) -> None:
+        assert src == 0, "the trainer (rank 0) sends"
+        self.server.received.append(tensor.detach().to("cpu", copy=True).contiguous())
+        self.broadcasts += 1
+
+    def destroy(self) -> None:
+        pass

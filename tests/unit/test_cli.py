@@ -291,7 +291,8 @@ def test_a_name_that_is_not_what_runs_is_refused(monkeypatch, capsys, tmp_path, 
 def test_unknown_recipe(monkeypatch, capsys, tmp_path, stapo_main):
     code, _o, err = stapo_main("train", "--config", "tiny", "--recipe", "grp0",
                           "--run-dir", str(tmp_path / "r"))
-    assert code == 2 and _first(err).startswith("error: config 'grp0' is neither a file nor a preset; presets:")
+    assert code == 2 and _first(err).startswith("error: recipe 'grp0' is neither a file nor a preset; did you mean "
+                                                "grpo? presets:")
     assert not (tmp_path / "r").exists()
 
 

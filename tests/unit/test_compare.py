@@ -437,3 +437,176 @@ def test_two_runs_of_one_config_and_seed_are_not_grouped(tmp_path: Path) -> None
     c = write_seeded_run(tmp_path, "other-seed", 1, 0.5, *GRPO)
     rep = compare_runs([a, b, c], out_dir=tmp_path / "cmp")
     assert rep["seeded"] is None and [r["group"] for r in rep["runs"]] == ["first", "rerun", "other-seed"]
+
+
+# ----------------------------------------------------------------------------- the conclusion
+
+
+def _seeded(tmp_path: Path, grpo: tuple[float, ...], stapo: tuple[float, ...], names: tuple[str, str] = ("grpo", "stapo"),
+            ) -> list[Path]:
+    """Seeds 0, 1, 2 of GRPO and of STAPO ending at the given validation accuracies (run dirs NAME-sSEED)."""
+    g = [write_seeded_run(tmp_path, f"{names[0]}-s{s}", s, v, *GRPO) for s, v in enumerate(grpo)]
+    st = [write_seeded_run(tmp_path, f"{names[1]}-s{s}", s, v) for s, v in enumerate(stapo)]
+    return g + st
+
+
+def _cli80(args: list[str]) -> str:
+    from typer.testing import CliRunner
+
+    from stapo.cli.main import app
+
+    res = CliRunner().invoke(app, ["compare", *args], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def test_conclusion_states_an_interval_that_includes_zero(tmp_path: Path) -> None:
+    # Paired by seed: 46-40, 52-50, 50-45 = 6, 2, 5: mean 4.33, sd 2.0817, half 4.303 x 2.0817 / sqrt(3) = 5.17
+    runs = _seeded(tmp_path, (0.40, 0.50, 0.45), (0.46, 0.52, 0.50))
+    output = _cli80([*map(str, runs), "--out", str(tmp_path / "cmp")])
+    flat = re.sub(r"\s+", " ", output.split("conclusion:", 1)[1])
+    assert ("- stapo vs grpo, val_accuracy_after (%): stapo ahead by 4.3 points, 95% CI [-0.8, +9.5] includes 0 "
+            "over 3 paired seeds: no difference shown.") in flat
+    items = json.loads((tmp_path / "cmp" / "compare.json").read_text())["conclusion"]
+    (after,) = [it for it in items if it["metric"] == "val_accuracy_after (%)"]
+    assert after["excludes_zero"] is False and after["mean"] == pytest.approx(13 / 3)
+    # steps, the accuracy before training and the (hand-written) 10 s wall time agree in every pair:
+    # one line, not a "+0.0" verdict each
+    (same,) = [it for it in items if it["verdict"] == "identical"]
+    assert same["metric"] == ["steps (steps)", "val_accuracy_before (%)", "wall_s (s)", "final entropy/mean (nats)"]
+    html = (tmp_path / "cmp" / "report.html").read_text()
+    assert 'id="conclusion"' in html and "includes 0 over 3 paired seeds: no difference shown." in html
+
+
+def test_conclusion_states_an_interval_that_excludes_zero(tmp_path: Path) -> None:
+    # Differences 4, 5, 6: mean 5, sd 1, half 4.303 / sqrt(3) = 2.484 -> [+2.5, +7.5], above 0
+    runs = _seeded(tmp_path, (0.40, 0.50, 0.45), (0.44, 0.55, 0.51))
+    output = _cli80([*map(str, runs), "--out", str(tmp_path / "cmp")])
+    flat = re.sub(r"\s+", " ", output.split("conclusion:", 1)[1])
+    assert ("stapo vs grpo, val_accuracy_after (%): stapo ahead by 5.0 points, 95% CI [+2.5, +7.5] excludes 0 "
+            "over 3 paired seeds: stapo ahead.") in flat
+    documented = DOC.read_text().split("### The conclusion", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    assert re.sub(r"\s+", " ", documented).strip() in flat  # docs/evaluation.md shows this very line
+    # the other way round, STAPO as the baseline: GRPO behind by the same amount
+    rev = compare_runs(runs[3:] + runs[:3], out_dir=tmp_path / "rev")
+    (after,) = [it for it in rev["conclusion"] if it["metric"] == "val_accuracy_after (%)"]
+    assert after["text"].startswith("grpo vs stapo, val_accuracy_after (%): grpo behind by 5.0 points, 95% CI "
+                                    "[-7.5, -2.5] excludes 0")
+    assert after["verdict"] == "grpo behind" and after["excludes_zero"] is True
+
+
+def test_without_seeds_the_conclusion_says_there_is_none(tmp_path: Path) -> None:
+    a = write_demo_run(tmp_path, "grpo", *GRPO)
+    b = write_demo_run(tmp_path, "stapo")
+    (item,) = compare_runs([a, b], out_dir=tmp_path / "cmp")["conclusion"]
+    assert item["text"].startswith("one run per method, so no interval and no conclusion")
+
+
+def test_identical_groups_are_said_once_and_float_noise_is_identical(tmp_path: Path) -> None:
+    runs = _seeded(tmp_path, (0.40, 0.50, 0.45), (0.40, 0.50, 0.45))
+    rnd = [write_seeded_run(tmp_path, f"random-s{s}", s, v, "algorithm.name=stapo-random")
+           for s, v in enumerate((0.40, 0.50, 0.45))]
+    # One seed of STAPO differs from GRPO's only past float rounding (1e-8 relative): still identical.
+    m = runs[4] / "metrics.jsonl"
+    rows = [json.loads(x) for x in m.read_text().splitlines()]
+    rows[-1]["entropy/mean"] *= 1 + 1e-8
+    m.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    output = _cli80([*map(str, runs + rnd), "--out", str(tmp_path / "cmp")])
+    rep = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    notes = rep["config_check"]["notes"]
+    assert [n for n in notes if "identical" in n] == [
+        "grpo, stapo and stapo-random logged identical metrics at every step, run by run (3 runs each, paired by "
+        "seed; to 4 significant digits, timings aside): here the methods did not differ in effect."]
+    assert rep["seeded"]["identical_to_baseline"] == ["stapo", "stapo-random"]
+    assert rep["seeded"]["training"]["final entropy/mean"]["paired"]["stapo"]["identical"] is True
+    assert [it["text"].split(":")[0] for it in rep["conclusion"]] == ["stapo vs grpo", "stapo-random vs grpo"]
+    assert rep["conclusion"][0]["text"].startswith("stapo vs grpo: identical runs in all 3 pairs")
+    flat = re.sub(r"\s+", " ", output)
+    assert "stapo, stapo-random: identical to grpo run by run (timings aside), shown once as grpo." in flat
+    assert "0.0000000" not in output and "higher in 2/3" not in output
+
+
+def test_tables_fit_80_columns_with_long_names(tmp_path: Path) -> None:
+    long_g, long_s = "grpo-baseline-recipe-with-a-long-name", "stapo-recipe-with-a-much-longer-name-v2"
+    runs = _seeded(tmp_path, (0.40, 0.50, 0.45), (0.44, 0.55, 0.51), (long_g, long_s))
+    output = _cli80([*map(str, runs), "--out", str(tmp_path / "cmp"), *[x for g in [long_g] * 3 + [long_s] * 3
+                                                                        for x in ("--group", g)]])
+    lines = output.splitlines()
+    assert max(len(x) for x in lines) <= 80 and "…" not in output
+    assert f"groups: A = {long_g}, B = {long_s}" in re.sub(r"\s+", " ", output)  # keyed names, with a legend
+    assert re.search(r"^  B  50\.0 \[", output, re.M) and "Δ +5.0 [+2.5, +7.5], wins 3/3" in output
+    assert f"[1] {long_g}-s0" in re.sub(r"\s+", " ", output)  # run labels too long for a header: a legend
+    assert "part 2 of" in output  # six run columns do not fit beside the row labels: the table continues
+    flat = re.sub(r"\s+", " ", output.split("conclusion:", 1)[1])
+    assert f"{long_s} vs {long_g}, val_accuracy_after (%): {long_s} ahead by 5.0 points" in flat
+
+
+def test_wrap_name_and_fitted_tables() -> None:
+    from rich.console import Console
+
+    from stapo.evals.compare import fitted_tables, wrap_name
+
+    assert wrap_name("stapo-random-0", 7) == ["stapo-", "random-", "0"]
+    assert wrap_name("abcdefghij", 4) == ["abcd", "efgh", "ij"]
+    rows = [("final response_length/mean (tokens)", ["1.000"] * 12)]
+    console = Console(width=80, record=True)
+    for part in fitted_tables("t", [f"run-{i}" for i in range(12)], rows, 80):
+        console.print(part)
+    text = console.export_text()
+    assert max(len(x) for x in text.splitlines()) <= 80 and "…" not in text
+    assert "final response_length/mean" in text and "run-11" in text
+
+
+def test_non_negative_metrics_get_no_negative_interval_end(tmp_path: Path) -> None:
+    from stapo.evals.compare import band
+
+    runs = _seeded(tmp_path, (0.40, 0.50, 0.45), (0.44, 0.55, 0.51))
+    for run, wall in zip(runs, (1.0, 1.0, 30.0, 5.0, 6.0, 7.0), strict=True):
+        s = json.loads((run / "summary.json").read_text())
+        (run / "summary.json").write_text(json.dumps(s | {"wall_s": wall}))
+    rep = compare_runs(runs, out_dir=tmp_path / "cmp")
+    wall = rep["seeded"]["training"]["wall_s"]
+    # GRPO 1, 1, 30 s: mean 10.667, sd 16.743, half 4.303 x 16.743 / sqrt(3) = 41.596 -> [-30.9, 52.3] cut at 0
+    g = wall["groups"]["grpo"]
+    assert g["low"] == 0.0 and g["clipped"] is True and g["high"] == pytest.approx(10.667 + 41.596, abs=1e-2)
+    assert wall["groups"]["stapo"]["low"] == pytest.approx(6 - 4.303 / 3 ** 0.5, abs=1e-3)  # not cut: 3.52
+    # the paired difference of a non-negative metric keeps its sign: it can be negative
+    assert wall["paired"]["stapo"]["low"] < 0
+    # % values are also cut at 100; the curve band is cut the same way
+    steps, mean, low, high = band([([1], [0.5]), ([1], [99.5])], (0.0, 100.0))
+    assert (low, high) == ([0.0], [100.0]) and mean == [50.0]
+
+
+def test_small_validation_set_warns(tmp_path: Path) -> None:
+    from stapo.evals.compare import RunData, val_resolution
+
+    def res(n: int) -> dict | None:
+        return val_resolution([RunData("a", tmp_path, val=[{"step": 0, "accuracy": 0.5, "n": n}])])
+
+    assert res(4)["warning"].startswith("validation set of 4 prompts: validation accuracy moves in steps of 25 "
+                                        "points")
+    assert res(20)["step_points"] == 5.0 and res(20)["warning"] is not None  # 5-point steps: still too coarse
+    assert res(21)["warning"] is None and res(40)["step_points"] == 2.5
+    assert val_resolution([RunData("a", tmp_path)]) is None
+    runs = _seeded(tmp_path, (0.40, 0.50, 0.45), (0.44, 0.55, 0.51))
+    for run in runs:
+        (run / "val.jsonl").write_text(json.dumps({"step": 0, "accuracy": 0.25, "n": 4}) + "\n")
+    output = _cli80([*map(str, runs), "--out", str(tmp_path / "cmp")])
+    assert "warning: validation set of 4 prompts" in output.split("conclusion:", 1)[1]
+
+
+def test_curves_have_integer_step_ticks(tmp_path: Path, monkeypatch) -> None:
+    import matplotlib.figure
+
+    ticks: list[list[float]] = []
+    real = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, *a, **k):
+        for ax in fig.axes:
+            lo, hi = ax.get_xlim()
+            ticks.append([t for t in ax.get_xticks() if lo <= t <= hi])
+        return real(fig, *a, **k)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    compare_runs(_seeded(tmp_path, (0.40, 0.50, 0.45), (0.44, 0.55, 0.51)), out_dir=tmp_path / "cmp")
+    assert ticks and all(t and all(float(x).is_integer() for x in t) for t in ticks), ticks

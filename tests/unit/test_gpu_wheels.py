@@ -73,3 +73,22 @@ def test_every_part_skips_itself_when_the_budget_is_short(tmp_path):
         assert res["ok"] is None and res["skipped"].startswith("needs ~"), (name, res)
     assert "models" not in report  # a model is made only before a part that has the time to run
     assert sorted(f.name for f in out.iterdir()) == ["parts.log", "results.json"]
+
+
+def test_the_wheels_get_64_mib_less_the_working_tree(tmp_path):
+    """The device tool carries 64 MiB in all: the tracked files, untracked ones git does not ignore,
+    and the carried paths. A repository of a 1 MiB tracked file, a 2 MiB untracked one and a 5 MiB
+    ignored one (the wheel folder) leaves 61 MiB for the wheels."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / ".gitignore").write_text(".whl/\n")
+    (repo / "tracked.bin").write_bytes(b"\0" * 2**20)
+    subprocess.run(["git", "-C", str(repo), "add", "tracked.bin", ".gitignore"], check=True)
+    (repo / "notes.txt").write_bytes(b"x" * 2 * 2**20)
+    (repo / ".whl").mkdir()
+    (repo / ".whl" / "big.whl").write_bytes(b"\0" * 5 * 2**20)
+    assert gpu_wheels.wheel_limit_bytes(repo) == 64 * 2**20 - 3 * 2**20 - len(".whl/\n")
+    tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, check=True).stdout
+    size = sum((ROOT / f).lstat().st_size for f in tracked.decode().split("\0") if f and (ROOT / f).is_file())
+    assert gpu_wheels.wheel_limit_bytes() <= 64 * 2**20 - size  # this checkout: the tracked tree at least

@@ -216,3 +216,18 @@ def test_inspect_shows_the_config_changes_of_resumes_up_to_its_step(tmp_path: Pa
     assert "from step 5: trainer.lr 1e-06 -&gt; 0.5" in (tmp_path / "a" / "inspect.html").read_text()
     early = CliRunner().invoke(app, ["inspect", str(run), "--step", "3", "--out", str(tmp_path / "b")])
     assert early.exit_code == 0 and "config changed" not in early.output
+
+
+def test_gradient_norms_pair_sum_q2_with_p_and_h_of_its_own_forward(tmp_path: Path) -> None:
+    # The mask's p (0.3, the updated policy of a later mini-batch) differs from the sampled policy's
+    # (0.5, whose next-token distribution is [0.5, 0.5]: sum q^2 = 0.5, H = ln 2). The norm takes the
+    # sampled forward's p: |A| sqrt(1 - 2 * 0.5 + 0.5) = sqrt(0.5); with the mask's p it would be sqrt(0.9).
+    seq = {"prompt": "q", "gold": "1", "reward": 1.0, "advantage": 1.0, "tokens": ["1"], "token_ids": [0],
+           "prob": [0.3], "entropy": [0.2], "sum_q2": [0.5], "weight": [1.0],
+           "dist_prob": [0.5], "dist_entropy": [math.log(2)]}
+    table = token_table({"sequences": [seq]})
+    m, t = grad_norms(*table.norm_terms(), table.advantage, table.sum_q2)
+    assert m[0] == pytest.approx(math.sqrt(0.5)) and t[0] == pytest.approx(math.sqrt(0.5))
+    older = {k: v for k, v in seq.items() if not k.startswith("dist_")}  # a dump without them: the mask's
+    m_old, _ = grad_norms(*token_table({"sequences": [older]}).norm_terms(), np.array([1.0]), np.array([0.5]))
+    assert m_old[0] == pytest.approx(math.sqrt(0.9))

@@ -129,6 +129,33 @@ def test_a_job_wide_error_prints_once_per_node(monkeypatch, capsys, tmp_path) ->
     assert not (tmp_path / "run").exists()
 
 
+def _tools(folder, *names: str) -> str:
+    """A PATH of one folder holding executables with these names (stand-ins: only their presence is read)."""
+    folder.mkdir()
+    for name in names:
+        (folder / name).write_text("#!/bin/sh\nexit 0\n")
+        (folder / name).chmod(0o755)
+    return str(folder)
+
+
+def test_offload_optimizer_names_the_missing_compiler_and_ninja(monkeypatch, capsys, tmp_path) -> None:
+    """DeepSpeed's PyPI release compiles CPU Adam at first use: without ``c++`` ($CXX) and ``ninja`` on
+    PATH, `stapo train` says so in one line before anything loads (this venv's DeepSpeed has no prebuilt op)."""
+    cfg = tiny("trainer.backend=deepspeed", "trainer.zero_stage=1", "trainer.offload_optimizer=true")
+    check_launch(cfg, {"PATH": _tools(tmp_path / "both", "c++", "ninja")})
+    check_launch(cfg, {"PATH": _tools(tmp_path / "gxx", "g++", "ninja"), "CXX": "g++"})
+    check_launch(tiny("trainer.backend=deepspeed", "trainer.zero_stage=1"), {"PATH": ""})  # no offload: no build
+    with pytest.raises(JobError, match=r"^trainer\.offload_optimizer=true: DeepSpeed compiles its CPU Adam .* "
+                                       r"missing: c\+\+\. Install them"):
+        check_launch(cfg, {"PATH": _tools(tmp_path / "ninja", "ninja")})
+    args = ("train", "--config", "tiny", "--run-dir", str(tmp_path / "run"), "--set", "trainer.backend=deepspeed",
+            "--set", "trainer.zero_stage=1", "--set", "trainer.offload_optimizer=true")
+    code, err = _run_main(monkeypatch, capsys, {"PATH": _tools(tmp_path / "none")}, *args)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "missing: c++, ninja" in lines[0], err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_ranks_own_failure_names_rank_and_host(monkeypatch, capsys, tmp_path) -> None:
     """An error that is the rank's own (here: --resume of a run dir without config.yaml) carries
     ``rank R/W on HOST``; without a launcher the line has no prefix."""

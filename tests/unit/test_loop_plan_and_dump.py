@@ -222,5 +222,8 @@ def test_dump_theorem_data_is_the_sampled_policy_at_the_sampling_temperature(tmp
         torch.testing.assert_close(torch.tensor(s["prob"], dtype=torch.float64), p, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(torch.tensor(s["entropy"], dtype=torch.float64), h, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(torch.tensor(s["sum_q2"], dtype=torch.float64), q2, atol=1e-5, rtol=1e-4)
+        # the gradient norm's p and H: the same (pre-update) forward as sum_q2
+        torch.testing.assert_close(torch.tensor(s["dist_prob"], dtype=torch.float64), p, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(s["dist_entropy"], dtype=torch.float64), h, atol=1e-4, rtol=1e-4)
         got_top = torch.tensor([[pr for _, pr in tok] for tok in s["top"]], dtype=torch.float64)
         torch.testing.assert_close(got_top, top, atol=1e-5, rtol=1e-4)

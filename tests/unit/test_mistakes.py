@@ -43,7 +43,8 @@ def _eval_out_of_another_model(tmp_path: Path) -> Path:
 
 # (name, argv builder, fragment of the one error line); {tmp}, {run}, {out} are filled in per test
 MISTAKES = [
-    ("typo'd preset", ["train", "--config", "tinyy"], "config 'tinyy' is neither a file nor a preset; presets:"),
+    ("typo'd preset", ["train", "--config", "tinyy"],
+     "config 'tinyy' is neither a file nor a preset; did you mean tiny? presets:"),
     ("missing model", ["train", "--config", "tiny", "--set", "model.name_or_path=/no/such/model"],
      "model.name_or_path: /no/such/model does not exist; give a model folder"),
     ("unknown key", ["train", "--config", "tiny", "--set", "trainer.step=3"],
@@ -79,7 +80,21 @@ MISTAKES = [
                  marks=pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="deepspeed is here")),
     ("verifier on a busy port", ["verifier", "serve", "--port", "{port}", "--workers", "1"],
      "(another process listens there); pick another --port (STAPO_VERIFIER_PORT)"),
+    ("a misspelt recipe", ["train", "--config", "tiny", "--recipe", "stpo"],
+     "recipe 'stpo' is neither a file nor a preset; did you mean stapo"),
+    ("a malformed line in a data file", ["train", "--config", "tiny", "--set", "data.source={tmp}/bad.jsonl"],
+     "bad.jsonl:3: not valid JSON"),
+    ("a data file without the problem field", ["train", "--config", "tiny", "--set", "data.source={tmp}/q.jsonl"],
+     "data.problem_field: field 'problem' not found in {tmp}/q.jsonl row 0; fields present: answer, question; "
+     "--set data.problem_field=question names the one to read"),
 ]
+
+
+def _data_files(tmp_path: Path) -> None:
+    """A JSONL file whose third line is cut mid-object, and one that names its problem `question`."""
+    rows = [json.dumps({"problem": f"{i} + 1", "answer": str(i + 1)}) for i in range(3)]
+    (tmp_path / "bad.jsonl").write_text("\n".join([*rows[:2], rows[2][:-3], ""]))
+    (tmp_path / "q.jsonl").write_text(json.dumps({"question": "1 + 1", "answer": "2"}) + "\n")
 
 
 @pytest.mark.parametrize(("name", "argv", "fragment"), MISTAKES, ids=lambda v: v if isinstance(v, str) else None)
@@ -98,6 +113,7 @@ def test_a_mistake_is_one_line_naming_the_fix_before_anything_heavy(name, argv, 
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         fill = {"tmp": str(tmp_path), "port": str(busy.getsockname()[1])}
+        _data_files(tmp_path)
         if "{run}" in " ".join(argv):
             fill["run"] = str(_run_dir_with_checkpoint(tmp_path))
         if "{out}" in " ".join(argv):
@@ -107,7 +123,7 @@ def test_a_mistake_is_one_line_naming_the_fix_before_anything_heavy(name, argv, 
     lines = [line for line in err.strip().splitlines() if not line.startswith("  ")]  # a config error's indented causes
     assert code == 2, (name, err)
     assert len(lines) == 1 and lines[0].startswith("error: "), (name, err)
-    assert fragment in err, (name, err)
+    assert fragment.format(**fill) in " ".join(err.split()), (name, err)
     assert "unexpected" not in err + out
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
 
@@ -135,3 +151,78 @@ def test_a_missing_deepspeed_is_named_even_where_it_is_installed(monkeypatch):
     with pytest.raises(JobError, match=r"^trainer\.backend=deepspeed needs deepspeed, which is not installed: install "
                                        r"stapo\[train\] or --set trainer\.backend=torch$"):
         check_engine_and_device(cfg, {})
+
+
+def _hub_cache(root: Path, repo: str, files: tuple[str, ...]) -> Path:
+    """A Hugging Face cache holding ``files`` of ``repo`` at revision main (the layout the hub client writes)."""
+    folder = root / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text("abc123")
+    for name in files:
+        (folder / "snapshots" / "abc123").mkdir(parents=True, exist_ok=True)
+        (folder / "snapshots" / "abc123" / name).write_text("{}")
+    return root
+
+
+def test_a_hub_id_without_a_hub_fails_at_once_and_a_cached_one_is_not_probed(monkeypatch, tmp_path):
+    """Not cached: refused in one line when HF_HUB_OFFLINE is set or the hub does not answer (the
+    probe's answer is stood in: this machine has no network); cached: accepted without a probe."""
+    import time
+
+    from huggingface_hub import constants
+
+    import stapo.cli.common as common
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(_hub_cache(tmp_path, "acme/cached", ("config.json",))))
+    asked: list[str] = []
+    monkeypatch.setattr(common, "hub_answers", lambda endpoint, timeout_s=5.0: asked.append(endpoint) or "ConnectError")
+    cfg = load_config(preset_path("tiny"), ["model.name_or_path=acme/absent"])
+    t0 = time.perf_counter()
+    with pytest.raises(common.JobError) as err:
+        common.check_inputs(cfg)
+    assert time.perf_counter() - t0 < 2.0
+    assert str(err.value) == (
+        f"model.name_or_path: acme/absent is not a local folder and not in the Hugging Face cache ({tmp_path}), and "
+        f"the hub ({constants.ENDPOINT}) cannot be reached (ConnectError, 5 s limit); download it where the hub is "
+        "reachable (`hf download acme/absent`), give a model folder, or use tiny-random")
+    assert asked == [constants.ENDPOINT]
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(common.JobError, match=r"acme/absent is not a local folder .*, and HF_HUB_OFFLINE is set; "):
+        common.check_inputs(cfg)
+    assert len(asked) == 1  # offline: no probe
+    common.check_inputs(load_config(preset_path("tiny"), ["model.name_or_path=acme/cached"]))  # loads offline
+    with pytest.raises(common.JobError, match=r"^model\.tokenizer: acme/cached-tok is not a local folder"):
+        common.check_inputs(load_config(preset_path("tiny"), ["model.name_or_path=acme/cached",
+                                                              "model.tokenizer=acme/cached-tok"]))
+    assert len(asked) == 1
+
+
+def test_the_hub_probe_answers_for_a_server_and_names_a_dead_one(monkeypatch) -> None:
+    """:func:`stapo.cli.common.hub_answers` itself (the autouse stand-in replaces it elsewhere)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    import stapo.cli.common as common
+
+    monkeypatch.undo()  # the real probe, not tests/conftest.py's stand-in
+
+    class _Ok(BaseHTTPRequestHandler):
+        def do_HEAD(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), _Ok)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+    try:
+        assert common.hub_answers(f"http://127.0.0.1:{server.server_address[1]}", 5.0) is None
+    finally:
+        server.shutdown()
+        server.server_close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert common.hub_answers(f"http://127.0.0.1:{port}", 2.0) == "ConnectError"
+

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -279,6 +280,45 @@ def test_a_fleet_learner_plans_no_kv_cache_and_rank_0s_push(shapes):
                                 "rollout.server.bucket_mb=4096"), 4, 80.0, s)
     assert big.phases_gib["weight push"] == pytest.approx(base + 4.0, abs=2e-3)
     assert p.fits  # the documented one-node fleet (4 learners) fits an 80 GiB card
+
+
+NCCL_FLEET = ("rollout.engine=vllm_server", "rollout.server.urls=[http://h:1]", "rollout.server.weight_sync=nccl",
+              "rollout.server.nccl_master=h:29555")
+
+
+def test_an_nccl_fleet_push_charges_vllms_packed_buffers_to_rank_0(shapes):
+    """weight_sync=nccl: vLLM's packed broadcast holds 2 chunks at once (packed_tensor.py: one in flight,
+    one being packed), each the 512 MiB buffer the push passes (rollout.server.bucket_mb) plus at most
+    the parameter that closed it (8B's embedding, 151936 x 4096 bf16 = 1.16 GiB); under ZeRO-3 the
+    chunk's gathered sources too (one more chunk) and the rest of their sync bucket."""
+    s = shapes["Qwen/Qwen3-8B-Base"]
+    chunk = 512 * 2**20 + 151936 * 4096 * 2
+    p = plan.plan_run(cfg_for("Qwen/Qwen3-8B-Base", *NCCL_FLEET), 4, 80.0, s)  # ZeRO-3, sync_bucket_mb 0
+    base = p.model_states_gib + p.runtime_gib + p.nccl_gib
+    assert p.phases_gib["weight push"] == pytest.approx(base + 3 * chunk / GIB, abs=2e-3)  # 4.98 GiB
+    bucket = plan.plan_run(cfg_for("Qwen/Qwen3-8B-Base", *NCCL_FLEET, "trainer.sync_bucket_mb=256"), 4, 80.0, s)
+    assert bucket.phases_gib["weight push"] == pytest.approx(base + (3 * chunk + 256 * 2**20) / GIB, abs=2e-3)
+    z2 = plan.plan_run(cfg_for("Qwen/Qwen3-8B-Base", *NCCL_FLEET, "trainer.zero_stage=2"), 4, 80.0, s)
+    z2_base = z2.model_states_gib + z2.runtime_gib + z2.nccl_gib
+    assert z2.phases_gib["weight push"] == pytest.approx(z2_base + 2 * chunk / GIB, abs=2e-3)  # no gather, no copy
+    torch1 = plan.plan_run(cfg_for("Qwen/Qwen3-1.7B-Base", *NCCL_FLEET, "trainer.backend=torch"), 1, 80.0,
+                           shapes["Qwen/Qwen3-1.7B-Base"])
+    t_base = torch1.model_states_gib + torch1.runtime_gib + torch1.nccl_gib
+    assert torch1.phases_gib["weight push"] == pytest.approx(  # fp32 weights on the wire
+        t_base + 2 * (512 * 2**20 + 151936 * 2048 * 4) / GIB, abs=2e-3)
+    assert "weight push peak" in "\n".join(p.report()) and "nccl: 2 packed buffers of 512 MiB" in p.weight_push
+
+
+def test_plan_shows_the_nccl_push_and_names_a_smaller_bucket_when_it_does_not_fit(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = ["train", "--config", str(STAPO), *[a for k in NCCL_FLEET for a in ("--set", k)], "--plan", "--world-size", "4"]
+    res = CliRunner().invoke(app, [*args, "--card-gib", "80"])
+    assert res.exit_code == 0, res.output
+    assert re.search(r"rank 0's weight push peak [\d.]+ GiB \(nccl: 2 packed buffers of 512 MiB \+ one parameter "
+                     r"each, its gathered sources and a 0 MiB sync bucket \(ZeRO-3\)\)", res.stdout), res.stdout
+    # on a 56 GiB card (2.8 GiB margin) the update (53.1 GiB) fits and a 4096 MiB push (54.1) does not
+    tight = plan.plan_run(cfg_for("Qwen/Qwen3-8B-Base", *NCCL_FLEET, "rollout.server.bucket_mb=4096"), 4, 56.0)
+    assert tight.peak_phase == "weight push" and not tight.fits and tight.fix == ["rollout.server.bucket_mb=1024"]
 
 
 def test_kept_graphs_that_do_not_fit_take_the_bounded_path(shapes):

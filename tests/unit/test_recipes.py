@@ -13,9 +13,10 @@ from stapo.cli.recipes import LAYER_KEYS, LAYER_RECIPES, layer_drift, owned_by, 
 from stapo.configs import preset_names, preset_path
 from stapo.core.config import load_config
 
-RECIPES = ["stapo", "stapo-base", "stapo-random", "stapo-high-entropy", "justrl-fullmask", "dapo", "grpo",
+RECIPES = ["stapo", "stapo-base", "stapo-random", "stapo-high-entropy", "stapo-complement", "justrl-fullmask", "dapo", "grpo",
            "20-entropy", "justrl", "stare", "lp-reg", "gspo", "entropy-bonus"]
-ABLATIONS = {"stapo-random": "random", "stapo-high-entropy": "highest_entropy", "justrl-fullmask": "all"}
+ABLATIONS = {"stapo-random": "random", "stapo-high-entropy": "highest_entropy", "stapo-complement": "complement",
+             "justrl-fullmask": "all"}
 
 
 def cfg(name: str):

@@ -21,7 +21,7 @@ from stapo.core.algos import (
     token_counts,
 )
 from stapo.core.config import ConfigError, load_config
-from stapo.core.train.s2t_watch import RateWatch
+from stapo.core.train.s2t_watch import TAU_P_STEPS, RateWatch, candidate_counts, cannot_act
 from stapo.core.train.update import needs_old_pass, weighting_params
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,6 +76,36 @@ def test_the_ablations_pick_among_the_same_candidates():
     assert _silenced(again) == _silenced(S2T(ctx, tau_p=0.01, q=0.75, silence="random"))  # reproducible
     with pytest.raises(ValueError, match="needs TokenContext.seed"):
         S2T(_ctx(*zip(*TOKENS, strict=True)), tau_p=0.01, q=0.75, silence="random")
+
+
+def test_complement_silences_what_the_rule_keeps_on_a_2x6_batch():
+    """[2, 6] by hand, tau_p 0.01, q 0.75. Row 0 is a correct response (A = 1), row 1 a wrong one (A = -1).
+    Row 0's candidates (p < 0.01): columns 0, 1, 2, 4, 5 with H .4, .1, .4, .2, .3 (column 3 has p .5);
+    sorted .1 .2 .3 .4 .4, position .75 x 4 = 3 -> tau_h^(q) = .4 exactly. The rule silences H < .4:
+    columns 1, 4, 5; the complement silences H >= .4: columns 0 and 2 (the tie at .4 is the complement's).
+    Row 1 has p < 0.01 everywhere but A < 0: no candidate, never silenced."""
+    lp = torch.tensor([[0.001, 0.002, 0.005, 0.5, 0.003, 0.004],
+                       [0.001, 0.001, 0.001, 0.001, 0.001, 0.001]], dtype=torch.float64).log()  # [2, 6]
+    ent = torch.tensor([[0.4, 0.1, 0.4, 0.05, 0.2, 0.3], [0.01] * 6], dtype=torch.float64)  # [2, 6]
+    ctx = TokenContext(lp, ent, torch.tensor([1.0, -1.0]), torch.ones(2, 6, dtype=torch.bool))
+    rule = S2T(ctx, tau_p=0.01, q=0.75)
+    comp = S2T(ctx, tau_p=0.01, q=0.75, silence="complement")
+    assert rule.info["tau_h"] == pytest.approx(0.4) == comp.info["tau_h"]
+    assert rule.weights.tolist() == [[1, 0, 1, 1, 0, 0], [1] * 6]
+    assert comp.weights.tolist() == [[0, 1, 0, 1, 1, 1], [1] * 6]
+    assert comp.denom_mask.sum() == 10 and comp.info["silenced_count"] == 2  # out of the denominator too
+    cand = (rule.weights == 0) | (comp.weights == 0)  # the two partition row 0's five candidates
+    assert cand.sum() == 5 and not ((rule.weights == 0) & (comp.weights == 0)).any()
+
+
+@pytest.mark.parametrize(("n", "silenced"), [(1, 0), (2, 1), (3, 2), (4, 3), (5, 3), (8, 6)])
+def test_few_distinct_candidates_silence_the_values_below_the_quantile_position(n, silenced):
+    """q 0.75 over n distinct entropies: tau_h^(q) sits at position 0.75 (n - 1); the strict H < tau_h
+    silences the values below it: 1, 2, 3, 3 for n = 2..5 (at n = 5 the position 3 lands on a value,
+    which stays), 6 of 8 (position 5.25). docs/algorithms.md states these counts."""
+    h = [0.1 * (i + 1) for i in range(n)]
+    tw = S2T(_ctx([0.001] * n, h, [1.0] * n), tau_p=0.01, q=0.75)
+    assert int((tw.weights == 0).sum()) == silenced
 
 
 def test_ties_and_no_candidate():
@@ -197,6 +227,59 @@ def test_watch_warns_on_a_silent_window_and_notes_a_rate_far_above_the_papers():
     again = RateWatch(steps=1, thresholds="t")
     again.load_state_dict(high.state_dict())
     assert again.add(400, 100_000, 500, 1.0) == [] and again.summary()["s2t_silenced"] == 1205  # resumed
+
+
+def test_a_run_shorter_than_a_window_that_silenced_nothing_gets_the_note():
+    short = RateWatch(steps=20, thresholds="tau_p=0.002, q=0.75")
+    for _ in range(3):
+        assert short.add(0, 64, 0, float("nan")) == []  # 3 steps: no window closes
+    assert short.summary()["s2t_note"] == (
+        "S2T silenced no token in this run's 3 steps (192 response tokens; tau_p=0.002, q=0.75): no token was a "
+        "candidate (A > 0 and p < tau_p), so the run trained like its baseline.")
+    ties = RateWatch(steps=20, thresholds="t")
+    ties.add(0, 64, 4, 1.0)
+    assert "4 candidates, none silenced" in ties.summary()["s2t_note"]
+    fired = RateWatch(steps=20, thresholds="t")
+    fired.add(0, 1_000_000, 4, 1.0)
+    fired.add(1, 1_000_000, 4, 1.0)  # one token in 2e6: near the paper's rate, no note
+    assert fired.summary()["s2t_note"] is None
+
+
+def test_candidate_counts_and_the_warning_when_s2t_cannot_act():
+    """Two correct responses (A > 0) and one wrong, 3 tokens each, the last row's last token padding;
+    p by hand: the correct tokens' p are 0.3, 0.07, 0.015 | 0.25, 0.06, 0.6 (none on a boundary)."""
+    p = torch.tensor([[0.3, 0.07, 0.015], [0.25, 0.06, 0.6], [0.001, 0.001, 0.001]])
+    mask = torch.tensor([[True, True, True], [True, True, True], [True, True, False]])
+    adv = torch.tensor([[1.0] * 3, [0.5] * 3, [-1.0] * 3])
+    counts = candidate_counts(p.log(), adv, mask, tau_p=0.002)
+    # correct tokens 6; at 0.002: 0; then TAU_P_STEPS 0.005 0.01 0.02 0.05 0.1 0.2 0.5 -> 0 0 1 1 3 3 5
+    assert TAU_P_STEPS == (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+    assert counts == [6, 0, 0, 0, 1, 1, 3, 3, 5]
+    msg = cannot_act(counts, 1, "tau_p=0.002, q=0.75")
+    assert msg == (
+        "warning: S2T cannot act at this scale: at step 1 no token was a candidate (A > 0 and p < tau_p) among the 6 "
+        "tokens of correct responses (tau_p=0.002, q=0.75), so nothing is silenced and the run trains like its "
+        "baseline; --set algorithm.s2t.tau_p=0.02 makes 17% of them candidates on this model (`stapo calibrate` "
+        "measures the rule on your model and prompts).")
+    assert cannot_act(candidate_counts(p.log(), adv, mask, tau_p=0.1), 1, "t") is None  # 3 candidates: it acts
+    assert cannot_act(candidate_counts(p.log(), -adv.abs(), mask, tau_p=0.002), 1, "t") is None  # nothing correct
+    high = torch.full((1, 200), 0.9)  # 200 correct tokens, all p 0.9: no step of the grid reaches them
+    assert "even tau_p 0.5 leaves too few of them" in cannot_act(
+        candidate_counts(high.log(), torch.ones(1, 200), torch.ones(1, 200, dtype=torch.bool), tau_p=0.002), 2, "t")
+
+
+def test_the_start_up_line_names_the_method():
+    from stapo.configs import preset_path
+    from stapo.core.train.run import describe_method
+
+    def line(name: str, *sets: str) -> str:
+        return describe_method(load_config(preset_path(name), list(sets)))
+
+    assert line("stapo") == "method: stapo (token weighting s2t, tau_p 0.002, q 0.75)"
+    assert line("stapo-random") == "method: stapo-random (token weighting s2t, tau_p 0.002, q 0.75, silence random)"
+    assert line("tiny") == "method: stapo (token weighting s2t, tau_p 0.1, q 0.75)"
+    assert line("grpo") == "method: grpo (token weighting none)"
+    assert line("20-entropy") == "method: 20-entropy (token weighting top_entropy, rho 0.2, denominator kept)"
 
 
 # ----------------------------------------------------------------------------- provenance tags

@@ -1,53 +1,31 @@
 """The ``nccl`` push's ``WeightSource`` against vLLM's contract (stapo.core.rollout.vllm_server).
 
 vLLM cannot be imported in stapo's test environment (its pins clash; docs/rollout.md), so its base
-classes are restated here as each version checks a subclass, and our class is built on them the way
-the push builds it on the installed one (:func:`weight_source_class`):
+classes are restated as each released version declares them (read from the released wheels'
+``vllm/distributed/weight_transfer/base.py``; 0.33's in tests/service/vllm_weight_transfer.py), and our
+class is built on them the way the push builds it on the installed one (:func:`weight_source_class`):
 
-- vLLM 0.33's ``weight_transfer/base.py``: ``metadata`` must be a ``functools.cached_property`` and
-  the stream comes from ``iter_full()``; a subclass that does otherwise is a ``TypeError`` when the
-  class is defined. (The copies of vLLM's sources this project could read stop at the 0.32-era file,
-  so this restates 0.33's contract as described, not from its code.) The stand-in below raises the same way,
-  and a 0.32-style subclass (a ``metadata()`` method) fails it: the check bites.
-- vLLM 0.32's: ``metadata()`` and ``__iter__`` are abstract methods.
+- vLLM 0.33: ``metadata`` is an abstract plain ``property``; ``__init_subclass__`` reads the
+  subclass's own ``__dict__`` and raises ``TypeError`` when it defines ``metadata`` as anything but a
+  ``functools.cached_property``; ``iter_full()`` and ``implements_iter_full()`` are new, and
+  ``owned_names(rank)`` reads ``self.metadata`` as an attribute. A 0.32-style subclass (a
+  ``metadata()`` method) fails it at class definition: the check bites.
+- vLLM 0.32: ``metadata()`` and ``__iter__`` are abstract methods.
 
-What the trainer engines then read: the metadata list (full shapes, no gather) and one pass of the
-learner's stream per push, fresh each time.
+tests/e2e/test_vllm_weight_source_slow.py (opt-in) builds the same class on 0.33's real module and
+drives it through 0.33's real nccl trainer engine.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from stapo.core.rollout.vllm_server import weight_source_class
-
-
-@dataclass(frozen=True)
-class ParamMeta:  # vLLM's (name, wire dtype, full shape)
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-class Source033:
-    """vLLM 0.33's contract: ``metadata`` a cached property, ``iter_full()``; checked at class definition."""
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if not isinstance(inspect.getattr_static(cls, "metadata", None), functools.cached_property):
-            raise TypeError(f"{cls.__name__} must define `metadata` as a functools.cached_property")
-        if not callable(getattr(cls, "iter_full", None)):
-            raise TypeError(f"{cls.__name__} must define iter_full()")
-
-    @functools.cached_property
-    def metadata(self) -> list[ParamMeta]:
-        raise NotImplementedError
+from tests.service.vllm_weight_transfer import ParamMeta
+from tests.service.vllm_weight_transfer import WeightSource as Source033
 
 
 class Source032(ABC):
@@ -69,7 +47,9 @@ def _stream(scale: float):
 
 def test_our_source_meets_033s_contract():
     source = weight_source_class(Source033)(META)
-    assert source.metadata == META and source.metadata is source.metadata  # a cached property, not a method
+    assert source.implements_iter_full()
+    assert source.metadata == META and source.metadata is source.metadata  # an attribute, computed once
+    assert source.owned_names(0) == source.owned_names(3) == [m.name for m in META]
     for push in (1.0, 2.0):  # every push streams that push's tensors, once
         source.stream = _stream(push)
         got = list(source.iter_full())
@@ -78,8 +58,8 @@ def test_our_source_meets_033s_contract():
 
 
 def test_033s_check_refuses_a_032_style_source():
-    """The stand-in's check is the one 0.33 makes: the 0.32-style class (a metadata method) fails it."""
-    with pytest.raises(TypeError, match="must define `metadata` as a functools.cached_property"):
+    """The stand-in's check is the one 0.33 makes: a metadata method fails it when the class is defined."""
+    with pytest.raises(TypeError, match="metadata must be a functools.cached_property"):
         class Old(Source033):
             def metadata(self):
                 return META
