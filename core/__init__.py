@@ -31,10 +31,11 @@ MOVED = {
     "stapo.core.rundir": "stapo.core.train.rundir",
     "stapo.core.s2t_watch": "stapo.core.train.s2t_watch",
     "stapo.core.update": "stapo.core.train.update",
+    "stapo.core.algos.vcpo": "stapo.core.train.off_policy",
 }
-"""Module paths of stapo 0.1's flat ``core/`` and where the layer layout put each (docs/architecture.md,
-"Where did it move"). For one release an old path still imports, with a DeprecationWarning naming the
-new one; stapo 0.2 drops them."""
+"""Module paths of stapo 0.1's flat ``core/`` (and of VCPO's update code, once in ``algos``) and where
+the layer layout put each (docs/architecture.md, "Where did it move"). For one release an old path
+still imports, with a DeprecationWarning naming the new one; stapo 0.2 drops them."""
 
 
 class OldPaths:

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from stapo.core.algos.metrics import grad_norms  # (public here too: stapo.evals.inspect.grad_norms)
 from stapo.core.train.rundir import describe_config_changes
 from stapo.evals.report import esc, fmt_num, html_page, html_table, img_tag, section
 
@@ -160,20 +161,6 @@ def token_table(dump: dict[str, Any]) -> TokenTable:
         np.asarray(cell, dtype=np.int64),
         np.asarray(dprob, dtype=f) if paired else None, np.asarray(dent, dtype=f) if paired else None,
     )
-
-
-def grad_norms(prob: np.ndarray, entropy: np.ndarray, advantage: np.ndarray, sum_q2: np.ndarray,
-               ratio: float | np.ndarray = 1.0) -> tuple[np.ndarray, np.ndarray]:
-    """(measured, theorem) per-token gradient norms w.r.t. the logits, shape [N] each.
-
-    measured = |A w| sqrt(1 - 2p + sum_q q^2)   (exact for the loss -w A log-prob of the sampled token)
-    theorem  = |A w| sqrt(1 - 2p + e^{-H})       (Theorem 3.1's form)
-    The radicands are clamped at 0 against float round-off (p ~ 1 gives 1 - 2p + p^2 ~ 0).
-    """
-    scale = np.abs(advantage * ratio)  # [N]
-    measured = scale * np.sqrt(np.clip(1.0 - 2.0 * prob + sum_q2, 0.0, None))
-    theorem = scale * np.sqrt(np.clip(1.0 - 2.0 * prob + np.exp(-entropy), 0.0, None))
-    return measured, theorem
 
 
 def resolve_tau_h(dump: dict[str, Any], table: TokenTable) -> tuple[float, str]:

@@ -12,6 +12,7 @@ exactly the ``phase/lowp_lowh_pos`` cell when the weighting is ``s2t`` with the 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .weights import TokenContext, TokenWeights, below_thresholds, quantile
@@ -95,3 +96,18 @@ def token_metrics(
         out = fractions_from_counts(token_counts(ctx, weights, tau_p=tau_p, tau_h=th))
         out["entropy/p05"] = p05
         return out
+
+
+def grad_norms(prob: np.ndarray, entropy: np.ndarray, advantage: np.ndarray, sum_q2: np.ndarray,
+               ratio: float | np.ndarray = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """(measured, theorem) per-token gradient norms w.r.t. the logits, shape [N] each (``stapo
+    calibrate``'s taxonomy, ``stapo inspect``'s Theorem 3.1 check).
+
+    measured = |A w| sqrt(1 - 2p + sum_q q^2)   (exact for the loss -w A log-prob of the sampled token)
+    theorem  = |A w| sqrt(1 - 2p + e^{-H})       (Theorem 3.1's form)
+    The radicands are clamped at 0 against float round-off (p ~ 1 gives 1 - 2p + p^2 ~ 0).
+    """
+    scale = np.abs(advantage * ratio)  # [N]
+    measured = scale * np.sqrt(np.clip(1.0 - 2.0 * prob + sum_q2, 0.0, None))
+    theorem = scale * np.sqrt(np.clip(1.0 - 2.0 * prob + np.exp(-entropy), 0.0, None))
+    return measured, theorem

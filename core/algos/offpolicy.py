@@ -59,6 +59,7 @@ __all__ = [
     "behaviour_weights",
     "effective_sample_size",
     "ess_lr_scale",
+    "grouped_min_variance_advantages",
     "min_variance_advantages",
     "min_variance_baseline",
     "ratio_stats",
@@ -162,6 +163,25 @@ def min_variance_advantages(rewards: Tensor, is_weights: Tensor, grad_sq_norms: 
         std = rewards.double().std(dim=1, unbiased=False, keepdim=True)  # [P, 1]
         adv = torch.where(std > 1e-8, adv / std.clamp_min(1e-8).to(adv.dtype), adv)
     return adv
+
+
+def grouped_min_variance_advantages(rewards: Tensor, groups: list[int], seq_weights: Tensor, grad_sq_norms: Tensor,
+                                    *, scale_by_std: bool) -> Tensor:
+    """VCPO's advantages of one mini-batch's rows [b] (float64), each group on its own: with
+    W_i = w_i^2 ||g_i||^2, b = sum W R / sum W and A_i = (R_i - b) / population std of the group's
+    rewards (:func:`min_variance_advantages`). ``rewards``, ``groups``,
+    ``seq_weights`` (w_i, unclipped) and ``grad_sq_norms`` (||g_i||^2) are [b], one per row; a group's
+    rows need not be adjacent. Nothing is written into its inputs."""
+    by_group: dict[int, list[int]] = {}
+    for j, g in enumerate(groups):
+        by_group.setdefault(g, []).append(j)
+    out = torch.zeros(len(groups), dtype=torch.float64)  # [b]
+    w = seq_weights.double()  # [b]
+    for idx in by_group.values():
+        r = rewards[idx].double().unsqueeze(0)  # [1, G]
+        out[idx] = min_variance_advantages(r, w[idx].unsqueeze(0), grad_sq_norms[idx].unsqueeze(0),
+                                           scale_by_std=scale_by_std)[0]
+    return out
 
 
 def behaviour_weights(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, *,

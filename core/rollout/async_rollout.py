@@ -51,12 +51,14 @@ import torch
 import torch.distributed as dist
 
 from stapo.core.rollout.process import FaultInjection, ProcessRolloutEngine, ProducerDied
-from stapo.core.rollout.rollouts import RolloutInputs, record_groups, rollout_and_grade
+from stapo.core.rollout.rollouts import RolloutInputs, RolloutRun, record_groups, rollout_and_grade
 from stapo.core.task.rewards import RewardFunction
 from stapo.core.task.sampler import prompts_per_round
+from stapo.core.trainer.base import TrainerBackend
 
 __all__ = [
     "AsyncRollouts",
+    "AsyncRun",
     "FaultInjection",
     "ProducerDied",
     "VersionedEngine",
@@ -230,7 +232,15 @@ class AsyncRollouts:
             self.engine.close()
 
 
-def async_rollouts(run: Any, start: int) -> AsyncRollouts:
+class AsyncRun(RolloutRun, Protocol):
+    """What asynchronous rollouts read of a run: a :class:`RolloutRun` and the learner's backend (its
+    weights are published to the producer process at every version)."""
+
+    @property
+    def backend(self) -> TrainerBackend: ...
+
+
+def async_rollouts(run: AsyncRun, start: int) -> AsyncRollouts:
     """The run's asynchronous rollouts from version ``start``: through the rollout servers
     (``vllm_server``, the loop's engine; the loop pushes the weights), or through a producer process
     of this rank (``hf``; published here at every version)."""

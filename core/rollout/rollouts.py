@@ -3,8 +3,9 @@ group advantages; DAPO's dynamic sampling (more rounds until enough groups have 
 
 The one implementation of "sample and grade a step": the synchronous loop (``stapo.core.train.loop``) and
 asynchronous rollouts (``stapo.core.rollout.async_rollout``) call :func:`rollout_and_grade`. What it reads
-is :class:`RolloutInputs`: the loop passes its run (which has every field), asynchronous rollouts an
-explicit :class:`RolloutInputs` with the engine at a version and a reward function of their own.
+is a :class:`RolloutRun`: the loop passes its run (``stapo.core.train.run.Run``, which has every
+field), asynchronous rollouts a :class:`RolloutInputs` with the engine at a version and a reward
+function of their own.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -23,11 +24,41 @@ from stapo.core.config import Config
 from stapo.core.rollout import SamplingParams
 from stapo.core.rollout.base import call_seed
 from stapo.core.task.rewards import rule_shares
-from stapo.core.task.sampler import prompts_per_round, refill_until_full
+from stapo.core.task.sampler import PromptSampler, prompts_per_round, refill_until_full
 from stapo.core.trainer.distributed import balanced_quota
 
-__all__ = ["RolloutInputs", "dynamic_sampling_refill", "mixed_groups", "record_groups", "rollout_and_grade", "rollout_metrics",
+__all__ = ["RolloutInputs", "RolloutRun", "dynamic_sampling_refill", "mixed_groups", "record_groups", "rollout_and_grade", "rollout_metrics",
            "shape_and_advantage", "trim_kept"]
+
+
+class RolloutRun(Protocol):
+    """What the rollout layer reads of a run, and only reads: the config, an engine, a reward
+    function, the prompt sampler and prompts, the prompt encoder, and which share of the step's
+    prompts is this rank's. The train layer's ``Run`` and :class:`RolloutInputs` both are one, so the
+    rollout layer knows the run without importing the layer above it."""
+
+    @property
+    def cfg(self) -> Config: ...
+
+    @property
+    def engine(self) -> Any: ...  # generate(prompt_ids, SamplingParams) -> [prompt][sample] Completion
+
+    @property
+    def rewards(self) -> Any: ...  # (texts, golds) -> graded rewards (stapo.core.task.rewards.RewardFunction)
+
+    @property
+    def sampler(self) -> PromptSampler: ...
+
+    @property
+    def train_prompts(self) -> Sequence[Any]: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def encode(self, rec: Any) -> list[int]: ...  # a prompt record's token ids
 
 
 @dataclass(frozen=True)
@@ -45,18 +76,18 @@ class RolloutInputs:
     world_size: int = 1
 
     @classmethod
-    def of(cls, run: Any, **changes: Any) -> RolloutInputs:
+    def of(cls, run: RolloutRun, **changes: Any) -> RolloutInputs:
         """The fields of the loop's ``run``, with ``changes`` (e.g. another ``engine``)."""
         fields = {k: getattr(run, k) for k in ("cfg", "engine", "rewards", "sampler", "train_prompts", "encode")}
         fields.update(rank=int(getattr(run, "rank", 0)), world_size=int(getattr(run, "world_size", 1)))
         return cls(**{**fields, **changes})
 
 
-def rollout_and_grade(run: RolloutInputs | Any, step: int, round_: int, *,
+def rollout_and_grade(run: RolloutRun, step: int, round_: int, *,
                       record: bool = True) -> tuple[list[Sequence_], dict[str, float]]:
-    """Sample G responses for this step's prompts and grade them (``run``: a :class:`RolloutInputs`
-    or the loop's run). ``record``: the prompt sampler learns from the groups (asynchronous rollouts
-    record when the learner takes the batch, not when it is generated)."""
+    """Sample G responses for this step's prompts and grade them (``run``: a :class:`RolloutRun`, the
+    loop's run or a :class:`RolloutInputs`). ``record``: the prompt sampler learns from the groups
+    (asynchronous rollouts record when the learner takes the batch, not when it is generated)."""
     cfg = run.cfg
     idx = run.sampler.select(step, round_, prompts_per_round(cfg))  # uniform: prompts_for_step
     recs = [run.train_prompts[i] for i in idx[run.rank :: run.world_size]]  # this rank's share
@@ -119,7 +150,7 @@ def rollout_and_grade(run: RolloutInputs | Any, step: int, round_: int, *,
     return seqs, times
 
 
-def record_groups(run: Any, idx: Sequence[int], seqs: list[Sequence_]) -> None:
+def record_groups(run: RolloutRun, idx: Sequence[int], seqs: list[Sequence_]) -> None:
     """Tell the prompt sampler each valid group's accuracy and whether its rewards were all equal."""
     groups = group_sequences(seqs)
     ok = [(i, g) for i, g in zip(idx, (groups.get(k, []) for k in range(len(idx))), strict=True)
@@ -209,7 +240,7 @@ def rollout_metrics(dp: Any, all_seqs: Sequence[Sequence_], metrics: dict[str, f
     }
 
 
-def dynamic_sampling_refill(run: Any, step: int, kept: list[Any], all_seqs: list[Any], metrics: dict[str, float],
+def dynamic_sampling_refill(run: RolloutRun, step: int, kept: list[Any], all_seqs: list[Any], metrics: dict[str, float],
                             dp: Any) -> list[Any]:
     """The loop's dynamic-sampling step: filter round 0 (``kept``), refill, trim to the step's batch.
 

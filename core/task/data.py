@@ -36,6 +36,7 @@ Usage::
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import itertools
 import json
 import os
@@ -49,7 +50,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import stapo.evals
 from stapo import __version__
 from stapo.core.config import ArithmeticData, DataConfig
 
@@ -382,10 +382,17 @@ def shipped_data_dir() -> Path:
     """The folder of the data shipped inside stapo (package data of ``stapo.evals.data``).
 
     The benchmarks and DAPO-Math-17k ship with the project (as the field's eval harnesses ship their
-    benchmark files), so a clone or a wheel needs nothing beside it; the folder is found from the
-    installed ``stapo.evals`` package, so it works from any working directory, editable or not.
+    benchmark files), so a clone or a wheel needs nothing beside it. The folder is where the
+    installed ``stapo.evals`` package lives, so it works from any working directory, editable or
+    not; it is located by the import system's spec (``importlib.util.find_spec``), which runs none
+    of that package's code: ``stapo.core`` depends on the shipped files, not on the evals layer
+    above it (tests/unit/test_import_layers.py). ``stapo.evals.benchmarks`` reads its data through here.
     """
-    return Path(stapo.evals.__file__).resolve().parent / "data"
+    spec = importlib.util.find_spec("stapo.evals")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the stapo.evals package is not installed: its data folder ships the named sources; "
+                        f"set {DATA_DIR_ENV} or data.data_dir to a folder with the same files")
+    return Path(next(iter(spec.submodule_search_locations))).resolve() / "data"
 
 
 def resolve_data_path(path: str | os.PathLike[str] | None) -> Path:

@@ -29,7 +29,7 @@ both on the run's own parts:
      low/high (p < tau_p) x entropy low/high (H below the q-th quantile of that mini-batch's A > 0
      tokens' own entropies), with counts and the mean per-token gradient norm w.r.t. the logits,
      exact: ||grad||^2 = |w|^2 (1 - 2p + sum pi^2), w = A at ratio 1
-     (:func:`stapo.evals.inspect.grad_norms`), also relative to the A > 0 tokens' mean;
+     (:func:`stapo.core.algos.metrics.grad_norms`), also relative to the A > 0 tokens' mean;
    - the silenced set's gradient beside two random controls taken as exact expectations
      (:func:`expected_subset_sum`, no draw): as many tokens drawn from the same mini-batch's
      candidates, and as many drawn from all its A > 0 tokens (Theorem 3.1's contrast).
@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from stapo.core.algos import TokenContext, below_thresholds, get_token_weighting, quantile, s2t_candidates
+from stapo.core.algos.metrics import grad_norms
 from stapo.core.batch import Sequence_, collate, derive_seed, seed_everything
 from stapo.core.config import Config
 from stapo.core.placement import resolve_device
@@ -68,7 +69,6 @@ from stapo.core.train.update import Actor
 from stapo.core.trainer import build_trainer_backend
 from stapo.core.trainer.distributed import minibatch_rows
 from stapo.core.trainer.models import load_policy
-from stapo.evals.inspect import grad_norms
 
 __all__ = [
     "DEFAULT_Q",
@@ -234,7 +234,7 @@ def expected_counts(*, silenced: int, tokens: int, responses: int, silenced_per_
 
 def token_grad_norms(mb: MiniBatchStats) -> torch.Tensor:
     """[n] float64: each token's gradient norm w.r.t. its logits for the baseline objective at ratio 1
-    (w = A), exact: |A| sqrt(1 - 2p + sum pi^2) (:func:`stapo.evals.inspect.grad_norms`), p and
+    (w = A), exact: |A| sqrt(1 - 2p + sum pi^2) (:func:`stapo.core.algos.metrics.grad_norms`), p and
     sum pi^2 of the same forward."""
     prob = mb.logprobs.double().exp().numpy()
     measured, _ = grad_norms(prob, mb.entropy.double().numpy(), mb.advantages.double().numpy(),

@@ -80,10 +80,10 @@ from stapo.core.algos.regularizers import (
     lp_reg_token_term,
 )
 from stapo.core.algos.stare import StareSchedule
-from stapo.core.algos.vcpo import off_policy_step
 from stapo.core.config import Config
 from stapo.core.rollout.async_rollout import async_rollouts, check_supported
 from stapo.core.train.micro import Micro
+from stapo.core.train.off_policy import off_policy_step
 from stapo.core.train.reference import ReferencePolicy, minp_stats_batched
 from stapo.core.train.s2t_watch import RateWatch, candidate_counts, cannot_act, describe_thresholds
 from stapo.core.trainer.distributed import DataParallel
@@ -116,7 +116,7 @@ class StepState:
     old_lp: torch.Tensor | None = None  # [N, L] sampling policy's log-probs (None: no old pass ran)
     old_ent: torch.Tensor | None = None  # [N, L] its entropies
     contributions: list[Contribution] = field(default_factory=list)  # rows added to optimizer steps (DEEP-GRPO)
-    off_policy: Any = None  # algos.vcpo.OffPolicyStep: stale rows' corrections for the update
+    off_policy: Any = None  # train.off_policy.OffPolicyStep: stale rows' corrections for the update
     ref_lp: torch.Tensor | None = None  # [N, L] the step's KL target (kl_reference's before_update)
 
 
@@ -537,7 +537,7 @@ class AsyncHook(LoopHook):
     sampled and graded while the learner updates (``sample``: ``stapo.core.rollout.async_rollout``, through
     the rollout servers or a producer process); stale rows, or VCPO's baseline, need the proximal
     policy's log-probs (``needs_old_stats``) and get their off-policy corrections (``before_update``:
-    ``stapo.core.algos.vcpo``); each step's weights become the next version (``after_sync``). The
+    ``stapo.core.train.off_policy``); each step's weights become the next version (``after_sync``). The
     rollouts start at the first ``sample`` (after a resume's checkpoint and the first validation),
     from the weights of that moment."""
 

@@ -282,23 +282,25 @@ def _quiet_probe(record: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class Micro:
-    """The update's micro-batches on one rank for one mini-batch, at their worst (every row full length)."""
+class MicroBatchEstimate:
+    """The update's micro-batches on one rank for one mini-batch, at their worst (every row full
+    length): an estimate from the config, not the forwards themselves (those are
+    :class:`stapo.core.train.micro.Micro`)."""
 
     tokens: int  # tokens of the longest forward (padding included)
     count: int  # forwards per mini-batch on this rank
 
 
-def micro_batches(cfg: Config, world_size: int) -> Micro:
+def estimate_micro_batches(cfg: Config, world_size: int) -> MicroBatchEstimate:
     """Worst case of :func:`stapo.core.train.micro.micro_batches`: every row prompt + response long."""
     r, t = cfg.rollout, cfg.trainer
     seq = cfg.data.max_prompt_tokens + r.max_new_tokens
     rows = max(1, math.ceil(r.prompts_per_step * r.n / cfg.algorithm.mini_batches / world_size))
     if t.micro_batch_tokens is None:
         per = min(t.micro_batch_size, rows)
-        return Micro(per * seq, math.ceil(rows / per))
+        return MicroBatchEstimate(per * seq, math.ceil(rows / per))
     per = max(1, t.micro_batch_tokens // seq)  # rows per packed forward (a longer row alone)
-    return Micro(max(min(per, rows) * seq, min(t.micro_batch_tokens, seq)), math.ceil(rows / per))
+    return MicroBatchEstimate(max(min(per, rows) * seq, min(t.micro_batch_tokens, seq)), math.ceil(rows / per))
 
 
 def layer_activations(shape: ModelShape, tokens: int, nbytes: int) -> int:
@@ -310,7 +312,7 @@ def layer_activations(shape: ModelShape, tokens: int, nbytes: int) -> int:
     return tokens * width * nbytes
 
 
-def update_memory(cfg: Config, shape: ModelShape, micro: Micro, nbytes: int) -> dict[str, int]:
+def update_memory(cfg: Config, shape: ModelShape, micro: MicroBatchEstimate, nbytes: int) -> dict[str, int]:
     """Bytes of one training forward + backward (``activations``) and of one micro-batch's kept
     graph (``graph``: what stays alive from its forward until its backward)."""
     T, ckpt = micro.tokens, cfg.model.gradient_checkpointing
@@ -442,7 +444,7 @@ def plan_memory(cfg: Config, world_size: int, card_gib: float, shape: ModelShape
     if a.kl_coef > 0 and not a.kl.offload:
         ref_b = 4 if a.kl.dtype == "float32" or (a.kl.dtype == "same" and not cuda) else 2
         ref = shape.params * ref_b // (world_size if t.backend == "deepspeed" and t.zero_stage == 3 else 1)
-    micro = micro_batches(cfg, world_size)
+    micro = estimate_micro_batches(cfg, world_size)
     mem = update_memory(cfg, shape, micro, nbytes)
     reads = token_weighting_spec(a.token_weighting).reads_stats or a.lp_reg.enabled
     kept = micro.count * mem["graph"]  # every micro-batch's graph alive until the mini-batch's weights are known

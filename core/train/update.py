@@ -47,6 +47,7 @@ path, and every aggregation's global normalizer stays exact under any packing an
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -70,6 +71,7 @@ from stapo.core.batch import Batch, derive_seed, mean_or_nan
 from stapo.core.config import Config
 from stapo.core.train.extras import Hooks
 from stapo.core.train.micro import Micro, MicroSpec, micro_batches, micro_spec, row_slices
+from stapo.core.train.off_policy import MinVarianceBaseline, OffPolicyStep, with_row_advantages
 from stapo.core.trainer.distributed import DataParallel, check_minibatches, group_minibatches, minibatch_rows
 
 if TYPE_CHECKING:
@@ -187,10 +189,12 @@ class UpdateInputs:
     with one zero-weight padding row when it has more rows than ``counts[rank]``); None: one process,
     every row real. ``record``: where the update stores its token weightings per row for the token
     dump. ``contributions``: terms that add rows to optimizer steps (:class:`Contribution`: DEEP-GRPO's
-    local loss). ``off_policy`` (``stapo.core.algos.vcpo.OffPolicyStep``), for stale asynchronous
+    local loss). ``off_policy`` (``stapo.core.train.off_policy.OffPolicyStep``), for stale asynchronous
     rows: the loss sees each token's weight times its behaviour weight sg[pi_prox / mu] (AReaL's
     decoupled objective, with ``old_lp`` the proximal policy), the diagnostics the weighting's own
-    output, and every optimizer step runs at VCPO's ESS-scaled LR.
+    output, every optimizer step runs at VCPO's ESS-scaled LR (``backend.step(lr_scale=...)``), and
+    with VCPO's baseline each mini-batch's advantages are the baseline's at the weights it starts
+    from (the batch's own stay as they are).
     """
 
     batch: Batch
@@ -200,7 +204,7 @@ class UpdateInputs:
     counts: Sequence[int] | None = None
     record: UpdateRecord | None = None
     contributions: Sequence[Contribution] = ()
-    off_policy: Any = None
+    off_policy: OffPolicyStep | None = None
 
 
 class Actor:
@@ -310,9 +314,12 @@ class Actor:
             for mb_index, micros in enumerate(plan):
                 mb_rows = torch.cat([m.rows for m in micros]).to(dev)  # [n_mb] batch rows, real ones first
                 n_real = sum(int(m.rows.numel()) for m in micros if not m.padding)
+                adv = batch.advantages[mb_rows]  # [n_mb, L]
                 if baseline is not None:  # VCPO: this mini-batch's advantages at the current weights
-                    baseline.advantages(backend, batch, mb_rows[:n_real].tolist(), old_lp, parts)
-                mb = MiniBatch(parts, parts.params, batch.advantages[mb_rows], batch.response_mask[mb_rows],
+                    adv = with_row_advantages(adv, batch.response_mask[mb_rows],
+                                              self.baseline_advantages(baseline, batch, mb_rows[:n_real].tolist(),
+                                                                       old_lp, parts))
+                mb = MiniBatch(parts, parts.params, adv, batch.response_mask[mb_rows],
                                old_lp[mb_rows] if old_lp is not None else None, gather, reduce, a.entropy_coef,
                                seed=derive_seed(cfg.trainer.seed, step, epoch, mb_index, 0x52), rank=dp.rank)
                 ctx, tw = self._minibatch(micros, mb, mode, sums,
@@ -327,12 +334,44 @@ class Actor:
                     record.put(epoch, mb_index, mb_rows[:n_real], ctx, tw, tau_mb, a.s2t.tau_p)
                 for c in inputs.contributions:  # e.g. DEEP-GRPO: lambda * local branch loss joins this step
                     self.contribute(c, len(step_out), parts)
-                step_out.append(off_policy.step(backend) if off_policy is not None else backend.step())
+                step_out.append(backend.step(lr_scale=off_policy.take_lr_scale() if off_policy is not None else 1.0))
         # Global, like every logged metric: each rank's loss is its share of the global objective (the
         # normalizer is all-reduced), so the ranks' losses and clip counts add up (one gather, every rank).
         keys = ("loss", "clip_low", "clip_high", "tokens", "ratio_sum")
         sums = dict(zip(keys, dp.sum([sums[k] for k in keys]), strict=True))
         return update_metrics(diag, taus, float("nan") if p05 is None else p05, sums, step_out, a.ppo_epochs)
+
+    def row_grad_sq_norms(self, batch: Batch, rows: Sequence[int], old_lp: torch.Tensor, weights: torch.Tensor,
+                          parts: UpdateParts) -> torch.Tensor:
+        """||g_i||^2 of each of ``rows`` at the CURRENT weights -> [len(rows)] float64, g_i the gradient
+        of weights[i] * sum_t l_t(A = 1): the configured per-token policy loss at advantage 1 (ratio to
+        ``old_lp`` [N, L]) summed over row i's response tokens (VCPO's baseline reads it:
+        ``stapo.core.train.off_policy.MinVarianceBaseline``). One forward per row (a micro-batch of one
+        row from :func:`stapo.core.train.micro.micro_batches`: one gradient per row), each taken with
+        ``torch.autograd.grad``, so the gradients the update accumulates are untouched. A pass only
+        this rank makes (no lockstep)."""
+        params = [p for p in self.backend.model.parameters() if p.requires_grad]
+        out = torch.zeros(len(rows), dtype=torch.float64)  # [b]
+        (micros,) = micro_batches(batch, [torch.tensor(list(rows), dtype=torch.long)], MicroSpec(rows=1))
+        for j, m in enumerate(micros):
+            lp, _ = self.backend.token_stats(m.input_ids, m.attention_mask, m.response_mask, grad=True,
+                                             temperature=parts.temperature, position_ids=m.position_ids)
+            lp = m.to_rows(lp)  # [1, L]
+            mask = batch.response_mask[m.rows]  # [1, L]
+            ones = torch.ones_like(lp)  # [1, L] advantage 1
+            per_tok, _ = parts.loss_fn(lp, old_lp[m.rows].to(lp.dtype), ones, mask, **parts.loss_kw)  # [1, L]
+            loss = float(weights[j]) * torch.where(mask, per_tok, torch.zeros_like(per_tok)).sum()
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            out[j] = sum(float(g.double().square().sum()) for g in grads if g is not None)
+        return out
+
+    def baseline_advantages(self, baseline: MinVarianceBaseline, batch: Batch, rows: list[int],
+                            old_lp: torch.Tensor, parts: UpdateParts) -> torch.Tensor:
+        """VCPO's advantages [len(rows)] of one mini-batch's real ``rows`` at the current weights: the
+        baseline's function of the rows' gradient norms (:meth:`row_grad_sq_norms`)."""
+        t0 = time.time()
+        g2 = self.row_grad_sq_norms(batch, rows, old_lp, baseline.grad_weights(rows), parts)  # [b]
+        return baseline.advantages(rows, g2, seconds=time.time() - t0)
 
     def contribute(self, c: Contribution, update: int, parts: UpdateParts | None = None) -> None:
         """Add a contribution's rows for optimizer step ``update`` to the accumulated gradient through

@@ -56,6 +56,7 @@ __all__ = [
     "apply_optimizer_settings",
     "RolloutStepLR",
     "begin_rollout_step",
+    "scaled_lr",
     "planned_optimizer_steps",
     "adamw_param_groups",
     "position_ids_from_mask",
@@ -131,8 +132,11 @@ class TrainerBackend(Protocol):
         """Accumulate gradients of ``loss`` (already divided by the global normalizer); no step."""
         ...
 
-    def step(self) -> dict[str, float]:
-        """Clip, optimizer step, scheduler step, zero grads -> {"grad_norm", "lr", "skipped"}."""
+    def step(self, *, lr_scale: float = 1.0) -> dict[str, float]:
+        """Clip, optimizer step, scheduler step, zero grads -> {"grad_norm", "lr", "skipped"}.
+
+        ``lr_scale``: this one step runs at every group's LR times it (VCPO's ESS-scaled LR), and
+        the schedule's LR is back for the next (:func:`scaled_lr`); ``lr`` reports the LR used."""
         ...
 
     def zero_grad(self) -> None: ...
@@ -272,6 +276,29 @@ def apply_optimizer_settings(
             group["weight_decay"] = float(trainer_cfg.weight_decay)
         group["initial_lr"] = base
         group["lr"] = base * lam(scheduler.last_epoch)
+
+
+@contextlib.contextmanager
+def scaled_lr(optimizer: Any, scale: float) -> Iterator[None]:
+    """Every param group's LR times ``scale`` inside the block (one optimizer step), the schedule's
+    own afterwards: a group whose LR the block left at the scaled value (a skipped step, which does
+    not move the schedule) gets its LR back; one the LR schedule set on an applied step keeps that,
+    since the schedule computes it from its base LRs. ``scale`` 1: nothing is touched.
+    ``optimizer``: anything with ``param_groups`` (torch's, DeepSpeed's engine optimizer)."""
+    if scale == 1.0:
+        yield
+        return
+    groups = optimizer.param_groups
+    saved = [g["lr"] for g in groups]
+    scaled = [lr * scale for lr in saved]
+    for g, lr in zip(groups, scaled, strict=True):
+        g["lr"] = lr
+    try:
+        yield
+    finally:
+        for g, lr0, lr1 in zip(groups, saved, scaled, strict=True):
+            if g["lr"] == lr1:
+                g["lr"] = lr0
 
 
 def begin_rollout_step(backend: Any, step: int) -> None:

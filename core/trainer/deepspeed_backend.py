@@ -84,6 +84,7 @@ from stapo.core.trainer.base import (
     forward_as,
     make_lr_scheduler,
     make_readable,
+    scaled_lr,
 )
 
 __all__ = ["DeepSpeedBackend", "build_ds_config", "cpu_adam_build_missing", "engine_options", "init_distributed",
@@ -538,8 +539,13 @@ class DeepSpeedBackend:
     def current_lr(self) -> float:
         return float(self.engine.get_lr()[0])
 
-    def step(self) -> dict[str, float]:
-        """Reduce, clip, update, schedule (all inside ``engine.step``) -> {"grad_norm", "lr", "skipped"}."""
+    def step(self, *, lr_scale: float = 1.0) -> dict[str, float]:
+        """Reduce, clip, update, schedule (all inside ``engine.step``) -> {"grad_norm", "lr", "skipped"};
+        ``lr_scale``: this step's LR multiplier (``TrainerBackend.step``), on the engine's optimizer."""
+        with scaled_lr(self.optimizer, lr_scale):
+            return self._step()
+
+    def _step(self) -> dict[str, float]:
         lr = self.current_lr()
         self.engine.step()
         applied = bool(self.engine.was_step_applied())

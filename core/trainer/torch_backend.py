@@ -42,6 +42,7 @@ from stapo.core.trainer.base import (
     enable_activation_checkpointing,
     make_lr_scheduler,
     make_readable,
+    scaled_lr,
     stat_targets,
 )
 from stapo.core.trainer.prefix import can_share_prefix, prefix_shared_token_stats
@@ -217,8 +218,13 @@ class TorchBackend:
         """LR the next update will use (group 0's)."""
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def step(self) -> dict[str, float]:
-        """Clip, AdamW step, LR schedule step, zero grads. ``grad_norm`` is the pre-clip global norm."""
+    def step(self, *, lr_scale: float = 1.0) -> dict[str, float]:
+        """Clip, AdamW step, LR schedule step, zero grads. ``grad_norm`` is the pre-clip global norm;
+        ``lr_scale``: this step's LR multiplier (``TrainerBackend.step``)."""
+        with scaled_lr(self.optimizer, lr_scale):
+            return self._step()
+
+    def _step(self) -> dict[str, float]:
         lr = self.current_lr()
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.tcfg.max_grad_norm))

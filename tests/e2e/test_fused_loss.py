@@ -107,9 +107,9 @@ def run_update(cfg, batch=None, backend=None):
     grads: list[dict[str, torch.Tensor]] = []  # the accumulated gradient at each optimizer step
     real_loss, real_stats, real_step = b.token_loss, b.token_stats, b.step
 
-    def step():
+    def step(**kw):
         grads.append({n: p.grad.detach().clone() for n, p in b.model.named_parameters() if p.grad is not None})
-        return real_step()
+        return real_step(**kw)
 
     def token_loss(*a, **k):
         calls["token_loss"] += 1

@@ -37,22 +37,22 @@ RUNS_SCRIPT = textwrap.dedent(
     import json, os, sys, torch
     from stapo.configs import preset_path
     from stapo.core.rollout import async_rollout
-    from stapo.core.algos import vcpo
     from stapo.core.config import load_config
     from stapo.core.train.loop import train
     from stapo.core.rollout import process
+    from stapo.core.train.off_policy import OffPolicyStep
     from stapo.core.train.run import Run
 
     if __name__ == "__main__":  # the producer (spawn) and the grader's workers import __main__ again
         out, runs = sys.argv[1], json.loads(sys.argv[2])
         rank = int(os.environ["RANK"])
         scales = []  # the LR multiplier of every optimizer step on this rank, in order
-        orig_step = vcpo.OffPolicyStep.step
+        orig_take = OffPolicyStep.take_lr_scale
 
-        def step_spy(self, backend):
-            out = orig_step(self, backend)
-            scales.append(self.scales[-1])
-            return out
+        def take_spy(self):
+            scale = orig_take(self)
+            scales.append(scale)
+            return scale
 
         orig_engine = process.ProcessRolloutEngine.__init__
         fault = {}
@@ -60,7 +60,7 @@ RUNS_SCRIPT = textwrap.dedent(
         def engine_spy(self, *a, **k):  # the "dies" run: rank 0's producer exits while producing step 1
             orig_engine(self, *a, **k, **(fault if rank == 0 else {}))
 
-        vcpo.OffPolicyStep.step = step_spy
+        OffPolicyStep.take_lr_scale = take_spy
         process.ProcessRolloutEngine.__init__ = engine_spy
         for name, overrides in runs.items():
             scales.clear()

@@ -28,9 +28,9 @@ def grads_of(cfg, with_extras=True):
     grads = []
     real_step = b.step
 
-    def step():
+    def step(**kw):
         grads.append({n: p.grad.detach().clone() for n, p in b.model.named_parameters() if p.grad is not None})
-        return real_step()
+        return real_step(**kw)
 
     b.step = step
     Actor(cfg, b, hooks).update(UpdateInputs(batch, old_lp, old_ent, step=1))

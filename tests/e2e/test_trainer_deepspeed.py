@@ -84,14 +84,15 @@ def rollout_batch(seed: int):
     return ids, attn, resp, w
 
 
-def one_update(b, seed: int) -> dict[str, float]:
-    """Two micro-batches of 2, each loss divided by the global response-token count, then a step."""
+def one_update(b, seed: int, lr_scale: float = 1.0) -> dict[str, float]:
+    """Two micro-batches of 2, each loss divided by the global response-token count, then a step
+    (at the LR times ``lr_scale``)."""
     ids, attn, resp, w = rollout_batch(seed)
     n = resp.sum()
     for i in (0, 2):
         lp, _ = b.token_stats(ids[i : i + 2], attn[i : i + 2], resp[i : i + 2], grad=True)
         b.backward(-(lp * w[i : i + 2]).sum() / n)
-    return b.step()
+    return b.step(lr_scale=lr_scale)
 
 
 def params(b) -> dict[str, torch.Tensor]:
@@ -148,6 +149,22 @@ def test_nonfinite_update_is_skipped(stage):
     assert b.current_lr() == pytest.approx(5e-3), "a skipped update does not advance the schedule"
     m = one_update(b, 1)  # the next finite update goes through from clean gradients
     assert m["skipped"] == 0.0 and m["lr"] == pytest.approx(5e-3)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_lr_scale_runs_one_step_at_a_scaled_lr(stage):
+    """``step(lr_scale=0.5)`` (VCPO's ESS-scaled step) from the same state moves every parameter half
+    as far as the plain step (AdamW's step and its decoupled weight decay are linear in the LR) and
+    reports the LR it used; the schedule's LR is the next step's again."""
+    a, b = backend("deepspeed", stage), backend("deepspeed", stage)
+    start = params(a)
+    m_a, m_b = one_update(a, 1), one_update(b, 1, lr_scale=0.5)
+    assert m_a["lr"] == pytest.approx(5e-3) and m_b["lr"] == pytest.approx(2.5e-3)
+    pa, pb = params(a), params(b)
+    assert max(float((pa[n] - start[n]).abs().max()) for n in start) > 1e-4  # the step moved weights
+    for n in start:  # (to the float32 rounding of p + delta)
+        torch.testing.assert_close(pb[n] - start[n], 0.5 * (pa[n] - start[n]), rtol=1e-4, atol=1e-6, msg=n)
+    assert a.current_lr() == b.current_lr() == pytest.approx(1e-2)  # warmup 2/2 for both
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -172,3 +172,25 @@ def test_producer_exception_is_reported_with_its_traceback() -> None:
             ar.rollouts(1, timeout=120)
     finally:
         ar.close()
+
+
+def test_the_train_layers_run_is_what_the_rollout_layer_reads():
+    """The rollout layer types the loop's run by a protocol of what it reads (``RolloutRun``, and
+    ``AsyncRun`` for asynchronous rollouts): the train layer's ``Run`` declares every member, and
+    ``RolloutInputs`` every member of ``RolloutRun``."""
+    import dataclasses
+    import typing
+
+    from stapo.core.rollout.async_rollout import AsyncRun
+    from stapo.core.rollout.rollouts import RolloutRun
+    from stapo.core.train.run import Run
+
+    def members(proto: type) -> set[str]:
+        return {n for c in proto.__mro__ if c not in (typing.Protocol, typing.Generic, object)
+                for n in vars(c) if not n.startswith("_")}
+
+    assert {"cfg", "engine", "rewards", "sampler", "train_prompts", "encode", "rank", "world_size"} <= members(RolloutRun)
+    assert members(AsyncRun) == members(RolloutRun) | {"backend"}
+    declared = set(typing.get_type_hints(Run)) | {n for n in vars(Run) if callable(vars(Run)[n])}
+    assert members(AsyncRun) <= declared, members(AsyncRun) - declared
+    assert members(RolloutRun) <= {f.name for f in dataclasses.fields(RolloutInputs)}

@@ -22,6 +22,11 @@ heavy or optional dependency out of ``import`` (the config loads without torch, 
 names against the algos registries imports them when it runs) or two modules of one layer need each
 other; at most ``MAX_FUNCTION_LEVEL`` such imports of stapo modules in all of core/. Heavy
 third-party backends (vLLM, DeepSpeed, transformers, matplotlib) stay lazy and are not counted.
+
+Above core, every top-level package of the distribution (pyproject's ``package-dir``) imports only
+the packages :data:`PACKAGE_IMPORTS` lets it: the CLI everything; evals the engine and the grader;
+core the grader (``task.rewards`` grades through its pool or client) but never evals or the CLI;
+the verifier service nothing of the RL engine, evals or the CLI (no torch on its path).
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ import ast
 from pathlib import Path
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
 
 CORE = Path(__file__).resolve().parents[2] / "core"
 BASE = ("lazy", "fairness", "loss_options", "weighting_options", "batch", "placement", "tokenstats")
@@ -48,9 +58,30 @@ NAMES = ("base", "algos", "config", "task", "trainer", "rollout", "train")
 MAX_FUNCTION_LEVEL = 25
 
 
+ROOT = CORE.parent
+# {"stapo": "stapo_pkg", "stapo.cli": "cli", "stapo.core": "core", ...}: each package's folder
+PACKAGE_DIRS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+# What each top-level package may import besides itself (the distribution's root holds its version).
+PACKAGE_IMPORTS: dict[str, tuple[str, ...]] = {
+    "stapo": (),
+    "stapo.configs": ("stapo",),
+    "stapo.verifier_service": ("stapo",),
+    "stapo.core": ("stapo", "stapo.configs", "stapo.verifier_service"),
+    "stapo.evals": ("stapo", "stapo.configs", "stapo.core", "stapo.verifier_service"),
+    "stapo.cli": ("stapo", "stapo.configs", "stapo.core", "stapo.evals", "stapo.verifier_service"),
+}
+
+
 def module_name(path: Path) -> str:
-    parts = ["stapo", *path.relative_to(CORE.parent).with_suffix("").parts]
+    pkg, folder = next((p, f) for p, f in PACKAGE_DIRS.items() if path.is_relative_to(ROOT / f))
+    parts = [*pkg.split("."), *path.relative_to(ROOT / folder).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package(module: str) -> str:
+    """The top-level package of a stapo module: its longest prefix in PACKAGE_DIRS."""
+    parts = module.split(".")
+    return next(".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in PACKAGE_DIRS)
 
 
 def layer(module: str) -> int | None:
@@ -63,7 +94,8 @@ def layer(module: str) -> int | None:
 
 
 def _is_module(name: str) -> bool:
-    rel = CORE.parent.joinpath(*name.split(".")[1:])
+    pkg = package(name)
+    rel = (ROOT / PACKAGE_DIRS[pkg]).joinpath(*name.split(".")[len(pkg.split(".")):])
     return rel.with_suffix(".py").is_file() or (rel / "__init__.py").is_file()
 
 
@@ -100,6 +132,16 @@ def function_level_statements(path: Path) -> list[int]:
 
 
 FILES = sorted(CORE.rglob("*.py"))
+PACKAGE_FILES = sorted(p for folder in PACKAGE_DIRS.values() for p in (ROOT / folder).rglob("*.py"))
+
+
+def package_violations(path: Path, text: str | None = None) -> list[str]:
+    """The imports of ``path`` (``text``: read in its place) that reach a top-level package its own
+    may not (:data:`PACKAGE_IMPORTS`)."""
+    me = package(module_name(path))
+    return [f"{path.relative_to(ROOT)}:{line} {target} ({package(target)}) from {me}"
+            for target, line, _ in imports(path, text)
+            if package(target) != me and package(target) not in PACKAGE_IMPORTS[me]]
 
 
 def test_every_core_module_is_in_a_layer():
@@ -131,6 +173,16 @@ def test_few_imports_sit_inside_functions():
     assert total <= MAX_FUNCTION_LEVEL, f"{total} function-level imports of stapo modules in core/: {found}"
 
 
+def test_every_top_level_package_has_its_imports_declared():
+    assert sorted(PACKAGE_DIRS) == sorted(PACKAGE_IMPORTS), "declare the new package in PACKAGE_IMPORTS"
+
+
+@pytest.mark.parametrize("path", PACKAGE_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_top_level_packages_import_only_what_they_may(path):
+    bad = package_violations(path)
+    assert not bad, "imports of a package this one may not import:\n" + "\n".join(bad)
+
+
 def test_the_scan_sees_each_form():
     """The scan reads the forms the layering relies on (a check that cannot fail checks nothing)."""
     assert layer("stapo.core.train.loop") == 6 and layer("stapo.core.batch") == 0
@@ -142,3 +194,11 @@ def test_the_scan_sees_each_form():
                      ("stapo.core.task.sampler", True), ("stapo.core.config", True)]
     in_train = [m for m, _, _ in imports(CORE / "train" / "extras.py", "from . import loop\nfrom .loop import x\n")]
     assert in_train == ["stapo.core.train.loop", "stapo.core.train.loop"]
+    # across top-level packages: core reaching evals or the CLI (at top, in a function, by relative
+    # import) is caught; the grader and the distribution's version are allowed
+    up = ("import stapo.evals\nfrom stapo.cli import main\ndef f():\n    from stapo.evals.inspect import x\n"
+          "from ...evals import runner\nfrom stapo.verifier_service import grader\nfrom stapo import __version__\n")
+    assert [v.split()[1] for v in package_violations(CORE / "task" / "data.py", up)] == [
+        "stapo.evals", "stapo.cli.main", "stapo.evals.inspect", "stapo.evals.runner"]
+    assert package_violations(ROOT / "verifier_service" / "app.py", "from stapo.core import batch\n")
+    assert module_name(ROOT / "stapo_pkg" / "__init__.py") == "stapo" and package("stapo.__version__") == "stapo"

@@ -21,6 +21,7 @@ from stapo.core.algos.offpolicy import (
     behaviour_weights,
     effective_sample_size,
     ess_lr_scale,
+    grouped_min_variance_advantages,
     min_variance_advantages,
     min_variance_baseline,
     ratio_stats,
@@ -110,6 +111,33 @@ def test_min_variance_advantages_hand_values() -> None:
     assert adv[0].tolist() == pytest.approx([1 - 10 / 12, -10 / 12, -10 / 12, 1 - 10 / 12])
 
 
+def test_grouped_min_variance_advantages_hand_values() -> None:
+    """One mini-batch's rows, two groups interleaved: each group gets its own b and std.
+    Group 7 (rows 0, 2): R = [1, 0], w = [1, 2], ||g||^2 = [1, 1] -> W = [1, 4], b = 1/5,
+    population std 1/2 -> A = [(1 - 0.2) / 0.5, (0 - 0.2) / 0.5] = [1.6, -0.4].
+    Group 3 (rows 1, 3): R = [0, 1], w = [1, 1], ||g||^2 = [3, 1] -> W = [3, 1], b = 1/4 -> A = [-0.5, 1.5]."""
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    w = torch.tensor([1.0, 1.0, 2.0, 1.0])
+    g2 = torch.tensor([1.0, 3.0, 1.0, 1.0], dtype=torch.float64)
+    before = (r.clone(), w.clone(), g2.clone())
+    adv = grouped_min_variance_advantages(r, [7, 3, 7, 3], w, g2, scale_by_std=True)
+    assert adv.dtype == torch.float64 and adv.tolist() == pytest.approx([1.6, -0.5, -0.4, 1.5])
+    # unscaled (Dr. GRPO): R - b
+    assert grouped_min_variance_advantages(r, [7, 3, 7, 3], w, g2, scale_by_std=False).tolist() == pytest.approx(
+        [0.8, -0.25, -0.2, 0.75])
+    assert all(torch.equal(a, b) for a, b in zip(before, (r, w, g2), strict=True))  # inputs untouched
+
+
+def test_row_advantages_replace_response_tokens_of_real_rows_only() -> None:
+    from stapo.core.train.off_policy import with_row_advantages
+
+    adv = torch.tensor([[0.0, 0.5, 0.5], [0.0, 0.0, 0.2], [9.0, 9.0, 9.0]])  # row 2: a padding row
+    mask = torch.tensor([[False, True, True], [False, False, True], [True, True, True]])
+    out = with_row_advantages(adv, mask, torch.tensor([1.5, -2.0], dtype=torch.float64))
+    assert out.tolist() == [[0.0, 1.5, 1.5], [0.0, 0.0, -2.0], [9.0, 9.0, 9.0]] and out.dtype == adv.dtype
+    assert adv[0].tolist() == [0.0, 0.5, 0.5]  # a new tensor: the input stays
+
+
 def test_behaviour_weight_cap_keeps_denominator() -> None:
     prox = torch.log(torch.tensor([[0.4, 0.9, 0.5]]))
     beh = torch.log(torch.tensor([[0.2, 0.1, 0.5]]))
@@ -140,37 +168,63 @@ def test_decoupled_loss_hand_value() -> None:
 
 
 def test_lr_scaled_step_uses_scaled_lr_and_leaves_the_schedule_alone() -> None:
-    from stapo.core.algos.vcpo import OffPolicyStep
+    """``scaled_lr`` (what both backends' ``step(lr_scale=...)`` run under): the step sees lr x scale;
+    after an applied step the schedule's next LR stands, after a skipped one the LR is put back."""
+    from stapo.core.train.off_policy import OffPolicyStep
+    from stapo.core.trainer.base import scaled_lr
 
     p = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([p], lr=0.1)
-    seen = []
-
-    class Backend:
-        optimizer = opt
-
-        def __init__(self, skip: bool) -> None:
-            self.skip = skip
-
-        def step(self) -> dict:
-            seen.append(opt.param_groups[0]["lr"])
-            if not self.skip:
-                opt.param_groups[0]["lr"] = 0.05  # the schedule's next LR
-            return {"lr": 0.1, "skipped": float(self.skip)}
-
+    opt = torch.optim.SGD([p, torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.2})
     # one sequence carries the whole mini-batch: ESS / N = 1/4, the linear rule's multiplier 0.25
     off = OffPolicyStep(torch.ones(4, 1), torch.tensor([2.0, 0.0, 0.0, 0.0], dtype=torch.float64), {},
                         lr_rule=functools.partial(ess_lr_scale, rule="linear"))
     rows = torch.arange(4)
     off.weigh(_weights(4), rows)
-    out = off.step(Backend(skip=False))
-    assert seen[-1] == pytest.approx(0.025) and out["lr"] == pytest.approx(0.025)
-    assert opt.param_groups[0]["lr"] == 0.05  # the schedule's value stands
+    scale = off.take_lr_scale()
+    assert scale == pytest.approx(0.25) and off.take_lr_scale() == 1.0  # one step's multiplier, taken once
+    with scaled_lr(opt, scale):
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.025, 0.05])  # every group
+        opt.param_groups[0]["lr"] = 0.05  # an applied step: the schedule set the next LR
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.05, 0.2])  # its value stands; group 1 back
     opt.param_groups[0]["lr"] = 0.1
-    off.weigh(_weights(4), rows)
-    off.step(Backend(skip=True))
-    assert seen[-1] == pytest.approx(0.025) and opt.param_groups[0]["lr"] == 0.1  # skipped: restored
-    assert off.metrics["offpolicy/lr_scale"] == pytest.approx(0.25)
+    with scaled_lr(opt, scale):
+        pass  # a skipped step: the schedule did not move
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.2]  # restored exactly
+    assert off.metrics["offpolicy/lr_scale"] == pytest.approx((0.25 + 1.0) / 2)
+
+
+def test_torch_backend_lr_scale_halves_the_step(one_thread) -> None:
+    """``TorchBackend.step(lr_scale=0.5)`` from the same state and gradient moves every parameter by
+    half of what ``lr_scale=1`` does (AdamW's update and its decoupled weight decay are both linear in
+    the LR), reports the LR it used, and the next step runs at the schedule's LR again."""
+    import copy
+
+    from stapo.core.config import config_from_dict
+    from stapo.core.trainer.models import load_policy
+    from stapo.core.trainer.torch_backend import TorchBackend
+
+    tiny = {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32, "seed": 0}
+    cfg = config_from_dict({"model": {"name_or_path": "tiny-random", "tiny": tiny},
+                            "trainer": {"device": "cpu", "lr": 1e-2, "warmup_steps": 0, "weight_decay": 0.1}})
+    model, _ = load_policy(cfg.model, device="cpu")
+    ids = torch.randint(3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+
+    def one_step(scale: float) -> tuple[dict[str, torch.Tensor], dict[str, float], TorchBackend]:
+        b = TorchBackend(cfg, copy.deepcopy(model), total_optimizer_steps=4)
+        lp, _ = b.token_stats(ids, torch.ones_like(ids), grad=True)
+        b.backward(-lp.sum())
+        before = {n: p.detach().clone() for n, p in b.model.named_parameters()}
+        out = b.step(lr_scale=scale)
+        return {n: p.detach() - before[n] for n, p in b.model.named_parameters()}, out, b
+
+    full, out1, _ = one_step(1.0)
+    half, out_half, b = one_step(0.5)
+    assert out1["lr"] == 1e-2 and out_half["lr"] == 0.5e-2
+    assert any(float(d.abs().max()) > 0 for d in full.values())
+    for n, d in full.items():  # (to the float32 rounding of p + delta, |p| ~ 1)
+        assert torch.allclose(half[n], 0.5 * d, rtol=1e-4, atol=1e-6), n
+    assert b.current_lr() == 1e-2  # the scale was for that one step
 
 
 def _weights(b: int):
@@ -182,7 +236,7 @@ def _weights(b: int):
 def test_lr_multiplier_is_each_mini_batchs_ess_summed_over_ranks() -> None:
     """VCPO scales each optimizer step by its own mini-batch's ESS (the authors' code), not once per
     batch: a mini-batch of equal weights runs at the full LR, one dominated by a sequence does not."""
-    from stapo.core.algos.vcpo import OffPolicyStep
+    from stapo.core.train.off_policy import OffPolicyStep
 
     w = torch.tensor([1.0, 1.0, 4.0, 0.0, 1.0], dtype=torch.float64)  # 5 real rows; row 5 = padding
     off = OffPolicyStep(torch.ones(6, 1), w, {}, lr_rule=ess_lr_scale)  # sqrt rule
@@ -203,9 +257,9 @@ def test_lr_multiplier_is_each_mini_batchs_ess_summed_over_ranks() -> None:
 def test_behaviour_logprobs_go_to_the_response_positions_of_stale_rows_only() -> None:
 
 
-    from stapo.core.algos.vcpo import behaviour_logprobs
     from stapo.core.batch import collate
     from stapo.core.train import loop
+    from stapo.core.train.off_policy import behaviour_logprobs
 
     seqs = [loop.Sequence_([5, 6], [7, 8, 9], "stop", "", "0", group=0, version=0, behaviour_logprobs=[-1.0, -2.0, -3.0]),
             loop.Sequence_([5], [7], "stop", "", "0", group=0, version=2, behaviour_logprobs=[-9.0]),
@@ -219,19 +273,20 @@ def test_behaviour_logprobs_go_to_the_response_positions_of_stale_rows_only() ->
 
 
 
-def test_vcpo_baseline_per_minibatch_at_the_current_weights(one_thread) -> None:
+def test_vcpo_baseline_per_minibatch_at_the_current_weights(one_thread, monkeypatch) -> None:
     """The update takes VCPO's baseline as the authors' code does, on a fresh batch too: whole groups
     per mini-batch (2 groups, 2 optimizer steps), and at the start of the second mini-batch, at the
     weights the first step left, W_i = w_i^2 ||g_i||^2 with g_i the gradient of min(w_i, C) x the
     summed PPO-clip loss at advantage 1, b = sum W R / sum W, A = (R - b) / population std.
-    Checked against the model's own logits on each unpadded row."""
+    Checked against the model's own logits on each unpadded row; the mini-batch's loss reads the
+    baseline's advantages while the batch's own stay as collated."""
     import copy
 
-    from stapo.core.algos.vcpo import MinVarianceBaseline, OffPolicyStep
     from stapo.core.batch import collate
     from stapo.core.config import config_from_dict
     from stapo.core.train import loop, update
     from stapo.core.train.extras import Hooks
+    from stapo.core.train.off_policy import MinVarianceBaseline, OffPolicyStep
     from stapo.core.trainer.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
@@ -262,12 +317,29 @@ def test_vcpo_baseline_per_minibatch_at_the_current_weights(one_thread) -> None:
     old_lp, _ = update.Actor(cfg, backend).old_stats(batch)
     snaps: list = []
     seen: list = []
+    given: dict[int, float] = {}  # row -> the advantage the baseline gave it
     real_adv = base.advantages
-    base.advantages = lambda b, bt, rows, *a: (seen.append(sorted(rows)) or snaps.append(copy.deepcopy(backend.model))
-                                               or real_adv(b, bt, rows, *a))  # (the weights the mini-batch starts from)
+
+    def spy(rows, g2, seconds=0.0):
+        seen.append(list(rows))  # (in the mini-batch's row order)
+        snaps.append(copy.deepcopy(backend.model))  # (the weights the mini-batch starts from)
+        out = real_adv(rows, g2, seconds)
+        given.update(zip(rows, out.tolist(), strict=True))
+        return out
+
+    base.advantages = spy
+    adv_before = batch.advantages.clone()
+    mbs: list = []  # each optimizer mini-batch the update built: its advantages are what its loss reads
+    real_mb = update.MiniBatch
+    monkeypatch.setattr(update, "MiniBatch", lambda *a, **k: mbs.append(real_mb(*a, **k)) or mbs[-1])
     inputs = update.UpdateInputs(batch, old_lp, None, step=1, off_policy=step)
     update.Actor(cfg, backend, Hooks()).update(inputs)  # (the off-policy step is the input; no layer acts inside)
-    assert sorted(seen) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # each group whole, one per optimizer step
+    assert torch.equal(batch.advantages, adv_before)  # the batch is not rewritten
+    assert sorted(sorted(r) for r in seen) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # each group whole, one per optimizer step
+    read = torch.cat([mb.adv for mb in mbs])  # [8, L] the rows in mini-batch order
+    for k, i in enumerate(i for rows in seen for i in rows):
+        m = batch.response_mask[i]
+        assert read[k][m].tolist() == pytest.approx([given[i]] * int(m.sum()), rel=1e-6)  # the loss saw them
     second = seen[1]
     ref = snaps[1]  # the weights the second mini-batch started from (its baseline was taken there)
     params = [p for p in ref.parameters() if p.requires_grad]
@@ -286,18 +358,18 @@ def test_vcpo_baseline_per_minibatch_at_the_current_weights(one_thread) -> None:
     r = rewards[second]
     b = sum(Wi * float(ri) for Wi, ri in zip(W, r, strict=True)) / sum(W)
     expect = ((r - b) / r.std(unbiased=False)).tolist()
-    got = [float(batch.advantages[i][batch.response_mask[i]][0]) for i in second]
+    got = [given[i] for i in second]
     assert got == pytest.approx(expect, rel=1e-4)
     assert step.metrics["offpolicy/baseline_shift"] > 0 and step.metrics["time/baseline_s"] > 0
 
 
 def test_vcpo_imports_without_the_async_machinery():
-    """VCPO's corrections sit with the other policy-gradient corrections (``stapo.core.algos``): an
-    update can use them without importing the rollout producer or its engines."""
+    """VCPO's corrections bind to the update, not to where the rows came from: an update can use
+    them without importing the rollout producer or its engines."""
     import subprocess
     import sys
 
-    code = ("import sys, stapo.core.algos.vcpo; "
+    code = ("import sys, stapo.core.train.off_policy; "
             "print(sorted(m for m in sys.modules if m.startswith(('stapo.core.async', 'stapo.core.rollout'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out

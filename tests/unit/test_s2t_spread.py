@@ -342,9 +342,9 @@ def run_update(cfg, model, *, mirror: bool = False):
     grads: dict[str, torch.Tensor] = {}
     real_step = b.step
 
-    def step():
+    def step(**kw):
         grads.update({n: p.grad.detach().clone() for n, p in b.model.named_parameters() if p.grad is not None})
-        return real_step()
+        return real_step(**kw)
 
     b.step = step
     if mirror:

@@ -4,9 +4,14 @@ The tensor formulas live in :mod:`stapo.core.algos.offpolicy`; this module binds
 update: which rows are stale (:func:`behaviour_logprobs`), the per-token behaviour weights and the
 per-mini-batch ESS-scaled LR (:class:`OffPolicyStep`), and VCPO's minimum-variance baseline taken at
 the current weights at the start of each optimizer mini-batch (:class:`MinVarianceBaseline`,
-:func:`loss_grad_sq_norms`). Nothing here knows where the rows came from: a row carries the
+:func:`stapo.core.algos.offpolicy.grouped_min_variance_advantages`). It runs no pass over the policy: the actor
+(``stapo.core.train.update.Actor``) takes the per-row gradient norms the baseline reads
+(``Actor.row_grad_sq_norms``, through the one micro-batch iterator), gives each mini-batch the
+advantages the baseline returns, and steps the backend at the multiplier this step hands it
+(``backend.step(lr_scale=...)``). Nothing here knows where the rows came from: a row carries the
 ``version`` that sampled it and its ``behaviour_logprobs`` (asynchronous rollouts,
-``stapo.core.rollout.async_rollout``, set both); docs/async.md, "The update on stale rows".
+``stapo.core.rollout.async_rollout``, set both; ``stapo.core.train.extras.AsyncHook`` builds the step
+with :func:`off_policy_step`); docs/async.md, "The update on stale rows".
 
 Sources: VCPO, Huang et al. 2026, arXiv 2602.17616, and the authors' code
 (github.com/mit-han-lab/vcpo: ``compute_ess_info``, ``compute_opob_baseline``,
@@ -18,23 +23,23 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .offpolicy import (
+from stapo.core.algos.offpolicy import (
     behaviour_weights,
     effective_sample_size,
     ess_lr_scale,
-    min_variance_advantages,
+    grouped_min_variance_advantages,
     ratio_stats,
     sequence_importance_weights,
     with_behaviour_weights,
 )
 
-__all__ = ["MinVarianceBaseline", "OffPolicyStep", "behaviour_logprobs", "loss_grad_sq_norms", "off_policy_step"]
+__all__ = ["MinVarianceBaseline", "OffPolicyStep", "behaviour_logprobs", "off_policy_step",
+           "with_row_advantages"]
 
 
 @dataclass
@@ -82,26 +87,13 @@ class OffPolicyStep:
         _, ratio = effective_sample_size(w, all_reduce_sum=reduce)
         return float(self.lr_rule(ratio))
 
-    def step(self, backend: Any) -> dict[str, float]:
-        """``backend.step()`` at lr x this mini-batch's multiplier (VCPO). The LR schedule sets the
-        next step's LR from its own base, so nothing is restored after an applied step; a skipped
-        step (non-finite gradient) leaves the schedule where it was and the LR is put back."""
+    def take_lr_scale(self) -> float:
+        """The LR multiplier of the optimizer step about to run (this mini-batch's, from :meth:`weigh`;
+        1 without the rule), recorded for the metrics. The actor passes it to
+        ``backend.step(lr_scale=...)``, which applies it to that one step only."""
         scale, self._next = self._next, 1.0
         self.scales.append(scale)
-        if scale == 1.0:
-            return backend.step()
-        groups = backend.optimizer.param_groups
-        saved = [g["lr"] for g in groups]
-        scaled = [lr * scale for lr in saved]
-        for g, lr in zip(groups, scaled, strict=True):
-            g["lr"] = lr
-        out = backend.step()
-        for g, lr0, lr1 in zip(groups, saved, scaled, strict=True):
-            if g["lr"] == lr1:  # the schedule did not move it (skipped step, or no scheduler)
-                g["lr"] = lr0
-        out = dict(out)
-        out["lr"] = out.get("lr", saved[0]) * scale
-        return out
+        return scale
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -136,27 +128,14 @@ def behaviour_logprobs(seqs: list[Any], batch: Any, proximal: torch.Tensor, step
     return beh, stale
 
 
-def loss_grad_sq_norms(backend: Any, batch: Any, rows: list[int], old_lp: torch.Tensor, is_cap: torch.Tensor,
-                       parts: Any) -> torch.Tensor:
-    """||g_i||^2 for each row i at the CURRENT weights -> [len(rows)]: g_i is the gradient of
-    min(w_i, C) * sum_t l_t(A = 1), the configured per-token policy loss at advantage 1 summed over
-    the row's response tokens (ratio to ``old_lp``, pi_prox), times its truncated sequence
-    importance weight ``is_cap`` [len(rows)] (the authors' per-trajectory backward with
-    ``rollout_is: sequence``; their ``_compute_grad_norms`` undoes the token mean and the 1/N
-    micro-batch scale, which is the sum taken here). One forward + backward per row, with
-    ``torch.autograd.grad``: the optimizer's accumulated gradients are untouched."""
-    params = [p for p in backend.model.parameters() if p.requires_grad]
-    out = torch.zeros(len(rows), dtype=torch.float64)
-    for j, i in enumerate(rows):
-        sl = slice(i, i + 1)
-        mask = batch.response_mask[sl]  # [1, L]
-        lp, _ = backend.token_stats(batch.input_ids[sl], batch.attention_mask[sl], mask, grad=True,
-                                    temperature=parts.temperature)
-        ones = torch.ones_like(lp)  # [1, L] advantage 1
-        per_tok, _ = parts.loss_fn(lp, old_lp[sl].to(lp.dtype), ones, mask, **parts.loss_kw)  # [1, L]
-        loss = float(is_cap[j]) * torch.where(mask, per_tok, torch.zeros_like(per_tok)).sum()
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        out[j] = sum(float(g.double().square().sum()) for g in grads if g is not None)
+def with_row_advantages(adv: torch.Tensor, mask: torch.Tensor, rows_adv: torch.Tensor) -> torch.Tensor:
+    """A new [b, L] advantage tensor: the first ``len(rows_adv)`` rows of ``adv`` [b, L] take
+    ``rows_adv`` [k] on their response tokens (``mask`` [b, L]); the other tokens and rows (a
+    data-parallel plan's padding rows) keep ``adv``'s values."""
+    k = rows_adv.shape[0]
+    out = adv.clone()  # [b, L]
+    new = rows_adv.to(device=adv.device, dtype=adv.dtype).unsqueeze(1).expand_as(adv[:k])  # [k, L]
+    out[:k] = torch.where(mask[:k], new, adv[:k])
     return out
 
 
@@ -165,11 +144,17 @@ class MinVarianceBaseline:
     """VCPO's minimum-variance baseline as the authors' code computes it (github.com/mit-han-lab/vcpo:
     ``MegatronPPOActor.update_policy_per_traj`` with ``grad_baselining``, ``compute_grad_info``,
     ``compute_opob_baseline``): at the start of each optimizer mini-batch, at the current weights,
-    W_i = w_i^2 ||g_i||^2 (:func:`loss_grad_sq_norms`; w_i unclipped), b = sum W R / sum W per group
-    (every group whole in one mini-batch: ``stapo.core.trainer.distributed.group_minibatches``), and
-    A_i = (R_i - b) / population std of the group's rewards (GRPO; unscaled where the std is
-    <= 1e-8, and for Dr. GRPO). It applies to fresh batches too: with w = 1 it still weighs each
-    sequence by its gradient norm. ``stapo.core.train.update`` calls :meth:`advantages` per mini-batch."""
+    W_i = w_i^2 ||g_i||^2 (w_i unclipped; g_i the gradient of min(w_i, C) * sum_t l_t(A = 1), the
+    configured per-token policy loss at advantage 1 summed over the row's response tokens, ratio to
+    pi_prox: the authors' per-trajectory backward with ``rollout_is: sequence``, whose
+    ``_compute_grad_norms`` undoes the token mean and the 1/N micro-batch scale),
+    b = sum W R / sum W per group (every group whole in one mini-batch:
+    ``stapo.core.trainer.distributed.group_minibatches``), and A_i = (R_i - b) / population std of the
+    group's rewards (GRPO; unscaled where the std is <= 1e-8, and for Dr. GRPO). It applies to fresh
+    batches too: with w = 1 it still weighs each sequence by its gradient norm.
+
+    The actor takes ||g_i||^2 (``Actor.row_grad_sq_norms``, at :meth:`grad_weights`) and asks
+    :meth:`advantages` for the mini-batch's advantages; the batch itself is never rewritten."""
 
     rewards: torch.Tensor  # [n] shaped rewards of the real rows
     groups: list[int]  # [n] prompt group of each row
@@ -181,29 +166,24 @@ class MinVarianceBaseline:
     rows_done: int = 0
     time_s: float = 0.0
 
-    def advantages(self, backend: Any, batch: Any, rows: list[int], old_lp: torch.Tensor, parts: Any) -> list[float]:
-        """The advantage of each of ``rows`` (one mini-batch's real rows, whole groups) at the current
-        weights; also written into ``batch.advantages`` (every response token of the row)."""
-        t0 = time.time()
-        w = self.seq_weights[rows].double()  # [b]
-        g2 = loss_grad_sq_norms(backend, batch, rows, old_lp, w.clamp(max=self.is_cap), parts)  # [b]
-        by_group: dict[int, list[int]] = {}
-        for j, i in enumerate(rows):
-            by_group.setdefault(self.groups[i], []).append(j)
-        out = [0.0] * len(rows)
-        for idx in by_group.values():
-            if len(idx) != sum(1 for g in self.groups if g == self.groups[rows[idx[0]]]):
+    def grad_weights(self, rows: list[int]) -> torch.Tensor:
+        """min(w_i, C) of ``rows`` [len(rows)] float64: the factor of each row's loss inside g_i."""
+        return self.seq_weights[rows].double().clamp(max=self.is_cap)
+
+    def advantages(self, rows: list[int], grad_sq_norms: torch.Tensor, seconds: float = 0.0) -> torch.Tensor:
+        """The advantages [len(rows)] (float64) of ``rows`` (one mini-batch's real rows, whole groups)
+        from their ||g_i||^2 [len(rows)] at the current weights
+        (:func:`stapo.core.algos.offpolicy.grouped_min_variance_advantages`);
+        ``seconds``: what taking them cost, for ``time/baseline_s``."""
+        for g in {self.groups[i] for i in rows}:
+            if sum(1 for i in rows if self.groups[i] == g) != sum(1 for x in self.groups if x == g):
                 raise ValueError("VCPO's baseline needs each group whole in one mini-batch")
-            r = self.rewards[[rows[j] for j in idx]].double().unsqueeze(0)  # [1, G]
-            adv = min_variance_advantages(r, w[idx].unsqueeze(0), g2[idx].unsqueeze(0),
-                                          scale_by_std=self.scale_by_std)[0]
-            for j, a in zip(idx, adv.tolist(), strict=True):
-                out[j] = a
-        for i, a in zip(rows, out, strict=True):
-            batch.advantages[i][batch.response_mask[i]] = a
+        out = grouped_min_variance_advantages(self.rewards[rows], [self.groups[i] for i in rows],
+                                              self.seq_weights[rows], grad_sq_norms, scale_by_std=self.scale_by_std)
+        for i, a in zip(rows, out.tolist(), strict=True):
             self.shift += abs(a - float(self.group_adv[i]))
         self.rows_done += len(rows)
-        self.time_s += time.time() - t0
+        self.time_s += seconds
         return out
 
     @property
@@ -217,9 +197,9 @@ def off_policy_step(op: Any, seqs: list[Any], batch: Any, proximal: torch.Tensor
     baseline is configured: the update is then exactly the synchronous one).
 
     ``op`` is the config's ``algorithm.off_policy``; ``scale_by_std`` whether the advantage divides
-    by the group's std (``grpo``). Rows are ``seqs`` (this rank's real rows, in order). With ``min_variance_baseline`` the step
-    carries VCPO's baseline (:class:`MinVarianceBaseline`): the update recomputes the rows'
-    advantages (``batch.advantages``) at the start of each mini-batch, on fresh batches too. With data
+    by the group's std (``grpo``). Rows are ``seqs`` (this rank's real rows, in order). With
+    ``min_variance_baseline`` the step carries VCPO's baseline (:class:`MinVarianceBaseline`): the
+    update takes the rows' advantages from it at the start of each mini-batch, on fresh batches too. With data
     parallelism (``dp``: stapo.core.trainer.distributed.DataParallel) the decisions are global: whether
     any row is stale, the ESS and so the LR multiplier (a rank stepping with another LR would
     update its ZeRO partition differently), and the logged statistics.
