@@ -97,7 +97,7 @@ def test_the_scan_catches_private_use(src):
 
 def test_the_scan_lets_public_and_own_private_names_pass():
     src = (
-        "import os, pebble\nfrom stapo.verifier_service.cache import ByteLRU\n"
+        "import os, pebble\nfrom stapo.verifier_service.server.cache import ByteLRU\n"
         "class A:\n    def f(self):\n        self._x = 1\n        return pebble.ProcessPool, os.__name__, self._x\n"
         "_LOCAL = 1\n"
     )
