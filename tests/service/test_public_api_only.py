@@ -105,7 +105,7 @@ def test_the_scan_lets_public_and_own_private_names_pass():
 
 
 def test_no_module_of_the_service_uses_private_names_of_other_packages():
-    files = sorted(PACKAGE.glob("*.py"))
+    files = sorted(PACKAGE.rglob("*.py"))
     assert len(files) > 5
     found = [v for f in files for v in violations(f.read_text(), f.name)]
     assert not found, "\n".join(found)
