@@ -148,7 +148,7 @@ MUTANTS: list[Mutant] = [
            "        if len(cluster) > len(best):\n", "        if len(cluster) >= len(best):\n", METRICS,
            "maj@k ties go to the last cluster"),
     # ------------------------------------------------------------------ grader extraction
-    Mutant("first-box-instead-of-last", "verifier_service/grader/extract.py",
+    Mutant("first-box-instead-of-last", "verifier_service/grader/extraction.py",
            "    group = [boxes[-1]]\n", "    group = [boxes[0]]\n", EXTRACT, "grade the first \\boxed{} answer"),
     # ------------------------------------------------------------------ grader pool
     Mutant("deadline-kill-skipped", "verifier_service/server/pool.py",

@@ -19,7 +19,7 @@ from stapo.moved import register
 
 MOVED = {
     "stapo.verifier_service.dapo": "stapo.verifier_service.grader.dapo",
-    "stapo.verifier_service.extract": "stapo.verifier_service.grader.extract",
+    "stapo.verifier_service.extract": "stapo.verifier_service.grader.extraction",
     "stapo.verifier_service.mathverify": "stapo.verifier_service.grader.mathverify",
     "stapo.verifier_service.normalize": "stapo.verifier_service.grader.normalize",
     "stapo.verifier_service.numeric": "stapo.verifier_service.grader.numeric",

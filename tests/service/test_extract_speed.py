@@ -1,4 +1,4 @@
-"""extract_answer's fast marker scan (``extract._answer_matches``) finds exactly what the regex scan found.
+"""extract_answer's fast marker scan (``extraction._answer_matches``) finds exactly what the regex scan found.
 
 The old implementation is kept here as a copy (``_old_extract_answer``: ``finditer`` over the whole
 text) and compared with the module's on a fuzz corpus built to hit the corner cases: "answer" in
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from stapo.verifier_service.grader import extract as E
+from stapo.verifier_service.grader import extraction as E
 from stapo.verifier_service.grader.normalize import strip_delims
 
 

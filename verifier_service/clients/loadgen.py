@@ -199,7 +199,7 @@ def stream_stats(items: Sequence[Item], group: int = 8) -> dict[str, float]:
     ``integer_golds`` / ``latex_golds``: share of items whose gold is an integer / has a backslash;
     ``no_marker``: share of responses with no final-answer marker (cut off).
     """
-    from stapo.verifier_service.grader.extract import extract_answer
+    from stapo.verifier_service.grader.extraction import extract_answer
 
     answers = [extract_answer(p) for p, _, _ in items]
     seen_pairs: set[tuple[str, str | None]] = set()

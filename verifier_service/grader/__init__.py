@@ -16,7 +16,7 @@ Every verdict names the rule that decided it (``rule``) and the answer it compar
 ``stapo verifier explain GOLD RESPONSE`` prints both.
 
 Math-Verify keeps its parser apart from its grader; so does this one, in three layers that import
-one way (``parsing.py`` <- ``rules/`` <- ``grader.py``):
+one way (``parsing.py`` <- ``rules/`` <- this module):
 
 - ``parsing.py``: what one string says (the forms the rules read, cached per string; the
   extraction steps after the markers: the marker answer's form, the prose check, math-verify's
@@ -28,7 +28,7 @@ one way (``parsing.py`` <- ``rules/`` <- ``grader.py``):
 Pipeline of mode ``math`` (policies and their reasons in docs/verifier.md):
 
 1. size check (``too_large``) before any parsing;
-2. extraction (``extract.py``, whose docstring states the one extraction policy: the model's last
+2. extraction (``extraction.py``, whose docstring states the one extraction policy: the model's last
    committed answer): ``</think>`` rule, last box / line-opening ``Answer:`` / ``####`` value line,
    "the answer is" phrases (the last that states a value; "5, not 4" is 5), a short bare
    prediction; failing all, math-verify's own search for the last LaTeX span or number
@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from stapo.verifier_service.grader.dapo import TAIL_CHARS, dapo_extract, dapo_normalize
-from stapo.verifier_service.grader.extract import (
+from stapo.verifier_service.grader.extraction import (
     THINK_MODES,
     apply_think,
     extract_answer,
@@ -320,7 +320,7 @@ def extract(
     ``cheap`` (for a process with no deadline: the service's server process) runs markers only, on
     bounded texts, and returns None where only the full budget can tell (math-verify's search).
     Raises ``ValueError`` for an unknown ``mode`` or ``think``; bad text is never an exception of its own.
-    ``special_tokens``: model-specific tokens removed on top of ``extract.SPECIAL_TOKENS`` (the common
+    ``special_tokens``: model-specific tokens removed on top of ``extraction.SPECIAL_TOKENS`` (the common
     chat templates' end-of-turn, padding and role tokens).
     """
     fn = _mode(mode).extract

@@ -7,13 +7,13 @@ at a time and never sees the other side:
   string, number, option letter, words, equation sides, list items, bracketed group),
   :func:`sympy_text` (the LaTeX latex2sympy gets) and :func:`sympy_parse` (its sympy forms), each
   cached per string: golds repeat across a group of G samples, predictions across epochs;
-- the extraction steps of mode ``math`` that come after ``extract.py``'s markers:
+- the extraction steps of mode ``math`` that come after ``extraction.py``'s markers:
   :func:`marker_answer_form` (a marker's answer in the form the rules read), :func:`is_prose`,
   :func:`search_fallback` (math-verify's own search, for responses with no marker) and
   :func:`gold_answer` (the answer part of a gold string).
 
 math-verify is reached through ``mathverify.py`` (``mathverify.load``), the one module that owns its internals.
-Imported by the rules and by ``grader.py``; it imports neither.
+Imported by the rules and by the grader package's own module (``grader/__init__.py``); it imports neither.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from stapo.verifier_service.grader import mathverify
-from stapo.verifier_service.grader.extract import extract_answer, last_boxed
+from stapo.verifier_service.grader.extraction import extract_answer, last_boxed
 from stapo.verifier_service.grader.normalize import (
     Num,
     balanced,

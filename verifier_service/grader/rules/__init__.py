@@ -12,7 +12,7 @@ table :func:`stapo.verifier_service.grader.compare` runs; the families:
 - ``rejections.py``: answers that are surely different, told without sympy (they only say no);
 - ``symbolic.py``: math-verify's symbolic ``verify``, with exact constants compared at 50 digits.
 
-Imports go one way: ``parsing.py`` <- the families <- ``table.py`` <- ``grader.py``.
+Imports go one way: ``parsing.py`` <- the families <- ``table.py`` <- ``grader/__init__.py``.
 """
 
 RuleVerdict = bool | None

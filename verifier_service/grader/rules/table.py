@@ -4,7 +4,7 @@
 names the verdict (``Verdict.rule``). :func:`equiv_rule` runs the whole table on a gold and an
 extracted prediction (cached per pair); :func:`equiv` is the same as a yes/no, which the structure
 rules receive as ``same`` to compare the parts of an answer (list items, equation sides). The
-grader (``grader.py``) calls :func:`decide` and :func:`equiv_rule`; it adds extraction, modes,
+grader (``grader/__init__.py``) calls :func:`decide` and :func:`equiv_rule`; it adds extraction, modes,
 budgets and statuses.
 """
 

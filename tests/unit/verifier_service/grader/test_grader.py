@@ -12,7 +12,7 @@ import pytest
 from stapo.verifier_service import grader
 from stapo.verifier_service.grader import Verdict, answers_equivalent, cache_info, grade
 from stapo.verifier_service.grader.dapo import dapo_extract, dapo_normalize
-from stapo.verifier_service.grader.extract import extract_answer, find_boxes
+from stapo.verifier_service.grader.extraction import extract_answer, find_boxes
 from stapo.verifier_service.grader.normalize import canonical, latexify, numbers_equal, parse_number
 from stapo.verifier_service.grader.rules import table
 

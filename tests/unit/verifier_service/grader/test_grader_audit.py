@@ -207,7 +207,7 @@ def test_cut_off_tails(gold, response, expected):
     ],
 )
 def test_response_finished(text, finished):
-    from stapo.verifier_service.grader.extract import response_finished
+    from stapo.verifier_service.grader.extraction import response_finished
 
     assert response_finished(text) is finished
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from stapo.verifier_service.grader import extract, grade
-from stapo.verifier_service.grader.extract import SPECIAL_TOKENS, extract_answer, strip_special_tokens
+from stapo.verifier_service.grader.extraction import SPECIAL_TOKENS, extract_answer, strip_special_tokens
 
 END_TOKENS = [
     "<|im_end|>",

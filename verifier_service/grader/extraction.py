@@ -35,7 +35,7 @@ Extraction policy (which candidate is the answer when a response has several; do
 
 Usage::
 
-    from stapo.verifier_service.grader.extract import extract_answer
+    from stapo.verifier_service.grader.extraction import extract_answer
     extract_answer("... so \\boxed{\\frac{1}{2}}")  # -> "\\frac{1}{2}"
 """
 
