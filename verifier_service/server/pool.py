@@ -269,7 +269,7 @@ class GraderPool:
     """
 
     def __init__(self, settings: PoolSettings | None = None, /, **overrides: Any) -> None:
-        """``settings`` (a :class:`PoolSettings`, or the service's :class:`Settings`, which holds one),
+        """``settings`` (a :class:`PoolSettings`, or the service's :class:`Settings`, which is one),
         with any of its fields given by name on top: ``GraderPool(workers=2, deadline_s=2.0)`` is
         ``GraderPool(PoolSettings(workers=2, deadline_s=2.0))``. A bad value raises ValueError naming the
         field before anything starts."""
