@@ -39,7 +39,7 @@ COPY core ./core
 COPY evals ./evals
 COPY verifier_service ./verifier_service
 COPY configs ./configs
-RUN pip install --no-deps . && python -c "import stapo.verifier_service.app, sys; assert 'torch' not in sys.modules" \
+RUN pip install --no-deps . && python -c "import stapo.verifier_service.server.app, sys; assert 'torch' not in sys.modules" \
     && rm -rf build
 
 RUN useradd --system --uid 10001 --create-home stapo

@@ -41,13 +41,15 @@ test: setup lint
 # A minor whose interpreter is missing fails the target, naming what was looked for; set
 # VERIFIER_MINORS= (empty) to skip on purpose.
 VERIFIER_MINORS ?= 3.13
-# The service's whole suite (processes, signals, fork, asyncio, uvicorn: what moves between minors)
-# and the grader's unit, math-verify seam, numeric, tolerance and audit tests. The grader's large
-# verdict tables (cases, held-out, corpus, rejections, prose: ~12 min on a busy machine) run on the
-# main minor only; `make test-verifier VERIFIER_TESTS="tests/service tests/unit/test_grader*.py"`
-# runs them too.
-VERIFIER_TESTS ?= tests/service $(wildcard $(addprefix tests/unit/test_grader,.py _mathverify.py _numeric.py \
-	_tolerances.py _special_tokens.py _audit.py))
+# The service's whole suite (processes, signals, fork, asyncio, uvicorn: what moves between minors),
+# the settings, the old module paths and the roles' imports, and the grader's unit, math-verify seam,
+# numeric, tolerance and audit tests. The grader's large verdict tables (cases, held-out, corpus,
+# rejections, prose: ~12 min on a busy machine) run on the main minor only;
+# `make test-verifier VERIFIER_TESTS="tests/service tests/unit/verifier_service"` runs them too.
+VERIFIER_UNIT := tests/unit/verifier_service
+VERIFIER_TESTS ?= tests/service $(VERIFIER_UNIT)/server $(wildcard $(VERIFIER_UNIT)/test_verifier_*.py) \
+	$(wildcard $(addprefix $(VERIFIER_UNIT)/grader/test_grader,.py _mathverify.py _numeric.py _tolerances.py \
+	_special_tokens.py _audit.py))
 PYENV_ROOT ?= $(HOME)/.pyenv
 # The interpreter of one minor: the newest pyenv build, else pythonX.Y on PATH if it runs (pyenv's
 # shims are on PATH for every version but run only the selected ones).

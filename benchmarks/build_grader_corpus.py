@@ -57,7 +57,7 @@ def row(gold: str, pred: str, expected: bool, family: str, source: str) -> dict:
 
 
 def _ev(s: str):
-    from stapo.verifier_service.numeric import evaluate
+    from stapo.verifier_service.grader.numeric import evaluate
 
     v = evaluate(s)
     return None if v is None else v[0]
@@ -153,7 +153,7 @@ def key_variants(gold: str, rng: random.Random) -> tuple[list[str], list[str]]:
 
 
 def _top_parts(s: str) -> list[str]:
-    from stapo.verifier_service.normalize import split_top_level
+    from stapo.verifier_service.grader.normalize import split_top_level
 
     inner = s.replace("\\left", "").replace("\\right", "").strip()
     if inner[:1] in "([" and inner[-1:] in ")]":

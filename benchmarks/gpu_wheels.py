@@ -460,7 +460,7 @@ def main() -> None:
             s.add_argument("--py311", required=True, help="folder for the carried set with cp311 binary wheels")
         if name == "imports":
             s.add_argument("--standin", default="", help="the stand-in folder on the path (its foreign binaries)")
-            s.add_argument("--modules", default="stapo.verifier_service.app,stapo.verifier_service.pool,"
+            s.add_argument("--modules", default="stapo.verifier_service.server.app,stapo.verifier_service.server.pool,"
                            "stapo.core.task.rewards,stapo.cli.main", help="stapo modules imported first")
     args = p.parse_args()
     try:

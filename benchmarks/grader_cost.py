@@ -5,7 +5,7 @@
     python benchmarks/grader_cost.py --before 13a7952 --seed 3                 # another stream
 
 Each measurement is a fresh process (``python -c``) that runs the service's warm-up
-(``verifier_service/warmup.py``: ANTLR's prediction tables, regexes) and grades another seed's
+(``verifier_service/server/warmup.py``: ANTLR's prediction tables, regexes) and grades another seed's
 stream, empties the grader's
 caches and grades the stream once in order with ``grade`` (cold caches, like one worker seeing the
 stream for the first time), timing every item. Items are classed as the service sees them: no
@@ -32,8 +32,8 @@ from verifier import machine, unpack_revision  # noqa: E402
 CHILD = r"""
 import json, sys, time
 from stapo.verifier_service import grader
-from stapo.verifier_service.loadgen import build_stream, load_golds
-import stapo.verifier_service.warmup  # what the service's fork server runs before forking workers
+from stapo.verifier_service.clients.loadgen import build_stream, load_golds
+import stapo.verifier_service.server.warmup  # what the service's fork server runs before forking workers
 n, style, seed = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 golds = load_golds(source=sys.argv[4])
 for p, g, m in build_stream(1024, seed=7, style=style, golds=golds):

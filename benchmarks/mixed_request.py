@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ordinary", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    from stapo.verifier_service.scheduler import looks_costly
-    from stapo.verifier_service.settings import Settings
+    from stapo.verifier_service.server.scheduler import looks_costly
+    from stapo.verifier_service.server.settings import Settings
 
     port = free_port()
     env = dict(

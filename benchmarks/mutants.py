@@ -72,9 +72,9 @@ class Mutant:
 S2T = ("tests/unit/test_s2t_spread.py", "tests/unit/test_algos.py")
 UPDATE = ("tests/unit/test_s2t_spread.py",)
 METRICS = ("tests/unit/test_eval_metrics.py",)
-EXTRACT = ("tests/unit/test_grader.py",)
+EXTRACT = ("tests/unit/verifier_service/grader/test_grader.py",)
 POOL = ("tests/service/test_pool_deadline_contract.py",)
-NUMERIC = ("tests/unit/test_grader_tolerances.py",)
+NUMERIC = ("tests/unit/verifier_service/grader/test_grader_tolerances.py",)
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ core/algos: S2T
@@ -148,37 +148,37 @@ MUTANTS: list[Mutant] = [
            "        if len(cluster) > len(best):\n", "        if len(cluster) >= len(best):\n", METRICS,
            "maj@k ties go to the last cluster"),
     # ------------------------------------------------------------------ grader extraction
-    Mutant("first-box-instead-of-last", "verifier_service/extract.py",
+    Mutant("first-box-instead-of-last", "verifier_service/grader/extraction.py",
            "    group = [boxes[-1]]\n", "    group = [boxes[0]]\n", EXTRACT, "grade the first \\boxed{} answer"),
     # ------------------------------------------------------------------ grader pool
-    Mutant("deadline-kill-skipped", "verifier_service/pool.py",
+    Mutant("deadline-kill-skipped", "verifier_service/server/pool.py",
            "(*job.items[i], self.max_chars), timeout=deadline)",
            "(*job.items[i], self.max_chars), timeout=None)", POOL,
            "a runaway worker is never killed (pebble's per-task timeout off): the item hangs"),
-    Mutant("timeouts-cached", "verifier_service/cache.py",
+    Mutant("timeouts-cached", "verifier_service/server/cache.py",
            '        if r.status in ("ok", "no_answer"):  # never',
            '        if r.status in ("ok", "no_answer", "timeout"):  # never', POOL,
            "a retry of a timed-out item is answered from the cache"),
     # ------------------------------------------------------------------ numeric tolerances
-    Mutant("numeric-rel-tol-10x", "verifier_service/numeric.py",
+    Mutant("numeric-rel-tol-10x", "verifier_service/grader/numeric.py",
            "\nREL_TOL = 1e-5\n", "\nREL_TOL = 1e-4\n", NUMERIC,
            "the numeric rejection's tolerance loosened 10x"),
-    Mutant("numeric-rel-tol-tightened-10x", "verifier_service/numeric.py",
+    Mutant("numeric-rel-tol-tightened-10x", "verifier_service/grader/numeric.py",
            "\nREL_TOL = 1e-5\n", "\nREL_TOL = 1e-6\n", NUMERIC,
            "the numeric rejection stricter than math-verify's rounding: rejects accepted answers"),
-    Mutant("numeric-max-magnitude-10x", "verifier_service/numeric.py",
+    Mutant("numeric-max-magnitude-10x", "verifier_service/grader/numeric.py",
            "MAX_MAGNITUDE = mpmath.mpf(10) ** 30", "MAX_MAGNITUDE = mpmath.mpf(10) ** 31", NUMERIC,
            "values past the trusted magnitude evaluated"),
-    Mutant("numeric-max-len-off-by-one", "verifier_service/numeric.py",
+    Mutant("numeric-max-len-off-by-one", "verifier_service/grader/numeric.py",
            "    if len(s) > MAX_LEN:", "    if len(s) >= MAX_LEN:", NUMERIC, "length bound off by one"),
-    Mutant("numeric-exponent-bound-10x", "verifier_service/numeric.py",
+    Mutant("numeric-exponent-bound-10x", "verifier_service/grader/numeric.py",
            "if abs(ex) > 1000:", "if abs(ex) > 10000:", NUMERIC, "huge exponents evaluated"),
-    Mutant("numeric-zero-denominator-10x", "verifier_service/numeric.py",
+    Mutant("numeric-zero-denominator-10x", "verifier_service/grader/numeric.py",
            "if abs(den) < 1e-20:", "if abs(den) < 1e-21:", NUMERIC, "division by ~0 evaluated"),
-    Mutant("exact-constants-different-loosened-10x", "verifier_service/rules/symbolic.py",
+    Mutant("exact-constants-different-loosened-10x", "verifier_service/grader/rules/symbolic.py",
            'if diff > sympy.Float("1e-30", 60):', 'if diff > sympy.Float("1e-29", 60):', NUMERIC,
            "two exact constants 1e-30 apart no longer told apart"),
-    Mutant("rounded-gold-half-unit-10x", "verifier_service/rules/numbers.py",
+    Mutant("rounded-gold-half-unit-10x", "verifier_service/grader/rules/numbers.py",
            "return abs(pred_value - g.num.value) <= Fraction(1, 2 * 10**d)",
            "return abs(pred_value - g.num.value) <= Fraction(1, 2 * 10 ** (d - 1))", NUMERIC,
            "a rounded gold matches answers 10x too far away"),

@@ -6,7 +6,7 @@
     python benchmarks/verifier.py --before 8887d46    # also the service as of that commit, same run
 
 What runs, per stream: a fresh ``stapo verifier serve`` on a free loopback port (one worker per
-core, cold caches), the stream of ``stapo.verifier_service.loadgen.build_stream`` sent over HTTP,
+core, cold caches), the stream of ``stapo.verifier_service.clients.loadgen.build_stream`` sent over HTTP,
 the same items once more (all result-cache hits: the HTTP + pool ceiling), then the same items
 through ``math_verify.verify(parse(gold), parse(prediction))`` one by one in this process. Both
 numbers come from the same run on the same machine and are reported as a ratio; the load average
@@ -51,7 +51,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from stapo.verifier_service.loadgen import (
+from stapo.verifier_service.clients.loadgen import (
     CLIENTS,
     build_stream,
     load_golds,

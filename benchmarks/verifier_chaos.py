@@ -38,9 +38,9 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from stapo.verifier_service.client import VerifierClient, VerifierUnavailable
+from stapo.verifier_service.clients.client import VerifierClient, VerifierUnavailable
+from stapo.verifier_service.clients.loadgen import build_stream
 from stapo.verifier_service.grader import grade
-from stapo.verifier_service.loadgen import build_stream
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from verifier import machine, start_server  # noqa: E402  (the service harness: same machine line and launcher)

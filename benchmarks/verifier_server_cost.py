@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from verifier import start_server, unpack_revision  # noqa: E402
 
-from stapo.verifier_service.loadgen import build_stream, load_golds  # noqa: E402
+from stapo.verifier_service.clients.loadgen import build_stream, load_golds  # noqa: E402
 
 
 async def raw_load(port: int, bodies: list[bytes], concurrency: int) -> list[list[dict]]:

@@ -401,7 +401,7 @@ def _quiet_grader_shutdown() -> None:
     shutdown, not a crash: its warnings are silenced from here on (errors still show)."""
     import logging
 
-    logging.getLogger("stapo.verifier_service.pool").setLevel(logging.ERROR)
+    logging.getLogger("stapo.verifier_service.server.pool").setLevel(logging.ERROR)
 
 
 def _silent(message: str = "", **_: object) -> None:

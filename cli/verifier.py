@@ -8,7 +8,7 @@ or grade one response and say which rule decided.
     stapo verifier explain 10 "\\boxed{10\\pi square units}"       # extracted, verdict, rule
 
 Every serve flag has a ``STAPO_VERIFIER_*`` environment twin (see
-``stapo.verifier_service.settings``); a flag wins over the environment. Prefer the environment for
+``stapo.verifier_service.server.settings``); a flag wins over the environment. Prefer the environment for
 the token: ``--token`` shows in ``ps``. Serving a non-loopback address without a token is refused
 unless ``--allow-unauthenticated`` is given.
 """
@@ -38,7 +38,7 @@ def build_settings(**overrides: object):  # -> Settings (imported lazily: keeps 
     """Settings from the environment, with the flags that were given on top; a bad value is a CLIError."""
     from pydantic import ValidationError
 
-    from stapo.verifier_service.settings import Settings
+    from stapo.verifier_service.server.settings import Settings
 
     given = {k: v for k, v in overrides.items() if v is not None}
     try:
@@ -139,8 +139,8 @@ def serve(
 
     sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
 
-    from stapo.verifier_service.app import create_app
-    from stapo.verifier_service.middleware import redact_access_log
+    from stapo.verifier_service.server.app import create_app
+    from stapo.verifier_service.server.middleware import redact_access_log
 
     redact_access_log()
     uvicorn.run(
@@ -221,7 +221,12 @@ def bench(
     from rich.console import Console
     from rich.table import Table
 
-    from stapo.verifier_service.loadgen import build_stream, load_golds, run_baseline, run_service_load
+    from stapo.verifier_service.clients.loadgen import (
+        build_stream,
+        load_golds,
+        run_baseline,
+        run_service_load,
+    )
 
     host = urlparse(url).hostname or ""
     if urlparse(url).scheme not in ("http", "https") or not _is_loopback(host):

@@ -1,15 +1,12 @@
 """The RL engine, in layers (docs/architecture.md; each module's docstring says what it is for).
 
 The module paths of the flat layout (``stapo.core.models``, ``stapo.core.loop``, ...) import for one
-release, with a DeprecationWarning naming the new path (:data:`MOVED`, :class:`OldPaths`).
+release, with a DeprecationWarning naming the new path (:data:`MOVED`, :mod:`stapo.moved`).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-import warnings
+from stapo.moved import register
 
 MOVED = {
     "stapo.core.data": "stapo.core.task.data",
@@ -37,27 +34,4 @@ MOVED = {
 the layer layout put each (docs/architecture.md, "Where did it move"). For one release an old path
 still imports, with a DeprecationWarning naming the new one; stapo 0.2 drops them."""
 
-
-class OldPaths:
-    """Import finder for :data:`MOVED`: an old path gives the module at its new path (the same object,
-    so its classes, registries and monkeypatches are the ones the rest of stapo uses) and warns where
-    the user's import stands. Placed last on ``sys.meta_path``, so it never shadows a real module."""
-
-    def find_spec(self, name: str, path: object = None, target: object = None) -> object:
-        return importlib.util.spec_from_loader(name, self) if name in MOVED else None
-
-    def create_module(self, spec: object) -> object:
-        old, new = spec.name, MOVED[spec.name]
-        # stacklevel 2 skips the import system's own frames: the warning names the user's import line
-        warnings.warn(f"{old} is an old path of {new} (stapo.core is laid out by layer): import {new}; the "
-                      "old path goes in stapo 0.2", DeprecationWarning, stacklevel=2)
-        module = importlib.import_module(new)
-        spec.loader_state = module.__spec__  # the import system sets __spec__ to this spec; exec_module restores it
-        return module
-
-    def exec_module(self, module: object) -> None:
-        module.__spec__ = module.__spec__.loader_state
-
-
-if not any(isinstance(f, OldPaths) for f in sys.meta_path):
-    sys.meta_path.append(OldPaths())
+register(MOVED, "stapo.core is laid out by layer")

@@ -110,7 +110,7 @@ def env_for(url: str | None, token: str | None) -> None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-    from stapo.verifier_service import adapters
+    from stapo.verifier_service.clients import adapters
 
     adapters.close_verifiers()
 

@@ -29,7 +29,7 @@ def trainer():
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    from stapo.verifier_service.adapters import make_trl_reward
+    from stapo.verifier_service.clients.adapters import make_trl_reward
 
     torch.manual_seed(0)
     cfg = Qwen2Config(
@@ -62,7 +62,7 @@ def trainer():
 
 
 def rewards(tr, conversational: bool = False) -> list[float | None] | str:
-    from stapo.verifier_service.client import VerifierRequestError, VerifierUnavailable
+    from stapo.verifier_service.clients.client import VerifierRequestError, VerifierUnavailable
 
     if conversational:
         prompts = [[{"role": "user", "content": "Solve it."}] for _ in CASES]
@@ -89,7 +89,7 @@ def unguarded_script() -> str:
     with open(script, "w") as f:
         f.write(
             "print('body')\n"
-            "from stapo.verifier_service.adapters import make_trl_reward\n"
+            "from stapo.verifier_service.clients.adapters import make_trl_reward\n"
             "fn = make_trl_reward('answer')\n"
             "print(fn(['p'], ['so \\\\boxed{\\\\frac{3\\\\sqrt{2}}{4}}'], answer=['\\\\frac{\\\\sqrt{18}}{4}']))\n"
         )

@@ -130,7 +130,7 @@ def reward_loop(overrides: list[str]) -> list[float] | str:
 
 
 def run_new_loop() -> None:
-    pkg = "pkg://stapo.verifier_service.adapters"
+    pkg = "pkg://stapo.verifier_service.clients.adapters"
     fn = ["reward.custom_reward_function.name=compute_score"]
     want = expected()
     os.environ["STAPO_VERIFIER_FAILURE_SCORE"] = str(FAILURE)
@@ -306,7 +306,7 @@ def run_legacy() -> None:
     # which then grade concurrently: three steps (three pools), as three training steps would, of
     # 64 items each (with 8, the first worker forked grades them all before the next one is up).
     # (uvicorn drops an idle connection after 5 s: a call long before the fork would test nothing.)
-    from stapo.verifier_service import adapters
+    from stapo.verifier_service.clients import adapters
 
     def parent_call():
         assert adapters.compute_score("x", "\\boxed{1}", "1")["score"] == 1.0

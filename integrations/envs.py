@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".integrations"
 VENVS = CACHE / "venvs"
 
-# What ``stapo.verifier_service.adapters`` imports (grader, pool, client, settings), nothing more:
-# the install line of docs/integrations.md, word for word (tests/unit/test_adapter_deps.py checks
+# What ``stapo.verifier_service.clients.adapters`` imports (grader, pool, client, settings), nothing more:
+# the install line of docs/integrations.md, word for word (tests/unit/verifier_service/clients/test_adapter_deps.py checks
 # both, and that grading in-process and through the client imports nothing else).
 # math-verify comes with the ANTLR runtime the framework already pins (see ``Env.antlr``).
 ADAPTER_DEPS = (

@@ -156,7 +156,7 @@ def main(names: list[str]) -> int:
             "url": url,
             "token": token,
             "dead_url": f"http://127.0.0.1:{free_port()}",
-            "adapters_file": str(REPO / "verifier_service" / "adapters.py"),
+            "adapters_file": str(REPO / "verifier_service" / "clients" / "adapters.py"),
         }
         for name in names:
             env = ENVS[name]

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stapo.core.config import RewardConfig
-from stapo.verifier_service.client import VerifierClient
-from stapo.verifier_service.pool import GraderPool
-from stapo.verifier_service.settings import default_workers
+from stapo.verifier_service.clients.client import VerifierClient
+from stapo.verifier_service.server.pool import GraderPool
+from stapo.verifier_service.server.settings import default_workers
 
 __all__ = ["RewardError", "RewardBatch", "RewardFunction", "rule_shares", "scale_reward"]
 

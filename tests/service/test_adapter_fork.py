@@ -17,7 +17,7 @@ from functools import partial
 
 import pytest
 
-from stapo.verifier_service import adapters
+from stapo.verifier_service.clients import adapters
 
 
 def load_like_verl_07(name: str = "custom_module_4242"):
@@ -131,7 +131,7 @@ def test_prime_route_in_process_honours_the_size_limits(monkeypatch):
 
 UNGUARDED = """
 print("the script's body runs")
-from stapo.verifier_service.adapters import compute_score
+from stapo.verifier_service.clients.adapters import compute_score
 print(compute_score(data_source="x", solution_str="so \\\\boxed{\\\\frac{3\\\\sqrt{2}}{4}}",
                     ground_truth="\\\\frac{\\\\sqrt{18}}{4}"))
 """
@@ -158,7 +158,7 @@ def test_an_unguarded_script_is_refused_before_any_worker_starts(tmp_path, start
     again (as ``__mp_main__``) and run its body in each. The pool refuses in the caller, naming the
     script's line and the guard, before any worker starts (the body ran once: no worker re-ran it), on
     both start methods; the same script under the guard grades."""
-    from stapo.verifier_service.pool import UNGUARDED_MESSAGE
+    from stapo.verifier_service.server.pool import UNGUARDED_MESSAGE
 
     bad = _run_script(tmp_path, UNGUARDED, start_method)
     assert bad.returncode != 0
@@ -178,7 +178,7 @@ def test_unguarded_start_reads_the_scripts_line_through_calls(tmp_path):
 
     script = tmp_path / "s.py"
     script.write_text(
-        "from stapo.verifier_service.pool import unguarded_start\n"
+        "from stapo.verifier_service.server.pool import unguarded_start\n"
         "def build():\n"
         "    return unguarded_start()\n"
         "print('body', build())\n"
@@ -201,14 +201,14 @@ SCORE = ("compute_score(data_source='x', solution_str='so \\\\boxed{\\\\frac{3\\
 THREAD_CALLERS = {
     "asyncio.to_thread": (
         "import asyncio\n"
-        "from stapo.verifier_service.adapters import compute_score\n"
+        "from stapo.verifier_service.clients.adapters import compute_score\n"
         "async def grade():\n"
         f"    return await asyncio.to_thread(lambda: {SCORE})\n"
         "print(asyncio.run(grade()))\n"
     ),
     "ThreadPoolExecutor": (
         "from concurrent.futures import ThreadPoolExecutor\n"
-        "from stapo.verifier_service.adapters import compute_score\n"
+        "from stapo.verifier_service.clients.adapters import compute_score\n"
         "with ThreadPoolExecutor(max_workers=2) as ex:\n"
         f"    print([f.result() for f in [ex.submit(lambda: {SCORE}) for _ in range(2)]])\n"
     ),
@@ -224,7 +224,7 @@ def test_an_unguarded_script_grading_on_a_worker_thread_runs_its_body_once(tmp_p
     """The caller's own stack holds no frame of the script's top level: the script waits on the main
     thread at the line that started the threads. The pool reads that line and refuses it, naming it,
     before any worker starts (the body ran once); the same script under the guard grades, once."""
-    from stapo.verifier_service.pool import UNGUARDED_MESSAGE
+    from stapo.verifier_service.server.pool import UNGUARDED_MESSAGE
 
     body = COUNT + THREAD_CALLERS[caller]
     bad = _run_script(tmp_path, body)
@@ -251,7 +251,7 @@ def test_unguarded_start_reads_the_main_threads_line_from_a_worker_thread(tmp_pa
     script = tmp_path / "t.py"
     script.write_text(
         "import threading\n"
-        "from stapo.verifier_service.pool import unguarded_start\n"
+        "from stapo.verifier_service.server.pool import unguarded_start\n"
         "def in_thread():\n"
         "    out = []\n"
         "    t = threading.Thread(target=lambda: out.append(unguarded_start()))\n"

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from stapo.verifier_service.scheduler import looks_costly
+from stapo.verifier_service.server.scheduler import looks_costly
 from tests.service.conftest import DEADLINE_S, start_server, sympy_items
 
 BUDGET_S = 3 * DEADLINE_S  # the bound: Settings.default_budget_factor (2.8) x the deadline + the cut-off

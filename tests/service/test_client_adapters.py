@@ -9,8 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from stapo.verifier_service import adapters
-from stapo.verifier_service.client import (
+from stapo.verifier_service.clients import adapters
+from stapo.verifier_service.clients.client import (
     AsyncVerifierClient,
     VerifierClient,
     VerifierRequestError,
@@ -228,7 +228,7 @@ def test_openrlhf_query_decoded_with_special_tokens(where):
 def test_adapters_raise_when_the_service_is_down(monkeypatch):
     adapters.close_verifiers()
     monkeypatch.setenv("STAPO_VERIFIER_URL", dead_url())
-    from stapo.verifier_service import client as client_mod
+    from stapo.verifier_service.clients import client as client_mod
 
     monkeypatch.setattr(
         client_mod.VerifierClient, "__init__", _fast_fail_init(client_mod.VerifierClient.__init__)

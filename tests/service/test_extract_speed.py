@@ -1,4 +1,4 @@
-"""extract_answer's fast marker scan (``extract._answer_matches``) finds exactly what the regex scan found.
+"""extract_answer's fast marker scan (``extraction._answer_matches``) finds exactly what the regex scan found.
 
 The old implementation is kept here as a copy (``_old_extract_answer``: ``finditer`` over the whole
 text) and compared with the module's on a fuzz corpus built to hit the corner cases: "answer" in
@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from stapo.verifier_service import extract as E
-from stapo.verifier_service.normalize import strip_delims
+from stapo.verifier_service.grader import extraction as E
+from stapo.verifier_service.grader.normalize import strip_delims
 
 
 def _old_extract_answer(text: str, *, think: str = "optional") -> str | None:
@@ -134,7 +134,7 @@ def test_every_code_point_matching_answer_lowers_to_it_but_long_s() -> None:
 
 
 def test_stream_items_unchanged() -> None:
-    from stapo.verifier_service.loadgen import build_stream, load_golds
+    from stapo.verifier_service.clients.loadgen import build_stream, load_golds
 
     for style, src in (("answer_line", "dapo17k"), ("boxed", "math500+gsm8k")):
         for p, _g, _m in build_stream(1500, seed=3, style=style, golds=load_golds(source=src)):

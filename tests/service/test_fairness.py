@@ -14,8 +14,8 @@ import time
 
 import httpx
 
+from stapo.verifier_service.clients.loadgen import build_stream
 from stapo.verifier_service.grader import grade
-from stapo.verifier_service.loadgen import build_stream
 from tests.service.conftest import DEADLINE_S, verify, wait_pending
 
 POWER = "so \\boxed{5^{5^{5^{5^5}}}}"
@@ -241,7 +241,7 @@ def test_inline_no_answer_agrees_with_the_grader():
 def test_admission_in_work_answers_429_and_the_client_waits_as_told():
     """Items x recent per-item time beyond --max-queue-s -> 429 with a Retry-After from the estimate;
     VerifierClient waits it out (with jitter, without spending a retry) and reports the wait."""
-    from stapo.verifier_service.client import VerifierClient
+    from stapo.verifier_service.clients.client import VerifierClient
     from tests.service.conftest import start_server
 
     srv = start_server(workers=2, args=("--max-queue-s", "1"))
@@ -269,7 +269,7 @@ def test_admission_in_work_answers_429_and_the_client_waits_as_told():
 def test_budget_spent_items_are_answered_timeout_without_grading():
     """Items still queued when their request's ``budget_s`` is spent answer 'timeout' ungraded (ms 0),
     and a cancelled job's queued items never reach a worker."""
-    from stapo.verifier_service.pool import GraderPool
+    from stapo.verifier_service.server.pool import GraderPool
 
     with GraderPool(workers=1, deadline_s=1.5) as pool:
         assert pool.wait_ready(60)

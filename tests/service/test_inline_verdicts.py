@@ -16,8 +16,8 @@ from importlib import resources
 import httpx
 import pytest
 
+from stapo.verifier_service.clients.loadgen import build_stream, load_golds
 from stapo.verifier_service.grader import Answer, compare, extract, grade
-from stapo.verifier_service.loadgen import build_stream, load_golds
 from tests.service.conftest import start_server
 
 

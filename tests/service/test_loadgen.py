@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from stapo.verifier_service.extract import extract_answer
-from stapo.verifier_service.loadgen import build_stream, load_golds, stream_stats
+from stapo.verifier_service.clients.loadgen import build_stream, load_golds, stream_stats
+from stapo.verifier_service.grader.extraction import extract_answer
 
 GOLDS = ["18", "\\frac{1}{2}", "(1,2)", "70", "x^2+1", "12", "5", "-1"]
 

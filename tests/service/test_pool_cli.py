@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 from stapo.cli.common import CLIError
 from stapo.cli.verifier import app as verifier_app
 from stapo.cli.verifier import build_settings
-from stapo.verifier_service.pool import GraderPool, PoolClosed
-from stapo.verifier_service.scheduler import PoolBusy
+from stapo.verifier_service.server.pool import GraderPool, PoolClosed
+from stapo.verifier_service.server.scheduler import PoolBusy
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +107,8 @@ def test_service_path_never_imports_torch():
     import sys
 
     code = (
-        "import sys, stapo.verifier_service.app, stapo.verifier_service.client, stapo.verifier_service.pool, "
-        "stapo.verifier_service.adapters, stapo.cli.verifier, stapo.verifier_service.warmup; "
+        "import sys, stapo.verifier_service.server.app, stapo.verifier_service.clients.client, stapo.verifier_service.server.pool, "
+        "stapo.verifier_service.clients.adapters, stapo.cli.verifier, stapo.verifier_service.server.warmup; "
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

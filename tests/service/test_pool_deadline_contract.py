@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from stapo.verifier_service.pool import GraderPool
+from stapo.verifier_service.server.pool import GraderPool
 
 DEADLINE_S = 1.0
 SLACK_S = 4.0  # kill + replacement on 2 busy cores; far below a hang

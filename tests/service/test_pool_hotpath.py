@@ -16,10 +16,10 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from stapo.verifier_service.cache import cache_key, cheap_answer, verdict_key
 from stapo.verifier_service.grader import grade
-from stapo.verifier_service.pool import GraderPool
-from stapo.verifier_service.schemas import as_item
+from stapo.verifier_service.server.cache import cache_key, cheap_answer, verdict_key
+from stapo.verifier_service.server.pool import GraderPool
+from stapo.verifier_service.server.schemas import as_item
 
 
 def test_as_item_fast_path_and_its_limits():

@@ -16,7 +16,7 @@ import textwrap
 SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, threading
-    from stapo.verifier_service.pool import GraderPool
+    from stapo.verifier_service.server.pool import GraderPool
 
     if __name__ == "__main__":
         got = []

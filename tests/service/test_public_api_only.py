@@ -15,6 +15,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "verifier_service"
 OURS = ("stapo", ".")
+DOCUMENTED = {"sys._current_frames"}
+"""Underscored names that Python's reference documents (the ``sys`` module page): the pool's main-guard
+check reads the main thread's stack with it when the caller grades on a worker thread."""
 
 
 def _private(name: str) -> bool:
@@ -50,7 +53,9 @@ def violations(source: str, where: str = "<src>") -> list[str]:
                 chain.append(base.attr)
                 base = base.value
             if isinstance(base, ast.Name) and base.id in foreign and any(_private(a) for a in chain):
-                out.append(f"{where}:{node.lineno}: {base.id}.{'.'.join(reversed(chain))}")
+                dotted = f"{base.id}.{'.'.join(reversed(chain))}"
+                if dotted not in DOCUMENTED:
+                    out.append(f"{where}:{node.lineno}: {dotted}")
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             if node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2:
                 obj, name = node.args[0], node.args[1]
@@ -97,7 +102,7 @@ def test_the_scan_catches_private_use(src):
 
 def test_the_scan_lets_public_and_own_private_names_pass():
     src = (
-        "import os, pebble\nfrom stapo.verifier_service.cache import ByteLRU\n"
+        "import os, pebble\nfrom stapo.verifier_service.server.cache import ByteLRU\n"
         "class A:\n    def f(self):\n        self._x = 1\n        return pebble.ProcessPool, os.__name__, self._x\n"
         "_LOCAL = 1\n"
     )
@@ -105,7 +110,7 @@ def test_the_scan_lets_public_and_own_private_names_pass():
 
 
 def test_no_module_of_the_service_uses_private_names_of_other_packages():
-    files = sorted(PACKAGE.glob("*.py"))
+    files = sorted(PACKAGE.rglob("*.py"))
     assert len(files) > 5
     found = [v for f in files for v in violations(f.read_text(), f.name)]
     assert not found, "\n".join(found)

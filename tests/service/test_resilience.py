@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from stapo.verifier_service.clients.loadgen import build_stream
 from stapo.verifier_service.grader import grade
-from stapo.verifier_service.loadgen import build_stream
 from tests.service.conftest import sympy_items, verify, wait_in_flight
 
 

@@ -1,7 +1,7 @@
 """The grader pool's scheduler driven alone: no process, no thread, no pebble.
 
 Fair queueing, costly shapes last, admission, request budgets and per-item deadlines, each against
-an expectation worked out by hand from the rules in verifier_service/scheduler.py.
+an expectation worked out by hand from the rules in verifier_service/server/scheduler.py.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from stapo.verifier_service.cache import Memo
-from stapo.verifier_service.scheduler import FIRST_SLICE, INITIAL_ITEM_S, Job, PoolBusy, Scheduler
+from stapo.verifier_service.server.cache import Memo
+from stapo.verifier_service.server.scheduler import FIRST_SLICE, INITIAL_ITEM_S, Job, PoolBusy, Scheduler
 
 TOWER = "so \\boxed{5^{5^{5^5}}}"  # a shape looks_costly knows
 

@@ -18,7 +18,7 @@ import httpx
 import pebble
 
 from stapo.verifier_service.grader import Verdict
-from stapo.verifier_service.pool import GraderPool, PoolBroken
+from stapo.verifier_service.server.pool import GraderPool, PoolBroken
 from tests.service.conftest import free_port
 
 
@@ -158,7 +158,7 @@ def test_a_worker_killed_while_idle_is_replaced():
 
 
 def test_caches_are_bounded_in_bytes():
-    from stapo.verifier_service.cache import ByteLRU
+    from stapo.verifier_service.server.cache import ByteLRU
 
     lru = ByteLRU(max_bytes=50_000, max_entries=10_000)
     for k in range(500):

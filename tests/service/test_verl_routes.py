@@ -21,7 +21,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from stapo.verifier_service import adapters
+from stapo.verifier_service.clients import adapters
 
 RIGHT = "<think>2+2 is 4</think> The answer is \\boxed{\\frac{3}{4}}."
 WRONG = "I think it is \\boxed{5}."

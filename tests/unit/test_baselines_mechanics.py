@@ -98,7 +98,7 @@ def test_plus_minus_one_rewards_with_overlong_penalty():
 def test_reward_scale_through_the_real_grader():
     from stapo.core.config import RewardConfig
     from stapo.core.task.rewards import RewardFunction
-    from stapo.verifier_service.pool import GraderPool
+    from stapo.verifier_service.server.pool import GraderPool
 
     pool = GraderPool(workers=1, deadline_s=5.0)
     try:

@@ -28,7 +28,7 @@ from stapo.cli.common import JobError, check_launch
 from stapo.configs import preset_path
 from stapo.core.config import ConfigError, load_config
 from stapo.core.task.rewards import grader_workers_per_rank
-from stapo.verifier_service.settings import default_workers
+from stapo.verifier_service.server.settings import default_workers
 
 
 def tiny(*overrides: str):

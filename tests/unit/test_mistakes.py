@@ -130,7 +130,7 @@ def test_a_mistake_is_one_line_naming_the_fix_before_anything_heavy(name, argv, 
 
 def test_verifier_help_shows_the_size_limits_the_service_applies(stapo_main):
     """`stapo verifier serve --help` states each size limit's default, the one Settings applies."""
-    from stapo.verifier_service.settings import Settings
+    from stapo.verifier_service.server.settings import Settings
 
     code, out, _err = stapo_main("verifier", "serve", "--help")
     assert code == 0

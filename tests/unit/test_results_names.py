@@ -61,7 +61,7 @@ def top_level() -> frozenset[str]:
 @cache
 def modules() -> dict[str, list[str]]:
     """Last part of each stapo module or package name -> its full names (``loadgen`` ->
-    ``stapo.verifier_service.loadgen``); ``stapo`` and the packages themselves included."""
+    ``stapo.verifier_service.clients.loadgen``); ``stapo`` and the packages themselves included."""
     out: dict[str, list[str]] = {"stapo": ["stapo"]}
     for folder, package in PACKAGES.items():
         for path in (ROOT / folder).rglob("*.py"):

@@ -6,7 +6,7 @@ import pytest
 
 from stapo.core.config import RewardConfig
 from stapo.core.task.rewards import RewardError, RewardFunction
-from stapo.verifier_service.pool import GraderPool
+from stapo.verifier_service.server.pool import GraderPool
 
 TOWER = r"\boxed{5^{5^{5^{5^{5^{5^{5}}}}}}}"  # str() of its parse never returns: a guaranteed timeout
 
