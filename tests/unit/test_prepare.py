@@ -20,8 +20,8 @@ from stapo.configs import preset_path
 from stapo.core.config import load_config, save_config
 from stapo.core.train.loop import train
 from stapo.core.train.prepare import ResumeError, RunDirError, prepare
-from stapo.core.train.rundir import CHANGES_NAME, lock_run_dir, read_config_changes
 from stapo.core.train.run import Run
+from stapo.core.train.rundir import CHANGES_NAME, lock_run_dir, read_config_changes
 
 FAST = ["trainer.max_steps=1", "data.val_size=0", "logging.dump_tokens_every=0", "logging.tensorboard=false",
         "logging.live=false"]
