@@ -516,8 +516,8 @@ def prepare(cfg: Config, run_dir: Path | str, *, resume: bool | None = None, all
                           f"({owner.previous})")
         if resume is not None:
             prepared.start(resume, allow_changes=allow_changes, fresh=fresh)
-        if said is not None:
-            log(said)  # the plan's line once the run goes on (a refused start says only why)
+        if said is not None and not prepared.finished:
+            log(said)  # the plan's line once the run goes on (a refused or finished start says only why)
     except BaseException:
         prepared.close()
         raise
