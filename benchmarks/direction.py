@@ -501,9 +501,9 @@ def table(per_arm: dict[str, dict[int, dict]]) -> str:
 def arm_configs(scale: Scale, arms: tuple[str, ...], sets: list[str]) -> dict[str, Any]:
     """Each arm's config as `stapo train --config BASE --recipe ARM --set ...` builds it (validated:
     a bad override fails here in one line, before any run)."""
-    from stapo.cli.train import method_overrides
     from stapo.configs import preset_path
     from stapo.core.config import load_config
+    from stapo.core.train.prepare import method_overrides
 
     base = preset_path(scale.base)
     out = {}

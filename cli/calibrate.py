@@ -20,7 +20,14 @@ from typing import Annotated
 
 import typer
 
-from stapo.cli.common import CLIError, ConfigOpt, SetOpt, check_inputs, quiet_known_noise, resolve_config_path
+from stapo.cli.common import (
+    CLIError,
+    ConfigOpt,
+    SetOpt,
+    prepare_errors,
+    quiet_known_noise,
+    resolve_config_path,
+)
 
 
 def command(
@@ -69,7 +76,10 @@ def command(
     for x in q or []:
         if not 0 <= x <= 1:
             raise CLIError(f"--q must be in [0, 1], got {x}")
-    check_inputs(cfg)
+    from stapo.core.train.prepare import check_inputs
+
+    with prepare_errors():
+        check_inputs(cfg)
     quiet_known_noise(cfg.trainer.backend)
 
     from rich.console import Console

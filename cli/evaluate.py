@@ -23,7 +23,7 @@ from typing import Annotated
 
 import typer
 
-from stapo.cli.common import CLIError, ConfigOpt, SetOpt, check_engine_and_device, quiet_known_noise
+from stapo.cli.common import CLIError, ConfigOpt, SetOpt, prepare_errors, quiet_known_noise
 from stapo.cli.common import console as make_console
 
 
@@ -114,7 +114,10 @@ def command(
     except ConfigError as err:
         raise CLIError(str(err)) from None
 
-    check_engine_and_device(cfg)  # a missing engine or GPU: one line before anything loads
+    from stapo.core.train.prepare import check_engine_and_device
+
+    with prepare_errors():
+        check_engine_and_device(cfg)  # a missing engine or GPU: one line before anything loads
     quiet_known_noise(cfg.trainer.backend)
     from stapo.core.task.rewards import RewardError
     from stapo.evals.runner import EvalStateError, evaluate, results_table

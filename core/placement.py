@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Placement", "place", "apply", "presented_env", "rank_placement", "resolve_device", "visible_cuda_devices"]
+__all__ = ["Placement", "launch_world_size", "place", "apply", "presented_env", "rank_placement", "resolve_device", "visible_cuda_devices"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,14 @@ def _int(env: Mapping[str, str], key: str, default: int | None) -> int | None:
         raise ValueError(f"environment variable {key}={raw!r} is not an integer") from None
 
 
+def launch_world_size(env: Mapping[str, str] = os.environ) -> int:
+    """The launch's number of ranks: ``WORLD_SIZE`` (deepspeed, torchrun, Slurm), 1 without a launcher.
+    The one reader of the variable: the launch checks, the memory plan and :func:`place` ask it."""
+    world = _int(env, "WORLD_SIZE", 1)
+    assert world is not None
+    return world
+
+
 def visible_cuda_devices(env: Mapping[str, str]) -> list[str] | None:
     """The ids listed in ``CUDA_VISIBLE_DEVICES`` (None when it is unset)."""
     raw = env.get("CUDA_VISIBLE_DEVICES")
@@ -123,9 +131,9 @@ def place(env: Mapping[str, str], *, cuda_devices: int, requested: str = "auto",
     ``trainer.device`` (``auto``, ``cpu``, ``cuda`` or ``cuda:i``). ``tp_size``: vLLM's tensor-parallel
     size; its groups are consecutive ranks of one node. Errors name the variable or config key.
     """
-    world = _int(env, "WORLD_SIZE", 1)
+    world = launch_world_size(env)
     rank = _int(env, "RANK", 0)
-    assert world is not None and rank is not None
+    assert rank is not None
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}")
     local_rank = _int(env, "LOCAL_RANK", None)

@@ -33,13 +33,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def hub_answers(monkeypatch):
     """Tests run without a network, and the shipped recipes name hub ids (Qwen/Qwen3-8B-Base): the
-    pre-load probe of the hub (:func:`stapo.cli.common.hub_answers`) is stood in by one that answers,
+    pre-load probe of the hub (:func:`stapo.core.train.prepare.hub_answers`) is stood in by one that answers,
     so the launch checks get past it. A test of the probe's refusal sets its own stand-in."""
     try:
-        import stapo.cli.common as common
-    except ImportError:  # the verifier's own test environment has no CLI
+        import stapo.core.train.prepare as prepare
+    except ImportError:  # the verifier's own test environment has no trainer
         return
-    monkeypatch.setattr(common, "hub_answers", lambda endpoint, timeout_s=common.HUB_PROBE_S: None)
+    monkeypatch.setattr(prepare, "hub_answers", lambda endpoint, timeout_s=prepare.HUB_PROBE_S: None)
 
 
 @pytest.fixture
@@ -85,9 +85,9 @@ def stub_train(monkeypatch) -> list:
 
     seen: list = []
 
-    def finishes(cfg, run_dir, *, resume, log, plan):
-        seen.append(cfg)
-        return TrainResult(run_dir, cfg.trainer.max_steps, None, None, 0.0)
+    def finishes(prepared, *, log):
+        seen.append(prepared.cfg)
+        return TrainResult(prepared.run_dir, prepared.cfg.trainer.max_steps, None, None, 0.0)
 
     monkeypatch.setattr(train, "run_training", finishes)
     return seen

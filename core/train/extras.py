@@ -81,7 +81,7 @@ from stapo.core.algos.regularizers import (
 )
 from stapo.core.algos.stare import StareSchedule
 from stapo.core.config import Config
-from stapo.core.rollout.async_rollout import async_rollouts, check_supported
+from stapo.core.rollout.async_rollout import async_rollouts
 from stapo.core.train.micro import Micro
 from stapo.core.train.off_policy import off_policy_step
 from stapo.core.train.reference import ReferencePolicy, minp_stats_batched
@@ -543,8 +543,7 @@ class AsyncHook(LoopHook):
 
     name: ClassVar[str] = "async"
 
-    def __init__(self, run: Any) -> None:
-        check_supported(run.cfg)
+    def __init__(self, run: Any) -> None:  # (what async rollouts support: the run's preparation checks it)
         self.run = run
         self.dp = DataParallel(run.backend)  # the off-policy decisions are global over ranks
         self.rollouts: Any = None

@@ -227,9 +227,15 @@ def dump_tokens(run: Run, step: int, seqs: list[Sequence_], batch: Batch, rows: 
 # ----------------------------------------------------------------------------- the loop
 
 
-def train(run: Run, *, resume: bool = False) -> TrainResult:
+def train(run: Run, *, resume: bool = False, allow_changes: bool = False, fresh: bool = False) -> TrainResult:
     """Train (or resume) the built ``run`` (:meth:`stapo.core.train.run.Run.build`) and close it; returns
     where it went and validation before/after.
+
+    First the run dir must agree with how the run starts, as for ``stapo train``
+    (:meth:`stapo.core.train.prepare.Prepared.start`): a new run into a dir that holds one is refused;
+    ``resume`` needs a checkpoint (``fresh``: start over without one); a resume that changes how the run
+    trains is refused unless ``allow_changes`` (``--allow-changes``), which records the changes in
+    ``RUN/config_changes.jsonl``. A resume of a run that has finished says so and returns.
 
     Each step, top to bottom: sample -> grade -> advantages (+ dynamic sampling) -> old pass (where
     needed) -> update -> weight sync -> metrics / validation / checkpoint. The extras are hooks
@@ -244,6 +250,10 @@ def train(run: Run, *, resume: bool = False) -> TrainResult:
     dp = DataParallel(run.backend)
     main = run.rank == 0
     try:  # nothing is written before the run is built and every rank agrees on rank 0's run dir
+        run.prepared.start(resume, allow_changes=allow_changes, fresh=fresh)  # (stapo train: done already)
+        if run.prepared.finished:
+            run.close()
+            return TrainResult(run_dir, cfg.trainer.max_steps, None, None, time.time() - t_start)
         run_dir = run.run_dir = agree_run_dir(run_dir, dp)
         run.placement.record(run_dir / "ranks", run.backend.device)  # which host / GPU each rank took
         ckpt = open_run_dir(run_dir, cfg, resume=resume, main=main)  # rank 0: the dir and config.yaml

@@ -32,7 +32,8 @@ def tiny(*overrides: str):
 
 
 def _resume(run_dir, *extra: str) -> list[dict]:
-    train(Run.build(tiny("trainer.max_steps=3", *extra), run_dir, log=lambda m: None), resume=True)
+    train(Run.build(tiny("trainer.max_steps=3", *extra), run_dir, log=lambda m: None), resume=True,
+          allow_changes=bool(extra))  # (--allow-changes: without it a resume with changes is refused)
     return read_jsonl(run_dir / "metrics.jsonl")
 
 

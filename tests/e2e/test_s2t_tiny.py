@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from stapo.cli.train import method_overrides
 from stapo.configs import preset_path
 from stapo.core.config import load_config
 from stapo.core.tracking import read_jsonl
 from stapo.core.train.loop import train
+from stapo.core.train.prepare import method_overrides
 from stapo.core.train.run import Run
 
 pytestmark = pytest.mark.long  # three tiny runs (10 steps) in one fixture
@@ -74,7 +74,7 @@ def test_a_python_built_paper_recipe_on_tiny_says_it_cannot_act_and_prints_no_li
     import sys
 
     code = (
-        "from stapo.cli.train import method_overrides\n"
+        "from stapo.core.train.prepare import method_overrides\n"
         "from stapo.configs import preset_path\n"
         "from stapo.core.config import load_config\n"
         "from stapo.core.train.loop import train\n"

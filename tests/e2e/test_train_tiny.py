@@ -138,11 +138,15 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 
 def test_reward_outage_fails_loudly(tmp_path):
-    from stapo.core.task.rewards import RewardError
+    from stapo.core.task.rewards import RewardError, RewardFunction
+    from stapo.core.train.prepare import LaunchError
 
     cfg = tiny("reward.urls=['http://127.0.0.1:9']", "data.val_size=0", "trainer.max_steps=1")
+    with pytest.raises(LaunchError, match=r"^reward\.urls: http://127\.0\.0\.1:9/readyz did not answer"):
+        Run.build(cfg, tmp_path / "down", log=lambda m: None)  # a verifier down at start: refused before loading
+    # one that goes down after the start (given, so not probed): the first step stops the run, loudly
     with pytest.raises(RewardError, match="127.0.0.1:9"):
-        train(Run.build(cfg, tmp_path / "down", log=lambda m: None))
+        train(Run.build(cfg, tmp_path / "down", log=lambda m: None, rewards=RewardFunction(cfg.reward)))
     assert read_jsonl(tmp_path / "down" / "metrics.jsonl") == []
 
 

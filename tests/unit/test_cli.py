@@ -149,13 +149,13 @@ def _interrupt_at(monkeypatch, step: int) -> None:
 
     real = train.run_training
 
-    def run_training(cfg, run_dir, *, log, **kw):
+    def run_training(prepared, *, log):
         def log_then_interrupt(msg: str) -> None:
             log(msg)
             if msg.startswith(f"step {step}/"):
                 raise KeyboardInterrupt
 
-        return real(cfg, run_dir, log=log_then_interrupt, **kw)
+        return real(prepared, log=log_then_interrupt)
 
     monkeypatch.setattr(train, "run_training", run_training)
 
@@ -194,15 +194,16 @@ def test_ctrl_c_without_checkpoint_then_fresh(monkeypatch, capsys, tmp_path, sta
     run = tmp_path / "run"
     calls = []
 
-    def interrupted(cfg, run_dir, **_kw):
+    def interrupted(prepared, **_kw):
+        run_dir = prepared.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(preset_path("tiny").read_text())
         (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
         raise KeyboardInterrupt
 
-    def finishes(cfg, run_dir, *, resume, **_kw):
-        calls.append(resume)
-        return TrainResult(run_dir, cfg.trainer.max_steps, None, None, 0.0)
+    def finishes(prepared, **_kw):
+        calls.append(prepared.resume)
+        return TrainResult(prepared.run_dir, prepared.cfg.trainer.max_steps, None, None, 0.0)
 
     monkeypatch.setattr(train, "run_training", interrupted)
     code, _o, err = stapo_main("train", "--config", "tiny", "--run-dir", str(run))
@@ -226,9 +227,9 @@ def test_ctrl_c_without_checkpoint_then_fresh(monkeypatch, capsys, tmp_path, sta
 
 def test_recipe_method_keys_apply_to_tiny():
     """Every shipped recipe's method keys load onto the tiny config; scale keys stay tiny's."""
-    from stapo.cli.train import method_overrides
     from stapo.configs import preset_names
     from stapo.core.config import load_config
+    from stapo.core.train.prepare import method_overrides
 
     tiny = load_config(preset_path("tiny"))
     for name in preset_names():

@@ -1,6 +1,6 @@
 """What `stapo train` checks before anything loads, and how a launch of several ranks reports it.
 
-- each check of :func:`stapo.cli.common.check_launch` fails with one line naming its config key:
+- each check of :func:`stapo.core.train.prepare.check_launch` fails with one line naming its config key:
   the one-process torch backend under a launcher, ranks that do not divide ``rollout.prompts_per_step``, a vLLM that does not import, a
   ``reward.urls`` entry that does not resolve, does not answer, or answers ``/readyz`` with 503
   (a real HTTP server on loopback); a ready one passes;
@@ -24,10 +24,10 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from stapo.cli import main as cli_main
-from stapo.cli.common import JobError, check_launch
 from stapo.configs import preset_path
 from stapo.core.config import ConfigError, load_config
 from stapo.core.task.rewards import grader_workers_per_rank
+from stapo.core.train.prepare import LaunchError, check_launch
 from stapo.verifier_service.server.settings import default_workers
 
 
@@ -39,20 +39,20 @@ def test_ranks_must_divide_the_prompts_per_step() -> None:
     cfg = tiny("rollout.prompts_per_step=8", "trainer.backend=deepspeed")
     check_launch(cfg, {"WORLD_SIZE": "2"})
     check_launch(cfg, {})  # one process
-    with pytest.raises(JobError, match=r"^rollout\.prompts_per_step \(8\) must be divisible by the number of ranks \(3\)"):
+    with pytest.raises(LaunchError, match=r"^rollout\.prompts_per_step \(8\) must be divisible by the number of ranks \(3\)"):
         check_launch(cfg, {"WORLD_SIZE": "3"})
 
 
 def test_several_ranks_need_a_backend_that_spans_them() -> None:
     """The torch backend is one process: under a launcher each rank would train its own copy."""
     check_launch(tiny(), {})
-    with pytest.raises(JobError, match=r"^trainer\.backend=torch trains in one process, but this launch has 2 ranks"):
+    with pytest.raises(LaunchError, match=r"^trainer\.backend=torch trains in one process, but this launch has 2 ranks"):
         check_launch(tiny(), {"WORLD_SIZE": "2"})
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
 def test_a_vllm_engine_that_does_not_import_names_the_key() -> None:
-    with pytest.raises(JobError, match=r"^rollout\.engine=vllm, but vllm does not import \(ModuleNotFoundError"):
+    with pytest.raises(LaunchError, match=r"^rollout\.engine=vllm, but vllm does not import \(ModuleNotFoundError"):
         check_launch(tiny("rollout.engine=vllm"), {})
 
 
@@ -83,14 +83,14 @@ def test_reward_urls_resolve_and_answer_readyz(readyz_server) -> None:
     url, handler = readyz_server
     check_launch(tiny(f"reward.urls=[{url}]"), {})
     handler.status = 503
-    with pytest.raises(JobError, match=r"^reward\.urls: .*/readyz answered 503"):
+    with pytest.raises(LaunchError, match=r"^reward\.urls: .*/readyz answered 503"):
         check_launch(tiny(f"reward.urls=[{url}]"), {})
-    with pytest.raises(JobError, match=r"^reward\.urls: cannot resolve 'verifier\.invalid'"):
+    with pytest.raises(LaunchError, match=r"^reward\.urls: cannot resolve 'verifier\.invalid'"):
         check_launch(tiny("reward.urls=[http://verifier.invalid:8000]"), {})
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
-    with pytest.raises(JobError, match=r"^reward\.urls: http://127\.0\.0\.1:\d+/readyz did not answer"):
+    with pytest.raises(LaunchError, match=r"^reward\.urls: http://127\.0\.0\.1:\d+/readyz did not answer"):
         check_launch(tiny(f"reward.urls=[http://127.0.0.1:{closed}]"), {})
 
 
@@ -145,7 +145,7 @@ def test_offload_optimizer_names_the_missing_compiler_and_ninja(monkeypatch, cap
     check_launch(cfg, {"PATH": _tools(tmp_path / "both", "c++", "ninja")})
     check_launch(cfg, {"PATH": _tools(tmp_path / "gxx", "g++", "ninja"), "CXX": "g++"})
     check_launch(tiny("trainer.backend=deepspeed", "trainer.zero_stage=1"), {"PATH": ""})  # no offload: no build
-    with pytest.raises(JobError, match=r"^trainer\.offload_optimizer=true: DeepSpeed compiles its CPU Adam .* "
+    with pytest.raises(LaunchError, match=r"^trainer\.offload_optimizer=true: DeepSpeed compiles its CPU Adam .* "
                                        r"missing: c\+\+\. Install them"):
         check_launch(cfg, {"PATH": _tools(tmp_path / "ninja", "ninja")})
     args = ("train", "--config", "tiny", "--run-dir", str(tmp_path / "run"), "--set", "trainer.backend=deepspeed",

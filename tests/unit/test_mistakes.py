@@ -143,12 +143,12 @@ def test_verifier_help_shows_the_size_limits_the_service_applies(stapo_main):
 
 def test_a_missing_deepspeed_is_named_even_where_it_is_installed(monkeypatch):
     """The same check with DeepSpeed hidden (it is installed on the project's machines)."""
-    from stapo.cli.common import JobError, check_engine_and_device
+    from stapo.core.train.prepare import LaunchError, check_engine_and_device
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
     cfg = load_config(preset_path("tiny"), ["trainer.backend=deepspeed"])
-    with pytest.raises(JobError, match=r"^trainer\.backend=deepspeed needs deepspeed, which is not installed: install "
+    with pytest.raises(LaunchError, match=r"^trainer\.backend=deepspeed needs deepspeed, which is not installed: install "
                                        r"stapo\[train\] or --set trainer\.backend=torch$"):
         check_engine_and_device(cfg, {})
 
@@ -171,14 +171,14 @@ def test_a_hub_id_without_a_hub_fails_at_once_and_a_cached_one_is_not_probed(mon
 
     from huggingface_hub import constants
 
-    import stapo.cli.common as common
+    import stapo.core.train.prepare as common
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(_hub_cache(tmp_path, "acme/cached", ("config.json",))))
     asked: list[str] = []
     monkeypatch.setattr(common, "hub_answers", lambda endpoint, timeout_s=5.0: asked.append(endpoint) or "ConnectError")
     cfg = load_config(preset_path("tiny"), ["model.name_or_path=acme/absent"])
     t0 = time.perf_counter()
-    with pytest.raises(common.JobError) as err:
+    with pytest.raises(common.InputError) as err:
         common.check_inputs(cfg)
     assert time.perf_counter() - t0 < 2.0
     assert str(err.value) == (
@@ -187,22 +187,22 @@ def test_a_hub_id_without_a_hub_fails_at_once_and_a_cached_one_is_not_probed(mon
         "reachable (`hf download acme/absent`), give a model folder, or use tiny-random")
     assert asked == [constants.ENDPOINT]
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(common.JobError, match=r"acme/absent is not a local folder .*, and HF_HUB_OFFLINE is set; "):
+    with pytest.raises(common.InputError, match=r"acme/absent is not a local folder .*, and HF_HUB_OFFLINE is set; "):
         common.check_inputs(cfg)
     assert len(asked) == 1  # offline: no probe
     common.check_inputs(load_config(preset_path("tiny"), ["model.name_or_path=acme/cached"]))  # loads offline
-    with pytest.raises(common.JobError, match=r"^model\.tokenizer: acme/cached-tok is not a local folder"):
+    with pytest.raises(common.InputError, match=r"^model\.tokenizer: acme/cached-tok is not a local folder"):
         common.check_inputs(load_config(preset_path("tiny"), ["model.name_or_path=acme/cached",
                                                               "model.tokenizer=acme/cached-tok"]))
     assert len(asked) == 1
 
 
 def test_the_hub_probe_answers_for_a_server_and_names_a_dead_one(monkeypatch) -> None:
-    """:func:`stapo.cli.common.hub_answers` itself (the autouse stand-in replaces it elsewhere)."""
+    """:func:`stapo.core.train.prepare.hub_answers` itself (the autouse stand-in replaces it elsewhere)."""
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
-    import stapo.cli.common as common
+    import stapo.core.train.prepare as common
 
     monkeypatch.undo()  # the real probe, not tests/conftest.py's stand-in
 

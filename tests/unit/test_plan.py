@@ -399,9 +399,9 @@ def test_train_checks_the_plan_at_start(monkeypatch, capsys, tmp_path, stub_trai
     # launch's import check, which runs before the plan, so the plan's refusal is what this run meets.
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
     # no GPU here: the device check (which refuses cuda on a CPU machine) stands in for a GPU node's
-    from stapo.cli import common
+    from stapo.core.train import prepare
 
-    monkeypatch.setattr(common, "check_engine_and_device", lambda cfg, environ=None: None)
+    monkeypatch.setattr(prepare, "check_engine_and_device", lambda cfg, environ=None, given=(): None)
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setattr(sys, "argv", ["stapo", "train", "--config", str(STAPO), "--run-dir", str(tmp_path / "b"), *gpu])
     from stapo.cli.main import main

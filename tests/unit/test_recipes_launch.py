@@ -2,7 +2,7 @@
 before the policy loads.
 
 - Each preset of configs/ goes through what `stapo train` checks before anything loads
-  (:func:`stapo.cli.common.check_inputs`, :func:`stapo.cli.common.check_launch`) under the variables
+  (:func:`stapo.core.train.prepare.check_inputs`, :func:`stapo.core.train.prepare.check_launch`) under the variables
   a launcher sets, at 1 and 8 ranks. Stand-ins, because this machine has no GPU: ``vllm`` is a
   stub module (the CUDA wheel cannot be installed here) and a recipe's ``rollout.server.urls`` point
   at one loopback HTTP server answering ``/health`` and ``/weight_info`` as ``vllm serve`` does in
@@ -23,9 +23,9 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from stapo.cli.common import JobError, check_inputs, check_launch
 from stapo.configs import preset_names, preset_path
 from stapo.core.config import load_config
+from stapo.core.train.prepare import LaunchError, check_inputs, check_launch
 
 ONE_PROCESS = {"tiny", "demo"}  # CPU recipes: trainer.backend=torch, one process by design
 
@@ -80,7 +80,7 @@ def test_every_shipped_recipe_passes_the_launch_checks(name: str, world: int, se
         cfg = load_config(preset_path(name), [f"rollout.server.urls=[{url}]"])
     check_inputs(cfg)
     if world > 1 and name in ONE_PROCESS:
-        with pytest.raises(JobError, match=r"^trainer\.backend=torch trains in one process, but this launch has 8"):
+        with pytest.raises(LaunchError, match=r"^trainer\.backend=torch trains in one process, but this launch has 8"):
             check_launch(cfg, launcher_env(world))
         return
     check_launch(cfg, launcher_env(world))
@@ -89,17 +89,17 @@ def test_every_shipped_recipe_passes_the_launch_checks(name: str, world: int, se
 def test_the_async_recipe_runs_on_an_engine_that_supports_async() -> None:
     """The colocated engine cannot generate while the learners train: refused at launch, naming it."""
     cfg = load_config(preset_path("stapo-async"), ["rollout.engine=vllm"])
-    with pytest.raises(JobError, match=r"^rollout\.async\.enabled supports rollout\.engine=hf or vllm_server"):
+    with pytest.raises(LaunchError, match=r"^rollout\.async\.enabled supports rollout\.engine=hf or vllm_server"):
         check_launch(cfg, launcher_env(8))
 
 
 def test_ranks_that_do_not_divide_the_prompts_name_the_nearest_counts() -> None:
     cfg = load_config(preset_path("tiny"), ["trainer.backend=deepspeed", "rollout.prompts_per_step=256"])
-    with pytest.raises(JobError) as err:
+    with pytest.raises(LaunchError) as err:
         check_launch(cfg, launcher_env(6))
     assert "the nearest valid counts are 252 or 258" in str(err.value)
     cfg = load_config(preset_path("tiny"), ["trainer.backend=deepspeed", "rollout.prompts_per_step=4"])
-    with pytest.raises(JobError, match="the nearest valid counts are 6 "):
+    with pytest.raises(LaunchError, match="the nearest valid counts are 6 "):
         check_launch(cfg, launcher_env(6))
 
 
@@ -125,7 +125,7 @@ def test_a_server_started_without_dev_mode_is_named(served) -> None:
     cfg = load_config(preset_path("tiny"), ["rollout.engine=vllm_server", f"rollout.server.urls=[{url}]"])
     check_launch(cfg, {})
     handler.dev_mode = False
-    with pytest.raises(JobError, match=r"^rollout\.server\.urls: .* runs without VLLM_SERVER_DEV_MODE=1.*stapo rollout serve"):
+    with pytest.raises(LaunchError, match=r"^rollout\.server\.urls: .* runs without VLLM_SERVER_DEV_MODE=1.*stapo rollout serve"):
         check_launch(cfg, {})
 
 

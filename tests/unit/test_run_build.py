@@ -35,10 +35,10 @@ GPU = ["trainer.device=cuda", "trainer.gpu_memory_gib=1.2"]
 
 
 def test_build_resolves_update_memory_as_stapo_train_does(tmp_path, monkeypatch, stub_train, stapo_main):
-    from stapo.cli import common
+    from stapo.core.train import prepare
 
     # no GPU here: the launch's device check (which refuses cuda on a CPU machine) stands in for a GPU node's
-    monkeypatch.setattr(common, "check_engine_and_device", lambda cfg, environ=None: None)
+    monkeypatch.setattr(prepare, "check_engine_and_device", lambda cfg, environ=None, given=(): None)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     code, _out, err = stapo_main("train", "--config", "tiny", "--run-dir", str(tmp_path / "cli"),
                                  *[a for o in [*GPU, *FAST] for a in ("--set", o)])

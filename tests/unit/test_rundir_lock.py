@@ -47,13 +47,13 @@ def _interrupt_on(monkeypatch, prefix: str) -> None:
 
     real = train.run_training
 
-    def run_training(cfg, run_dir, *, log, **kw):
+    def run_training(prepared, *, log):
         def log_then_interrupt(msg: str) -> None:
             log(msg)
             if msg.startswith(prefix):
                 raise KeyboardInterrupt
 
-        return real(cfg, run_dir, log=log_then_interrupt, **kw)
+        return real(prepared, log=log_then_interrupt)
 
     monkeypatch.setattr(train, "run_training", run_training)
 
