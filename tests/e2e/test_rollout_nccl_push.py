@@ -19,33 +19,15 @@ import copy
 import pytest
 import torch
 
-from stapo.core.config import TinyModel
 from stapo.core.rollout import SamplingParams
 from stapo.core.rollout.vllm_server import RolloutServersUnavailable, ServerRolloutEngine
-from stapo.core.trainer.models import build_tiny_model, build_tiny_tokenizer
+from tests.e2e import test_rollout_server as served
 from tests.service import vllm_weight_transfer
 from tests.service.vllm_fake import FakeVLLMServer
 
-PROMPT = [5, 6, 7, 8]
+# the tiny policy and its perturbations, as the fleet's other tests build them
+PROMPT, _perturbed, tok, model = served.PROMPT, served._perturbed, served.tok, served.model
 
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
-
-
-@pytest.fixture
-def model(tok):
-    return build_tiny_model(TinyModel(), tok)
-
-
-def _perturbed(model, seed: int):
-    other = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.5)
-    return other
 
 
 def _learner_logprobs(learner, prompt: list[int], tokens: list[int]) -> torch.Tensor:
