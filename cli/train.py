@@ -102,7 +102,7 @@ def command(
       stapo train --run-dir runs/stapo --resume      # continue from the last checkpoint
     """
     from stapo.core.config import ConfigError
-    from stapo.core.train.prepare import prepare, run_config
+    from stapo.core.train.prepare import check_free, prepare, run_config
     from stapo.core.train.rundir import default_run_dir
 
     if fresh and not resume:
@@ -113,6 +113,9 @@ def command(
         raise CLIError("--json and --world-size go with --plan (they shape the memory plan's output)")
     if resume and run_dir is None:
         raise CLIError("--resume needs --run-dir pointing at an existing run")
+    if resume:
+        with prepare_errors():
+            check_free(run_dir)  # a run still writing it: say so before looking for its config
     saved = run_dir / "config.yaml" if resume and run_dir is not None else None
     if saved is not None and config is None and not saved.is_file() and not fresh:
         raise CLIError(f"{run_dir} has no config.yaml to resume from; is it a run dir? (--fresh starts one)")

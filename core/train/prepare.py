@@ -75,7 +75,7 @@ from stapo.core.train.rundir import (
 
 __all__ = [
     "PrepareError", "InputError", "LaunchError", "PlanRefused", "RunDirError", "ResumeError", "NameMismatch",
-    "Prepared", "prepare", "run_config", "check_inputs", "check_launch", "check_engine_and_device",
+    "Prepared", "prepare", "check_free", "run_config", "check_inputs", "check_launch", "check_engine_and_device",
     "check_resume", "plan_launch", "memory_plan", "name_mismatch", "method_overrides", "vllm_tp_size",
 ]
 
@@ -489,6 +489,15 @@ class Prepared:
         self.close()
 
 
+def check_free(run_dir: Path) -> None:
+    """A resume into a dir a live run still holds is refused first, naming the holder (before its
+    config, which that run may not have written yet, is looked for). Raises :class:`RunDirError`."""
+    try:
+        check_not_busy(Path(run_dir))
+    except RunDirBusy as err:
+        raise RunDirError(str(err)) from None
+
+
 def prepare(cfg: Config, run_dir: Path | str, *, resume: bool | None = None, allow_changes: bool = False,
             fresh: bool = False, card: float | None = None, given: Mapping[str, Any] | None = None,
             log: Callable[[str], None] = print, note: Callable[[str], None] | None = None,
@@ -502,10 +511,7 @@ def prepare(cfg: Config, run_dir: Path | str, *, resume: bool | None = None, all
     resume's changes); ``note``: a taken-over lock of a dead run (default ``log``)."""
     run_dir, given = Path(run_dir), dict(given or {})
     if resume:
-        try:
-            check_not_busy(run_dir)  # a run still writing it: say so before anything else
-        except RunDirBusy as err:
-            raise RunDirError(str(err)) from None
+        check_free(run_dir)
     check_inputs(cfg, given=given)
     check_launch(cfg, environ, given=given)
     if "plan" in given:

@@ -114,7 +114,9 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def _close(a: float, b: float, tol: float = 1e-6) -> bool:
+def _close(a: float | None, b: float | None, tol: float = 1e-6) -> bool:
+    if a is None or b is None:  # a mean over no tokens (tau_h of a mini-batch without a candidate) is logged as null
+        return a is b
     return (math.isnan(a) and math.isnan(b)) or abs(a - b) <= tol * max(1.0, abs(a))
 
 
