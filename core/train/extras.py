@@ -1,71 +1,11 @@
-"""The loop's extras: one typed hook interface, a registry by name, and the stability layers' hooks.
-
-``stapo.core.train.loop.train`` is a straight line (sample -> grade -> advantages -> old pass -> update ->
-sync -> log/checkpoint). Everything some recipes need and others do not is a :class:`LoopHook`,
-registered by name in :data:`HOOKS` and built once per run (a factory returns None when its config
-switch is off, so a plain recipe runs no hook code at all). The loop calls every built hook at named
-phases, in registry order, with one :class:`StepState` that the phases read and add to. The
-phases that may log (``on_batch``, ``before_update``, ``after_update``) return their metrics and the
-loop merges them into the step's; a hook never edits ``StepState.metrics``:
-
-==================  =====================================================================
-phase               when / what a hook may do there
-==================  =====================================================================
-``sample``          instead of the loop's round-0 sampling (asynchronous rollouts); the
-                    first hook that returns rollouts wins
-``on_batch``        after grading, advantages and dynamic sampling, before collate: learn
-                    from the step (Goldilocks), sample more (DEEP-GRPO's branches), drop rows
-                    from ``kept`` (DAPO's overlong filter); returns metrics
-``needs_old_stats`` whether the step must run the no-grad pass over its batch
-``before_update``   after the old pass: the step's constants (reference / proxy log-probs,
-                    STARE's controller, KL in the reward, off-policy weights) and
-                    ``contributions`` (rows the actor adds to its optimizer steps: DEEP-GRPO's
-                    local loss); returns metrics; only on steps with an update
-``weighting_params``,
-``terms``,
-``terms_read_stats``  inside the update, per mini-batch: live keywords for the token weighting
-                    (STARE), additive per-token terms (KL, Lp-Reg) and whether those read p
-``after_update``    after the optimizer steps: returns metrics (only on steps with an update)
-``after_sync``      after the weights reached the rollout engine (async: the next version)
-``state_dict`` /
-``load_state_dict`` what survives a resume (saved under the hook's name in the checkpoint)
-``close``           end of the run (also on error)
-==================  =====================================================================
-
-Registered, in this order (the order of every phase, hence of every collective under data
-parallelism; each built only when its own config keys switch it on):
-
-====================  ===============================  ==============================================
-hook                  switched on by                   what
-====================  ===============================  ==============================================
-``async``             ``rollout.async.enabled``        rollouts ahead of the update + off-policy fixes
-``sampler``           always                           the prompt sampler's step and state (Goldilocks)
-``deep_grpo``         ``algorithm.deep_grpo.enabled``  pivot branches and their local loss
-``overlong_filter``   ``algorithm.overlong.filter``    DAPO: truncated rows leave the loss
-``kl_reference``      ``algorithm.kl_coef > 0``        reference log-probs, ``actor/kl``, the KL term
-``lp_reg``            ``algorithm.lp_reg.enabled``     Lp-Reg's min-p proxy and its term
-``stare``             ``token_weighting: stare``       STARE's gate and adaptive (W, M)
-``kl_in_reward``      ``algorithm.kl.in_reward``       the KL charged to the reward instead
-``s2t_watch``         ``token_weighting: s2t``         the run's silenced rate against the paper's (summary.json)
-====================  ===============================  ==============================================
-
-Why this order: the update sums the additive terms in registry order, KL then Lp-Reg (a
-floating-point sum depends on its order; this is the order the tested numerics were fixed with),
-and ``kl_in_reward`` needs the target ``kl_reference`` published in ``StepState.ref_lp`` and rewrites
-the advantages only after the layers before it have read them (Lp-Reg logs its selection on the
-sampled advantages). ``tests/unit/test_hooks.py`` checks this table against the registry.
-
-A new extra is a subclass of :class:`LoopHook` plus ``@register_hook("name")`` on its factory;
-``train()`` does not change. A factory reads what it needs from the run (``cfg``, ``backend``,
-``sampler``, ...); the run's :class:`Hooks` go to the update (``stapo.core.train.update.Actor``), which
-asks them for the in-update phases.
-"""
+"""The run's hooks, assembled: the stability layers, the async, sampler and S2T-watch hooks and
+their registration (``stapo.core.train.hooks`` holds the interface, the registry and :data:`HOOK_ORDER`,
+the one order every phase runs in)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -82,217 +22,17 @@ from stapo.core.algos.regularizers import (
 from stapo.core.algos.stare import StareSchedule
 from stapo.core.config import Config
 from stapo.core.rollout.async_rollout import async_rollouts
-from stapo.core.train.micro import Micro
+from stapo.core.train.checkpoint import legacy_hook_state
+from stapo.core.train.hooks import HOOKS, Hooks, LoopHook, StepState, build_hooks, register_hook
 from stapo.core.train.off_policy import off_policy_step
 from stapo.core.train.reference import ReferencePolicy, minp_stats_batched
 from stapo.core.train.s2t_watch import RateWatch, candidate_counts, cannot_act, describe_thresholds
 from stapo.core.trainer.distributed import DataParallel
 
-if TYPE_CHECKING:
-    from stapo.core.train.update import Contribution  # (the update imports this module's Hooks)
-
 __all__ = [
     "HOOKS", "Hooks", "KLInReward", "KLReference", "LoopHook", "LpReg", "OverlongFilter", "StareController",
     "StepState", "build_hooks", "legacy_hook_state", "register_hook",
 ]
-
-
-# ----------------------------------------------------------------------------- the hook interface
-
-
-@dataclass
-class StepState:
-    """One training step as the loop builds it; hooks read it and add to it at each phase."""
-
-    step: int
-    seqs: list[Any]  # every sequence sampled this step (all rounds), graded and shaped (loop.Sequence_)
-    kept: list[Any]  # the rows that enter the update, in batch order (on_batch may drop some)
-    metrics: dict[str, float]  # the step's logged metrics (the loop merges what the phases return)
-    counts: list[int] = field(default_factory=list)  # kept rows of every rank (set after on_batch)
-    batch: Any = None  # loop.Batch of ``kept`` (+ the zero-weight padding row under data parallelism)
-    pad_row: int | None = None  # this rank's padding row (data parallel), else None
-    micros: list[Micro] | None = None  # the old pass's forwards over ``batch`` (lockstep; set when it runs)
-    temperature: float = 1.0  # the sampling temperature the statistics are taken at
-    old_lp: torch.Tensor | None = None  # [N, L] sampling policy's log-probs (None: no old pass ran)
-    old_ent: torch.Tensor | None = None  # [N, L] its entropies
-    contributions: list[Contribution] = field(default_factory=list)  # rows added to optimizer steps (DEEP-GRPO)
-    off_policy: Any = None  # train.off_policy.OffPolicyStep: stale rows' corrections for the update
-    ref_lp: torch.Tensor | None = None  # [N, L] the step's KL target (kl_reference's before_update)
-
-
-class LoopHook:
-    """One extra of the training loop. Every phase is optional: the defaults do nothing.
-
-    Under data parallelism every rank builds the same hooks (from the config) and runs every phase,
-    so a phase that issues a collective must issue it on every rank whatever its rows.
-    """
-
-    name: ClassVar[str] = ""
-
-    def sample(self, step: int) -> tuple[list[Any], dict[str, float]] | None:
-        """Round 0's graded rollouts of ``step`` instead of the loop's own sampling, or None."""
-        return None
-
-    def on_batch(self, st: StepState) -> dict[str, float]:
-        """After grading, advantages and dynamic sampling, before the batch is collated; its metrics."""
-        return {}
-
-    def needs_old_stats(self, st: StepState) -> bool:
-        """Whether this step's update needs the no-grad pass (``st.old_lp`` / ``st.old_ent``)."""
-        return False
-
-    def before_update(self, st: StepState) -> dict[str, float]:
-        """After the old pass (when one ran), before the first optimizer step (steps with an update
-        only); its metrics."""
-        return {}
-
-    # inside the update (stapo.core.train.update.Actor.update), per mini-batch
-    terms_read_stats: bool = False  # the additive terms read the current policy's p
-
-    def weighting_params(self) -> dict[str, float]:
-        """Live keywords for the token weighting."""
-        return {}
-
-    def terms(self, ctx: Any, rows: torch.Tensor, old_lp: torch.Tensor | None) -> list[TokenTerm]:
-        """Additive per-token terms for the mini-batch ``rows`` (``ctx``: its TokenContext)."""
-        return []
-
-    def after_update(self, st: StepState) -> dict[str, float]:
-        """After the step's optimizer steps (steps with an update only); its metrics."""
-        return {}
-
-    def after_sync(self, st: StepState) -> None:
-        """After the new weights reached the rollout engine."""
-
-    def summary(self) -> dict[str, Any]:
-        """What the run's summary.json carries from this hook (JSON-safe; rank 0 writes it)."""
-        return {}
-
-    def state_dict(self) -> dict[str, Any]:
-        """What must survive a resume (JSON-safe: it goes in the checkpoint's meta)."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output."""
-
-    def close(self) -> None:
-        """End of the run (also after an error)."""
-
-
-#: name -> factory(run) -> the run's hook, or None when its config switch is off. Registry order is
-#: the order of every phase.
-HOOKS: dict[str, Callable[[Any], LoopHook | None]] = {}
-
-
-def register_hook(name: str) -> Callable[[Callable[[Any], LoopHook | None]], Callable[[Any], LoopHook | None]]:
-    """Register a hook factory under ``name`` (phases run in registration order)."""
-
-    def deco(factory: Callable[[Any], LoopHook | None]) -> Callable[[Any], LoopHook | None]:
-        if name in HOOKS:
-            raise ValueError(f"hook {name!r} is already registered")
-        HOOKS[name] = factory
-        return factory
-
-    return deco
-
-
-class Hooks:
-    """A run's built hooks (``Hooks()``: none), called phase by phase in registry order."""
-
-    def __init__(self, hooks: dict[str, LoopHook] | None = None) -> None:
-        self.by_name = dict(hooks or {})
-
-    def __iter__(self) -> Iterator[LoopHook]:
-        return iter(self.by_name.values())
-
-    def get(self, name: str) -> LoopHook | None:
-        return self.by_name.get(name)
-
-    def sample(self, step: int) -> tuple[list[Any], dict[str, float]] | None:
-        for h in self:
-            out = h.sample(step)
-            if out is not None:
-                return out
-        return None
-
-    def on_batch(self, st: StepState) -> dict[str, float]:
-        return _merged(h.on_batch(st) for h in self)
-
-    def needs_old_stats(self, st: StepState) -> bool:
-        return any([h.needs_old_stats(st) for h in self])  # (every hook asked: none has side effects)
-
-    def before_update(self, st: StepState) -> dict[str, float]:
-        return _merged(h.before_update(st) for h in self)
-
-    @property
-    def terms_read_stats(self) -> bool:
-        return any(h.terms_read_stats for h in self)
-
-    def weighting_params(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for h in self:
-            out.update(h.weighting_params())
-        return out
-
-    def terms(self, ctx: Any, rows: torch.Tensor, old_lp: torch.Tensor | None) -> list[TokenTerm]:
-        return [t for h in self for t in h.terms(ctx, rows, old_lp)]
-
-    def after_update(self, st: StepState) -> dict[str, float]:
-        return _merged(h.after_update(st) for h in self)
-
-    def after_sync(self, st: StepState) -> None:
-        for h in self:
-            h.after_sync(st)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {name: h.state_dict() for name, h in self.by_name.items()}
-
-    def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for h in self:
-            out.update(h.summary())
-        return out
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name, h in self.by_name.items():
-            h.load_state_dict(state.get(name, {}))
-
-    def close(self) -> None:
-        for h in self:
-            h.close()
-
-
-def _merged(parts: Iterator[dict[str, float] | None]) -> dict[str, float]:
-    """The phase's metrics, hook by hook in registry order (a hook that returns None logs nothing)."""
-    out: dict[str, float] = {}
-    for m in parts:
-        out.update(m or {})
-    return out
-
-
-def build_hooks(run: Any) -> Hooks:
-    """The run's hooks: every registered factory, in order, that returns one for this config."""
-    built = {name: factory(run) for name, factory in HOOKS.items()}
-    return Hooks({name: h for name, h in built.items() if h is not None})
-
-
-def legacy_hook_state(extra: dict[str, Any]) -> dict[str, Any]:
-    """Hook states by name from a checkpoint's ``extra``, also one written by an older layout.
-
-    Older checkpoints kept the states under ``extras`` / ``layers`` (before the hooks had names), or
-    under ``hooks`` with one ``regularizers`` hook bundling the KL reference, Lp-Reg, STARE and the
-    overlong filter; of those only STARE's controller had state (``{"stare": {w, m, ...}}``), which
-    is now the ``stare`` hook's own."""
-    if "hooks" in extra:
-        hooks = dict(extra["hooks"])
-    else:
-        layers = extra.get("layers", {})
-        hooks = {"regularizers": extra.get("extras", {}), "sampler": layers.get("sampler", {}),
-                 "deep_grpo": layers.get("deep_grpo", {})}
-    bundled = hooks.pop("regularizers", None) or {}
-    if bundled.get("stare") and not hooks.get("stare"):
-        hooks["stare"] = dict(bundled["stare"])
-    return hooks
 
 
 # ----------------------------------------------------------------------------- shared helpers

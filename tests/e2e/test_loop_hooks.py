@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 
+import stapo.core.train.hooks as hooks_mod
 from stapo.configs import preset_path
 from stapo.core.config import load_config
 from stapo.core.tracking import read_jsonl
-from stapo.core.train.extras import HOOKS, LoopHook, StepState
+from stapo.core.train.hooks import HOOK_ORDER, HOOKS, LoopHook, StepState
 from stapo.core.train.loop import train
 from stapo.core.train.run import Run
 
@@ -70,6 +71,7 @@ class Recorder(LoopHook):
 def test_registered_hook_sees_every_phase_in_order_and_resumes(tmp_path, monkeypatch):
     calls: list = []
     loaded: list = []
+    monkeypatch.setattr(hooks_mod, "HOOK_ORDER", (*HOOK_ORDER, "recorder"))  # last in every phase
     monkeypatch.setitem(HOOKS, "recorder", lambda run: Recorder(calls, loaded))
     cfg = load_config(preset_path("tiny"), [*CFG, "trainer.max_steps=1"])
     train(Run.build(cfg, tmp_path, log=lambda m: None))

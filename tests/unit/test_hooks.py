@@ -16,10 +16,12 @@ import pytest
 import torch
 from hook_driver import HookRun
 
-import stapo.core.train.extras as extras
+import stapo.core.train.hooks as hooks_mod
 from stapo.configs import preset_path
 from stapo.core.config import load_config
-from stapo.core.train.extras import HOOKS, StepState, build_hooks, legacy_hook_state
+from stapo.core.train.checkpoint import legacy_hook_state
+from stapo.core.train.extras import build_hooks
+from stapo.core.train.hooks import HOOK_ORDER, HOOKS, LoopHook, StepState, register_hook
 
 DOCUMENTED = [
     "async", "sampler", "deep_grpo", "overlong_filter", "kl_reference", "lp_reg", "stare", "kl_in_reward", "s2t_watch",
@@ -33,14 +35,48 @@ def _hooks(*overrides: str, sampler=None):
     return build_hooks(HookRun(cfg, sampler=sampler))
 
 
-def test_registry_order_is_the_documented_one():
-    assert list(HOOKS)[: len(DOCUMENTED)] == DOCUMENTED
+def test_hook_order_is_the_documented_one():
+    assert HOOK_ORDER == tuple(DOCUMENTED) and set(HOOKS) == set(DOCUMENTED)
     # the module's table of hooks, in its order: the first column of each row
-    doc = extras.__doc__.split("Registered, in this order")[1]
+    doc = hooks_mod.__doc__.split("Registered, in this order")[1]
     assert re.findall(r"^``(\w+)``\s{2,}", doc, flags=re.M) == DOCUMENTED
-    # docs/architecture.md states the registry as a dict literal
-    line = next(x for x in (DOCS / "architecture.md").read_text().splitlines() if x.startswith("HOOKS = {"))
-    assert re.findall(r'"(\w+)": \.\.\.', line) == DOCUMENTED
+    # docs/architecture.md states the order as a tuple literal
+    line = next(x for x in (DOCS / "architecture.md").read_text().splitlines() if x.startswith("HOOK_ORDER = ("))
+    assert re.findall(r'"(\w+)"', line) == DOCUMENTED
+
+
+class _Named(LoopHook):
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def on_batch(self, st):
+        self.calls.append(self.name)
+        return {f"{self.name}/seen": 1.0}
+
+
+def test_phases_run_in_hook_order_not_registration_order(monkeypatch):
+    """Two hooks registered last-first run first-last: the tuple decides, and so the phases' merges."""
+    calls: list = []
+    monkeypatch.setattr(hooks_mod, "HOOK_ORDER", (*HOOK_ORDER, "first", "second"))
+    monkeypatch.setattr(hooks_mod, "HOOKS", dict(HOOKS))
+    register_hook("second")(lambda run: _Named("second", calls))
+    register_hook("first")(lambda run: _Named("first", calls))
+    cfg = load_config(preset_path("tiny"), ["algorithm.token_weighting=none"])
+    built = build_hooks(HookRun(cfg, sampler=SimpleNamespace(end_step=lambda step: {})))
+    assert list(built.by_name) == ["sampler", "first", "second"]
+    assert list(built.on_batch(StepState(1, [], [], {}))) == ["first/seen", "second/seen"]
+    assert calls == ["first", "second"]
+
+
+def test_a_name_outside_the_order_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match="'mystery' has no place in HOOK_ORDER"):
+        register_hook("mystery")
+    with pytest.raises(ValueError, match="'stare' is already registered"):
+        register_hook("stare")(lambda run: None)
+    # a name of the order whose module registered nothing: building refuses, no hook silently dropped
+    monkeypatch.setattr(hooks_mod, "HOOK_ORDER", (*HOOK_ORDER, "unimported"))
+    with pytest.raises(ValueError, match=r"\['unimported'\] are in HOOK_ORDER but not registered"):
+        build_hooks(HookRun(load_config(preset_path("tiny"))))
 
 
 def test_plain_recipe_builds_only_the_always_on_hook():
