@@ -23,7 +23,7 @@ module strings them together.
 
 Everything a recipe may add (asynchronous rollouts, the prompt sampler's step, DEEP-GRPO, the KL
 reference, Lp-Reg, STARE's controller, DAPO's overlong filter) is a hook with one interface, registered
-by name (``stapo.core.train.extras``: ``LoopHook`` phases sample / on_batch / needs_old_stats /
+by name (``stapo.core.train.hooks``: ``LoopHook`` phases sample / on_batch / needs_old_stats /
 before_update / after_update / after_sync / state_dict); :func:`train` calls the phases and never
 branches on a particular extra.
 
@@ -52,7 +52,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -73,8 +73,8 @@ from stapo.core.rollout.rollouts import (
     shape_and_advantage,
 )
 from stapo.core.tracking import LiveView, Tracker, truncate_jsonl
-from stapo.core.train.checkpoint import load_checkpoint, save_checkpoint
-from stapo.core.train.extras import StepState, legacy_hook_state
+from stapo.core.train.checkpoint import legacy_hook_state, load_checkpoint, save_checkpoint
+from stapo.core.train.hooks import StepState
 from stapo.core.train.run import Run
 from stapo.core.train.rundir import (
     Stopped,
@@ -92,9 +92,6 @@ from stapo.core.train.update import (
 )
 from stapo.core.trainer.base import begin_rollout_step
 from stapo.core.trainer.distributed import DataParallel, even_shard
-
-if TYPE_CHECKING:
-    from stapo.core.train.extras import StepState
 
 __all__ = ["train", "TrainResult"]
 
@@ -239,8 +236,8 @@ def train(run: Run, *, resume: bool = False, allow_changes: bool = False, fresh:
 
     Each step, top to bottom: sample -> grade -> advantages (+ dynamic sampling) -> old pass (where
     needed) -> update -> weight sync -> metrics / validation / checkpoint. The extras are hooks
-    (``stapo.core.train.extras``: ``run.hooks``), called at their named phases with the step's
-    :class:`~stapo.core.train.extras.StepState`; nothing below branches on a particular extra.
+    (``stapo.core.train.hooks``: ``run.hooks``), called at their named phases with the step's
+    :class:`~stapo.core.train.hooks.StepState`; nothing below branches on a particular extra.
     Nothing is written before the run is built and the ranks agree on rank 0's ``run_dir``; a
     SIGTERM stops the run at a step boundary, after a checkpoint (``stapo.core.train.rundir``).
     """

@@ -186,7 +186,7 @@ class UpdateInputs:
 class Actor:
     """Every pass over the policy, end to end (verl's ``DataParallelPPOActor`` as the model, which owns
     ``compute_log_prob`` and ``update_policy``): built once per run from the config, the trainer backend
-    and the run's hooks (``stapo.core.train.extras.build_hooks``; the update asks them for the in-update
+    and the run's hooks (``stapo.core.train.extras.build_hooks``, in ``stapo.core.train.hooks.HOOK_ORDER``; the update asks them for the in-update
     phases: the weighting's live keywords, the additive per-token terms and whether those read p).
     :meth:`old_stats` is the no-grad pass, :meth:`distribution` the token dump's and calibrate's,
     :meth:`update` the step's update; all micro-batch through ``stapo.core.train.micro``."""
