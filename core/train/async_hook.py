@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from stapo.core.rollout.async_rollout import async_rollouts
-from stapo.core.train.hooks import LoopHook, StepState, register_hook
+from stapo.core.train.hooks import Added, LoopHook, StepState, register_hook
 from stapo.core.train.off_policy import off_policy_step
 from stapo.core.trainer.distributed import DataParallel
 
@@ -39,12 +39,13 @@ class AsyncHook(LoopHook):
         # whether the step's round 0 is stale is fixed by the step: the same answer on every rank
         return self.rollouts.stale(st.step) or self.run.cfg.algorithm.off_policy.min_variance_baseline
 
-    def before_update(self, st: StepState) -> dict[str, float]:
-        if st.old_lp is not None:
-            cfg = self.run.cfg
-            st.off_policy = off_policy_step(cfg.algorithm.off_policy, st.kept, st.batch, st.old_lp, st.step,
-                                            scale_by_std=cfg.algorithm.advantage == "grpo", dp=self.dp)
-        return {}
+    def before_update(self, st: StepState) -> Added:
+        """The step's off-policy corrections (``st.off_policy`` for the update), once the old pass ran."""
+        if st.old_lp is None:
+            return Added()
+        cfg = self.run.cfg
+        return Added(off_policy=off_policy_step(cfg.algorithm.off_policy, st.kept, st.batch, st.old_lp, st.step,
+                                                scale_by_std=cfg.algorithm.advantage == "grpo", dp=self.dp))
 
     def after_update(self, st: StepState) -> dict[str, float]:
         # with the LR multipliers the optimizer steps applied

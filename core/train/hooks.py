@@ -6,9 +6,10 @@ sync -> log/checkpoint). Everything some recipes need and others do not is a :cl
 beside the code of its concern and registered there by name (``@register_hook("name")`` on its factory;
 ``stapo.core.train.extras`` imports those modules and builds a run's hooks). A factory returns None when
 its config switch is off, so a plain recipe runs no hook code at all. The loop calls every built hook at
-named phases, in :data:`HOOK_ORDER`, with one :class:`StepState`. The phases that may log (``on_batch``,
-``before_update``, ``after_update``) return their metrics and the loop merges them into the step's; a
-hook never edits ``StepState.metrics``:
+named phases, in :data:`HOOK_ORDER`, with one :class:`StepState`, frozen: a hook reads the step and
+returns what it adds (:class:`Added`), which :class:`Hooks` applies before asking the next hook. The
+phases that may log (``on_batch``, ``before_update``, ``after_update``) return their metrics and the
+loop merges them into the step's:
 
 ==================  =====================================================================
 phase               when / what a hook may do there
@@ -17,12 +18,12 @@ phase               when / what a hook may do there
                     first hook that returns rollouts wins
 ``on_batch``        after grading, advantages and dynamic sampling, before collate: learn
                     from the step (Goldilocks), sample more (DEEP-GRPO's branches), drop rows
-                    from ``kept`` (DAPO's overlong filter); returns metrics
+                    from ``kept`` (DAPO's overlong filter: ``Added.keep``); returns metrics
 ``needs_old_stats`` whether the step must run the no-grad pass over its batch
 ``before_update``   after the old pass: the step's constants (reference / proxy log-probs,
                     STARE's controller, KL in the reward, off-policy weights) and
                     ``contributions`` (rows the actor adds to its optimizer steps: DEEP-GRPO's
-                    local loss); returns metrics; only on steps with an update
+                    local loss), returned in an ``Added``; only on steps with an update
 ``weighting_params``,
 ``terms``,
 ``terms_read_stats``  inside the update, per mini-batch: live keywords for the token weighting
@@ -53,7 +54,7 @@ hook                  switched on by                   what (module)
 
 Why this order: the update sums the additive terms in this order, KL then Lp-Reg (a floating-point
 sum depends on its order; this is the order the tested numerics were fixed with), and
-``kl_in_reward`` needs the target ``kl_reference`` published in ``StepState.ref_lp`` and rewrites the
+``kl_in_reward`` needs the target ``kl_reference`` returned (``StepState.ref_lp`` once applied) and rewrites the
 advantages only after the layers before it have read them (Lp-Reg logs its selection on the sampled
 advantages). The order is :data:`HOOK_ORDER`, not the order modules happen to be imported in:
 registering a name it does not hold is an error, and so is building hooks while a name it holds has no
@@ -67,8 +68,8 @@ needs from the run (``cfg``, ``backend``, ``sampler``, ...); the run's :class:`H
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -78,7 +79,7 @@ from stapo.core.batch import Batch
 from stapo.core.train.micro import Micro
 
 __all__ = [
-    "HOOKS", "HOOK_ORDER", "Contribution", "ExtraRows", "Hooks", "LoopHook", "StepState", "build_hooks",
+    "HOOKS", "HOOK_ORDER", "Added", "Contribution", "ExtraRows", "Hooks", "LoopHook", "StepState", "build_hooks",
     "register_hook",
 ]
 
@@ -117,9 +118,11 @@ class Contribution(Protocol):
 
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepState:
-    """One training step as the loop builds it; hooks read it and add to it at each phase."""
+    """One training step as the loop builds it, read-only to hooks (frozen): the loop makes each next
+    state with ``dataclasses.replace`` (the counts, the batch, the old pass), and :class:`Hooks` makes
+    the one after each hook's :class:`Added` (``kept``, ``ref_lp``, ``off_policy``, ``contributions``)."""
 
     step: int
     seqs: list[Any]  # every sequence sampled this step (all rounds), graded and shaped (loop.Sequence_)
@@ -132,9 +135,43 @@ class StepState:
     temperature: float = 1.0  # the sampling temperature the statistics are taken at
     old_lp: torch.Tensor | None = None  # [N, L] sampling policy's log-probs (None: no old pass ran)
     old_ent: torch.Tensor | None = None  # [N, L] its entropies
-    contributions: list[Contribution] = field(default_factory=list)  # rows added to optimizer steps (DEEP-GRPO)
+    contributions: tuple[Contribution, ...] = ()  # rows added to optimizer steps (DEEP-GRPO)
     off_policy: Any = None  # train.off_policy.OffPolicyStep: stale rows' corrections for the update
     ref_lp: torch.Tensor | None = None  # [N, L] the step's KL target (kl_reference's before_update)
+
+
+@dataclass(frozen=True)
+class Added:
+    """What one hook's ``on_batch`` or ``before_update`` adds to the step, returned instead of written
+    into :class:`StepState`. :class:`Hooks` applies each hook's to the step in :data:`HOOK_ORDER` before
+    it asks the next hook, so a later hook reads what an earlier one added (``kl_in_reward`` the target
+    ``kl_reference`` set) and one place decides how additions combine: ``keep`` masks compose, the
+    contributions queue in order, and a KL target or off-policy correction set by two hooks is an error.
+    A phase that adds nothing but metrics may return them as a plain dict."""
+
+    metrics: Mapping[str, float] = field(default_factory=dict)  # logged with the step's
+    keep: tuple[bool, ...] | None = None  # on_batch: [len(st.kept)] rows that stay in the update (None: all)
+    ref_lp: torch.Tensor | None = None  # before_update: [N, L] the step's KL target (``st.ref_lp``)
+    off_policy: Any = None  # before_update: stale rows' corrections (train.off_policy.OffPolicyStep)
+    contributions: tuple[Contribution, ...] = ()  # before_update: rows added to the optimizer steps
+
+
+def _apply(st: StepState, added: Added, name: str) -> StepState:
+    """The step with one hook's additions (the one place that writes the fields hooks add to)."""
+    new: dict[str, Any] = {}
+    if added.keep is not None:
+        if len(added.keep) != len(st.kept):
+            raise ValueError(f"hook {name!r} kept {len(added.keep)} flags for {len(st.kept)} rows")
+        new["kept"] = [s for s, k in zip(st.kept, added.keep, strict=True) if k]
+    for key in ("ref_lp", "off_policy"):
+        value = getattr(added, key)
+        if value is not None:
+            if getattr(st, key) is not None:
+                raise ValueError(f"hook {name!r} sets the step's {key}, which an earlier hook set")
+            new[key] = value
+    if added.contributions:
+        new["contributions"] = (*st.contributions, *added.contributions)
+    return replace(st, **new) if new else st
 
 
 class LoopHook:
@@ -150,17 +187,18 @@ class LoopHook:
         """Round 0's graded rollouts of ``step`` instead of the loop's own sampling, or None."""
         return None
 
-    def on_batch(self, st: StepState) -> dict[str, float]:
-        """After grading, advantages and dynamic sampling, before the batch is collated; its metrics."""
+    def on_batch(self, st: StepState) -> dict[str, float] | Added:
+        """After grading, advantages and dynamic sampling, before the batch is collated: its metrics,
+        or an :class:`Added` (rows that leave ``kept``)."""
         return {}
 
     def needs_old_stats(self, st: StepState) -> bool:
         """Whether this step's update needs the no-grad pass (``st.old_lp`` / ``st.old_ent``)."""
         return False
 
-    def before_update(self, st: StepState) -> dict[str, float]:
+    def before_update(self, st: StepState) -> dict[str, float] | Added:
         """After the old pass (when one ran), before the first optimizer step (steps with an update
-        only); its metrics."""
+        only): its metrics, or an :class:`Added` (the KL target, off-policy corrections, contributions)."""
         return {}
 
     # inside the update (stapo.core.train.update.Actor.update), per mini-batch
@@ -236,14 +274,26 @@ class Hooks:
                 return out
         return None
 
-    def on_batch(self, st: StepState) -> dict[str, float]:
-        return _merged(h.on_batch(st) for h in self)
+    def on_batch(self, st: StepState) -> tuple[StepState, dict[str, float]]:
+        """Each hook's ``on_batch`` in order, each seeing the step with the additions of those before it:
+        (the step with every hook's additions, the phase's metrics)."""
+        return self._adding(st, "on_batch")
 
     def needs_old_stats(self, st: StepState) -> bool:
         return any([h.needs_old_stats(st) for h in self])  # (every hook asked: none has side effects)
 
-    def before_update(self, st: StepState) -> dict[str, float]:
-        return _merged(h.before_update(st) for h in self)
+    def before_update(self, st: StepState) -> tuple[StepState, dict[str, float]]:
+        """Each hook's ``before_update`` in order, as :meth:`on_batch`: (the step, the phase's metrics)."""
+        return self._adding(st, "before_update")
+
+    def _adding(self, st: StepState, phase: str) -> tuple[StepState, dict[str, float]]:
+        out: dict[str, float] = {}
+        for name, h in self.by_name.items():
+            added = getattr(h, phase)(st)
+            added = added if isinstance(added, Added) else Added(metrics=added or {})
+            st = _apply(st, added, name)
+            out.update(added.metrics)
+        return st, out
 
     @property
     def terms_read_stats(self) -> bool:

@@ -50,7 +50,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -299,8 +299,9 @@ def train(run: Run, *, resume: bool = False, allow_changes: bool = False, fresh:
             if cfg.algorithm.dynamic_sampling:
                 kept = dynamic_sampling_refill(run, step, kept, all_seqs, metrics, dp)
             st = StepState(step, all_seqs, kept, metrics, temperature=stats_temperature(cfg))
-            metrics.update(hooks.on_batch(st))  # Goldilocks' teacher, DEEP-GRPO's branches, overlong filter
-            st.counts = dp.counts(len(st.kept))
+            st, added = hooks.on_batch(st)  # Goldilocks' teacher, DEEP-GRPO's branches, overlong filter
+            metrics.update(added)
+            st = replace(st, counts=dp.counts(len(st.kept)))
             metrics.update(rollout_metrics(dp, all_seqs, metrics))
             metrics["batch/sequences"] = float(sum(st.counts))
 
@@ -308,7 +309,7 @@ def train(run: Run, *, resume: bool = False, allow_changes: bool = False, fresh:
             t0 = time.time()
             run.engine.sleep()  # once a step: the rollout engine's memory goes to the update (docs/gpu.md)
             if sum(st.counts):
-                update_step(run, st, dp)
+                st = update_step(run, st, dp)
             else:
                 metrics["actor/skipped_updates"] = 1.0
                 log(f"step {step}: no group with a usable advantage signal; update skipped")
@@ -369,31 +370,34 @@ def sync_weights(run: Run) -> None:
         run.engine.load_weights(run.backend.named_parameters_for_sync())
 
 
-def update_step(run: Run, st: StepState, dp: Any) -> None:
+def update_step(run: Run, st: StepState, dp: Any) -> StepState:
     """One step's update on ``st.kept`` (every rank, also one with no row): collate, the token dump's
     forward of the sampled policy, the old pass where the config or a hook needs it, the hooks'
     ``before_update``, the actor's update, the hooks' ``after_update``, the dump. Metrics go to
-    ``st.metrics``."""
+    ``st.metrics``; returns the step as the update saw it."""
     cfg, hooks, metrics, step = run.cfg, run.hooks, st.metrics, st.step
     t0 = time.time()
-    st.batch = batch = collate_with_pad_row(st.kept, run.pad_id, pad=dp.multi).to(run.backend.device)
-    st.pad_row = len(st.kept) if dp.multi else None
+    batch = collate_with_pad_row(st.kept, run.pad_id, pad=dp.multi).to(run.backend.device)
+    st = replace(st, batch=batch, pad_row=len(st.kept) if dp.multi else None)
     dumping = bool(cfg.logging.dump_tokens_every and step % cfg.logging.dump_tokens_every == 0)
     record = UpdateRecord.empty(cfg.algorithm.ppo_epochs, batch) if dumping else None
     if dumping:
         dump_rows = dump_candidates(cfg, st.kept)
         dump_dist = dump_forward(run, batch, dump_rows)  # the pre-update (sampled) policy
     if needs_old_pass(cfg, hooks.needs_old_stats(st)):
-        st.micros = run.actor.forwards(batch, st.counts)  # also the extras' passes (reference, Lp-Reg's proxy)
-        st.old_lp, st.old_ent = run.actor.old_stats(batch, micros=st.micros)
+        micros = run.actor.forwards(batch, st.counts)  # also the extras' passes (reference, Lp-Reg's proxy)
+        old_lp, old_ent = run.actor.old_stats(batch, micros=micros)
+        st = replace(st, micros=micros, old_lp=old_lp, old_ent=old_ent)
     # async's off-policy weights, KL / Lp-Reg / STARE constants, DEEP-GRPO's local loss
-    metrics.update(hooks.before_update(st))
+    st, added = hooks.before_update(st)
+    metrics.update(added)
     metrics["time/stats_s"] = time.time() - t0
     metrics.update(run.actor.update(UpdateInputs(batch, st.old_lp, st.old_ent, step, counts=st.counts, record=record,
                                                  contributions=st.contributions, off_policy=st.off_policy)))
     metrics.update(hooks.after_update(st))
     if dumping:
         dump_tokens(run, step, st.kept, batch, dump_rows, dump_dist, record, dp)
+    return st
 
 
 def _quiet(msg: str) -> None:

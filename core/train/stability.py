@@ -23,7 +23,7 @@ from stapo.core.algos.regularizers import (
 )
 from stapo.core.algos.stare import StareSchedule
 from stapo.core.config import Config
-from stapo.core.train.hooks import LoopHook, StepState, register_hook
+from stapo.core.train.hooks import Added, LoopHook, StepState, register_hook
 from stapo.core.train.reference import ReferencePolicy, minp_stats_batched
 
 __all__ = ["KLInReward", "KLReference", "LpReg", "OverlongFilter", "StareController"]
@@ -53,8 +53,8 @@ class OverlongFilter(LoopHook):
     """DAPO's overlong filtering (arXiv 2503.14476, Section 3.4; ``algorithm.overlong.filter``):
     truncated responses (finish reason ``length``) leave the loss, because the punishment a truncated
     response gets for its length alone is reward noise (sound reasoning may just have run long, as the
-    paper puts it). ``on_batch`` drops them from ``st.kept`` before the global
-    counts, so the mini-batch plan and the padding rows of every rank see the filtered batch."""
+    paper puts it). ``on_batch`` drops them from ``st.kept`` (its :class:`Added` ``keep``) before the
+    global counts, so the mini-batch plan and the padding rows of every rank see the filtered batch."""
 
     name: ClassVar[str] = "overlong_filter"
 
@@ -62,9 +62,8 @@ class OverlongFilter(LoopHook):
         """[N] bool: rows that stay in the loss."""
         return overlong_filter_keep([s.finish_reason for s in seqs])
 
-    def on_batch(self, st: StepState) -> dict[str, float]:
-        st.kept = [s for s, k in zip(st.kept, self.keep(st.kept).tolist(), strict=True) if k]
-        return {}
+    def on_batch(self, st: StepState) -> Added:
+        return Added(keep=tuple(self.keep(st.kept).tolist()))
 
 
 class KLReference(LoopHook):
@@ -76,7 +75,7 @@ class KLReference(LoopHook):
     ``none`` takes the KL to the policy that sampled the batch. The per-token term
     ``kl_coef * k(logp, ref)`` joins the loss before aggregation (``terms``), unless
     ``kl.in_reward``: then :class:`KLInReward` charges it to the reward instead. It publishes the
-    step's target as ``st.ref_lp`` and logs ``actor/kl`` (the sampler's KL to the frozen reference).
+    step's target (``Added.ref_lp``: ``st.ref_lp`` for the hooks after it) and logs ``actor/kl`` (the sampler's KL to the frozen reference).
     """
 
     name: ClassVar[str] = "kl_reference"
@@ -96,7 +95,7 @@ class KLReference(LoopHook):
         """The penalty's target (kl.reference=none) and its metric read the sampling policy."""
         return True
 
-    def before_update(self, st: StepState) -> dict[str, float]:
+    def before_update(self, st: StepState) -> Added | dict[str, float]:
         """The reference's log-probs of the step batch (the old pass's forwards ``st.micros``; ZeRO-3: all
         of them, the padding row's included; a plain copy runs the real rows only) and ``actor/kl``."""
         if st.old_lp is None or st.old_ent is None:
@@ -110,8 +109,7 @@ class KLReference(LoopHook):
             metrics["actor/kl"] = _global_mean(self.backend, k, batch.response_mask)
         else:  # kl.reference=none: KL to the policy that sampled (0 before the update: no metric)
             self.ref_lp = st.old_lp
-        st.ref_lp = self.ref_lp
-        return metrics
+        return Added(metrics=metrics, ref_lp=self.ref_lp)
 
     def terms(self, ctx: Any, rows: torch.Tensor, old_lp: torch.Tensor | None) -> list[TokenTerm]:
         """``kl_coef * k(logp, ref)`` on the mini-batch ``rows`` (none with ``kl.in_reward``)."""
@@ -212,7 +210,7 @@ class StareController(LoopHook):
 class KLInReward(LoopHook):
     """KL in the reward (verl ``use_kl_in_reward``; ``algorithm.kl.in_reward`` with ``kl_coef > 0``):
     each response's reward loses ``kl_coef * sum_t k(old_t, ref_t)`` (the target ``st.ref_lp`` that
-    :class:`KLReference` published this step) and the group advantages are computed again; the
+    :class:`KLReference` returned this step) and the group advantages are computed again; the
     batch's advantages are rewritten in place before the update.
 
     Registered last of the stability layers, so the layers before it read the step's advantages as

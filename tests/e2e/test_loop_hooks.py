@@ -14,7 +14,7 @@ import stapo.core.train.hooks as hooks_mod
 from stapo.configs import preset_path
 from stapo.core.config import load_config
 from stapo.core.tracking import read_jsonl
-from stapo.core.train.hooks import HOOK_ORDER, HOOKS, LoopHook, StepState
+from stapo.core.train.hooks import HOOK_ORDER, HOOKS, Added, LoopHook, StepState
 from stapo.core.train.loop import train
 from stapo.core.train.run import Run
 
@@ -43,7 +43,7 @@ class Recorder(LoopHook):
 
     def before_update(self, st):
         self.calls.append(("before_update", st.step, st.old_lp is not None))  # 2 mini-batches: old pass ran
-        st.contributions.append(self)
+        return Added(contributions=(self,))  # the update asks it before each optimizer step
 
     def rows(self, update):  # a contribution: asked before each optimizer step, it adds no row
         self.calls.append(("rows", update))
