@@ -134,7 +134,7 @@ def _grads_after(cfg: Any, fused: bool, autocast: bool = True) -> dict[str, torc
     import contextlib
 
     from stapo.core.train import update
-    from stapo.core.train.extras import Hooks
+    from stapo.core.train.hooks import Hooks
     from stapo.core.trainer.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 

@@ -435,7 +435,7 @@ def _plan_peak(a: argparse.Namespace, over: list[str]) -> dict[str, Any]:
 
 def part_update_memory(a: argparse.Namespace) -> dict[str, Any]:
     from stapo.core.train import update
-    from stapo.core.train.extras import Hooks
+    from stapo.core.train.hooks import Hooks
     from stapo.core.trainer.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 
@@ -483,7 +483,7 @@ def part_attention(a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from stapo.core.train import update
-    from stapo.core.train.extras import Hooks
+    from stapo.core.train.hooks import Hooks
     from stapo.core.trainer.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 

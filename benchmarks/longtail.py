@@ -106,7 +106,7 @@ def setup(args: argparse.Namespace, model: torch.nn.Module, micro: dict):
 def one_step(cfg, b, computed: dict, batch) -> tuple[float, float, int]:
     """(wall s, this process's CPU s, computed tokens) of one step's learner work."""
     from stapo.core.train import update
-    from stapo.core.train.extras import Hooks
+    from stapo.core.train.hooks import Hooks
 
     computed["tokens"] = 0
     t0, c0 = time.perf_counter(), time.process_time()

@@ -74,7 +74,7 @@ def child(mode: str, hidden: int, first_update: bool) -> dict:
     import torch
 
     from stapo.core.train import plan, update
-    from stapo.core.train.extras import Hooks
+    from stapo.core.train.hooks import Hooks
     from stapo.core.trainer.models import load_policy
     from stapo.core.trainer.torch_backend import TorchBackend
 

@@ -46,14 +46,14 @@ def before_update(hooks: Any, batch: Any, old_lp: Any, old_ent: Any, *, micro_ba
                   kept: Any = ()) -> tuple[Any, dict]:
     """The loop's ``before_update`` phase after its old pass (``loop.update_step``) on a batch the
     test built, whose forwards are ``micros`` (else :func:`forwards` of ``micro_batch``, ``calls``,
-    ``pad_row``): (the step's state, with what the hooks published there, and the phase's metrics)."""
-    from stapo.core.train.extras import StepState
+    ``pad_row``): (the step's state, with what the hooks added to it, and the phase's metrics)."""
+    from stapo.core.train.hooks import StepState
 
     if micros is None and hasattr(batch, "attention_mask"):
         micros = forwards(batch, micro_batch, calls=calls, pad_row=pad_row)
     st = StepState(0, list(kept), list(kept), {}, batch=batch, micros=micros, temperature=temperature,
                    old_lp=old_lp, old_ent=old_ent)
-    return st, hooks.before_update(st)
+    return hooks.before_update(st)
 
 
 def train_keeping_run(cfg: Any, run_dir: Any, log: Any = lambda _m: None) -> tuple[Any, Any]:

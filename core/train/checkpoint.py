@@ -27,7 +27,7 @@ import torch
 from stapo.core.config import Config, save_config
 
 __all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
-           "checkpoint_step"]
+           "checkpoint_step", "legacy_hook_state"]
 
 _PREFIX = "step_"
 
@@ -123,3 +123,22 @@ def load_checkpoint(path: Path, *, backend: Any) -> CheckpointState:
     backend.load(path / "trainer")
     _set_rng_state(torch.load(path / f"rng_{int(getattr(backend, 'rank', 0))}.pt", weights_only=False))
     return CheckpointState(step=int(meta["step"]), extra=meta.get("extra", {}))
+
+
+def legacy_hook_state(extra: dict[str, Any]) -> dict[str, Any]:
+    """Hook states by name from a checkpoint's ``extra``, also one written by an older layout.
+
+    Older checkpoints kept the states under ``extras`` / ``layers`` (before the hooks had names), or
+    under ``hooks`` with one ``regularizers`` hook bundling the KL reference, Lp-Reg, STARE and the
+    overlong filter; of those only STARE's controller had state (``{"stare": {w, m, ...}}``), which
+    is now the ``stare`` hook's own."""
+    if "hooks" in extra:
+        hooks = dict(extra["hooks"])
+    else:
+        layers = extra.get("layers", {})
+        hooks = {"regularizers": extra.get("extras", {}), "sampler": layers.get("sampler", {}),
+                 "deep_grpo": layers.get("deep_grpo", {})}
+    bundled = hooks.pop("regularizers", None) or {}
+    if bundled.get("stare") and not hooks.get("stare"):
+        hooks["stare"] = dict(bundled["stare"])
+    return hooks

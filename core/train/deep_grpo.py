@@ -21,9 +21,9 @@ per failed chain (``n_branch_points``) and lambda (``branch_chain_loss_lambda``)
 authors' logistic model is scikit-learn's default (L2, C = 1, intercept not penalized); ours fits
 the same objective by Newton's method, so scikit-learn is not a dependency.
 
-A loop hook (``deep_grpo``, ``stapo.core.train.extras.LoopHook``; nothing in ``stapo.core.train.loop`` knows
+A loop hook (``deep_grpo``, ``stapo.core.train.hooks.LoopHook``, registered here; nothing in ``stapo.core.train.loop`` knows
 about DEEP-GRPO): ``on_batch`` runs :meth:`DeepGRPO.rollout_branches` on the step's rollouts,
-``before_update`` adds :meth:`DeepGRPO.local_loss` to the update's contributions (:class:`LocalLoss`),
+``before_update`` returns :meth:`DeepGRPO.local_loss` as its contribution to the update (:class:`LocalLoss`),
 ``after_update`` logs the local term, ``state_dict`` carries the recoverability model across a resume.
 
 ``rollout_branches``: up to ``max_pivots`` failed rollouts (valid reward, not correct, >= 2 tokens)
@@ -89,7 +89,7 @@ from stapo.core.batch import Batch, Sequence_, collate_with_pad_row, derive_seed
 from stapo.core.rollout import SamplingParams
 from stapo.core.rollout.base import call_seed
 from stapo.core.rollout.rollouts import shape_and_advantage
-from stapo.core.train.extras import LoopHook, StepState
+from stapo.core.train.hooks import Added, LoopHook, StepState, register_hook
 from stapo.core.train.micro import Micro, micro_batches, micro_spec
 from stapo.core.train.update import Actor, ExtraRows
 from stapo.core.trainer.distributed import DataParallel, minibatch_rows
@@ -337,12 +337,10 @@ class DeepGRPO(LoopHook):
         self.branches, m = self.rollout_branches(self.run, st.step, st.seqs)
         return m
 
-    def before_update(self, st: StepState) -> dict[str, float]:
+    def before_update(self, st: StepState) -> Added:
         roots = sum(st.counts) if st.counts else len(st.kept)  # the step's global root rows
         local = self.local_loss(self.run.backend, self.branches, st.step, roots)
-        if local is not None:
-            st.contributions.append(local)
-        return {}
+        return Added(contributions=(local,) if local is not None else ())
 
     def after_update(self, st: StepState) -> dict[str, float]:
         return self.local_metrics(self.run.backend)
@@ -494,3 +492,8 @@ class LocalLoss:
     def done(self, update: int, loss: float, tokens: float) -> None:
         self.sums["deep/local_loss"] = self.sums.get("deep/local_loss", 0.0) + loss
         self.sums["deep/local_tokens"] = self.sums.get("deep/local_tokens", 0.0) + tokens
+
+
+@register_hook("deep_grpo")
+def _deep_grpo_hook(run: Any) -> LoopHook | None:
+    return DeepGRPO(run.cfg, run) if run.cfg.algorithm.deep_grpo.enabled else None

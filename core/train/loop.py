@@ -23,7 +23,7 @@ module strings them together.
 
 Everything a recipe may add (asynchronous rollouts, the prompt sampler's step, DEEP-GRPO, the KL
 reference, Lp-Reg, STARE's controller, DAPO's overlong filter) is a hook with one interface, registered
-by name (``stapo.core.train.extras``: ``LoopHook`` phases sample / on_batch / needs_old_stats /
+by name (``stapo.core.train.hooks``: ``LoopHook`` phases sample / on_batch / needs_old_stats /
 before_update / after_update / after_sync / state_dict); :func:`train` calls the phases and never
 branches on a particular extra.
 
@@ -50,9 +50,9 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -73,8 +73,8 @@ from stapo.core.rollout.rollouts import (
     shape_and_advantage,
 )
 from stapo.core.tracking import LiveView, Tracker, truncate_jsonl
-from stapo.core.train.checkpoint import load_checkpoint, save_checkpoint
-from stapo.core.train.extras import StepState, legacy_hook_state
+from stapo.core.train.checkpoint import legacy_hook_state, load_checkpoint, save_checkpoint
+from stapo.core.train.hooks import StepState
 from stapo.core.train.run import Run
 from stapo.core.train.rundir import (
     Stopped,
@@ -92,9 +92,6 @@ from stapo.core.train.update import (
 )
 from stapo.core.trainer.base import begin_rollout_step
 from stapo.core.trainer.distributed import DataParallel, even_shard
-
-if TYPE_CHECKING:
-    from stapo.core.train.extras import StepState
 
 __all__ = ["train", "TrainResult"]
 
@@ -239,8 +236,8 @@ def train(run: Run, *, resume: bool = False, allow_changes: bool = False, fresh:
 
     Each step, top to bottom: sample -> grade -> advantages (+ dynamic sampling) -> old pass (where
     needed) -> update -> weight sync -> metrics / validation / checkpoint. The extras are hooks
-    (``stapo.core.train.extras``: ``run.hooks``), called at their named phases with the step's
-    :class:`~stapo.core.train.extras.StepState`; nothing below branches on a particular extra.
+    (``stapo.core.train.hooks``: ``run.hooks``), called at their named phases with the step's
+    :class:`~stapo.core.train.hooks.StepState`; nothing below branches on a particular extra.
     Nothing is written before the run is built and the ranks agree on rank 0's ``run_dir``; a
     SIGTERM stops the run at a step boundary, after a checkpoint (``stapo.core.train.rundir``).
     """
@@ -302,8 +299,9 @@ def train(run: Run, *, resume: bool = False, allow_changes: bool = False, fresh:
             if cfg.algorithm.dynamic_sampling:
                 kept = dynamic_sampling_refill(run, step, kept, all_seqs, metrics, dp)
             st = StepState(step, all_seqs, kept, metrics, temperature=stats_temperature(cfg))
-            metrics.update(hooks.on_batch(st))  # Goldilocks' teacher, DEEP-GRPO's branches, overlong filter
-            st.counts = dp.counts(len(st.kept))
+            st, added = hooks.on_batch(st)  # Goldilocks' teacher, DEEP-GRPO's branches, overlong filter
+            metrics.update(added)
+            st = replace(st, counts=dp.counts(len(st.kept)))
             metrics.update(rollout_metrics(dp, all_seqs, metrics))
             metrics["batch/sequences"] = float(sum(st.counts))
 
@@ -311,7 +309,7 @@ def train(run: Run, *, resume: bool = False, allow_changes: bool = False, fresh:
             t0 = time.time()
             run.engine.sleep()  # once a step: the rollout engine's memory goes to the update (docs/gpu.md)
             if sum(st.counts):
-                update_step(run, st, dp)
+                st = update_step(run, st, dp)
             else:
                 metrics["actor/skipped_updates"] = 1.0
                 log(f"step {step}: no group with a usable advantage signal; update skipped")
@@ -372,31 +370,34 @@ def sync_weights(run: Run) -> None:
         run.engine.load_weights(run.backend.named_parameters_for_sync())
 
 
-def update_step(run: Run, st: StepState, dp: Any) -> None:
+def update_step(run: Run, st: StepState, dp: Any) -> StepState:
     """One step's update on ``st.kept`` (every rank, also one with no row): collate, the token dump's
     forward of the sampled policy, the old pass where the config or a hook needs it, the hooks'
     ``before_update``, the actor's update, the hooks' ``after_update``, the dump. Metrics go to
-    ``st.metrics``."""
+    ``st.metrics``; returns the step as the update saw it."""
     cfg, hooks, metrics, step = run.cfg, run.hooks, st.metrics, st.step
     t0 = time.time()
-    st.batch = batch = collate_with_pad_row(st.kept, run.pad_id, pad=dp.multi).to(run.backend.device)
-    st.pad_row = len(st.kept) if dp.multi else None
+    batch = collate_with_pad_row(st.kept, run.pad_id, pad=dp.multi).to(run.backend.device)
+    st = replace(st, batch=batch, pad_row=len(st.kept) if dp.multi else None)
     dumping = bool(cfg.logging.dump_tokens_every and step % cfg.logging.dump_tokens_every == 0)
     record = UpdateRecord.empty(cfg.algorithm.ppo_epochs, batch) if dumping else None
     if dumping:
         dump_rows = dump_candidates(cfg, st.kept)
         dump_dist = dump_forward(run, batch, dump_rows)  # the pre-update (sampled) policy
     if needs_old_pass(cfg, hooks.needs_old_stats(st)):
-        st.micros = run.actor.forwards(batch, st.counts)  # also the extras' passes (reference, Lp-Reg's proxy)
-        st.old_lp, st.old_ent = run.actor.old_stats(batch, micros=st.micros)
+        micros = run.actor.forwards(batch, st.counts)  # also the extras' passes (reference, Lp-Reg's proxy)
+        old_lp, old_ent = run.actor.old_stats(batch, micros=micros)
+        st = replace(st, micros=micros, old_lp=old_lp, old_ent=old_ent)
     # async's off-policy weights, KL / Lp-Reg / STARE constants, DEEP-GRPO's local loss
-    metrics.update(hooks.before_update(st))
+    st, added = hooks.before_update(st)
+    metrics.update(added)
     metrics["time/stats_s"] = time.time() - t0
     metrics.update(run.actor.update(UpdateInputs(batch, st.old_lp, st.old_ent, step, counts=st.counts, record=record,
                                                  contributions=st.contributions, off_policy=st.off_policy)))
     metrics.update(hooks.after_update(st))
     if dumping:
         dump_tokens(run, step, st.kept, batch, dump_rows, dump_dist, record, dp)
+    return st
 
 
 def _quiet(msg: str) -> None:

@@ -10,7 +10,7 @@ the current weights at the start of each optimizer mini-batch (:class:`MinVarian
 advantages the baseline returns, and steps the backend at the multiplier this step hands it
 (``backend.step(lr_scale=...)``). Nothing here knows where the rows came from: a row carries the
 ``version`` that sampled it and its ``behaviour_logprobs`` (asynchronous rollouts,
-``stapo.core.rollout.async_rollout``, set both; ``stapo.core.train.extras.AsyncHook`` builds the step
+``stapo.core.rollout.async_rollout``, set both; ``stapo.core.train.async_hook.AsyncHook`` builds the step
 with :func:`off_policy_step`); docs/async.md, "The update on stale rows".
 
 Sources: VCPO, Huang et al. 2026, arXiv 2602.17616, and the authors' code

@@ -182,7 +182,7 @@ class Run:
         self.sampler = _part(parts, "sampler", lambda: build_sampler(cfg, self.train_prompts, encode=self.encode,
                                                                      model=self.backend.model))
         # every extra (async rollouts, the sampler's step, DEEP-GRPO, KL / Lp-Reg / STARE / overlong
-        # filter) is a named hook with one interface: stapo.core.train.extras
+        # filter) is a named hook with one interface: stapo.core.train.hooks (built by stapo.core.train.extras)
         self.hooks = _part(parts, "hooks", lambda: build_hooks(self))
         # the update; it asks the hooks for its in-update phases
         self.actor = _part(parts, "actor", lambda: Actor(cfg, self.backend, self.hooks))

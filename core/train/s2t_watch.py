@@ -5,7 +5,7 @@ The paper's rule (tau_p 0.002, q 75% of each mini-batch's candidates) silences "
 the tokens on Qwen3 base models (arXiv 2602.15620v1); on another model the same rule can silence
 orders of magnitude more (a small model samples many low-probability tokens) or nothing (no correct
 response, or no token below tau_p). The rate is an outcome of the model, not a setting: the loop's
-``s2t_watch`` hook (``stapo.core.train.extras``) feeds each step's GLOBAL counts (the update's own:
+``s2t_watch`` hook (:class:`S2TWatch`, below) feeds each step's GLOBAL counts (the update's own:
 ``stapo/silenced_count``, ``stapo/candidates`` and the valid tokens x PPO epochs) into
 :class:`RateWatch`, which judges windows of ``algorithm.s2t.watch_steps`` steps, never a step alone:
 
@@ -28,11 +28,13 @@ tau_p at which this batch would have candidates.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from stapo.core.algos.weights import s2t_candidates
+from stapo.core.train.hooks import LoopHook, StepState, register_hook
+from stapo.core.trainer.distributed import DataParallel
 
 __all__ = ["FAR_ABOVE", "PAPER_RATE", "TAU_P_STEPS", "RateWatch", "candidate_counts", "cannot_act",
            "describe_thresholds", "rate_note"]
@@ -164,3 +166,69 @@ def describe_thresholds(s2t: Any) -> str:
     """``tau_p=0.002, q=0.75`` (and the ablation, when not the paper's rule) of a config section."""
     how = f"tau_p={s2t.tau_p:g}, q={s2t.q:g}"
     return how if s2t.silence == "lowest_entropy" else f"{how}, silence={s2t.silence}"
+
+
+class S2TWatch(LoopHook):
+    """Feeds each step's global silenced count into :class:`RateWatch`; rank 0
+    logs its warnings (every rank holds the same global counts, so every rank's state agrees).
+
+    Before the first update it counts that batch's candidates under the sampling policy (the old pass's
+    log-probs when the step ran one, else one no-grad pass over the batch: once per run, never again)
+    and warns when correct responses hold none (:func:`cannot_act`); that
+    warning stands for the window's "silenced no token" one. A first batch without a correct response
+    says nothing here: the window's count (the update's own metrics) speaks for later steps."""
+
+    name: ClassVar[str] = "s2t_watch"
+
+    def __init__(self, run: Any) -> None:
+        s2t = run.cfg.algorithm.s2t
+        self.run, self.tau_p = run, s2t.tau_p
+        self.watch = RateWatch(s2t.watch_steps, describe_thresholds(s2t))
+        self.epochs = run.cfg.algorithm.ppo_epochs
+        self.log = getattr(run, "log", print) if getattr(run, "rank", 0) == 0 else None
+        self.checked = False  # the first batch was counted
+
+    def before_update(self, st: StepState) -> dict[str, float]:
+        if self.checked or getattr(self.run, "actor", None) is None:  # (hooks driven without a run's actor)
+            return {}
+        batch = st.batch
+        lp = st.old_lp if st.old_lp is not None else self.run.actor.old_stats(batch, st.counts)[0]  # [N, L]
+        counts = DataParallel(self.run.backend).sum(candidate_counts(lp, batch.advantages, batch.response_mask,
+                                                                     self.tau_p))
+        self.checked = True  # once per run: an extra forward every step would cost a GPU run real time
+        warning = cannot_act(counts, st.step, self.watch.thresholds)
+        if warning is not None:
+            self.watch.warned_zero = True  # one "silences nothing" warning per run
+            if self.log is not None:
+                self.log(warning)
+        return {}
+
+    def after_update(self, st: StepState) -> dict[str, float]:
+        m = st.metrics  # the update's metrics (the loop merged them before this phase)
+        for msg in self.watch.add(m["stapo/silenced_count"], m["tokens/valid"] * self.epochs,
+                                  m["stapo/candidates"], m["stapo/tau_h"]):
+            if self.log is not None:
+                self.log(msg)
+        return {}
+
+    def summary(self) -> dict[str, Any]:
+        """The whole run's rate for summary.json; its note, once, when no warning or note said it yet."""
+        out = self.watch.summary()
+        said = self.watch.warned_zero if out["s2t_silenced"] == 0 else self.watch.noted_high
+        if out["s2t_note"] and not said:
+            self.watch.noted_high = True
+            if self.log is not None:
+                self.log(f"note: {out['s2t_note']}")
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.watch.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.watch.load_state_dict(state)
+
+
+@register_hook("s2t_watch")
+def _s2t_watch_hook(run: Any) -> LoopHook | None:
+    return S2TWatch(run) if run.cfg.algorithm.token_weighting == "s2t" else None
+

@@ -50,7 +50,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -69,7 +69,7 @@ from stapo.core.algos import (
 from stapo.core.algos.objective import per_token_objective
 from stapo.core.batch import Batch, derive_seed, mean_or_nan
 from stapo.core.config import Config
-from stapo.core.train.extras import Hooks
+from stapo.core.train.hooks import Contribution, ExtraRows, Hooks
 from stapo.core.train.micro import Micro, MicroSpec, micro_batches, micro_spec, row_slices
 from stapo.core.train.off_policy import MinVarianceBaseline, OffPolicyStep, with_row_advantages
 from stapo.core.trainer.distributed import DataParallel, check_minibatches, group_minibatches, minibatch_rows
@@ -156,30 +156,6 @@ def needs_old_pass(cfg: Config, extras_need_stats: bool = False) -> bool:
 
 
 @dataclass(frozen=True)
-class ExtraRows:
-    """Rows another objective adds to one optimizer step (DEEP-GRPO's local branch loss): they run
-    through the actor's own mini-batch pass (the configured weighting, loss and aggregation, the
-    weighting's statistics from the gradient forwards, a global normalizer of their own), their loss
-    scaled by ``scale``, and join the step's gradient before the optimizer step."""
-
-    batch: Batch  # its rows; ``response_mask`` marks the tokens the term trains, ``advantages`` their A
-    micros: list[Micro]  # this rank's forwards over its rows of this step (``stapo.core.train.micro``, lockstep)
-    old_lp: torch.Tensor  # [N, L] the sampling policy's log-probs of ``batch``
-    scale: float  # the term's weight in the objective
-    seed: int  # the weighting's own randomness for these rows
-
-
-class Contribution(Protocol):
-    """A term that adds rows to the update's optimizer steps. Before each optimizer step (``update``
-    counts them over the step's epochs and mini-batches, from 0) the actor asks for this step's rows,
-    runs them and hands back what they cost; a contribution never runs a forward itself."""
-
-    def rows(self, update: int) -> ExtraRows | None: ...
-
-    def done(self, update: int, loss: float, tokens: float) -> None: ...
-
-
-@dataclass(frozen=True)
 class UpdateInputs:
     """One step's update, as the loop hands it over (verl's ``DataProto`` to ``update_policy``).
 
@@ -210,7 +186,7 @@ class UpdateInputs:
 class Actor:
     """Every pass over the policy, end to end (verl's ``DataParallelPPOActor`` as the model, which owns
     ``compute_log_prob`` and ``update_policy``): built once per run from the config, the trainer backend
-    and the run's hooks (``stapo.core.train.extras.build_hooks``; the update asks them for the in-update
+    and the run's hooks (``stapo.core.train.extras.build_hooks``, in ``stapo.core.train.hooks.HOOK_ORDER``; the update asks them for the in-update
     phases: the weighting's live keywords, the additive per-token terms and whether those read p).
     :meth:`old_stats` is the no-grad pass, :meth:`distribution` the token dump's and calibrate's,
     :meth:`update` the step's update; all micro-batch through ``stapo.core.train.micro``."""

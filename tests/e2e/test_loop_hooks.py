@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 
+import stapo.core.train.hooks as hooks_mod
 from stapo.configs import preset_path
 from stapo.core.config import load_config
 from stapo.core.tracking import read_jsonl
-from stapo.core.train.extras import HOOKS, LoopHook, StepState
+from stapo.core.train.hooks import HOOK_ORDER, HOOKS, Added, LoopHook, StepState
 from stapo.core.train.loop import train
 from stapo.core.train.run import Run
 
@@ -42,7 +43,7 @@ class Recorder(LoopHook):
 
     def before_update(self, st):
         self.calls.append(("before_update", st.step, st.old_lp is not None))  # 2 mini-batches: old pass ran
-        st.contributions.append(self)
+        return Added(contributions=(self,))  # the update asks it before each optimizer step
 
     def rows(self, update):  # a contribution: asked before each optimizer step, it adds no row
         self.calls.append(("rows", update))
@@ -70,6 +71,7 @@ class Recorder(LoopHook):
 def test_registered_hook_sees_every_phase_in_order_and_resumes(tmp_path, monkeypatch):
     calls: list = []
     loaded: list = []
+    monkeypatch.setattr(hooks_mod, "HOOK_ORDER", (*HOOK_ORDER, "recorder"))  # last in every phase
     monkeypatch.setitem(HOOKS, "recorder", lambda run: Recorder(calls, loaded))
     cfg = load_config(preset_path("tiny"), [*CFG, "trainer.max_steps=1"])
     train(Run.build(cfg, tmp_path, log=lambda m: None))

@@ -176,7 +176,7 @@ def extras_update(backend_name: str, variant: str, split: list[int]) -> tuple[di
 
     from stapo.core.config import config_from_dict
     from stapo.core.train import loop
-    from stapo.core.train.extras import StepState
+    from stapo.core.train.hooks import Hooks, StepState
     from stapo.core.train.update import Actor, UpdateInputs
     from stapo.core.trainer import build_trainer_backend
     from stapo.core.trainer.distributed import DataParallel
@@ -198,7 +198,7 @@ def extras_update(backend_name: str, variant: str, split: list[int]) -> tuple[di
     filt = hooks.get("overlong_filter")  # the only on_batch of these configs (the sampler's is the loop's)
     st = StepState(1, mine, list(mine), {})
     if filt is not None:
-        filt.on_batch(st)
+        st = Hooks({"overlong_filter": filt}).on_batch(st)[0]
     kept = st.kept
     counts = dp.counts(len(kept))
     batch = loop.collate_with_pad_row(kept, 0, pad=dp.multi)

@@ -49,7 +49,8 @@ LOOP_SCRIPT = textwrap.dedent(
     import json, os, sys, torch
     from stapo.configs import preset_path
     from stapo.core.config import load_config
-    from stapo.core.train.extras import LoopHook, register_hook
+    import stapo.core.train.hooks as hooks
+    from stapo.core.train.hooks import LoopHook, register_hook
     from stapo.core.train.loop import train
     from stapo.core.train.run import Run
 
@@ -74,7 +75,8 @@ LOOP_SCRIPT = textwrap.dedent(
         run_dir, out, resume = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
         cfg = load_config(preset_path("tiny"), json.loads(sys.argv[4]))
         seen, steps = {}, []
-        register_hook(StepSequences.name)(lambda run: StepSequences(steps))  # last in every phase
+        hooks.HOOK_ORDER = (*hooks.HOOK_ORDER, StepSequences.name)  # last in every phase
+        register_hook(StepSequences.name)(lambda run: StepSequences(steps))
         run = Run.build(cfg, run_dir, log=lambda m: None)
         ps = list(run.backend.model.parameters())
         seen["partitioned"] = sum(int(p.ds_tensor.numel() < p.ds_numel) for p in ps if hasattr(p, "ds_tensor"))

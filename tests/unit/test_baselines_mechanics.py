@@ -8,6 +8,7 @@ tiny vocabulary. STARE's adaptive (W, M) schedule. The entropy bonus's gradient 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -34,7 +35,7 @@ from stapo.core.algos.stare import StareSchedule, stare_schedule_step
 from stapo.core.config import TinyModel, config_from_dict
 from stapo.core.rollout.rollouts import mixed_groups
 from stapo.core.train import loop
-from stapo.core.train.extras import StepState
+from stapo.core.train.hooks import Hooks, StepState
 from stapo.core.train.reference import ReferencePolicy, minp_stats_batched
 from stapo.core.trainer.base import compute_token_stats
 from stapo.core.trainer.models import build_tiny_model
@@ -116,7 +117,8 @@ def test_overlong_filter_masks_exactly_the_truncated_samples():
     seqs = [seq(0, False, 0.0, finish=f) for f in ("length", "stop", "stop")]
     on = run_hooks(config_from_dict({"algorithm": {"overlong": {"filter": True}}})).get("overlong_filter")
     st = StepState(1, seqs, list(seqs), {})
-    assert on.on_batch(st) == {} and st.kept == seqs[1:]  # the loop's on_batch phase: rows leave ``kept``
+    assert on.on_batch(st).keep == (False, True, True)  # what it returns; the loop's phase applies it:
+    assert Hooks({"overlong_filter": on}).on_batch(st) == (replace(st, kept=seqs[1:]), {})  # rows leave ``kept``
     assert run_hooks(config_from_dict({})).get("overlong_filter") is None  # off: no hook, every row stays
 
 

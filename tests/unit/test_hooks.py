@@ -16,10 +16,12 @@ import pytest
 import torch
 from hook_driver import HookRun
 
-import stapo.core.train.extras as extras
+import stapo.core.train.hooks as hooks_mod
 from stapo.configs import preset_path
 from stapo.core.config import load_config
-from stapo.core.train.extras import HOOKS, StepState, build_hooks, legacy_hook_state
+from stapo.core.train.checkpoint import legacy_hook_state
+from stapo.core.train.extras import build_hooks
+from stapo.core.train.hooks import HOOK_ORDER, HOOKS, Added, Hooks, LoopHook, StepState, register_hook
 
 DOCUMENTED = [
     "async", "sampler", "deep_grpo", "overlong_filter", "kl_reference", "lp_reg", "stare", "kl_in_reward", "s2t_watch",
@@ -33,14 +35,48 @@ def _hooks(*overrides: str, sampler=None):
     return build_hooks(HookRun(cfg, sampler=sampler))
 
 
-def test_registry_order_is_the_documented_one():
-    assert list(HOOKS)[: len(DOCUMENTED)] == DOCUMENTED
+def test_hook_order_is_the_documented_one():
+    assert HOOK_ORDER == tuple(DOCUMENTED) and set(HOOKS) == set(DOCUMENTED)
     # the module's table of hooks, in its order: the first column of each row
-    doc = extras.__doc__.split("Registered, in this order")[1]
+    doc = hooks_mod.__doc__.split("Registered, in this order")[1]
     assert re.findall(r"^``(\w+)``\s{2,}", doc, flags=re.M) == DOCUMENTED
-    # docs/architecture.md states the registry as a dict literal
-    line = next(x for x in (DOCS / "architecture.md").read_text().splitlines() if x.startswith("HOOKS = {"))
-    assert re.findall(r'"(\w+)": \.\.\.', line) == DOCUMENTED
+    # docs/architecture.md states the order as a tuple literal
+    line = next(x for x in (DOCS / "architecture.md").read_text().splitlines() if x.startswith("HOOK_ORDER = ("))
+    assert re.findall(r'"(\w+)"', line) == DOCUMENTED
+
+
+class _Named(LoopHook):
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def on_batch(self, st):
+        self.calls.append(self.name)
+        return {f"{self.name}/seen": 1.0}
+
+
+def test_phases_run_in_hook_order_not_registration_order(monkeypatch):
+    """Two hooks registered last-first run first-last: the tuple decides, and so the phases' merges."""
+    calls: list = []
+    monkeypatch.setattr(hooks_mod, "HOOK_ORDER", (*HOOK_ORDER, "first", "second"))
+    monkeypatch.setattr(hooks_mod, "HOOKS", dict(HOOKS))
+    register_hook("second")(lambda run: _Named("second", calls))
+    register_hook("first")(lambda run: _Named("first", calls))
+    cfg = load_config(preset_path("tiny"), ["algorithm.token_weighting=none"])
+    built = build_hooks(HookRun(cfg, sampler=SimpleNamespace(end_step=lambda step: {})))
+    assert list(built.by_name) == ["sampler", "first", "second"]
+    assert list(built.on_batch(StepState(1, [], [], {}))[1]) == ["first/seen", "second/seen"]
+    assert calls == ["first", "second"]
+
+
+def test_a_name_outside_the_order_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match="'mystery' has no place in HOOK_ORDER"):
+        register_hook("mystery")
+    with pytest.raises(ValueError, match="'stare' is already registered"):
+        register_hook("stare")(lambda run: None)
+    # a name of the order whose module registered nothing: building refuses, no hook silently dropped
+    monkeypatch.setattr(hooks_mod, "HOOK_ORDER", (*HOOK_ORDER, "unimported"))
+    with pytest.raises(ValueError, match=r"\['unimported'\] are in HOOK_ORDER but not registered"):
+        build_hooks(HookRun(load_config(preset_path("tiny"))))
 
 
 def test_plain_recipe_builds_only_the_always_on_hook():
@@ -94,7 +130,7 @@ def test_kl_terms_come_before_lp_reg_terms():
 
 
 def test_kl_in_reward_reads_the_target_the_reference_hook_published():
-    """``kl_reference`` (kl.reference=none: the sampler itself) publishes ``st.ref_lp``; ``kl_in_reward``,
+    """``kl_reference`` (kl.reference=none: the sampler itself) returns ``ref_lp``; ``kl_in_reward``,
     later in the same phase, charges k1(old, ref) = 0: the rewards stay, the group advantages are computed
     again from them (GRPO's z-score of [1, 0]: +-0.7071) and written into the batch."""
     hooks = _hooks("algorithm.kl_coef=0.5", "algorithm.kl.in_reward=true", "algorithm.kl.reference=none",
@@ -104,8 +140,9 @@ def test_kl_in_reward_reads_the_target_the_reference_hook_published():
     batch = SimpleNamespace(response_mask=mask, advantages=torch.tensor([[0.0, 0.7], [0.0, -0.7]]))
     old = torch.tensor([[0.0, -1.0], [0.0, -2.0]])
     st = StepState(1, seqs, seqs, {}, batch=batch, old_lp=old, old_ent=torch.zeros(2, 2))
-    assert hooks.before_update(st) == {"actor/kl_reward_penalty": 0.0}  # the phase's metrics, returned
-    assert st.ref_lp is old and st.metrics == {}  # (the loop merges them; no hook edits the step's)
+    after, metrics = hooks.before_update(st)
+    assert metrics == {"actor/kl_reward_penalty": 0.0}  # the phase's metrics, returned
+    assert after.ref_lp is old and st.ref_lp is None and st.metrics == {}  # (the loop merges them)
     assert [s.reward for s in seqs] == [1.0, 0.0]
     assert [s.advantage for s in seqs] == pytest.approx([0.7071, -0.7071], abs=1e-4)
     assert batch.advantages[:, 1].tolist() == pytest.approx([0.7071, -0.7071], abs=1e-4)
@@ -127,3 +164,63 @@ def test_stare_state_from_an_older_checkpoint_reaches_the_stare_hook():
     # today's layout passes through; a plain recipe's bundled {} adds nothing
     assert legacy_hook_state({"hooks": {"stare": state}}) == {"stare": state}
     assert legacy_hook_state({"hooks": {"sampler": {}, "regularizers": {}}}) == {"sampler": {}}
+
+
+class _Adds(LoopHook):
+    """A hook that returns fixed additions from both adding phases."""
+
+    def __init__(self, on_batch=None, before_update=None):
+        self.added = {"on_batch": on_batch, "before_update": before_update}
+
+    def on_batch(self, st):
+        return self.added["on_batch"] or {}
+
+    def before_update(self, st):
+        return self.added["before_update"] or {}
+
+
+def test_the_container_applies_each_hooks_additions_in_order():
+    """Hooks return what they add; the container writes it into the step, hook by hook: ``keep`` masks
+    compose (the second hook's flags are over the rows the first kept), contributions queue in order,
+    metrics merge with the later hook's value winning, and a later hook reads the KL target an earlier
+    one returned."""
+    seen = []
+
+    class Reader(LoopHook):
+        def before_update(self, st):
+            seen.append(st.ref_lp)
+            return Added(contributions=("c",))
+
+    ref = torch.zeros(1, 1)
+    hooks = Hooks({"a": _Adds(Added(keep=(True, False, True), metrics={"m": 1.0}),
+                              Added(ref_lp=ref, contributions=("a",))),
+                   "b": _Adds(Added(keep=(False, True), metrics={"m": 2.0})),
+                   "r": Reader()})
+    st, metrics = hooks.on_batch(StepState(1, ["x", "y", "z"], ["x", "y", "z"], {}))
+    assert metrics == {"m": 2.0} and st.kept == ["z"]
+    st, metrics = hooks.before_update(st)
+    assert metrics == {} and st.ref_lp is ref and seen == [ref]
+    assert st.contributions == ("a", "c")
+
+
+def test_a_hook_cannot_write_the_step():
+    """The step is the loop's: a hook that assigns a field of it fails loudly instead of changing what
+    later hooks and the update read."""
+
+    class Writer(LoopHook):
+        def on_batch(self, st):
+            st.kept = []
+            return {}
+
+    with pytest.raises(AttributeError):
+        Hooks({"w": Writer()}).on_batch(StepState(1, ["x"], ["x"], {}))
+
+
+def test_two_hooks_setting_one_target_is_an_error():
+    both = Hooks({"a": _Adds(before_update=Added(off_policy="first")),
+                  "b": _Adds(before_update=Added(off_policy="second"))})
+    with pytest.raises(ValueError, match="hook 'b' sets the step's off_policy, which an earlier hook set"):
+        both.before_update(StepState(1, [], [], {}))
+    short = Hooks({"a": _Adds(Added(keep=(True,)))})
+    with pytest.raises(ValueError, match="hook 'a' kept 1 flags for 2 rows"):
+        short.on_batch(StepState(1, ["x", "y"], ["x", "y"], {}))

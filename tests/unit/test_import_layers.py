@@ -19,8 +19,8 @@ The layers, lowest first (docs/architecture.md draws them):
 An import that points up (eager, inside a function, or for type checking) would make a lower layer
 depend on a higher one. Imports sit at module top: inside a function only where a layer keeps a
 heavy or optional dependency out of ``import`` (the config loads without torch, so its check of
-names against the algos registries imports them when it runs) or two modules of one layer need each
-other; at most ``MAX_FUNCTION_LEVEL`` such imports of stapo modules in all of core/. Heavy
+names against the algos registries imports them when it runs), never to let two modules need each
+other (no import circle in core/, counting imports inside functions and for type checking); at most ``MAX_FUNCTION_LEVEL`` such imports of stapo modules in all of core/. Heavy
 third-party backends (vLLM, DeepSpeed, transformers, matplotlib) stay lazy and are not counted.
 
 Above core, every top-level package of the distribution (pyproject's ``package-dir``) imports only
@@ -202,3 +202,57 @@ def test_the_scan_sees_each_form():
         "stapo.evals", "stapo.cli.main", "stapo.evals.inspect", "stapo.evals.runner"]
     assert package_violations(ROOT / "verifier_service" / "app.py", "from stapo.core import batch\n")
     assert module_name(ROOT / "stapo_pkg" / "__init__.py") == "stapo" and package("stapo.__version__") == "stapo"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every core module -> the core modules it imports (at top, inside a function or for type
+    checking: any of them closes a circle)."""
+    return {module_name(p): {t for t, _, _ in imports(p) if t.startswith("stapo.core") and t != module_name(p)}
+            for p in FILES}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: the strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_in_core():
+    """No two core modules need each other, not even through an import inside a function (the
+    order the modules load in would then decide what works)."""
+    found = circles(import_graph())
+    assert not found, f"import circles in core/: {found}"
+
+
+def test_the_circle_check_sees_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert circles(graph) == [["a", "b", "c"]]
+    # the train layer as it once was: the update, the hooks' module and DEEP-GRPO (an import in a function)
+    graph = {"update": {"extras"}, "extras": {"deep_grpo"}, "deep_grpo": {"update", "extras"}}
+    assert circles(graph) == [["deep_grpo", "extras", "update"]]
