@@ -59,6 +59,11 @@ def command(
         str | None, typer.Option("--device", metavar="DEV", help="auto, cpu, cuda or cuda:N (default: trainer.device).")
     ] = None,
     out: Annotated[Path, typer.Option("--out", "-o", metavar="DIR", help="Folder for probe.json.")] = Path("probe"),
+    pool: Annotated[
+        list[Path] | None,
+        typer.Option("--pool", metavar="JSON", help="Instead of probing: pool the batches of earlier probe.json files "
+                     "(probes of different checkpoints run side by side), repeatable; writes the pooled probe.json."),
+    ] = None,
 ) -> None:
     """Measure whether S2T's silencing points one update at a checkpoint in a better direction.
 
@@ -79,9 +84,13 @@ def command(
       stapo probe init --config tiny --batches 3 --out runs/probe-tiny
       stapo probe runs/demo --batches 15 --prompts 32 --out runs/probe-demo
       stapo probe init runs/x/checkpoints/step_000004 --config demo --device cuda
+      stapo probe --pool runs/p0/probe.json --pool runs/p4/probe.json --out runs/pooled
     """
     from stapo.core.config import ConfigError, load_config
 
+    if pool:
+        pool_files(pool, out)
+        return
     if batches < 1:
         raise CLIError(f"--batches must be >= 1, got {batches}")
     if prompts is not None and prompts < 1:
@@ -127,10 +136,39 @@ def command(
     def progress(it: Any, total: int, label: str) -> Any:
         return tqdm(it, total=total, desc=f"probe {label}", unit="batch")
 
+    path = out / "probe.json"
+
+    def write(result: dict[str, Any]) -> None:
+        path.write_text(json.dumps(result, indent=2, allow_nan=True))
+
     result = probe(cfg, targets, batches=batches, check=check, val_prompts=val_prompts, log=con.print,
-                   progress=progress)
+                   progress=progress, partial=write)
+    write(result)
+    for line in table(result):
+        con.print(line, highlight=False)
+    con.print(f"wrote {path}")
+
+
+def pool_files(files: list[Path], out: Path) -> None:
+    """One report over the batches of several probe.json files (each checkpoint in one file only)."""
+    from stapo.core.train.probe import pooled
+
+    results = []
+    for f in files:
+        try:
+            results.append(json.loads(Path(f).read_text()))
+        except (OSError, ValueError) as err:
+            raise CLIError(f"--pool {f}: not a readable probe.json ({err})") from None
+        if "batches" not in results[-1]:
+            raise CLIError(f"--pool {f}: no `batches` (not a probe.json)")
+    try:
+        result = pooled(results)
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+    out.mkdir(parents=True, exist_ok=True)
     path = out / "probe.json"
     path.write_text(json.dumps(result, indent=2, allow_nan=True))
+    con = console()
     for line in table(result):
         con.print(line, highlight=False)
     con.print(f"wrote {path}")
