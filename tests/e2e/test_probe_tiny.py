@@ -38,14 +38,28 @@ def tiny_run(tmp_path_factory) -> Path:
     return run
 
 
+@pytest.fixture(scope="module")
+def split_probes(tiny_run) -> list[Path]:
+    """The initial model and the first checkpoint probed by two separate runs (1 batch each)."""
+    out = []
+    for name, target in (("p0", "init"), ("p1", str(tiny_run / "checkpoints" / "step_000001"))):
+        where = tiny_run.parent / name
+        res = _run(["probe", target, "--config", "tiny", "--batches", "1", "--check", "0", "--out", str(where)])
+        assert res.returncode == 0, res.stderr[-3000:]
+        out.append(where / "probe.json")
+    return out
+
+
 def test_probe_on_tiny_writes_the_verdict_and_the_paired_contrasts(tiny_run, tmp_path):
     out = tmp_path / "probe"
     res = _run(["probe", "init", str(tiny_run / "checkpoints" / "step_000001"), "--config", "tiny",
                 "--batches", "3", "--check", "1", "--out", str(out)])
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.index("verdict rule (stated before any batch runs)") < res.stdout.index("init: J_val")
-    assert "verdict: " in res.stdout and "linearization: 4/4 SGD steps agree" in res.stdout
+    text = " ".join(res.stdout.split())
+    assert text.index("verdict rule (stated before any batch runs)") < text.index("init: J_val")
     result = json.loads((out / "probe.json").read_text())
+    assert f"verdict: {result['verdict']}" in text and "linearization: 4/4 SGD steps agree" in text
+    assert result["complete"] is True
     assert result["verdict"] in ("holds", "refuted", "inconclusive")
     got = {(c["checkpoint"], c["name"], c["metric"], c["precond"]): c for c in result["contrasts"]}
     for where in ("init", "step 1", "pooled"):
@@ -69,6 +83,20 @@ def test_probe_on_tiny_writes_the_verdict_and_the_paired_contrasts(tiny_run, tmp
     for line in res.stdout.splitlines():
         if line.startswith(("init ", "step 1 ", "pooled ", "where ")):
             assert len(line) <= 80, line
+
+
+def test_pool_reports_the_batches_of_separate_probes_together(split_probes, tmp_path):
+    res = _run(["probe", "--pool", str(split_probes[0]), "--pool", str(split_probes[1]), "--out", str(tmp_path)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    parts = [json.loads(p.read_text()) for p in split_probes]
+    result = json.loads((tmp_path / "probe.json").read_text())
+    assert [b["checkpoint"] for b in result["batches"]] == ["init", "step 1"]
+    got = {(c["checkpoint"], c["name"], c["metric"], c["precond"]): c for c in result["contrasts"]}
+    diffs = [p["batches"][0]["changes"]["B"]["H"]["sgd"] - p["batches"][0]["changes"]["C"]["H"]["sgd"] for p in parts]
+    assert got["pooled", "B-C", "H", "sgd"]["n"] == 2
+    assert got["pooled", "B-C", "H", "sgd"]["mean"] == pytest.approx(sum(diffs) / 2)
+    again = _run(["probe", "--pool", str(split_probes[0]), "--pool", str(split_probes[0]), "--out", str(tmp_path)])
+    assert again.returncode == 2 and "appears in two results" in again.stderr
 
 
 def test_probe_refuses_bad_input_before_loading(tmp_path):
@@ -114,10 +142,14 @@ def test_the_docs_show_probe_lines():
 
 
 @pytest.mark.parametrize(("where", "argv"), DOCUMENTED, ids=[w for w, _ in DOCUMENTED])
-def test_documented_probe_line_runs(where, argv, tiny_run, tmp_path):
-    args, i = [], 0
+def test_documented_probe_line_runs(where, argv, tiny_run, split_probes, tmp_path):
+    args, i, pools = [], 0, iter(split_probes)
     while i < len(argv):
         a = argv[i]
+        if a == "--pool":
+            args += [a, str(next(pools))]
+            i += 2
+            continue
         if a in ("--config", "-c") and argv[i + 1] == "demo":
             args += [a, "tiny"]
             i += 2
@@ -134,7 +166,7 @@ def test_documented_probe_line_runs(where, argv, tiny_run, tmp_path):
         else:
             args.append(a)
         i += 1
-    if "--config" not in args and "-c" not in args and "init" in args:
+    if "--config" not in args and "-c" not in args and "--pool" not in args:
         args += ["--config", "tiny"]
     res = _run([*args, "--out", str(tmp_path / "out")])
     assert res.returncode == 0, (where, args, res.stderr[-3000:])
