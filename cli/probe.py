@@ -37,8 +37,8 @@ INIT = "init"
 
 def command(
     checkpoints: Annotated[
-        list[str] | None,
-        typer.Argument(metavar="[CHECKPOINT]...", help="Checkpoint folders (RUN/checkpoints/step_N), run folders "
+        list[Path] | None,
+        typer.Argument(metavar="CHECKPOINT", show_default=False, help="Checkpoint folders (RUN/checkpoints/step_N), run folders "
                        "(their last checkpoint) or `init` (the config's model before any step, no optimizer state). "
                        "Default: init."),
     ] = None,
@@ -99,7 +99,7 @@ def command(
         raise CLIError(f"--val-prompts must be >= 1, got {val_prompts}")
     if not 0 <= check <= batches:
         raise CLIError(f"--check must be between 0 and --batches ({batches}), got {check}")
-    targets = resolve_targets(checkpoints or [INIT])
+    targets = resolve_targets([str(c) for c in checkpoints or [INIT]])
     if config is None:
         first = next((t.path for t in targets if t.path is not None), None)
         if first is None:
