@@ -23,6 +23,7 @@ from stapo.cli.common import (
     CLIError,
     ConfigOpt,
     SetOpt,
+    check_engine_and_device,
     check_inputs,
     console,
     quiet_known_noise,
@@ -120,6 +121,7 @@ def command(
         raise CLIError(f"stapo probe runs on one device with the torch backend; got trainer.backend={cfg.trainer.backend} "
                        "(--set trainer.backend=torch)")
     check_inputs(cfg)
+    check_engine_and_device(cfg)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:

@@ -104,7 +104,8 @@ def test_probe_refuses_bad_input_before_loading(tmp_path):
                       (["probe", "init"], "`init` alone needs --config"),
                       (["probe", "init", "--config", "tiny", "--batches", "0"], "--batches must be >= 1"),
                       (["probe", "init", "--config", "tiny", "--batches", "2", "--check", "3"], "--check must be"),
-                      (["probe", str(tmp_path), "--config", "tiny"], "neither a checkpoint")):
+                      (["probe", str(tmp_path), "--config", "tiny"], "neither a checkpoint"),
+                      (["probe", "init", "--config", "tiny", "--device", "cuda:7"], "cuda")):
         res = _run(args, timeout=120)
         assert res.returncode == 2 and msg in res.stderr, (args, res.stderr)
         assert "Traceback" not in res.stderr
