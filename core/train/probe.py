@@ -532,8 +532,8 @@ def probe(cfg: Config, targets: Sequence[Target], *, batches: int, check: int, v
                 if partial is not None:
                     partial(_result(records, checks, cfg, targets, vb, backend, t0, done=False))
                 if rec["candidates"] < MIN_CANDIDATES:
-                    log(f"{target.label} batch {b}: {rec['candidates']} candidates, fewer than {MIN_CANDIDATES} "
-                        "(S and a random subset of C nearly coincide)")
+                    log(f"{target.label} batch {b}: {rec['candidates']} candidates (< {MIN_CANDIDATES}): S and a random "
+                        "subset nearly coincide")
     finally:
         rewards.close()
     return _result(records, checks, cfg, targets, vb, backend, t0, done=True)
