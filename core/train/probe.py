@@ -223,14 +223,16 @@ def report(batches: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def pooled(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One result from several :func:`probe` results over different checkpoints (probes run side by
-    side): their batches and checks together, reported again (:func:`report`)."""
-    seen: set[str] = set()
+    """One result from several :func:`probe` results (probes run side by side: other checkpoints, or
+    the same checkpoint with another ``trainer.seed``, whose batches are other draws): their batches
+    and checks together, reported again (:func:`report`)."""
+    seen: set[tuple[str, int]] = set()
     for r in results:
-        labels = {b["checkpoint"] for b in r["batches"]}
-        if labels & seen:
-            raise ValueError(f"checkpoint {sorted(labels & seen)[0]} appears in two results")
-        seen |= labels
+        keys = {(b["checkpoint"], b.get("seed", 0)) for b in r["batches"]}
+        if keys & seen:
+            label, seed = sorted(keys & seen)[0]
+            raise ValueError(f"checkpoint {label} with seed {seed} appears in two results (the same batches)")
+        seen |= keys
     batches = [b for r in results for b in r["batches"]]
     checks = [c for r in results for c in r.get("checks", [])]
     out = report(batches)
@@ -523,7 +525,7 @@ def probe(cfg: Config, targets: Sequence[Target], *, batches: int, check: int, v
                 ts = time.time()
                 batch = collate(kept, pad_id).to(backend.device)
                 rec = measure_batch(pr, batch, seed=bseed, check=b < check)
-                rec.update({"checkpoint": target.label, "step": target.step, "batch": b,
+                rec.update({"checkpoint": target.label, "step": target.step, "seed": seed, "batch": b,
                             "correct": sum(s.correct for s in seqs), "sample_s": round(ts - tb, 1),
                             "measure_s": round(time.time() - ts, 1)})
                 if "check" in rec:
