@@ -496,6 +496,7 @@ def probe(cfg: Config, targets: Sequence[Target], *, batches: int, check: int, v
             if target.path is not None:
                 load_checkpoint(target.path, backend=backend)
             precond = adam_preconditioner(backend.optimizer, params)
+            backend.optimizer.state.clear()  # the probe never steps: the moments' memory goes (the preconditioner keeps v)
             gj = grad_j_val(actor, vb, params)
             pr = Probe(cfg, actor, params, gj, precond, vb, lr=cfg.trainer.lr)
             j0 = j_val(actor, vb)
