@@ -47,10 +47,10 @@ micro-batch iterator, ``stapo.core.train.micro``, through :class:`stapo.core.tra
 layout and the backend's ``token_stats``) with two backwards (H and G_all), and one small forward
 and backward over the rows that hold candidates (G_S and G_C: only those rows carry them).
 
-The check: on the first ``check`` batches, real SGD steps theta -/+ lr g for arms A and B
-(:func:`linearization_check`: the step moves the weights by :data:`CHECK_STEP` of their norm);
-J_val and H are measured exactly there (no-grad passes) and their central difference is compared
-with the prediction (:data:`CHECK_REL_TOL`, :data:`CHECK_ABS_TOL`).
+The check: on the first ``check`` batches, real SGD steps theta -/+ lr g for arms A and B at the
+reported lr (:func:`linearization_check`); J_val and H are measured exactly there (no-grad passes)
+and their central difference is compared with the prediction (:data:`CHECK_REL_TOL`,
+:data:`CHECK_ABS_TOL`): the first-order numbers the report gives hold at the step they describe.
 
 The report: per checkpoint and pooled, the paired per-batch differences B - C (STAPO's own claim:
 these tokens, chosen by entropy, against as many candidates chosen at random) and B - A, each
@@ -93,8 +93,7 @@ from stapo.core.trainer.models import load_policy
 __all__ = [
     "ARMS",
     "CHECK_REL_TOL",
-    "CHECK_STEP",
-    "MIN_CANDIDATES",
+        "MIN_CANDIDATES",
     "VERDICT_RULE",
     "arm_changes",
     "arm_coefficients",
@@ -115,8 +114,6 @@ CONTRASTS = (("B-C", "B", "C"), ("B-A", "B", "A"))
 MIN_CANDIDATES = 10
 """A batch should hold at least this many candidates: with fewer, S and a random k-subset of C
 are nearly the same set (with 2 candidates the rule silences 1 of them)."""
-CHECK_STEP = 1e-3
-"""The linearization check's step moves the weights by this share of their norm (arm A)."""
 CHECK_REL_TOL = 0.1
 """The check passes where |measured - predicted| <= 10% of the step's scale + CHECK_ABS_TOL; the scale
 is the larger of |predicted| and the baseline arm's |predicted| at the same step size (the error of a
@@ -403,18 +400,14 @@ def measure_batch(pr: Probe, batch: Batch, *, seed: int, check: bool) -> dict[st
 
 def linearization_check(pr: Probe, batch: Batch, g: dict[str, list[torch.Tensor]],
                         dots: dict[tuple[str, str, str], float], *, n: int, k: int, c: int) -> list[dict[str, Any]]:
-    """Arms A and B: real SGD steps theta -/+ lr g_arm, J_val and H measured exactly (no-grad passes)
-    at both, against the first-order prediction. The step moves the weights by :data:`CHECK_STEP` of
-    their norm (for A; B takes the same lr); the measured change is the central difference
+    """Arms A and B: real SGD steps theta -/+ lr g_arm at the learning rate the report uses
+    (``trainer.lr``), J_val and H measured exactly (no-grad passes) at both, against the first-order
+    prediction at that lr. The measured change is the central difference
     (M(theta - lr g) - M(theta + lr g)) / 2, whose error is third order in the step (the one-sided
-    difference's second-order term would dominate a step large enough to rise above float32 noise)."""
+    difference's second-order term would be read as a disagreement of the first-order term)."""
     coef = arm_coefficients(n, k, c)
     per_lr = arm_changes(dots, n=n, k=k, c=c, lr=1.0)
-    ca, _, _ = coef["A"]
-    g_norm = math.sqrt(_dot(g["all"], g["all"])) * abs(ca)
-    if not g_norm > 0:
-        return []
-    lr = CHECK_STEP * math.sqrt(_dot(pr.params, pr.params)) / g_norm
+    lr = pr.lr
     saved = [p.detach().clone() for p in pr.params]
     out = []
     try:
@@ -555,6 +548,6 @@ def _result(records: list[dict[str, Any]], checks: list[dict[str, Any]], cfg: Co
                    "val_prompts": int(vb.input_ids.shape[0]), "device": str(backend.device),
                    "targets": [{"label": t.label, "step": t.step, "path": str(t.path) if t.path else None}
                                for t in targets],
-                   "check_step": CHECK_STEP, "check_rel_tol": CHECK_REL_TOL, "check_abs_tol": CHECK_ABS_TOL,
+                   "check_rel_tol": CHECK_REL_TOL, "check_abs_tol": CHECK_ABS_TOL,
                    "wall_s": round(time.time() - t0, 1)}
     return out
