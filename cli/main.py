@@ -7,6 +7,7 @@
     stapo verifier  serve | bench: the math-verification service
     stapo inspect   the tokens a mask silenced, in context
     stapo calibrate will S2T silence anything on your model: tokens per mini-batch, step and run; their norms
+    stapo probe     whether S2T points one update in a better direction: paired batches, a stated verdict
     stapo recipes   the shipped recipes and their sources; `recipes diff A B`
     stapo rollout   serve: a vLLM server for rollout.engine=vllm_server
 
@@ -28,7 +29,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from stapo import __version__
-from stapo.cli import calibrate, compare, evaluate, inspect, prepare, recipes, rollout, train, verifier
+from stapo.cli import calibrate, compare, evaluate, inspect, prepare, probe, recipes, rollout, train, verifier
 from stapo.cli.common import CLIError, JobError, quiet_job_noise
 
 app = typer.Typer(
@@ -70,6 +71,7 @@ app.command("eval")(evaluate.command)
 app.command("compare")(compare.command)
 app.command("inspect")(inspect.command)
 app.command("calibrate")(calibrate.command)
+app.command("probe")(probe.command)
 app.add_typer(verifier.app, name="verifier")
 app.add_typer(recipes.app, name="recipes")
 app.add_typer(rollout.app, name="rollout")

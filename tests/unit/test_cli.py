@@ -17,7 +17,7 @@ runner = CliRunner()
 def test_help_lists_commands():
     out = runner.invoke(app, ["--help"])
     assert out.exit_code == 0
-    for cmd in ["prepare", "train", "eval", "compare", "verifier", "inspect", "calibrate"]:
+    for cmd in ["prepare", "train", "eval", "compare", "verifier", "inspect", "calibrate", "probe"]:
         assert cmd in out.output
 
 
@@ -352,7 +352,7 @@ def test_compare_without_baseline_numbers_says_no_deltas(monkeypatch, capsys, tm
 
 
 def test_help_placeholders_and_examples():
-    for cmd in (["train"], ["eval"], ["compare"], ["inspect"], ["prepare"], ["verifier"], ["calibrate"]):
+    for cmd in (["train"], ["eval"], ["compare"], ["inspect"], ["prepare"], ["verifier"], ["calibrate"], ["probe"]):
         text = runner.invoke(app, [*cmd, "--help"], env={"COLUMNS": "200"}).output
         assert "Examples:" in text, cmd
         for odd in ("<bool>", "{runs}", "[[SOURCE]]", "<list[str]>"):
