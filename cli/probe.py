@@ -23,9 +23,8 @@ from stapo.cli.common import (
     CLIError,
     ConfigOpt,
     SetOpt,
-    check_engine_and_device,
-    check_inputs,
     console,
+    prepare_errors,
     quiet_known_noise,
     resolve_config_path,
 )
@@ -120,8 +119,11 @@ def command(
     if cfg.trainer.backend != "torch":
         raise CLIError(f"stapo probe runs on one device with the torch backend; got trainer.backend={cfg.trainer.backend} "
                        "(--set trainer.backend=torch)")
-    check_inputs(cfg)
-    check_engine_and_device(cfg)
+    from stapo.core.train.prepare import check_engine_and_device, check_inputs
+
+    with prepare_errors():
+        check_inputs(cfg)
+        check_engine_and_device(cfg)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
