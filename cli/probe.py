@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -135,7 +136,8 @@ def command(
     from stapo.core.train.probe import VERDICT_RULE, probe
 
     con = console()
-    con.print(f"verdict rule (stated before any batch runs): {VERDICT_RULE}")
+    for line in textwrap.wrap(f"verdict rule (stated before any batch runs): {VERDICT_RULE}", 80):
+        con.print(line, highlight=False)
 
     def progress(it: Any, total: int, label: str) -> Any:
         return tqdm(it, total=total, desc=f"probe {label}", unit="batch")
@@ -209,8 +211,8 @@ def resolve_targets(args: list[str]) -> list[Target]:
 def table(result: dict[str, Any]) -> list[str]:
     """The contrasts as plain lines within 80 columns, then the checks and the verdict."""
     rows = result["contrasts"]
-    lines = [f"{'where':<9}{'contrast':<9}{'metric':<7}{'step':<5}{'mean':>10} {'95% CI':>21} {'p':>6} "
-             f"{'share':>7} {'n':>3}"]
+    lines = [f"{'where':<9}{'contrast':<9}{'metric':<7}{'step':<5}{'mean':>9} {'95% CI':>22} {'p':>6} "
+             f"{'share':>6} {'n':>3}"]
     for r in rows:
         if not r["n"]:
             continue
@@ -218,10 +220,10 @@ def table(result: dict[str, Any]) -> list[str]:
         ci = f"[{_g(lo)}, {_g(hi)}]"
         share = "-" if not math.isfinite(r["share_of_baseline"]) else f"{100 * r['share_of_baseline']:+.0f}%"
         p = "-" if not math.isfinite(r["wilcoxon_p"]) else f"{r['wilcoxon_p']:.3f}"
-        lines.append(f"{r['checkpoint'][:8]:<9}{r['name']:<9}{r['metric']:<7}{r['precond']:<5}{_g(r['mean']):>10} "
-                     f"{ci:>21} {p:>6} {share:>7} {r['n']:>3}")
-    lines.append("mean: paired per-batch difference of first-order changes at the config's lr; share: of the "
-                 "baseline step's own change")
+        lines.append(f"{r['checkpoint'][:8]:<9}{r['name']:<9}{r['metric']:<7}{r['precond']:<5}{_g(r['mean']):>9} "
+                     f"{ci:>22} {p:>6} {share:>6} {r['n']:>3}")
+    lines += textwrap.wrap("mean: paired per-batch difference of first-order changes at the config's lr; "
+                           "share: of the baseline step's own change", 80)
     few = sum(b["candidates"] < 10 for b in result["batches"])
     lines.append(f"batches: {len(result['batches'])}; candidates per batch "
                  f"{min(b['candidates'] for b in result['batches'])}-{max(b['candidates'] for b in result['batches'])}, "
@@ -232,7 +234,7 @@ def table(result: dict[str, Any]) -> list[str]:
                     for c in result["checks"] for m in ("J_val", "H"))
         lines.append(f"linearization: {len(result['checks']) - len(bad)}/{len(result['checks'])} SGD steps agree "
                      f"with the first-order prediction (largest relative error {100 * worst:.1f}%)")
-    lines.append(f"verdict: {result['verdict']} ({result['rule']})")
+    lines += textwrap.wrap(f"verdict: {result['verdict']} ({result['rule']})", 80)
     return lines
 
 

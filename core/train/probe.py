@@ -32,14 +32,16 @@ and (ii) H, the batch's mean policy entropy over its valid response tokens (its 
 for an update d = -lr P g_arm: delta M = <grad M, d> = -lr <P grad M, g_arm>. Two preconditioners:
 
 - ``sgd``: P = I.
-- ``adam``: P = diag(1 / (sqrt(v_hat) + eps)), v_hat = exp_avg_sq / (1 - beta2^t) from the
-  optimizer state saved with the checkpoint, held fixed. AdamW's next step is
-  -lr (m_hat / (sqrt(v_hat') + eps) + wd theta); this batch's gradient enters m with weight
-  (1 - beta1) / (1 - beta1^t) and v' with weight (1 - beta2) g^2. Held fixed, v makes the step
-  linear in g (the arms' paired differences are then exact under that approximation); the
-  momentum history and the weight decay are the same for every arm and cancel in B - C and B - A;
-  the constant (1 - beta1) / (1 - beta1^t) is left out (it scales every arm alike and cancels in
-  the shares). A checkpoint without optimizer state (the initial model) has no ``adam`` column.
+- ``adam``: P = diag(1 / (sqrt(v_hat) + eps)), v_hat = (beta2 v + (1 - beta2) g_A^2) / (1 - beta2^(t+1)),
+  v = exp_avg_sq saved with the checkpoint after t steps (zeros and t = 0 for the initial model: a
+  fresh optimizer), g_A the baseline arm's gradient of this batch. AdamW's next step is
+  -lr (m_hat / (sqrt(v_hat') + eps) + wd theta), where this batch's gradient g enters m with
+  weight (1 - beta1) / (1 - beta1^(t+1)) and v' with weight (1 - beta2) g^2. Taking v' at the
+  baseline's g for every arm (the arms' gradients differ in a few tokens) makes the step linear in g,
+  so the arms' paired differences are exact under that one approximation; the saved v alone would
+  give 1 / eps to every parameter the run has not moved yet. The momentum history and the weight
+  decay are the same for every arm and cancel in B - C and B - A; the constant
+  (1 - beta1) / (1 - beta1^(t+1)) is left out (it scales every arm alike and cancels in the shares).
 
 Neither column includes gradient clipping (a rescaling of the whole step; the shares are
 scale-free). The passes: one gradient forward over the batch's micro-batches (the repo's one
@@ -95,6 +97,8 @@ __all__ = [
     "CHECK_REL_TOL",
         "MIN_CANDIDATES",
     "VERDICT_RULE",
+    "adam_preconditioner",
+    "adam_state",
     "arm_changes",
     "arm_coefficients",
     "contrast",
@@ -146,8 +150,8 @@ def arm_coefficients(n: int, k: int, c: int) -> dict[str, tuple[float, float, fl
 def arm_changes(dots: dict[tuple[str, str, str], float], *, n: int, k: int, c: int,
                 lr: float) -> dict[str, dict[str, dict[str, float]]]:
     """{arm: {metric: {precond: first-order change}}} of an update d = -lr P g_arm, from
-    ``dots[(metric, precond, X)]`` = <P grad M, G_X>, X in (all, S, C). A missing preconditioner
-    (no optimizer state) gives NaN."""
+    ``dots[(metric, precond, X)]`` = <P grad M, G_X>, X in (all, S, C). A preconditioner missing
+    from ``dots`` gives NaN."""
     coef = arm_coefficients(n, k, c)
     out: dict[str, dict[str, dict[str, float]]] = {}
     for arm, (ca, cs, cc) in coef.items():
@@ -250,20 +254,34 @@ def _dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], w: Sequence[torch
     return float(sum((x.double() * y.double() * z.double()).sum() for x, y, z in zip(a, b, w, strict=True)))
 
 
-def adam_preconditioner(optimizer: Any, params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
-    """1 / (sqrt(v_hat) + eps) per parameter from AdamW's saved state (module docstring), or None
-    when the optimizer has taken no step (no ``exp_avg_sq``)."""
-    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    out = []
+@dataclass(frozen=True)
+class AdamState:
+    """What the Adam column reads from the optimizer: the second moments per parameter (zeros for an
+    optimizer that has taken no step), the step count t, beta2 and eps."""
+
+    v: list[torch.Tensor]
+    t: int
+    beta2: float
+    eps: float
+
+
+def adam_state(optimizer: Any, params: Sequence[torch.Tensor]) -> AdamState:
+    """The saved ``exp_avg_sq`` of AdamW (a fresh optimizer: zeros, t = 0)."""
+    group = optimizer.param_groups[0]
+    v, t = [], 0
     for p in params:
         st = optimizer.state.get(p, {})
-        if "exp_avg_sq" not in st:
-            return None
-        g = groups[id(p)]
-        t = float(st["step"])
-        v_hat = st["exp_avg_sq"].float() / (1.0 - g["betas"][1] ** t)
-        out.append(1.0 / (v_hat.sqrt() + g["eps"]))
-    return out
+        v.append(st["exp_avg_sq"].float() if "exp_avg_sq" in st else torch.zeros_like(p))
+        t = max(t, int(float(st.get("step", 0))))
+    return AdamState(v, t, float(group["betas"][1]), float(group["eps"]))
+
+
+def adam_preconditioner(state: AdamState, g_base: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """1 / (sqrt(v_hat) + eps) per parameter for this batch's step: v = beta2 v_saved + (1 - beta2)
+    g_base^2 with g_base the baseline arm's gradient, bias-corrected at t + 1 (module docstring)."""
+    corr = 1.0 - state.beta2 ** (state.t + 1)
+    return [1.0 / (((state.beta2 * v + (1.0 - state.beta2) * g.float() ** 2) / corr).sqrt() + state.eps)
+            for v, g in zip(state.v, g_base, strict=True)]
 
 
 def _grads(actor: Actor, batch: Batch, rows: torch.Tensor | None,
@@ -341,7 +359,7 @@ class Probe:
     actor: Actor
     params: list[torch.Tensor]
     grad_j: list[torch.Tensor]  # grad J_val
-    precond: list[torch.Tensor] | None  # Adam's 1 / (sqrt(v_hat) + eps), None without optimizer state
+    adam: AdamState  # the optimizer's second moments (the adam column's preconditioner)
     val: Batch
     lr: float
     extra: dict[str, Any] = field(default_factory=dict)
@@ -386,7 +404,8 @@ def measure_batch(pr: Probe, batch: Batch, *, seed: int, check: bool) -> dict[st
         gs = {x: [torch.zeros_like(p) for p in params] for x in ("S", "C")}
     g.update(gs)
     grads = {"J_val": pr.grad_j, "H": g["H"]}
-    pres = {"sgd": None, "adam": pr.precond} if pr.precond is not None else {"sgd": None}
+    g_base = [a / max(n, 1) for a in g["all"]]  # arm A's gradient: the batch's entry in Adam's second moment
+    pres = {"sgd": None, "adam": adam_preconditioner(pr.adam, g_base)}
     dots = {(metric, pre, x): _dot(v, g[x], w) for metric, v in grads.items() for pre, w in pres.items()
             for x in ("all", "S", "C")}
     changes = arm_changes(dots, n=n, k=k, c=c, lr=pr.lr)
@@ -488,13 +507,13 @@ def probe(cfg: Config, targets: Sequence[Target], *, batches: int, check: int, v
         for target in targets:
             if target.path is not None:
                 load_checkpoint(target.path, backend=backend)
-            precond = adam_preconditioner(backend.optimizer, params)
-            backend.optimizer.state.clear()  # the probe never steps: the moments' memory goes (the preconditioner keeps v)
+            adam = adam_state(backend.optimizer, params)
+            backend.optimizer.state.clear()  # the probe never steps: the first moments' memory goes (adam keeps v)
             gj = grad_j_val(actor, vb, params)
-            pr = Probe(cfg, actor, params, gj, precond, vb, lr=cfg.trainer.lr)
+            pr = Probe(cfg, actor, params, gj, adam, vb, lr=cfg.trainer.lr)
             j0 = j_val(actor, vb)
             log(f"{target.label}: J_val {j0:.4f} nats, |grad J_val| {math.sqrt(_dot(gj, gj)):.3g}, "
-                f"Adam state {'from the checkpoint' if precond is not None else 'none (no adam column)'}")
+                f"Adam second moments {f'after {adam.t} steps' if adam.t else 'none yet (a fresh optimizer)'}")
             it: Iterable[int] = range(batches)
             if progress is not None:
                 it = progress(it, batches, target.label)

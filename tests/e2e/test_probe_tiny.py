@@ -70,7 +70,7 @@ def test_probe_on_tiny_writes_the_verdict_and_the_paired_contrasts(tiny_run, tmp
                 assert c["n"] == (6 if where == "pooled" else 3)
                 lo, hi = c["ci95"]
                 assert lo <= c["mean"] <= hi
-    assert got["init", "B-C", "J_val", "adam"]["n"] == 0  # the initial model has no optimizer state
+    assert got["init", "B-C", "J_val", "adam"]["n"] == 3  # a fresh optimizer's first step
     assert got["step 1", "B-C", "J_val", "adam"]["n"] == 3  # the checkpoint's AdamW moments
     batches = result["batches"]
     assert len(batches) == 6 and all(b["candidates"] >= b["silenced"] >= 0 for b in batches)

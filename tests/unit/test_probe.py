@@ -141,7 +141,8 @@ def test_s2t_entropy_change_equals_the_updates_own_loss_and_the_step_agrees():
     vocab = actor.backend.model.config.vocab_size
     batch = _batch(vocab, 1, [1.0, -1.0, 0.8, -0.8, 1.2, -1.2])
     vb = _batch(vocab, 2, [0.0] * 4)
-    pr = probe.Probe(cfg, actor, params, probe.grad_j_val(actor, vb, params), None, vb, lr=LR)
+    pr = probe.Probe(cfg, actor, params, probe.grad_j_val(actor, vb, params),
+                     probe.adam_state(actor.backend.optimizer, params), vb, lr=LR)
     rec = probe.measure_batch(pr, batch, seed=0, check=True)
     assert rec["candidates"] >= 2 and rec["silenced"] >= 1  # tau_p 0.5: every A > 0 token of a random model
     # independent: the update's own S2T loss (registered weighting, policy objective, token-mean)
@@ -156,7 +157,7 @@ def test_s2t_entropy_change_equals_the_updates_own_loss_and_the_step_agrees():
     g_b = torch.autograd.grad(loss, params)
     want = -LR * sum(float((a.double() * b.double()).sum()) for a, b in zip(g_h, g_b, strict=True))
     assert rec["changes"]["B"]["H"]["sgd"] == pytest.approx(want, rel=1e-4, abs=1e-9)
-    assert math.isnan(rec["changes"]["B"]["H"]["adam"])  # no optimizer state: no adam column
+    assert math.isfinite(rec["changes"]["B"]["H"]["adam"])  # a fresh optimizer: Adam's first step
     # the linearization check: real SGD steps for A and B, J_val and H measured exactly
     assert [c["arm"] for c in rec["check"]] == ["A", "B"]
     for c in rec["check"]:
@@ -172,11 +173,17 @@ def test_s2t_entropy_change_equals_the_updates_own_loss_and_the_step_agrees():
 def test_adam_preconditioner_from_saved_state():
     cfg, actor, params, _ = _tiny()
     opt = actor.backend.optimizer
-    assert probe.adam_preconditioner(opt, params) is None
+    beta2, eps = opt.param_groups[0]["betas"][1], opt.param_groups[0]["eps"]
+    fresh = probe.adam_state(opt, params)
+    assert fresh.t == 0 and all(not bool(v.any()) for v in fresh.v)
+    g = [torch.full_like(p, 0.2) for p in params]
+    # a fresh optimizer: v_hat = g^2, P = 1 / (|g| + eps) (Adam's first step)
+    assert torch.allclose(probe.adam_preconditioner(fresh, g)[0], torch.full_like(params[0], 1 / (0.2 + eps)))
     for p in params:
         p.grad = torch.full_like(p, 0.5)
     opt.step()
-    pre = probe.adam_preconditioner(opt, params)
-    beta2, eps = opt.param_groups[0]["betas"][1], opt.param_groups[0]["eps"]
-    v_hat = (1 - beta2) * 0.25 / (1 - beta2)  # one step: v = (1 - beta2) g^2, bias-corrected to g^2
+    saved = probe.adam_state(opt, params)
+    assert saved.t == 1 and torch.allclose(saved.v[0], torch.full_like(params[0], (1 - beta2) * 0.25))
+    v_hat = (beta2 * (1 - beta2) * 0.25 + (1 - beta2) * 0.04) / (1 - beta2**2)  # by hand, t + 1 = 2
+    pre = probe.adam_preconditioner(saved, g)
     assert torch.allclose(pre[0], torch.full_like(pre[0], 1 / (math.sqrt(v_hat) + eps)))
