@@ -218,7 +218,7 @@ def table(result: dict[str, Any]) -> list[str]:
             continue
         lo, hi = r["ci95"]
         ci = f"[{_g(lo)}, {_g(hi)}]"
-        share = "-" if not math.isfinite(r["share_of_baseline"]) else f"{100 * r['share_of_baseline']:+.0f}%"
+        share = _share(r["share_of_baseline"])
         p = "-" if not math.isfinite(r["wilcoxon_p"]) else f"{r['wilcoxon_p']:.3f}"
         lines.append(f"{r['checkpoint'][:8]:<9}{r['name']:<9}{r['metric']:<7}{r['precond']:<5}{_g(r['mean']):>9} "
                      f"{ci:>22} {p:>6} {share:>6} {r['n']:>3}")
@@ -236,6 +236,16 @@ def table(result: dict[str, Any]) -> list[str]:
                      f"with the first-order prediction (largest relative error {100 * worst:.1f}%)")
     lines += textwrap.wrap(f"verdict: {result['verdict']} ({result['rule']})", 80)
     return lines
+
+
+def _share(x: float) -> str:
+    """A share of the baseline's own change in 6 columns: a percentage, a multiple from 10x, powers of ten
+    from 1000x."""
+    if not math.isfinite(x):
+        return "-"
+    if abs(x) < 10:
+        return f"{100 * x:+.0f}%"
+    return f"{x:+.0f}x" if abs(x) < 1000 else f"{x:+.0e}"
 
 
 def _g(x: float) -> str:
