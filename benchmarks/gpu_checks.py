@@ -147,11 +147,11 @@ def _grads_after(cfg: Any, fused: bool, autocast: bool = True) -> dict[str, torc
     grads: dict[str, torch.Tensor] = {}
     real = b.step
 
-    def step() -> dict[str, float]:
+    def step(**kw: float) -> dict[str, float]:
         if not grads:
             grads.update({n: p.grad.detach().float().cpu().clone() for n, p in b.model.named_parameters()
                           if p.grad is not None})
-        return real()
+        return real(**kw)
 
     b.step = step
     old_lp, old_ent = update.Actor(cfg, b).old_stats(batch)

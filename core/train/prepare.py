@@ -489,9 +489,14 @@ class Prepared:
         self.close()
 
 
-def check_free(run_dir: Path) -> None:
+def check_free(run_dir: Path, environ: Mapping[str, str] = os.environ) -> None:
     """A resume into a dir a live run still holds is refused first, naming the holder (before its
-    config, which that run may not have written yet, is looked for). Raises :class:`RunDirError`."""
+    config, which that run may not have written yet, is looked for). Raises :class:`RunDirError`.
+
+    Rank 0 checks (it alone takes the lock): under a launcher the other ranks would otherwise meet
+    their own job's lock, taken by rank 0 while they start."""
+    if int(environ.get("RANK", "0")) != 0:
+        return
     try:
         check_not_busy(Path(run_dir))
     except RunDirBusy as err:
@@ -511,7 +516,7 @@ def prepare(cfg: Config, run_dir: Path | str, *, resume: bool | None = None, all
     resume's changes); ``note``: a taken-over lock of a dead run (default ``log``)."""
     run_dir, given = Path(run_dir), dict(given or {})
     if resume:
-        check_free(run_dir)
+        check_free(run_dir, environ)
     check_inputs(cfg, given=given)
     check_launch(cfg, environ, given=given)
     if "plan" in given:
