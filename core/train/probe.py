@@ -29,19 +29,17 @@ AND the denominator, as the update applies them), so by linearity its gradient i
 Measured per arm: the first-order change of (i) J_val, the mean over held-out prompts of the
 log-probability of the gold answer followed by end-of-sequence (its gradient once per checkpoint),
 and (ii) H, the batch's mean policy entropy over its valid response tokens (its gradient per batch),
-for an update d = -lr P g_arm: delta M = <grad M, d> = -lr <P grad M, g_arm>. Two preconditioners:
+for an update d of each arm: delta M = <grad M, d>. Two updates:
 
-- ``sgd``: P = I.
-- ``adam``: P = diag(1 / (sqrt(v_hat) + eps)), v_hat = (beta2 v + (1 - beta2) g_A^2) / (1 - beta2^(t+1)),
-  v = exp_avg_sq saved with the checkpoint after t steps (zeros and t = 0 for the initial model: a
-  fresh optimizer), g_A the baseline arm's gradient of this batch. AdamW's next step is
-  -lr (m_hat / (sqrt(v_hat') + eps) + wd theta), where this batch's gradient g enters m with
-  weight (1 - beta1) / (1 - beta1^(t+1)) and v' with weight (1 - beta2) g^2. Taking v' at the
-  baseline's g for every arm (the arms' gradients differ in a few tokens) makes the step linear in g,
-  so the arms' paired differences are exact under that one approximation; the saved v alone would
-  give 1 / eps to every parameter the run has not moved yet. The momentum history and the weight
-  decay are the same for every arm and cancel in B - C and B - A; the constant
-  (1 - beta1) / (1 - beta1^(t+1)) is left out (it scales every arm alike and cancels in the shares).
+- ``sgd``: d = -lr g_arm, so delta M = -lr <grad M, g_arm>, linear in the G_X (:func:`arm_changes`).
+- ``adam``: the step AdamW would take for the arm's gradient g from the optimizer's saved second
+  moments v after t steps (zeros and t = 0 for the initial model: a fresh optimizer):
+  d = -lr g / (sqrt(v_hat) + eps), v_hat = (beta2 v + (1 - beta2) g^2) / (1 - beta2^(t+1)), each arm
+  with its own g in v (a parameter that only the kept tokens move gets Adam's normalised step, not
+  1 / eps). Adam is not linear in g: C's column takes the expected gradient (not the expectation of
+  the step), and the step is not a combination of the G_X. Left out, the same for every arm: the
+  momentum history beta1 m (whose denominator differs slightly by arm), the weight decay and the
+  constant (1 - beta1) / (1 - beta1^(t+1)) (it scales every arm alike and cancels in the shares).
 
 Neither column includes gradient clipping (a rescaling of the whole step; the shares are
 scale-free). The passes: one gradient forward over the batch's micro-batches (the repo's one
@@ -97,8 +95,8 @@ __all__ = [
     "CHECK_REL_TOL",
         "MIN_CANDIDATES",
     "VERDICT_RULE",
-    "adam_preconditioner",
     "adam_state",
+    "adam_step",
     "arm_changes",
     "arm_coefficients",
     "contrast",
@@ -276,12 +274,12 @@ def adam_state(optimizer: Any, params: Sequence[torch.Tensor]) -> AdamState:
     return AdamState(v, t, float(group["betas"][1]), float(group["eps"]))
 
 
-def adam_preconditioner(state: AdamState, g_base: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """1 / (sqrt(v_hat) + eps) per parameter for this batch's step: v = beta2 v_saved + (1 - beta2)
-    g_base^2 with g_base the baseline arm's gradient, bias-corrected at t + 1 (module docstring)."""
+def adam_step(state: AdamState, g_arm: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Adam's step direction for one arm's gradient (module docstring): g / (sqrt(v_hat) + eps) with
+    v_hat = (beta2 v + (1 - beta2) g^2) / (1 - beta2^(t+1)); the step is -lr times this."""
     corr = 1.0 - state.beta2 ** (state.t + 1)
-    return [1.0 / (((state.beta2 * v + (1.0 - state.beta2) * g.float() ** 2) / corr).sqrt() + state.eps)
-            for v, g in zip(state.v, g_base, strict=True)]
+    return [g.float() / (((state.beta2 * v + (1.0 - state.beta2) * g.float() ** 2) / corr).sqrt() + state.eps)
+            for v, g in zip(state.v, g_arm, strict=True)]
 
 
 def _grads(actor: Actor, batch: Batch, rows: torch.Tensor | None,
@@ -404,11 +402,12 @@ def measure_batch(pr: Probe, batch: Batch, *, seed: int, check: bool) -> dict[st
         gs = {x: [torch.zeros_like(p) for p in params] for x in ("S", "C")}
     g.update(gs)
     grads = {"J_val": pr.grad_j, "H": g["H"]}
-    g_base = [a / max(n, 1) for a in g["all"]]  # arm A's gradient: the batch's entry in Adam's second moment
-    pres = {"sgd": None, "adam": adam_preconditioner(pr.adam, g_base)}
-    dots = {(metric, pre, x): _dot(v, g[x], w) for metric, v in grads.items() for pre, w in pres.items()
-            for x in ("all", "S", "C")}
+    dots = {(metric, "sgd", x): _dot(v, g[x]) for metric, v in grads.items() for x in ("all", "S", "C")}
     changes = arm_changes(dots, n=n, k=k, c=c, lr=pr.lr)
+    for arm, (ca, cs, cc) in arm_coefficients(n, k, c).items():  # Adam: per arm, not linear in g
+        step = adam_step(pr.adam, [ca * a + cs * b + cc * d for a, b, d in zip(g["all"], g["S"], g["C"], strict=True)])
+        for metric, v in grads.items():
+            changes[arm][metric]["adam"] = -pr.lr * _dot(v, step)
     out = {"tokens": n, "candidates": c, "silenced": k, "responses": int(batch.input_ids.shape[0]),
            "tau_h": float(tw.info["tau_h"]), "H": float((ent.double() * resp.cpu()).sum() / max(n, 1)),
            "changes": changes}

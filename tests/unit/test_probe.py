@@ -157,7 +157,10 @@ def test_s2t_entropy_change_equals_the_updates_own_loss_and_the_step_agrees():
     g_b = torch.autograd.grad(loss, params)
     want = -LR * sum(float((a.double() * b.double()).sum()) for a, b in zip(g_h, g_b, strict=True))
     assert rec["changes"]["B"]["H"]["sgd"] == pytest.approx(want, rel=1e-4, abs=1e-9)
-    assert math.isfinite(rec["changes"]["B"]["H"]["adam"])  # a fresh optimizer: Adam's first step
+    # the adam column: Adam's (fresh) step for the update's own S2T gradient
+    step = probe.adam_step(pr.adam, g_b)
+    want_adam = -LR * sum(float((a.double() * b.double()).sum()) for a, b in zip(g_h, step, strict=True))
+    assert rec["changes"]["B"]["H"]["adam"] == pytest.approx(want_adam, rel=1e-3, abs=1e-9)
     # the linearization check: real SGD steps for A and B, J_val and H measured exactly
     assert [c["arm"] for c in rec["check"]] == ["A", "B"]
     for c in rec["check"]:
@@ -170,20 +173,22 @@ def test_s2t_entropy_change_equals_the_updates_own_loss_and_the_step_agrees():
     assert again["changes"]["A"]["H"]["sgd"] == pytest.approx(rec["changes"]["A"]["H"]["sgd"], rel=1e-6)
 
 
-def test_adam_preconditioner_from_saved_state():
+def test_adam_step_from_saved_state():
     cfg, actor, params, _ = _tiny()
     opt = actor.backend.optimizer
     beta2, eps = opt.param_groups[0]["betas"][1], opt.param_groups[0]["eps"]
     fresh = probe.adam_state(opt, params)
     assert fresh.t == 0 and all(not bool(v.any()) for v in fresh.v)
     g = [torch.full_like(p, 0.2) for p in params]
-    # a fresh optimizer: v_hat = g^2, P = 1 / (|g| + eps) (Adam's first step)
-    assert torch.allclose(probe.adam_preconditioner(fresh, g)[0], torch.full_like(params[0], 1 / (0.2 + eps)))
+    g[0][0] = 0.0  # a parameter this arm does not move: no step (not 0 / eps)
+    # a fresh optimizer: v_hat = g^2, the step g / (|g| + eps) (Adam's first step)
+    step = probe.adam_step(fresh, g)
+    assert torch.allclose(step[0][1:], torch.full_like(step[0][1:], 0.2 / (0.2 + eps))) and not bool(step[0][0].any())
     for p in params:
         p.grad = torch.full_like(p, 0.5)
     opt.step()
     saved = probe.adam_state(opt, params)
-    assert saved.t == 1 and torch.allclose(saved.v[0], torch.full_like(params[0], (1 - beta2) * 0.25))
+    assert saved.t == 1 and torch.allclose(saved.v[1], torch.full_like(params[1], (1 - beta2) * 0.25))
     v_hat = (beta2 * (1 - beta2) * 0.25 + (1 - beta2) * 0.04) / (1 - beta2**2)  # by hand, t + 1 = 2
-    pre = probe.adam_preconditioner(saved, g)
-    assert torch.allclose(pre[0], torch.full_like(pre[0], 1 / (math.sqrt(v_hat) + eps)))
+    step = probe.adam_step(saved, g)
+    assert torch.allclose(step[1], torch.full_like(step[1], 0.2 / (math.sqrt(v_hat) + eps)))
