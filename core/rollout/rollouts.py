@@ -150,6 +150,24 @@ def rollout_and_grade(run: RolloutRun, step: int, round_: int, *,
     return seqs, times
 
 
+def sample_and_grade(engine: Any, prompt_ids: list[list[int]], recs: Sequence[Any], sampling: SamplingParams,
+                     rewards: Callable[[list[str], list[str]], Any]) -> list[Sequence_]:
+    """One generate call over ``prompt_ids`` (the engine woken for it, put to sleep after), its responses
+    graded: ``sampling.n`` sequences per prompt, grouped by prompt, with reward, valid and correct set
+    (``recs``: each prompt's record, for its gold answer). What ``stapo calibrate`` and ``stapo probe``
+    sample outside the loop; :func:`rollout_and_grade` adds the loop's waves, overlapped grading,
+    data-parallel shares and metrics."""
+    engine.wake()
+    groups = engine.generate(prompt_ids, sampling)
+    engine.sleep()
+    seqs = [Sequence_(ids, list(c.token_ids), c.finish_reason, c.text, rec.answer, group=g)
+            for g, (rec, ids, comps) in enumerate(zip(recs, prompt_ids, groups, strict=True)) for c in comps]
+    graded = rewards([s.text for s in seqs], [s.gold for s in seqs])
+    for s, r, v, c in zip(seqs, graded.rewards, graded.valid, graded.correct, strict=True):
+        s.reward, s.valid, s.correct = r, v, c
+    return seqs
+
+
 def record_groups(run: RolloutRun, idx: Sequence[int], seqs: list[Sequence_]) -> None:
     """Tell the prompt sampler each valid group's accuracy and whether its rewards were all equal."""
     groups = group_sequences(seqs)

@@ -56,12 +56,12 @@ import torch
 
 from stapo.core.algos import TokenContext, below_thresholds, get_token_weighting, quantile, s2t_candidates
 from stapo.core.algos.metrics import grad_norms
-from stapo.core.batch import Sequence_, collate, derive_seed, seed_everything
+from stapo.core.batch import collate, derive_seed, seed_everything
 from stapo.core.config import Config
 from stapo.core.placement import resolve_device
 from stapo.core.rollout import SamplingParams, build_rollout_engine
 from stapo.core.rollout.base import call_seed
-from stapo.core.rollout.rollouts import mixed_groups, shape_and_advantage
+from stapo.core.rollout.rollouts import mixed_groups, sample_and_grade, shape_and_advantage
 from stapo.core.task.data import encode_prompt, load_prompts
 from stapo.core.task.rewards import RewardFunction
 from stapo.core.task.sampler import prompts_for_step
@@ -393,14 +393,7 @@ def collect(cfg: Config, *, limit: int,
                 max_new_tokens=cfg.rollout.max_new_tokens, seed=call_seed(cfg.trainer.seed, step, 0, 0),
                 ignore_eos=cfg.rollout.ignore_eos,
             )
-            engine.wake()
-            groups = engine.generate(prompt_ids, sampling)
-            engine.sleep()
-            seqs = [Sequence_(ids, list(c.token_ids), c.finish_reason, c.text, rec.answer, group=g)
-                    for g, (rec, ids, comps) in enumerate(zip(recs, prompt_ids, groups, strict=True)) for c in comps]
-            graded = rewards([s.text for s in seqs], [s.gold for s in seqs])
-            for s, r, v, c in zip(seqs, graded.rewards, graded.valid, graded.correct, strict=True):
-                s.reward, s.valid, s.correct = r, v, c
+            seqs = sample_and_grade(engine, prompt_ids, recs, sampling, rewards)
             kept = shape_and_advantage(cfg, seqs)
             if cfg.algorithm.dynamic_sampling:
                 kept = mixed_groups(kept, cfg.algorithm.dynamic_sampling_metric)

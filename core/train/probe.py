@@ -80,7 +80,7 @@ from stapo.core.batch import Batch, Sequence_, collate, derive_seed, seed_everyt
 from stapo.core.config import Config
 from stapo.core.placement import resolve_device
 from stapo.core.rollout import SamplingParams, build_rollout_engine
-from stapo.core.rollout.rollouts import shape_and_advantage
+from stapo.core.rollout.rollouts import sample_and_grade, shape_and_advantage
 from stapo.core.task.data import encode_prompt, load_prompts
 from stapo.core.task.rewards import RewardFunction
 from stapo.core.task.sampler import prompts_for_step
@@ -525,14 +525,7 @@ def probe(cfg: Config, targets: Sequence[Target], *, batches: int, check: int, v
                                           max_new_tokens=cfg.rollout.max_new_tokens, seed=bseed,
                                           ignore_eos=cfg.rollout.ignore_eos)
                 tb = time.time()
-                engine.wake()
-                groups = engine.generate(prompt_ids, sampling)
-                engine.sleep()
-                seqs = [Sequence_(ids, list(co.token_ids), co.finish_reason, co.text, rec.answer, group=gi)
-                        for gi, (rec, ids, comps) in enumerate(zip(recs, prompt_ids, groups, strict=True)) for co in comps]
-                graded = rewards([s.text for s in seqs], [s.gold for s in seqs])
-                for s, r, v, cr in zip(seqs, graded.rewards, graded.valid, graded.correct, strict=True):
-                    s.reward, s.valid, s.correct = r, v, cr
+                seqs = sample_and_grade(engine, prompt_ids, recs, sampling, rewards)
                 kept = shape_and_advantage(cfg, seqs)
                 ts = time.time()
                 batch = collate(kept, pad_id).to(backend.device)
