@@ -534,7 +534,7 @@ def probe(cfg: Config, targets: Sequence[Target], *, batches: int, check: int, v
                             "correct": sum(s.correct for s in seqs), "sample_s": round(ts - tb, 1),
                             "measure_s": round(time.time() - ts, 1)})
                 if "check" in rec:
-                    checks += [{"checkpoint": target.label, "batch": b, **row} for row in rec.pop("check")]
+                    checks += [{"checkpoint": target.label, "seed": seed, "batch": b, **row} for row in rec.pop("check")]
                 records.append(rec)
                 if partial is not None:
                     partial(_result(records, checks, cfg, targets, vb, backend, t0, done=False))

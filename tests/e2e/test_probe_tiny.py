@@ -79,6 +79,7 @@ def test_probe_on_tiny_writes_the_verdict_and_the_paired_contrasts(tiny_run, tmp
         if not b["silenced"]:
             assert b["changes"]["B"]["J_val"]["sgd"] == pytest.approx(b["changes"]["A"]["J_val"]["sgd"])
     assert len(result["checks"]) == 4 and result["checks_agree"] is True
+    assert [c["seed"] for c in result["checks"]] == [0] * 4  # a check names its batch: checkpoint, seed, batch
     assert all(math.isfinite(c["J_val"]["predicted"]) for c in result["checks"])
     for line in res.stdout.splitlines():
         if line.startswith(("init ", "step 1 ", "pooled ", "where ")):

@@ -192,3 +192,20 @@ def test_adam_step_from_saved_state():
     v_hat = (beta2 * (1 - beta2) * 0.25 + (1 - beta2) * 0.04) / (1 - beta2**2)  # by hand, t + 1 = 2
     step = probe.adam_step(saved, g)
     assert torch.allclose(step[1], torch.full_like(step[1], 0.2 / (math.sqrt(v_hat) + eps)))
+
+
+def test_worst_check_is_relative_to_the_rules_scale():
+    """The summary line's error uses the agreement rule's scale: the larger of the arm's and arm A's
+    predicted change on the same batch (same checkpoint, seed and batch), never another seed's A."""
+    from stapo.cli.probe import _worst_check
+
+    def row(arm, seed, j, h):
+        return {"checkpoint": "init", "seed": seed, "batch": 0, "arm": arm,
+                "J_val": {"predicted": j[0], "measured": j[1]}, "H": {"predicted": h[0], "measured": h[1]}}
+
+    checks = [row("A", 1, (1e-4, 0.9e-4), (-2e-4, -2e-4)),  # A: J_val 10% of its own change
+              row("B", 1, (1e-6, 6e-6), (-2e-4, -2e-4)),  # B: 5e-6 against A's 1e-4 = 5% (500% of its own)
+              row("A", 0, (1.0, 1.0), (1.0, 1.0))]  # another seed's A: not B's scale
+    assert _worst_check(checks) == pytest.approx(0.1)
+    checks[1]["J_val"]["measured"] = 3.1e-5  # 3e-5 / 1e-4
+    assert _worst_check(checks) == pytest.approx(0.3)
