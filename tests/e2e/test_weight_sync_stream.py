@@ -93,8 +93,9 @@ def engine_with(llm: FakeLLM) -> VLLMRolloutEngine:
 
 
 BUCKET_MB = 0.25  # 256 KiB: two of this model's largest parameters (256 x 128 fp32 = 128 KiB); model 1.5 MiB
-SLACK = 128 * 1024  # DeepSpeed's and Python's own small allocations during a gather (seen: up to 80 KB on a loaded
-# machine); half a bucket, so a sync that held two buckets (512 KiB) would still fail
+SLACK = 128 * 1024  # DeepSpeed's and Python's own small allocations during a warmed-up sync's gather (seen: up to
+# 30 KB; a first sync's one-time work reached 145 KB, and is not measured); half a bucket, so a sync that
+# held two buckets (512 KiB) would still fail
 
 
 def zero3_backend():
@@ -113,6 +114,9 @@ def measure_on_this_rank() -> dict:
     """Run on each rank: the streamed sync, then the control consumer; what each measured."""
     backend, shapes, model_bytes = zero3_backend()
     partitioned = all(0 < p.ds_tensor.numel() < p.ds_numel for p in backend.model.parameters())
+    # one sync first: what the first one does once (lazy imports, DeepSpeed's and gloo's caches) is
+    # not what each sync holds, and it is not counted
+    engine_with(FakeLLM(shapes, keep=False)).load_weights(backend.named_parameters_for_sync())
     llm = FakeLLM(shapes, keep=False)
     engine = engine_with(llm)
     engine.sleep()
@@ -168,10 +172,10 @@ def test_streamed_sync_holds_at_most_one_bucket(measured):
 @pytest.mark.long
 def test_a_consumer_that_keeps_the_stream_holds_the_whole_model(measured):
     """The control: the same measure sees a list of the whole stream (what the sync must never build)."""
-    # the same SLACK both ways: the process frees or allocates its own small objects between the
-    # baseline and the peak (seen: 40 KB under load); a whole model (1.5 MiB) is far beyond one bucket
+    # the process frees or allocates its own small objects between the baseline and the peak (seen: the
+    # control 105 KB under the model); a whole model (1.5 MiB) less 2 x SLACK is still far beyond one bucket
     for m in measured:
-        assert m["control_peak"] >= m["model_bytes"] - SLACK, (m["control_peak"], m["model_bytes"])
+        assert m["control_peak"] >= m["model_bytes"] - 2 * SLACK, (m["control_peak"], m["model_bytes"])
         assert m["control_peak"] > 4 * BUCKET_MB * 2**20
 
 
