@@ -94,7 +94,7 @@ def engine_with(llm: FakeLLM) -> VLLMRolloutEngine:
 
 BUCKET_MB = 0.25  # 256 KiB: two of this model's largest parameters (256 x 128 fp32 = 128 KiB); model 1.5 MiB
 SLACK = 128 * 1024  # DeepSpeed's and Python's own small allocations during a warmed-up sync's gather (seen: up to
-# 30 KB; a first sync's one-time work reached 145 KB, and is not measured); half a bucket, so a sync that
+# 30 KB after a first sync; a measured first sync once reached 145 KB); half a bucket, so a sync that
 # held two buckets (512 KiB) would still fail
 
 
