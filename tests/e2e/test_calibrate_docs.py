@@ -10,15 +10,13 @@ lines of README.md and docs/*.md run as written except for what this machine for
 from __future__ import annotations
 
 import json
-import re
-import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from doc_lines import documented
 
-ROOT = Path(__file__).resolve().parents[2]
+from stapo.cli.calibrate import command
 
 pytestmark = pytest.mark.long  # each line samples, grades and teacher-forces the tiny model (~15 s)
 
@@ -54,30 +52,13 @@ def test_calibrate_on_tiny_leads_with_the_counts_and_names_its_rule(tmp_path):
     assert bad.returncode == 2 and "--limit must be >= 1" in bad.stderr
 
 
-def _documented() -> list[tuple[str, list[str]]]:
-    """(where, argv) of every `stapo calibrate` command line in README.md, docs/*.md (lines of fenced
-    blocks and inline code spans) and the command's --help examples."""
-    from stapo.cli.calibrate import command
-
-    found = []
-    texts = [(str(p.relative_to(ROOT)), p.read_text()) for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]]
-    for where, text in [*texts, ("stapo calibrate --help", command.__doc__ or "")]:
-        for n, raw in enumerate(text.splitlines(), 1):
-            line = raw.strip()
-            spans = re.findall(r"`(stapo calibrate [^`]+)`", line)
-            if line.startswith("stapo calibrate "):
-                spans.append(line)
-            for cmd in spans:
-                if not re.match(r"stapo calibrate( -|\s*(#|$))", cmd):  # a command line, not a listing's prose
-                    continue
-                found.append((f"{where}:{n}", shlex.split(cmd, comments=True)[1:]))
-    same: dict[tuple[str, ...], list[str]] = {}  # one run per distinct line, named by every place showing it
-    for where, argv in found:
-        same.setdefault(tuple(argv), []).append(where)
-    return [(" + ".join(w), list(a)) for a, w in same.items()]
+def _is_command(rest: list[str]) -> bool:
+    """``stapo calibrate --config ...`` or ``stapo calibrate  # comment`` (it takes no positional
+    argument), not a listing's ``stapo calibrate will S2T ...``."""
+    return rest[0].startswith(("-", "#"))
 
 
-DOCUMENTED = _documented()
+DOCUMENTED = documented("calibrate", command.__doc__ or "", _is_command)
 
 
 def test_the_docs_show_calibrate_lines():

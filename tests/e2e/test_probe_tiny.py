@@ -1,25 +1,25 @@
-"""`stapo probe` end to end on the tiny config, and every documented `stapo probe` line (docs/*.md and
-the command's --help examples).
+"""`stapo probe` end to end on the tiny config, and every documented `stapo probe` line (README.md,
+docs/*.md and the command's --help examples; ``--pool`` lines pool two probes of the tiny run).
 
 A tiny run trains 2 steps with a checkpoint after each (real AdamW state); the probe reads the
 initial model and that checkpoint: real sampling, grading and gradients. The documented lines run as
 written except for what this machine forces: ``--config demo`` runs with ``--config tiny`` (the demo
-model is a 135M model: an hour here), a run or checkpoint folder is the tiny run's, ``--batches``
+model is a 135M model: an hour here), a checkpoint folder is the tiny run's first checkpoint and a
+run folder the tiny run (its last), ``--batches``
 at most 2, ``--prompts`` dropped, ``--out`` a temporary folder."""
 
 from __future__ import annotations
 
 import json
 import math
-import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from doc_lines import documented
 
-ROOT = Path(__file__).resolve().parents[2]
+from stapo.cli.probe import command
 
 pytestmark = pytest.mark.long  # a tiny training run and several probes (~20 s each)
 
@@ -112,30 +112,13 @@ def test_probe_refuses_bad_input_before_loading(tmp_path):
         assert "Traceback" not in res.stderr
 
 
-def _documented() -> list[tuple[str, list[str]]]:
-    """(where, argv) of every `stapo probe` command line in docs/*.md (fenced blocks and inline code)
-    and the command's --help examples."""
-    from stapo.cli.probe import command
-
-    found = []
-    texts = [(str(p.relative_to(ROOT)), p.read_text()) for p in sorted((ROOT / "docs").glob("*.md"))]
-    for where, text in [*texts, ("stapo probe --help", command.__doc__ or "")]:
-        for n, raw in enumerate(text.splitlines(), 1):
-            line = raw.strip()
-            spans = re.findall(r"`(stapo probe [^`]+)`", line)
-            if line.startswith("stapo probe "):
-                spans.append(line)
-            for cmd in spans:
-                if re.match(r"stapo probe( -|\s*(#|$))|stapo probe [a-z]+ [a-z]", cmd):  # prose, not a command
-                    continue
-                found.append((f"{where}:{n}", shlex.split(cmd, comments=True)[1:]))
-    same: dict[tuple[str, ...], list[str]] = {}
-    for where, argv in found:
-        same.setdefault(tuple(argv), []).append(where)
-    return [(" + ".join(w), list(a)) for a, w in same.items()]
+def _is_command(rest: list[str]) -> bool:
+    """``stapo probe`` followed by an option (``--pool``, ``--config``), ``init`` or a folder, not a
+    listing's or a sentence's ``stapo probe does ...``."""
+    return rest[0].startswith("-") or rest[0] == "init" or "/" in rest[0]
 
 
-DOCUMENTED = _documented()
+DOCUMENTED = documented("probe", command.__doc__ or "", _is_command)
 
 
 def test_the_docs_show_probe_lines():
@@ -163,8 +146,8 @@ def test_documented_probe_line_runs(where, argv, tiny_run, split_probes, tmp_pat
             args += [a, str(min(2, int(argv[i + 1])))]
             i += 2
             continue
-        if a.startswith("runs/"):  # a run or checkpoint folder: the tiny run's
-            args.append(str(tiny_run / "checkpoints" / "step_000002" if "checkpoints" in a else tiny_run))
+        if a.startswith("runs/"):  # a checkpoint folder: the tiny run's first; a run folder: the run (its last)
+            args.append(str(tiny_run / "checkpoints" / "step_000001" if "checkpoints" in a else tiny_run))
         else:
             args.append(a)
         i += 1
