@@ -230,22 +230,22 @@ def table(result: dict[str, Any]) -> list[str]:
                  f"{few} with fewer than 10")
     if result["checks"]:
         bad = [c for c in result["checks"] if not (c["J_val"]["agrees"] and c["H"]["agrees"])]
+        worst = _worst_check(result["checks"])
         lines.append(f"linearization: {len(result['checks']) - len(bad)}/{len(result['checks'])} SGD steps agree "
-                     f"with the first-order prediction (largest error {100 * _worst_check(result['checks']):.1f}% "
-                     "of the baseline step's change)")
+                     "with the first-order prediction"
+                     + ("" if worst is None else f" (largest error {100 * worst:.1f}% of the baseline step's change)"))
     lines += textwrap.wrap(f"verdict: {result['verdict']} ({result['rule']})", 80)
     return lines
 
 
-def _worst_check(checks: list[dict[str, Any]]) -> float:
-    """The largest |measured - predicted| of the linearization checks, relative to the scale the
-    agreement rule uses: the larger of the arm's and the baseline arm A's predicted change on that
-    batch (an arm whose own change is near 0, B on J_val say, is not judged against its own size)."""
-    base = {(c["checkpoint"], c.get("seed", 0), c["batch"], m): abs(c[m]["predicted"])
-            for c in checks if c["arm"] == "A" for m in ("J_val", "H")}
-    return max(abs(c[m]["measured"] - c[m]["predicted"])
-               / max(abs(c[m]["predicted"]), base.get((c["checkpoint"], c.get("seed", 0), c["batch"], m), 0.0), 1e-12)
-               for c in checks for m in ("J_val", "H"))
+def _worst_check(checks: list[dict[str, Any]]) -> float | None:
+    """The largest |measured - predicted| of the linearization checks over the scale the agreement rule
+    judged it at (each row's ``scale``: the larger of the arm's and arm A's predicted change, so an arm
+    whose own change is near 0, B on J_val say, is not judged against its own size). None when no row
+    carries its scale (a probe.json written before rows recorded it)."""
+    errs = [abs(c[m]["measured"] - c[m]["predicted"]) / max(c[m]["scale"], 1e-12)
+            for c in checks for m in ("J_val", "H") if "scale" in c[m]]
+    return max(errs) if errs else None
 
 
 def _share(x: float) -> str:

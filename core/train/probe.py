@@ -443,7 +443,7 @@ def linearization_check(pr: Probe, batch: Batch, g: dict[str, list[torch.Tensor]
                 pred = per_lr[arm][metric]["sgd"] * lr
                 scale = max(abs(pred), abs(per_lr["A"][metric]["sgd"] * lr))
                 meas = (vals[-1.0][i] - vals[1.0][i]) / 2
-                row[metric] = {"predicted": pred, "measured": meas,
+                row[metric] = {"predicted": pred, "measured": meas, "scale": scale,
                                "agrees": abs(meas - pred) <= CHECK_REL_TOL * scale + CHECK_ABS_TOL}
             out.append(row)
     finally:

@@ -81,6 +81,11 @@ def test_probe_on_tiny_writes_the_verdict_and_the_paired_contrasts(tiny_run, tmp
     assert len(result["checks"]) == 4 and result["checks_agree"] is True
     assert [c["seed"] for c in result["checks"]] == [0] * 4  # a check names its batch: checkpoint, seed, batch
     assert all(math.isfinite(c["J_val"]["predicted"]) for c in result["checks"])
+    base = {(c["checkpoint"], c["batch"], m): abs(c[m]["predicted"]) for c in result["checks"] if c["arm"] == "A"
+            for m in ("J_val", "H")}
+    for c in result["checks"]:  # the rule's scale: the larger of the arm's and arm A's change on that batch
+        for m in ("J_val", "H"):
+            assert c[m]["scale"] == pytest.approx(max(abs(c[m]["predicted"]), base[c["checkpoint"], c["batch"], m]))
     for line in res.stdout.splitlines():
         if line.startswith(("init ", "step 1 ", "pooled ", "where ")):
             assert len(line) <= 80, line

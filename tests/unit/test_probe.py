@@ -195,17 +195,20 @@ def test_adam_step_from_saved_state():
 
 
 def test_worst_check_is_relative_to_the_rules_scale():
-    """The summary line's error uses the agreement rule's scale: the larger of the arm's and arm A's
-    predicted change on the same batch (same checkpoint, seed and batch), never another seed's A."""
+    """The summary line's error is read at each row's recorded scale (the agreement rule's), not at the
+    arm's own predicted change; rows without a scale are left out, and none at all gives None."""
     from stapo.cli.probe import _worst_check
 
-    def row(arm, seed, j, h):
-        return {"checkpoint": "init", "seed": seed, "batch": 0, "arm": arm,
-                "J_val": {"predicted": j[0], "measured": j[1]}, "H": {"predicted": h[0], "measured": h[1]}}
+    def row(arm, j, h):  # (predicted, measured, scale) per metric
+        return {"checkpoint": "init", "seed": 0, "batch": 0, "arm": arm,
+                "J_val": dict(zip(("predicted", "measured", "scale"), j, strict=False)),
+                "H": dict(zip(("predicted", "measured", "scale"), h, strict=False))}
 
-    checks = [row("A", 1, (1e-4, 0.9e-4), (-2e-4, -2e-4)),  # A: J_val 10% of its own change
-              row("B", 1, (1e-6, 6e-6), (-2e-4, -2e-4)),  # B: 5e-6 against A's 1e-4 = 5% (500% of its own)
-              row("A", 0, (1.0, 1.0), (1.0, 1.0))]  # another seed's A: not B's scale
+    checks = [row("A", (1e-4, 0.9e-4, 1e-4), (-2e-4, -2e-4, 2e-4)),  # A: J_val 10% of its own change
+              row("B", (1e-6, 6e-6, 1e-4), (-2e-4, -2e-4, 2e-4))]  # B: 5e-6 at A's 1e-4 = 5% (500% of its own)
     assert _worst_check(checks) == pytest.approx(0.1)
     checks[1]["J_val"]["measured"] = 3.1e-5  # 3e-5 / 1e-4
     assert _worst_check(checks) == pytest.approx(0.3)
+    unscaled = row("B", (1e-6, 1.0), (0.0, 1.0))  # no scale recorded: not read
+    assert _worst_check([*checks, unscaled]) == pytest.approx(0.3)
+    assert _worst_check([unscaled]) is None
